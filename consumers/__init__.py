@@ -1,0 +1,1 @@
+"""Consumers: see README (built in a later issue)."""

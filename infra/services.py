@@ -1,0 +1,135 @@
+"""The Kafka cluster and S3 store of one configuration: embedded ones are started here.
+
+``Services.up`` starts whatever the config leaves embedded (the Kafka broker under
+``<state_dir>/kafka``, SeaweedFS under ``<state_dir>/s3``), then declares the topics and
+the bucket on whichever cluster and store are in use. ``Services.resolved`` gives every
+role a config whose addresses are filled in, so a role never needs to know whether the
+broker is embedded or a managed cluster in another region.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from infra.kafka import EmbeddedKafka
+from infra.s3 import SeaweedServer, ensure_bucket, make_s3_client
+from infra.topics import TopicReport, ensure_topics
+from rollstream.config import RollstreamConfig
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    """One line of ``rollstream infra status``."""
+
+    name: str
+    mode: str  # "embedded" or "external"
+    address: str
+    healthy: bool
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class UpReport:
+    bootstrap_servers: str
+    s3_endpoint: str
+    bucket: str
+    topics: TopicReport
+    seconds: float
+
+
+class Services:
+    """Kafka + S3 for one ``RollstreamConfig``."""
+
+    def __init__(self, config: RollstreamConfig) -> None:
+        self.config = config
+        self.kafka = (
+            EmbeddedKafka(config.kafka, config.state_dir / "kafka", config.cache_dir)
+            if config.kafka.embedded
+            else None
+        )
+        self.s3 = (
+            SeaweedServer(config.state_dir / "s3", config.s3.port, config.s3.memory_limit)
+            if config.s3.starts_embedded
+            else None
+        )
+
+    def resolved(self) -> RollstreamConfig:
+        """The config with embedded addresses (and embedded S3 credentials) filled in."""
+        update: dict[str, object] = {}
+        if self.kafka is not None:
+            update["kafka"] = self.config.kafka.model_copy(
+                update={"bootstrap_servers": self.kafka.bootstrap_servers}
+            )
+        if self.s3 is not None:
+            embedded = self.s3.config(bucket=self.config.s3.bucket, name=self.config.s3.name)
+            update["s3"] = self.config.s3.model_copy(
+                update={
+                    "endpoint_url": embedded.endpoint_url,
+                    "access_key_id": embedded.access_key_id,
+                    "secret_access_key": embedded.secret_access_key,
+                }
+            )
+        return self.config.model_copy(update=update)
+
+    def up(self) -> UpReport:
+        """Start embedded services, wait for them, declare topics and the bucket."""
+        started = time.monotonic()
+        # Launch both before waiting on either: the JVM's start-up overlaps SeaweedFS's.
+        for service in (self.kafka, self.s3):
+            if service is not None:
+                service.launch()
+        for service in (self.kafka, self.s3):
+            if service is not None:
+                service.wait_ready()
+        config = self.resolved()
+        topics = ensure_topics(config.kafka.client_config())
+        ensure_bucket(make_s3_client(config.s3), config.s3.bucket)
+        return UpReport(
+            bootstrap_servers=config.kafka.bootstrap_servers or "",
+            s3_endpoint=config.s3.endpoint_url or "(AWS default endpoint)",
+            bucket=config.s3.bucket,
+            topics=topics,
+            seconds=time.monotonic() - started,
+        )
+
+    def down(self) -> list[str]:
+        """Stop embedded services (data is kept); names of those that were running."""
+        stopped = []
+        if self.kafka is not None and self.kafka.stop():
+            stopped.append("kafka")
+        if self.s3 is not None and self.s3.stop():
+            stopped.append("s3")
+        return stopped
+
+    def status(self) -> list[ServiceStatus]:
+        config = self.resolved()
+        return [self._kafka_status(config), self._s3_status(config)]
+
+    def _kafka_status(self, config: RollstreamConfig) -> ServiceStatus:
+        address = config.kafka.bootstrap_servers or ""
+        if self.kafka is not None and not self.kafka.process.running():
+            return ServiceStatus("kafka", "embedded", address, False, "not running")
+        try:
+            from confluent_kafka.admin import AdminClient
+
+            admin = AdminClient(config.kafka.client_config() | {"socket.timeout.ms": "3000"})
+            metadata = admin.list_topics(timeout=5)
+            detail = f"{len(metadata.brokers)} broker(s), {len(metadata.topics)} topic(s)"
+            healthy = True
+        except Exception as err:  # status reports, it does not raise
+            detail, healthy = f"unreachable: {err}", False
+        mode = "embedded" if self.kafka is not None else "external"
+        return ServiceStatus("kafka", mode, address, healthy, detail)
+
+    def _s3_status(self, config: RollstreamConfig) -> ServiceStatus:
+        address = f"{config.s3.endpoint_url or 'AWS'} bucket={config.s3.bucket}"
+        if self.s3 is not None and not self.s3.process.running():
+            return ServiceStatus("s3", "embedded", address, False, "not running")
+        try:
+            make_s3_client(config.s3).head_bucket(Bucket=config.s3.bucket)
+            detail, healthy = "bucket reachable", True
+        except Exception as err:  # status reports, it does not raise
+            detail, healthy = f"unreachable: {err}", False
+        mode = "embedded" if self.s3 is not None else "external"
+        return ServiceStatus("s3", mode, address, healthy, detail)

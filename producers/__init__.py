@@ -1,0 +1,1 @@
+"""Producers: see README (built in a later issue)."""

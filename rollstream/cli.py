@@ -1,0 +1,124 @@
+"""The ``rollstream`` command: one entry point for every role and the embedded services.
+
+Thin by design: each command parses the config, then imports what it needs, so
+``rollstream --help`` stays instant (no torch import).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from pydantic import ValidationError
+
+from rollstream.config import RollstreamConfig, load_config
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    envvar="ROLLSTREAM_CONFIG",
+    help="TOML config file (env: ROLLSTREAM_CONFIG). ROLLSTREAM_* variables override it.",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Data and logs of embedded services (default ~/.local/state/rollstream).",
+)
+@click.pass_context
+def main(ctx: click.Context, config_path: Path | None, state_dir: Path | None) -> None:
+    """rollstream: asynchronous RL for LLMs over Apache Kafka."""
+    overrides = {"state_dir": state_dir} if state_dir else {}
+    try:
+        ctx.obj = load_config(config_path, **overrides)
+    except ValidationError as err:
+        raise click.UsageError(f"invalid configuration:\n{err}") from err
+
+
+@main.command("config")
+@click.pass_obj
+def show_config(config: RollstreamConfig) -> None:
+    """Print the merged configuration (file + environment) as JSON."""
+    click.echo(config.model_dump_json(indent=2))
+
+
+@main.group()
+def infra() -> None:
+    """Embedded Kafka and S3: start, stop, inspect."""
+
+
+@infra.command("fetch")
+@click.pass_obj
+def infra_fetch(config: RollstreamConfig) -> None:
+    """Resolve the Kafka jars from Maven Central and locate SeaweedFS (no services start)."""
+    from infra.kafka import resolve_kafka_jars
+    from infra.s3 import weed_binary
+
+    lib_dir = resolve_kafka_jars(config.kafka.kafka_version, config.cache_dir)
+    click.echo(f"kafka {config.kafka.kafka_version} jars: {lib_dir}")
+    click.echo(f"seaweedfs: {weed_binary()}")
+
+
+@infra.command("up")
+@click.pass_obj
+def infra_up(config: RollstreamConfig) -> None:
+    """Start the embedded broker and S3 store (if not configured externally), declare topics."""
+    from infra.services import Services
+
+    services = Services(config)
+    report = services.up()
+    click.echo(f"kafka  {report.bootstrap_servers}")
+    click.echo(f"s3     {report.s3_endpoint}  bucket={report.bucket}")
+    if report.topics.created:
+        click.echo(f"topics created: {', '.join(report.topics.created)}")
+    if report.topics.existing:
+        click.echo(f"topics present: {', '.join(report.topics.existing)}")
+    click.echo(f"ready in {report.seconds:.1f}s (state in {config.state_dir})")
+
+
+@infra.command("down")
+@click.pass_obj
+def infra_down(config: RollstreamConfig) -> None:
+    """Stop the embedded services; their data is kept for the next ``up``."""
+    from infra.services import Services
+
+    stopped = Services(config).down()
+    click.echo(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+
+
+@infra.command("status")
+@click.pass_obj
+def infra_status(config: RollstreamConfig) -> None:
+    """Show each service, its address and whether it answers. Exit 1 if any is down."""
+    from infra.services import Services
+
+    statuses = Services(config).status()
+    for status in statuses:
+        mark = "healthy" if status.healthy else "DOWN"
+        click.echo(f"{status.name:<6} {mark:<8} {status.mode:<9} {status.address}  {status.detail}")
+    if not all(status.healthy for status in statuses):
+        sys.exit(1)
+
+
+@main.group()
+def topics() -> None:
+    """Kafka topics declared in schemas/topics.py."""
+
+
+@topics.command("ensure")
+@click.pass_obj
+def topics_ensure(config: RollstreamConfig) -> None:
+    """Create missing topics; fail with a list of differences for conflicting ones."""
+    from infra.services import Services
+    from infra.topics import ensure_topics
+
+    report = ensure_topics(Services(config).resolved().kafka.client_config())
+    click.echo(f"created: {', '.join(report.created) or '-'}")
+    click.echo(f"present: {', '.join(report.existing) or '-'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""Typed configuration shared by every role.
+
+One light module (pydantic only, no torch) so that every entry point can parse and
+validate its configuration before importing anything heavy. Unknown keys are errors.
+
+Sources, later ones winning: defaults < TOML file (``--config``) < environment
+(``ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS=...``, nested with ``__``). A few widely used
+variables are honoured too: ``KAFKA_BOOTSTRAP_SERVERS`` and ``AWS_ENDPOINT_URL_S3`` /
+``AWS_ENDPOINT_URL``. S3 credentials come from the standard AWS chain unless the store
+is the embedded one.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_state_dir() -> Path:
+    """Where embedded services keep their data and logs unless told otherwise."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "rollstream"
+
+
+def default_cache_dir() -> Path:
+    """Where downloaded artefacts (Kafka jars, converted models) are cached."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "rollstream"
+
+
+class StrictModel(BaseModel):
+    """Base for config sections: unknown keys are rejected, instances are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KafkaConfig(StrictModel):
+    """How to reach Kafka. No ``bootstrap_servers`` means: run the embedded broker."""
+
+    bootstrap_servers: str | None = Field(
+        default=None,
+        description="host:port[,host:port]; empty to start the embedded KRaft broker.",
+    )
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: str | None = Field(default=None, description="PLAIN, SCRAM-SHA-512, ...")
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_ca_location: str | None = None
+    client_overrides: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra librdkafka properties passed through to every client.",
+    )
+    # Embedded broker only.
+    port: int = Field(default=0, description="Embedded broker port; 0 picks a free one.")
+    controller_port: int = Field(default=0, description="Embedded controller port; 0 = free.")
+    heap: str = Field(default="512m", description="JVM heap (-Xmx/-Xms) of the embedded broker.")
+    kafka_version: str = Field(default="4.1.1", description="Apache Kafka release to resolve.")
+
+    @property
+    def embedded(self) -> bool:
+        return not self.bootstrap_servers
+
+    def client_config(self, bootstrap_servers: str | None = None) -> dict[str, str]:
+        """librdkafka (confluent-kafka) settings for this cluster, security included."""
+        servers = bootstrap_servers or self.bootstrap_servers
+        if not servers:
+            raise ValueError("no bootstrap servers: start the embedded broker or configure one")
+        conf: dict[str, str] = {
+            "bootstrap.servers": servers,
+            "security.protocol": self.security_protocol,
+        }
+        if self.sasl_mechanism:
+            conf["sasl.mechanism"] = self.sasl_mechanism
+        if self.sasl_username:
+            conf["sasl.username"] = self.sasl_username
+        if self.sasl_password:
+            conf["sasl.password"] = self.sasl_password.get_secret_value()
+        if self.ssl_ca_location:
+            conf["ssl.ca.location"] = self.ssl_ca_location
+        conf.update(self.client_overrides)
+        return conf
+
+
+class S3Config(StrictModel):
+    """One S3 store (a region). No ``endpoint_url`` and ``embedded`` true: run SeaweedFS."""
+
+    name: str = Field(default="local", description="Region name used in logs and records.")
+    endpoint_url: str | None = Field(
+        default=None, description="S3 endpoint; empty means AWS (or the embedded store)."
+    )
+    bucket: str = "rollstream"
+    prefix: str = Field(default="", description="Key prefix inside the bucket.")
+    region_name: str = "us-east-1"
+    embedded: bool = Field(
+        default=True,
+        description="Start SeaweedFS when no endpoint is set. False with no endpoint = AWS.",
+    )
+    access_key_id: str | None = Field(
+        default=None, description="Leave empty to use the standard AWS credential chain."
+    )
+    secret_access_key: SecretStr | None = None
+    # Embedded store only.
+    port: int = Field(default=0, description="Embedded S3 port; 0 picks a free one.")
+    memory_limit: str = Field(default="512MiB", description="GOMEMLIMIT of the embedded store.")
+
+    @property
+    def starts_embedded(self) -> bool:
+        return self.embedded and not self.endpoint_url
+
+
+class RollstreamConfig(BaseSettings):
+    """The whole configuration: one file for every role."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid",
+        frozen=True,
+        env_prefix="ROLLSTREAM_",
+        env_nested_delimiter="__",
+    )
+
+    run_id: str = Field(default="default", description="Name of the training run.")
+    state_dir: Path = Field(
+        default_factory=default_state_dir,
+        description="Data and logs of embedded services.",
+    )
+    cache_dir: Path = Field(
+        default_factory=default_cache_dir,
+        description="Cached Kafka jars and converted models (never inside the repo).",
+    )
+    kafka: KafkaConfig = Field(default_factory=KafkaConfig)
+    s3: S3Config = Field(default_factory=S3Config)
+
+
+def _well_known_env() -> dict[str, Any]:
+    """Standard variables that users of Kafka and S3 tools already set."""
+    found: dict[str, Any] = {}
+    if servers := os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        found.setdefault("kafka", {})["bootstrap_servers"] = servers
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        found.setdefault("s3", {})["endpoint_url"] = endpoint
+    return found
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: Path | None = None, **overrides: Any) -> RollstreamConfig:
+    """Build the config from an optional TOML file, the environment and explicit overrides.
+
+    ``ROLLSTREAM_*`` variables win over the file (pydantic-settings gives init values
+    priority, so they are merged in here by hand), explicit ``overrides`` win over both.
+    """
+    values: dict[str, Any] = {}
+    if path is not None:
+        with Path(path).open("rb") as fh:
+            values = tomllib.load(fh)
+    values = _merge(values, _well_known_env())
+    env_only = RollstreamConfig.model_validate({}).model_dump(exclude_unset=True)
+    values = _merge(values, env_only)
+    values = _merge(values, overrides)
+    return RollstreamConfig.model_validate(values)

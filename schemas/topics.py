@@ -1,0 +1,57 @@
+"""Every Kafka topic rollstream uses, declared in one place.
+
+Partitioning: ``rollouts.raw`` is keyed by group id so all samples of a GRPO group land
+in one partition (one stream worker assembles the group); ``policy.versions`` is
+compacted and keyed by run id, so its latest value per run is the current version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MIB = 1024 * 1024
+DAY_MS = 24 * 60 * 60 * 1000
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """Name, partition count and the topic-level configs rollstream relies on."""
+
+    name: str
+    partitions: int
+    cleanup_policy: str = "delete"  # "delete" or "compact"
+    retention_ms: int = 7 * DAY_MS  # -1 keeps forever
+    max_message_bytes: int = 8 * MIB
+    extra_configs: dict[str, str] = field(default_factory=dict)
+
+    def configs(self) -> dict[str, str]:
+        """Topic configs as Kafka names them; compared against an existing topic."""
+        configs = {
+            "cleanup.policy": self.cleanup_policy,
+            "max.message.bytes": str(self.max_message_bytes),
+        }
+        if self.cleanup_policy == "delete":
+            configs["retention.ms"] = str(self.retention_ms)
+        configs.update(self.extra_configs)
+        return configs
+
+
+ROLLOUTS_RAW = TopicSpec("rollouts.raw", partitions=8)
+ROLLOUTS_SCORED = TopicSpec("rollouts.scored", partitions=4, max_message_bytes=16 * MIB)
+ROLLOUTS_STALE = TopicSpec("rollouts.stale", partitions=4, retention_ms=30 * DAY_MS)
+ROLLOUTS_DLQ = TopicSpec("rollouts.dlq", partitions=1, retention_ms=30 * DAY_MS)
+POLICY_VERSIONS = TopicSpec(
+    "policy.versions",
+    partitions=1,
+    cleanup_policy="compact",
+    max_message_bytes=1 * MIB,
+    extra_configs={"min.compaction.lag.ms": "0", "segment.ms": str(60 * 60 * 1000)},
+)
+
+ALL_TOPICS: tuple[TopicSpec, ...] = (
+    ROLLOUTS_RAW,
+    ROLLOUTS_SCORED,
+    ROLLOUTS_STALE,
+    ROLLOUTS_DLQ,
+    POLICY_VERSIONS,
+)

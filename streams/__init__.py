@@ -1,0 +1,1 @@
+"""Streams: see README (built in a later issue)."""

@@ -1,0 +1,89 @@
+"""Session-wide real services for the tests: one Kafka broker, two SeaweedFS "regions".
+
+Each is started once per test session in a temporary directory (Kafka's jars come from
+the cache under the user's home) and stopped at the end. To reuse services that already
+run, set ``ROLLSTREAM_TEST_BOOTSTRAP`` (host:port) and/or ``ROLLSTREAM_TEST_S3_ENDPOINT``
+(with ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` for it). Tests get fresh buckets
+and uniquely named topics, so they never see each other's data.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from infra.kafka import EmbeddedKafka
+from infra.s3 import SeaweedServer, ensure_bucket, make_s3_client
+from rollstream.config import KafkaConfig, S3Config, default_cache_dir
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> Path:
+    """The real cache under the user's home: Kafka jars are resolved once, not per run."""
+    return default_cache_dir()
+
+
+@pytest.fixture(scope="session")
+def kafka_config(
+    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
+) -> Iterator[KafkaConfig]:
+    """A ``KafkaConfig`` for a real Kafka 4.x broker (KRaft, single node)."""
+    if servers := os.environ.get("ROLLSTREAM_TEST_BOOTSTRAP"):
+        yield KafkaConfig(bootstrap_servers=servers)
+        return
+    broker = EmbeddedKafka(KafkaConfig(), tmp_path_factory.mktemp("kafka"), cache_dir)
+    try:
+        yield KafkaConfig(bootstrap_servers=broker.start())
+    finally:
+        broker.stop()
+
+
+def _seaweed(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[S3Config]:
+    if endpoint := os.environ.get("ROLLSTREAM_TEST_S3_ENDPOINT"):
+        yield S3Config(name=name, endpoint_url=endpoint, embedded=False)
+        return
+    server = SeaweedServer(tmp_path_factory.mktemp(name))
+    try:
+        server.start()
+        yield server.config(name=name)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweed_region_a(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Config]:
+    yield from _seaweed(tmp_path_factory, "region-a")
+
+
+@pytest.fixture(scope="session")
+def seaweed_region_b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Config]:
+    yield from _seaweed(tmp_path_factory, "region-b")
+
+
+def _fresh_bucket(base: S3Config) -> S3Config:
+    config = base.model_copy(update={"bucket": f"t-{uuid.uuid4().hex[:12]}"})
+    ensure_bucket(make_s3_client(config), config.bucket)
+    return config
+
+
+@pytest.fixture()
+def s3_config(seaweed_region_a: S3Config) -> S3Config:
+    """A fresh, empty bucket on the real SeaweedFS server of region A."""
+    return _fresh_bucket(seaweed_region_a)
+
+
+@pytest.fixture()
+def second_s3_config(seaweed_region_b: S3Config) -> S3Config:
+    """A fresh, empty bucket on a second, independent SeaweedFS server (region B)."""
+    return _fresh_bucket(seaweed_region_b)
+
+
+@pytest.fixture()
+def unique_name() -> Callable[[str], str]:
+    """Unique topic/bucket names per test: ``unique_name("rollouts.raw")``."""
+    suffix = uuid.uuid4().hex[:8]
+    return lambda base: f"{base}-{suffix}"

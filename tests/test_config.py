@@ -1,0 +1,82 @@
+"""Configuration: files, environment, strictness, client settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from rollstream.config import KafkaConfig, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_shipped_config_file_parses() -> None:
+    shipped = sorted(REPO.glob("infra/*.toml"))
+    assert shipped, "the repo ships at least one example config"
+    for path in shipped:
+        config = load_config(path)
+        assert config.run_id
+
+
+def test_unknown_keys_are_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('[kafka]\nbootstrap_server = "typo:9092"\n')
+    with pytest.raises(ValidationError, match="bootstrap_server"):
+        load_config(path)
+
+
+def test_environment_overrides_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('run_id = "from-file"\n[kafka]\nbootstrap_servers = "file:9092"\n')
+    monkeypatch.setenv("ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS", "env:9092")
+    config = load_config(path)
+    assert config.run_id == "from-file"
+    assert config.kafka.bootstrap_servers == "env:9092"
+    assert not config.kafka.embedded
+
+
+def test_well_known_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "b1:9092,b2:9092")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://minio:9000")
+    config = load_config()
+    assert config.kafka.bootstrap_servers == "b1:9092,b2:9092"
+    assert config.s3.endpoint_url == "http://minio:9000"
+    assert not config.s3.starts_embedded
+
+
+def test_defaults_are_embedded(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("KAFKA_BOOTSTRAP_SERVERS", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(var, raising=False)
+    config = load_config()
+    assert config.kafka.embedded
+    assert config.s3.starts_embedded
+    assert ".cache" in str(config.cache_dir) or "XDG" in str(config.cache_dir)
+
+
+def test_sasl_ssl_settings_pass_through_to_clients() -> None:
+    config = KafkaConfig(
+        bootstrap_servers="broker:9093",
+        security_protocol="SASL_SSL",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="alice",
+        sasl_password="s3cret",  # type: ignore[arg-type]
+        ssl_ca_location="/etc/ca.pem",
+        client_overrides={"client.id": "rollstream-test"},
+    )
+    assert config.client_config() == {
+        "bootstrap.servers": "broker:9093",
+        "security.protocol": "SASL_SSL",
+        "sasl.mechanism": "SCRAM-SHA-512",
+        "sasl.username": "alice",
+        "sasl.password": "s3cret",
+        "ssl.ca.location": "/etc/ca.pem",
+        "client.id": "rollstream-test",
+    }
+    assert "s3cret" not in repr(config)
+
+
+def test_embedded_kafka_has_no_client_config_until_resolved() -> None:
+    with pytest.raises(ValueError, match="no bootstrap servers"):
+        KafkaConfig().client_config()

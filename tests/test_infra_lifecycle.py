@@ -1,0 +1,146 @@
+"""``rollstream infra up|status|down`` on real processes, and external (non-embedded) mode."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer, Producer
+
+from infra.process import pid_alive, port_open
+from infra.s3 import make_s3_client
+from infra.services import Services
+from rollstream.config import KafkaConfig, RollstreamConfig, S3Config, load_config
+
+
+def _cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLSTREAM_", "KAFKA_"))}
+    env.pop("AWS_ENDPOINT_URL", None)
+    env.pop("AWS_ENDPOINT_URL_S3", None)
+    return subprocess.run(
+        [sys.executable, "-m", "rollstream", "--state-dir", str(state_dir), "infra", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+        check=False,
+    )
+
+
+def _pids(state_dir: Path) -> list[int]:
+    return [int(p.read_text().split('"pid":')[1].split(",")[0]) for p in state_dir.rglob("*.pid")]
+
+
+@pytest.mark.slow
+def test_up_status_down_up_keeps_data(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    started = time.monotonic()
+    up = _cli(state, "up")
+    assert up.returncode == 0, up.stdout + up.stderr
+    assert time.monotonic() - started < 60, "infra up must be ready within a minute"
+    assert "topics created: rollouts.raw" in up.stdout
+
+    status = _cli(state, "status")
+    assert status.returncode == 0, status.stdout + status.stderr
+    lines = status.stdout.splitlines()
+    assert any(
+        line.startswith("kafka") and "healthy" in line and "127.0.0.1:" in line for line in lines
+    )
+    assert any(
+        line.startswith("s3") and "healthy" in line and "http://127.0.0.1:" in line
+        for line in lines
+    )
+
+    config = Services(load_config(state_dir=state)).resolved()
+    pids = _pids(state)
+    assert len(pids) == 2
+    broker_port = int(config.kafka.bootstrap_servers.rsplit(":", 1)[1])
+
+    # Write something to both stores.
+    key = uuid.uuid4().hex
+    producer = Producer(config.kafka.client_config())
+    producer.produce("rollouts.dlq", key=key, value=b"kept across restarts")
+    assert producer.flush(30) == 0
+    del producer  # no client may outlive the broker (it would log reconnect attempts)
+    s3 = make_s3_client(config.s3)
+    s3.put_object(Bucket=config.s3.bucket, Key=f"probe/{key}", Body=b"also kept")
+
+    down = _cli(state, "down")
+    assert down.returncode == 0 and "stopped: kafka, s3" in down.stdout
+    for pid in pids:
+        assert not pid_alive(pid), f"process {pid} left running"
+    assert not port_open(broker_port)
+    after = _cli(state, "status")
+    assert after.returncode == 1 and after.stdout.count("not running") == 2
+    assert "nothing was running" in _cli(state, "down").stdout
+
+    again = _cli(state, "up")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "topics present: rollouts.raw" in again.stdout
+    try:
+        # Same addresses as before: ports are kept with the data.
+        assert Services(load_config(state_dir=state)).resolved() == config
+        body = s3.get_object(Bucket=config.s3.bucket, Key=f"probe/{key}")["Body"].read()
+        assert body == b"also kept"
+        consumer = Consumer(
+            config.kafka.client_config()
+            | {"group.id": key, "auto.offset.reset": "earliest", "enable.auto.commit": "false"}
+        )
+        consumer.subscribe(["rollouts.dlq"])
+        seen: list[bytes] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not seen:
+            msg = consumer.poll(1.0)
+            if msg is not None and msg.error() is None and msg.key() == key.encode():
+                seen.append(msg.value())
+        consumer.close()
+        assert seen == [b"kept across restarts"]
+    finally:
+        final = _cli(state, "down")
+    assert final.returncode == 0
+    for pid in _pids(state) + pids:
+        assert not pid_alive(pid)
+
+
+def test_external_services_are_used_not_started(
+    tmp_path: Path, kafka_config: KafkaConfig, s3_config: S3Config
+) -> None:
+    config = RollstreamConfig(
+        state_dir=tmp_path / "state",
+        kafka=kafka_config,
+        s3=s3_config.model_copy(
+            update={"embedded": False, "bucket": f"ext-{uuid.uuid4().hex[:8]}"}
+        ),
+    )
+    services = Services(config)
+    assert services.kafka is None and services.s3 is None
+    report = services.up()
+    assert report.bootstrap_servers == kafka_config.bootstrap_servers
+    assert report.s3_endpoint == s3_config.endpoint_url
+    assert not (tmp_path / "state").exists(), "nothing embedded may be started"
+    # The bucket was created on the external store, the topics on the external cluster.
+    make_s3_client(config.s3).head_bucket(Bucket=config.s3.bucket)
+    assert set(report.topics.created) | set(report.topics.existing) >= {"rollouts.raw"}
+    assert [s.healthy for s in services.status()] == [True, True]
+    assert services.down() == []
+
+
+def test_unreachable_external_cluster_is_reported(tmp_path: Path) -> None:
+    config = RollstreamConfig(
+        state_dir=tmp_path,
+        kafka=KafkaConfig(bootstrap_servers="127.0.0.1:1"),
+        s3=S3Config(
+            endpoint_url="http://127.0.0.1:1",
+            embedded=False,
+            access_key_id="x",
+            secret_access_key="y",
+        ),  # type: ignore[arg-type]
+    )
+    statuses = Services(config).status()
+    assert [s.healthy for s in statuses] == [False, False]
+    assert all("unreachable" in s.detail for s in statuses)
