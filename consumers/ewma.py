@@ -1,0 +1,154 @@
+"""PPO-EWMA proximal weights (design.md §3, seed 000's approximate route).
+
+When exact ``logp_old`` is missing, the decoupled loss is anchored on a proximal policy
+whose weights are an exponentially weighted moving average of the trainer's past weights.
+With a running weight ``W`` and decay ``β``, after each optimiser step (weights ``θ``)::
+
+    W'      = β·W + 1
+    θ_prox ← (β·W / W')·θ_prox + θ / W'
+
+so ``θ_prox`` is the normalised average ``Σ_k β^k θ_{n-k} / Σ_k β^k`` over the steps since
+the last reset. ``reset(θ)`` (and construction) sets ``θ_prox ← θ`` and ``W ← 1``: the
+current weights become the first and only term of a fresh average. ``β = 0`` makes
+``θ_prox`` follow ``θ`` exactly.
+
+Automatic reset (seed 000): when the fraction of tokens the train-inference correction
+keeps (``train_infer/kept_frac`` from ``consumers.losses``, the paper's "Train-Infer
+Mask") falls strictly below a threshold, the trainer calls ``reset`` with its current
+weights. Typical step::
+
+    out = compute_loss(config, inputs)          # logp_prox from a model holding θ_prox
+    out.loss.backward(); optimiser.step()
+    if ewma.should_reset(out.metrics["train_infer/kept_frac"], config.reset_below):
+        ewma.reset(model.state_dict())
+    else:
+        ewma.update(model.state_dict())
+    prox_model.load_state_dict(ewma.proximal_state_dict())
+
+Precision: floating-point entries are accumulated in float32 whatever their dtype (bf16
+weights would otherwise lose most small updates to rounding); ``proximal_state_dict()``
+casts back to each entry's original dtype. Non-floating entries (integer buffers such as
+step counters) are not averaged: they take the latest value. The copy lives on the device
+of the tensors it was built from (pass ``device=`` to keep it elsewhere, e.g. on the CPU).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["EwmaProximal", "should_reset"]
+
+
+def should_reset(kept_fraction: float, threshold: float | None) -> bool:
+    """True when ``kept_fraction`` (in [0, 1]) is strictly below ``threshold``.
+
+    ``threshold=None`` disables automatic resets. NaN or out-of-range fractions raise:
+    they mean the metric is broken, and silently resetting (or not) would hide that.
+    """
+    if math.isnan(kept_fraction) or not 0.0 <= kept_fraction <= 1.0:
+        raise ValueError(f"kept_fraction must be in [0, 1], got {kept_fraction}")
+    return threshold is not None and kept_fraction < threshold
+
+
+class EwmaProximal:
+    """An EWMA copy of a model's state dict (see the module doc for the update rule)."""
+
+    def __init__(
+        self, state: Mapping[str, Tensor], beta: float, device: torch.device | str | None = None
+    ) -> None:
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"beta must be in [0, 1), got {beta}")
+        self.beta = beta
+        self.device = None if device is None else torch.device(device)
+        self.weight = 1.0
+        self.num_updates = 0
+        self.num_resets = 0
+        self._dtypes: dict[str, torch.dtype] = {}
+        self._params: dict[str, Tensor] = {}
+        self._copy_from(state)
+
+    def _copy_from(self, state: Mapping[str, Tensor]) -> None:
+        self._dtypes = {name: t.dtype for name, t in state.items()}
+        self._params = {}
+        for name, t in state.items():
+            self._params[name] = t.detach().to(
+                device=self.device if self.device is not None else t.device,
+                dtype=torch.float32 if t.is_floating_point() else t.dtype,
+                copy=True,
+            )
+
+    def _check_keys(self, state: Mapping[str, Tensor]) -> None:
+        if state.keys() != self._params.keys():
+            missing = sorted(self._params.keys() - state.keys())
+            extra = sorted(state.keys() - self._params.keys())
+            raise KeyError(f"state dict keys differ: missing {missing}, unexpected {extra}")
+        for name, t in state.items():
+            if t.shape != self._params[name].shape:
+                raise ValueError(
+                    f"{name}: shape {tuple(t.shape)} != {tuple(self._params[name].shape)}"
+                )
+
+    @torch.no_grad()
+    def update(self, state: Mapping[str, Tensor]) -> None:
+        """Fold the current weights in: ``W' = βW + 1``, ``θ_prox ← (βW/W')θ_prox + θ/W'``."""
+        self._check_keys(state)
+        new_weight = self.beta * self.weight + 1.0
+        keep = self.beta * self.weight / new_weight
+        for name, t in state.items():
+            prox = self._params[name]
+            value = t.detach().to(prox.device)
+            if prox.is_floating_point():
+                prox.mul_(keep).add_(value.float(), alpha=1.0 / new_weight)
+            else:
+                prox.copy_(value)
+        self.weight = new_weight
+        self.num_updates += 1
+
+    @torch.no_grad()
+    def reset(self, state: Mapping[str, Tensor]) -> None:
+        """``θ_prox ← θ``, ``W ← 1``."""
+        self._check_keys(state)
+        self._copy_from(state)
+        self.weight = 1.0
+        self.num_resets += 1
+
+    @staticmethod
+    def should_reset(kept_fraction: float, threshold: float | None) -> bool:
+        """See the module-level ``should_reset``."""
+        return should_reset(kept_fraction, threshold)
+
+    def proximal_state_dict(self) -> dict[str, Tensor]:
+        """θ_prox in each entry's original dtype, ready for ``model.load_state_dict``."""
+        return {name: p.to(self._dtypes[name]) for name, p in self._params.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume (float32 accumulators, not the cast-back copy)."""
+        return {
+            "beta": self.beta,
+            "weight": self.weight,
+            "num_updates": self.num_updates,
+            "num_resets": self.num_resets,
+            "dtypes": {
+                name: str(dtype).removeprefix("torch.") for name, dtype in self._dtypes.items()
+            },
+            "params": {name: p.clone() for name, p in self._params.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from ``state_dict()``; the decay must match the configured one."""
+        if state["beta"] != self.beta:
+            raise ValueError(f"checkpoint beta {state['beta']} != configured beta {self.beta}")
+        params: Mapping[str, Tensor] = state["params"]
+        self._check_keys(params)
+        self.weight = float(state["weight"])
+        self.num_updates = int(state["num_updates"])
+        self.num_resets = int(state["num_resets"])
+        self._dtypes = {name: getattr(torch, dtype) for name, dtype in state["dtypes"].items()}
+        self._params = {
+            name: p.detach().to(self._params[name].device).clone() for name, p in params.items()
+        }
