@@ -1,0 +1,188 @@
+"""Small control messages, as orjson objects whose keys are exactly the dataclass fields.
+
+- ``VersionAnnouncement``: the value on ``policy.versions`` ("version N of run R is at
+  this URI, its manifest hashes to ..."). Keyed by run id (see ``schemas.topics``).
+- ``DeadLetter`` and ``StaleRecord``: metadata of a record sent to ``rollouts.dlq`` or
+  ``rollouts.stale``. The Kafka *value* of those messages is the original record bytes,
+  unchanged (replayable as is, no base64 growth, no size surprise); the metadata travels
+  as JSON in one header (``DEAD_LETTER_HEADER`` / ``STALE_HEADER``), next to the original
+  routing headers.
+
+Construction checks types and ranges, so a message that exists is well-formed;
+``from_json`` raises ``ValueError`` naming the missing, unknown or mistyped field.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import re
+from typing import Any, TypeVar
+
+import orjson
+
+from schemas.codec import KafkaHeaders, headers_to_dict
+
+DEAD_LETTER_HEADER = "rs-dead-letter"
+STALE_HEADER = "rs-stale"
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VersionAnnouncement:
+    """A published policy version; ``parent is None`` means a full base, not a delta."""
+
+    run: str
+    version: int
+    uri: str  # where the version's manifest lives, e.g. s3://bucket/weights/<run>/v<N>/
+    parent: int | None  # version this delta applies to
+    base: int  # full base version the delta chain starts from (== version for a base)
+    sha256: str  # of the manifest, lowercase hex
+    bytes: int  # total size of the version's files
+    published_at_ms: int
+
+    def __post_init__(self) -> None:
+        _check_str(self, "run")
+        _check_str(self, "uri")
+        _check_int(self, "version", minimum=0)
+        if self.parent is None:  # a full base is its own base
+            _check_int(self, "base", minimum=self.version, maximum=self.version)
+        else:  # a delta: base <= parent < version
+            _check_int(self, "base", minimum=0, maximum=self.version - 1)
+            _check_int(self, "parent", minimum=self.base, maximum=self.version - 1)
+        _check_str(self, "sha256")
+        if not _SHA256.fullmatch(self.sha256):
+            raise ValueError(
+                f"VersionAnnouncement.sha256 must be 64 lowercase hex digits, got {self.sha256!r}"
+            )
+        _check_int(self, "bytes", minimum=0)
+        _check_int(self, "published_at_ms", minimum=0)
+
+    @property
+    def is_base(self) -> bool:
+        return self.parent is None
+
+    # ``builtins.bytes``: inside this class, ``bytes`` is also the name of a field.
+    def to_json(self) -> builtins.bytes:
+        return orjson.dumps(self)
+
+    @classmethod
+    def from_json(cls, data: builtins.bytes | str) -> VersionAnnouncement:
+        return _from_json(cls, data)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """Why a record went to ``rollouts.dlq`` and where it came from.
+
+    ``reason`` is a ``schemas.validation.Reason`` or ``schemas.codec.DecodeReason`` code,
+    or a processing error code of the stream worker.
+    """
+
+    reason: str
+    detail: str
+    source_topic: str
+    partition: int
+    offset: int
+
+    def __post_init__(self) -> None:
+        _check_str(self, "reason")
+        _check_str(self, "detail", allow_empty=True)
+        _check_str(self, "source_topic")
+        _check_int(self, "partition", minimum=0)
+        _check_int(self, "offset", minimum=0)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> DeadLetter:
+        return _from_json(cls, data)
+
+    def header(self) -> tuple[str, bytes]:
+        """The Kafka header to add to the original record's value and headers."""
+        return DEAD_LETTER_HEADER, self.to_json()
+
+    @classmethod
+    def from_headers(cls, headers: KafkaHeaders) -> DeadLetter:
+        return cls.from_json(_header_value(headers, DEAD_LETTER_HEADER))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StaleRecord:
+    """Why a record went to ``rollouts.stale``: ``staleness = trainer_version - min_version``."""
+
+    trajectory_id: str
+    staleness: int
+    trainer_version: int
+    max_staleness: int  # the limit in force when the record was filtered
+
+    def __post_init__(self) -> None:
+        _check_str(self, "trajectory_id")
+        _check_int(self, "staleness")
+        _check_int(self, "trainer_version", minimum=0)
+        _check_int(self, "max_staleness", minimum=0)
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> StaleRecord:
+        return _from_json(cls, data)
+
+    def header(self) -> tuple[str, bytes]:
+        """The Kafka header to add to the original record's value and headers."""
+        return STALE_HEADER, self.to_json()
+
+    @classmethod
+    def from_headers(cls, headers: KafkaHeaders) -> StaleRecord:
+        return cls.from_json(_header_value(headers, STALE_HEADER))
+
+
+_Message = TypeVar("_Message", VersionAnnouncement, DeadLetter, StaleRecord)
+
+
+def _from_json(cls: type[_Message], data: bytes | str) -> _Message:
+    """Parse, then insist on exactly the dataclass's fields; the constructor checks types."""
+    name = cls.__name__
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"{name}: not valid JSON ({exc})") from exc
+    if not isinstance(obj, dict):
+        raise ValueError(f"{name}: expected a JSON object, got {type(obj).__name__}")
+    fields = {field.name for field in dataclasses.fields(cls)}
+    if unknown := sorted(obj.keys() - fields):
+        raise ValueError(f"{name}: unknown field(s) {unknown}")
+    if missing := sorted(fields - obj.keys()):
+        raise ValueError(f"{name}: missing field(s) {missing}")
+    return cls(**obj)
+
+
+def _check_str(message: Any, field: str, *, allow_empty: bool = False) -> None:
+    value = getattr(message, field)
+    if not isinstance(value, str):
+        raise ValueError(f"{type(message).__name__}.{field} must be a string, got {value!r}")
+    if not value and not allow_empty:
+        raise ValueError(f"{type(message).__name__}.{field} must not be empty")
+
+
+def _check_int(
+    message: Any, field: str, *, minimum: int | None = None, maximum: int | None = None
+) -> None:
+    value = getattr(message, field)
+    name = f"{type(message).__name__}.{field}"
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+
+
+def _header_value(headers: KafkaHeaders, key: str) -> bytes:
+    value = headers_to_dict(headers).get(key)
+    if value is None:
+        raise ValueError(f"header {key} is missing")
+    return value

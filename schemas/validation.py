@@ -1,0 +1,349 @@
+"""Checks a trajectory before it may reach the trainer, reporting every defect at once.
+
+Each ``Defect`` has a stable ``reason`` code (for dead-letter routing and metrics), the
+``field`` at fault and a ``detail`` sentence naming the field and the offending values,
+so a dead-lettered record explains itself. ``validate_bytes`` handles a raw Kafka value
+in one call: undecodable bytes become a single ``decode_error`` (or ``oversize``) defect.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+import orjson
+
+from schemas.codec import MAX_RECORD_BYTES, DecodeError, DecodeReason, decode, encoded_size
+from schemas.trajectory import ARRAY_DTYPES, FinishReason, OldLogitsStatus, Trajectory
+
+
+class Reason(StrEnum):
+    """Why a record is rejected."""
+
+    LENGTH_MISMATCH = "length_mismatch"
+    SEGMENT_MISMATCH = "segment_mismatch"
+    NONFINITE_LOGPROB = "nonfinite_logprob"
+    POSITIVE_LOGPROB = "positive_logprob"
+    VERSION_OUT_OF_RANGE = "version_out_of_range"
+    TOKEN_OUT_OF_RANGE = "token_out_of_range"
+    EMPTY_RESPONSE = "empty_response"
+    TOO_LONG = "too_long"
+    OVERSIZE = "oversize"
+    BAD_REWARD = "bad_reward"
+    BAD_FIELD = "bad_field"
+    DECODE_ERROR = "decode_error"  # detail starts with the codec's DecodeReason
+
+
+@dataclass(frozen=True, slots=True)
+class Defect:
+    """One problem of a record: a stable code, the field at fault, and a sentence."""
+
+    reason: Reason
+    field: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.detail}"
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationLimits:
+    """What a record may contain. ``None`` switches a check off.
+
+    ``max_version`` is typically the trainer's current version + 1 (no record can come
+    from the future); ``min_version`` the oldest version the run still accepts.
+    ``logprob_epsilon`` tolerates the tiny positive log-probs float rounding produces.
+    """
+
+    vocab_size: int | None = None
+    max_prompt_tokens: int = 32_768
+    max_response_tokens: int = 32_768
+    max_record_bytes: int = MAX_RECORD_BYTES
+    min_version: int | None = None
+    max_version: int | None = None
+    logprob_epsilon: float = 1e-4
+
+
+_INT32_MAX = 2**31 - 1
+_ID_FIELDS = ("run_id", "trajectory_id", "group_id", "producer_id", "region", "task")
+_FINISH_REASONS = frozenset(FinishReason)
+_STATUSES = frozenset(OldLogitsStatus)
+_STATUSES_WITH_LOGITS = frozenset({OldLogitsStatus.EXACT, OldLogitsStatus.APPROX})
+
+
+def validate(traj: Trajectory, limits: ValidationLimits) -> list[Defect]:
+    """Every defect of ``traj`` under ``limits``; an empty list means the record is fine."""
+    defects: list[Defect] = []
+    arrays = _check_arrays(traj, defects)  # only well-typed arrays are checked further
+    _check_identity(traj, defects)
+    _check_scalars(traj, defects)
+    _check_tokens(arrays, limits, defects)
+    _check_logprobs(arrays, limits, defects)
+    _check_segments(arrays, limits, defects)
+    _check_size(traj, limits, defects)
+    return defects
+
+
+def validate_bytes(data: bytes, limits: ValidationLimits) -> tuple[Trajectory | None, list[Defect]]:
+    """Decode and validate a Kafka value; ``(None, [defect])`` if it does not decode."""
+    try:
+        traj = decode(data, max_bytes=limits.max_record_bytes)
+    except DecodeError as exc:
+        reason = Reason.OVERSIZE if exc.reason == DecodeReason.OVERSIZE else Reason.DECODE_ERROR
+        return None, [Defect(reason, "record", str(exc))]
+    return traj, validate(traj, limits)
+
+
+def _add(defects: list[Defect], reason: Reason, field: str, detail: str) -> None:
+    defects.append(Defect(reason, field, detail))
+
+
+def _check_arrays(traj: Trajectory, defects: list[Defect]) -> dict[str, np.ndarray]:
+    """The array fields that are 1-D numpy arrays of their wire dtype."""
+    good: dict[str, np.ndarray] = {}
+    for name, dtype in ARRAY_DTYPES.items():
+        value = getattr(traj, name)
+        if value is None and name == "logp_old":
+            continue
+        if not isinstance(value, np.ndarray):
+            problem = f"is a {type(value).__name__}"
+        elif value.ndim != 1:
+            problem = f"has shape {value.shape}"
+        elif value.dtype != dtype:
+            problem = f"has dtype {value.dtype.name}"
+        else:
+            good[name] = value
+            continue
+        _add(defects, Reason.BAD_FIELD, name, f"{name} {problem}, expected 1-D {dtype.name}")
+    return good
+
+
+def _check_identity(traj: Trajectory, defects: list[Defect]) -> None:
+    for name in _ID_FIELDS:
+        value = getattr(traj, name)
+        if not isinstance(value, str) or not value:
+            _add(
+                defects, Reason.BAD_FIELD, name, f"{name} must be a non-empty string, got {value!r}"
+            )
+    size, index = traj.group_size, traj.sample_index
+    if not _is_int(size) or not 1 <= size <= _INT32_MAX:
+        _add(
+            defects,
+            Reason.BAD_FIELD,
+            "group_size",
+            f"group_size must be in [1, {_INT32_MAX}], got {size!r}",
+        )
+    elif not _is_int(index) or not 0 <= index < size:
+        _add(
+            defects,
+            Reason.BAD_FIELD,
+            "sample_index",
+            f"sample_index must be in [0, group_size={size}), got {index!r}",
+        )
+
+
+def _check_scalars(traj: Trajectory, defects: list[Defect]) -> None:
+    if not isinstance(traj.finish_reason, str) or traj.finish_reason not in _FINISH_REASONS:
+        _add(
+            defects,
+            Reason.BAD_FIELD,
+            "finish_reason",
+            f"finish_reason {traj.finish_reason!r} is not one of {sorted(_FINISH_REASONS)}",
+        )
+    status = traj.old_logits_status
+    if not isinstance(status, str) or status not in _STATUSES:
+        _add(
+            defects,
+            Reason.BAD_FIELD,
+            "old_logits_status",
+            f"old_logits_status {status!r} is not one of {sorted(_STATUSES)}",
+        )
+    elif (status in _STATUSES_WITH_LOGITS) != (traj.logp_old is not None):
+        has = "present" if traj.logp_old is not None else "absent"
+        _add(
+            defects,
+            Reason.BAD_FIELD,
+            "old_logits_status",
+            f"old_logits_status {status!r} but logp_old is {has}",
+        )
+    created, finished = traj.created_at_ms, traj.finished_at_ms
+    if not (_is_int(created) and _is_int(finished) and 0 <= created <= finished):
+        _add(
+            defects,
+            Reason.BAD_FIELD,
+            "finished_at_ms",
+            f"need 0 <= created_at_ms <= finished_at_ms, got {created!r} and {finished!r}",
+        )
+    if not _is_finite_number(traj.reward):
+        _add(defects, Reason.BAD_REWARD, "reward", f"reward must be finite, got {traj.reward!r}")
+    if traj.advantage is not None and not _is_finite_number(traj.advantage):
+        _add(
+            defects,
+            Reason.BAD_REWARD,
+            "advantage",
+            f"advantage must be finite or None, got {traj.advantage!r}",
+        )
+    details = traj.reward_details
+    problem = None if isinstance(details, dict) else f"got a {type(details).__name__}"
+    if problem is None:
+        try:
+            orjson.dumps(details)
+        except TypeError as exc:  # orjson.JSONEncodeError
+            problem = str(exc)
+    if problem is not None:
+        _add(
+            defects,
+            Reason.BAD_FIELD,
+            "reward_details",
+            f"reward_details must be a JSON object: {problem}",
+        )
+
+
+def _check_tokens(
+    arrays: dict[str, np.ndarray], limits: ValidationLimits, defects: list[Defect]
+) -> None:
+    prompt, response = arrays.get("prompt_ids"), arrays.get("response_ids")
+    if prompt is not None and len(prompt) == 0:
+        _add(defects, Reason.BAD_FIELD, "prompt_ids", "prompt_ids is empty")
+    if response is not None and len(response) == 0:
+        _add(defects, Reason.EMPTY_RESPONSE, "response_ids", "response_ids is empty")
+    for name, ids, limit in (
+        ("prompt_ids", prompt, limits.max_prompt_tokens),
+        ("response_ids", response, limits.max_response_tokens),
+    ):
+        if ids is None or len(ids) == 0:
+            continue
+        if len(ids) > limit:
+            _add(defects, Reason.TOO_LONG, name, f"{name} has {len(ids)} tokens, limit {limit}")
+        vocab = limits.vocab_size
+        if ids.min() < 0 or (vocab is not None and ids.max() >= vocab):
+            out = ids < 0 if vocab is None else (ids < 0) | (ids >= vocab)
+            bad = np.flatnonzero(out)
+            bound = ">= 0" if vocab is None else f"[0, {vocab})"
+            _add(
+                defects,
+                Reason.TOKEN_OUT_OF_RANGE,
+                name,
+                f"{name}[{bad[0]}] = {ids[bad[0]]} not in {bound} ({len(bad)} tokens out of range)",
+            )
+
+
+def _check_logprobs(
+    arrays: dict[str, np.ndarray], limits: ValidationLimits, defects: list[Defect]
+) -> None:
+    response = arrays.get("response_ids")
+    epsilon = limits.logprob_epsilon
+    for name in ("logp_infer", "logp_old"):
+        values = arrays.get(name)
+        if values is None:
+            continue
+        if response is not None and len(values) != len(response):
+            _add(
+                defects,
+                Reason.LENGTH_MISMATCH,
+                name,
+                f"{name} has {len(values)} entries, response_ids has {len(response)}",
+            )
+        if len(values) == 0:
+            continue
+        finite = np.isfinite(values)
+        if finite.all() and values.max() <= epsilon:
+            continue  # the common case, in three cheap array passes
+        bad = np.flatnonzero(~finite)
+        if bad.size:
+            _add(
+                defects,
+                Reason.NONFINITE_LOGPROB,
+                name,
+                f"{name}[{bad[0]}] = {values[bad[0]]} ({bad.size} non-finite values)",
+            )
+        positive = np.flatnonzero(finite & (values > epsilon))
+        if positive.size:
+            _add(
+                defects,
+                Reason.POSITIVE_LOGPROB,
+                name,
+                f"{name}[{positive[0]}] = {values[positive[0]]} > {epsilon} "
+                f"({positive.size} positive log-probs)",
+            )
+
+
+def _check_segments(
+    arrays: dict[str, np.ndarray], limits: ValidationLimits, defects: list[Defect]
+) -> None:
+    # A record has a handful of segments: plain Python lists are faster than numpy here.
+    versions = arrays["segment_versions"].tolist() if "segment_versions" in arrays else None
+    lengths = arrays["segment_lengths"].tolist() if "segment_lengths" in arrays else None
+    if versions is not None and lengths is not None and len(versions) != len(lengths):
+        _add(
+            defects,
+            Reason.SEGMENT_MISMATCH,
+            "segment_lengths",
+            f"{len(versions)} segment_versions but {len(lengths)} segment_lengths",
+        )
+    if lengths is not None:
+        for i, length in enumerate(lengths):
+            if length <= 0:
+                _add(
+                    defects,
+                    Reason.SEGMENT_MISMATCH,
+                    "segment_lengths",
+                    f"segment_lengths[{i}] = {length}, segments must be at least 1 token",
+                )
+                break
+        response = arrays.get("response_ids")
+        if response is not None and sum(lengths) != len(response):
+            _add(
+                defects,
+                Reason.LENGTH_MISMATCH,
+                "segment_lengths",
+                f"segment_lengths sum to {sum(lengths)}, response_ids has {len(response)} tokens",
+            )
+    if not versions:
+        return
+    for i in range(1, len(versions)):
+        if versions[i] < versions[i - 1]:
+            _add(
+                defects,
+                Reason.SEGMENT_MISMATCH,
+                "segment_versions",
+                f"segment_versions decrease at index {i}: {versions[i - 1]} -> {versions[i]}",
+            )
+            break
+    low, high = min(versions), max(versions)
+    floor = max(0, limits.min_version) if limits.min_version is not None else 0
+    if low < floor or (limits.max_version is not None and high > limits.max_version):
+        allowed = f"[{floor}, {'∞' if limits.max_version is None else limits.max_version}]"
+        _add(
+            defects,
+            Reason.VERSION_OUT_OF_RANGE,
+            "segment_versions",
+            f"segment_versions span [{low}, {high}], allowed {allowed}",
+        )
+
+
+def _check_size(traj: Trajectory, limits: ValidationLimits, defects: list[Defect]) -> None:
+    try:
+        size = encoded_size(traj)
+    except ValueError as exc:
+        if not defects:  # a record that passes validation must be encodable
+            _add(defects, Reason.BAD_FIELD, "record", f"record cannot be encoded: {exc}")
+        return
+    if size > limits.max_record_bytes:
+        _add(
+            defects,
+            Reason.OVERSIZE,
+            "record",
+            f"record encodes to {size} bytes, limit {limits.max_record_bytes}",
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _is_finite_number(value: object) -> bool:
+    is_number = isinstance(value, int | float | np.integer | np.floating)
+    return is_number and not isinstance(value, bool) and math.isfinite(value)

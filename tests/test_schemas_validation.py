@@ -1,0 +1,293 @@
+"""Record validation: one test per defect, all defects at once, and raw-bytes validation."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from schemas.codec import encode
+from schemas.trajectory import Trajectory
+from schemas.validation import Defect, Reason, ValidationLimits, validate, validate_bytes
+
+LIMITS = ValidationLimits(vocab_size=50_000)
+
+
+def valid_record(**changes: Any) -> Trajectory:
+    rng = np.random.default_rng(3)
+    record = Trajectory.create(
+        run_id="run-7",
+        trajectory_id="traj-0001",
+        group_id="group-0001",
+        group_size=8,
+        sample_index=3,
+        producer_id="gen-a-0",
+        region="region-a",
+        task="reverse3",
+        prompt_ids=rng.integers(0, 50_000, 256),
+        response_ids=rng.integers(0, 50_000, 512),
+        logp_infer=-rng.exponential(1.0, 512),
+        segment_versions=[3, 4],
+        segment_lengths=[200, 312],
+        reward=1.0,
+        reward_details={"exact": True},
+        finish_reason="stop",
+        created_at_ms=1_700_000_000_000,
+        finished_at_ms=1_700_000_000_500,
+    )
+    return dataclasses.replace(record, **changes)
+
+
+def with_value(field: str, index: int, value: float) -> np.ndarray:
+    array = getattr(valid_record(), field).copy()
+    array[index] = value
+    return array
+
+
+def exact_old(**changes: Any) -> dict[str, Any]:
+    """Changes that attach ``logp_old`` (default: a valid one) with status "exact"."""
+    return {"logp_old": np.full(512, -0.5, np.float32), "old_logits_status": "exact", **changes}
+
+
+# (case id, field changes, limits changes, expected reason, field the detail must name)
+# fmt: off
+CASES: list[tuple[str, dict[str, Any], dict[str, Any], Reason, str]] = [
+    ("logp_infer_short", {"logp_infer": np.full(511, -1, np.float32)}, {},
+     Reason.LENGTH_MISMATCH, "logp_infer"),
+    ("logp_old_short", exact_old(logp_old=np.full(3, -1, np.float32)), {},
+     Reason.LENGTH_MISMATCH, "logp_old"),
+    ("segments_sum", {"segment_lengths": np.array([200, 311], np.int32)}, {},
+     Reason.LENGTH_MISMATCH, "segment_lengths"),
+    ("segment_counts", {"segment_versions": np.array([3, 4, 5], np.int64)}, {},
+     Reason.SEGMENT_MISMATCH, "segment_lengths"),
+    ("segment_zero", {"segment_lengths": np.array([0, 512], np.int32)}, {},
+     Reason.SEGMENT_MISMATCH, "segment_lengths[0]"),
+    ("segment_negative", {"segment_lengths": np.array([600, -88], np.int32)}, {},
+     Reason.SEGMENT_MISMATCH, "segment_lengths[1]"),
+    ("versions_decrease", {"segment_versions": np.array([4, 3], np.int64)}, {},
+     Reason.SEGMENT_MISMATCH, "segment_versions"),
+    ("logp_infer_nan", {"logp_infer": with_value("logp_infer", 7, np.nan)}, {},
+     Reason.NONFINITE_LOGPROB, "logp_infer[7]"),
+    ("logp_infer_posinf", {"logp_infer": with_value("logp_infer", 9, np.inf)}, {},
+     Reason.NONFINITE_LOGPROB, "logp_infer[9]"),
+    ("logp_old_neginf", exact_old(logp_old=np.r_[np.full(511, -1), -np.inf].astype(np.float32)),
+     {}, Reason.NONFINITE_LOGPROB, "logp_old[511]"),
+    ("logp_positive", {"logp_infer": with_value("logp_infer", 5, 0.5)}, {},
+     Reason.POSITIVE_LOGPROB, "logp_infer[5]"),
+    ("version_above_max", {}, {"max_version": 3}, Reason.VERSION_OUT_OF_RANGE, "segment_versions"),
+    ("version_below_min", {}, {"min_version": 4}, Reason.VERSION_OUT_OF_RANGE, "segment_versions"),
+    ("version_negative", {"segment_versions": np.array([-1, 4], np.int64)}, {},
+     Reason.VERSION_OUT_OF_RANGE, "segment_versions"),
+    ("token_negative", {"response_ids": with_value("response_ids", 10, -1)}, {},
+     Reason.TOKEN_OUT_OF_RANGE, "response_ids[10]"),
+    ("token_beyond_vocab", {"prompt_ids": with_value("prompt_ids", 0, 50_000)}, {},
+     Reason.TOKEN_OUT_OF_RANGE, "prompt_ids[0]"),
+    ("empty_response", {"response_ids": np.empty(0, np.int32),
+                        "logp_infer": np.empty(0, np.float32),
+                        "segment_versions": np.empty(0, np.int64),
+                        "segment_lengths": np.empty(0, np.int32)}, {},
+     Reason.EMPTY_RESPONSE, "response_ids"),
+    ("response_too_long", {}, {"max_response_tokens": 100}, Reason.TOO_LONG, "response_ids"),
+    ("prompt_too_long", {}, {"max_prompt_tokens": 255}, Reason.TOO_LONG, "prompt_ids"),
+    ("oversize", {}, {"max_record_bytes": 1000}, Reason.OVERSIZE, "record"),
+    ("reward_nan", {"reward": float("nan")}, {}, Reason.BAD_REWARD, "reward"),
+    ("reward_inf", {"reward": float("-inf")}, {}, Reason.BAD_REWARD, "reward"),
+    ("advantage_nan", {"advantage": float("nan")}, {}, Reason.BAD_REWARD, "advantage"),
+    ("empty_run_id", {"run_id": ""}, {}, Reason.BAD_FIELD, "run_id"),
+    ("empty_producer", {"producer_id": ""}, {}, Reason.BAD_FIELD, "producer_id"),
+    ("finish_reason", {"finish_reason": "eos"}, {}, Reason.BAD_FIELD, "finish_reason"),
+    ("sample_index", {"sample_index": 8}, {}, Reason.BAD_FIELD, "sample_index"),
+    ("group_size", {"group_size": 0}, {}, Reason.BAD_FIELD, "group_size"),
+    ("prompt_dtype", {"prompt_ids": valid_record().prompt_ids.astype(np.int64)}, {},
+     Reason.BAD_FIELD, "prompt_ids"),
+    ("response_list", {"response_ids": valid_record().response_ids.tolist()}, {},
+     Reason.BAD_FIELD, "response_ids"),
+    ("empty_prompt", {"prompt_ids": np.empty(0, np.int32)}, {}, Reason.BAD_FIELD, "prompt_ids"),
+    ("status_unknown", {"old_logits_status": "fresh"}, {}, Reason.BAD_FIELD, "old_logits_status"),
+    ("status_without_logits", {"old_logits_status": "exact"}, {},
+     Reason.BAD_FIELD, "old_logits_status"),
+    ("logits_without_status", {"logp_old": np.full(512, -0.5, np.float32)}, {},
+     Reason.BAD_FIELD, "old_logits_status"),
+    ("time_backwards", {"finished_at_ms": 1_600_000_000_000}, {},
+     Reason.BAD_FIELD, "finished_at_ms"),
+    ("details_not_json", {"reward_details": {"f": object()}}, {},
+     Reason.BAD_FIELD, "reward_details"),
+    ("group_size_int32", {"group_size": 2**31}, {}, Reason.BAD_FIELD, "group_size"),
+]
+# fmt: on
+
+
+def test_the_reference_record_is_valid() -> None:
+    assert validate(valid_record(), LIMITS) == []
+    assert validate(valid_record(**exact_old(), advantage=0.3), LIMITS) == []
+    assert validate(valid_record(old_logits_status="off"), LIMITS) == []
+    assert validate(valid_record(), ValidationLimits(min_version=3, max_version=4)) == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "limit_changes", "reason", "named"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_each_defect_is_reported_alone_with_its_field(
+    changes: dict[str, Any], limit_changes: dict[str, Any], reason: Reason, named: str
+) -> None:
+    record = valid_record(**changes)
+    defects = validate(record, dataclasses.replace(LIMITS, **limit_changes))
+    assert [d.reason for d in defects] == [reason], defects
+    assert named in defects[0].detail
+    assert defects[0].field == named.split("[")[0]
+
+
+def test_every_reason_has_a_case() -> None:
+    covered = {case[3] for case in CASES} | {Reason.DECODE_ERROR}  # decode: see below
+    assert covered == set(Reason)
+
+
+def test_all_defects_are_reported_at_once() -> None:
+    record = valid_record(
+        run_id="",
+        reward=float("nan"),
+        logp_infer=with_value("logp_infer", 0, 2.0)[:500],
+        segment_versions=np.array([9, 2], np.int64),
+    )
+    defects = validate(record, LIMITS)
+    assert {d.reason for d in defects} == {
+        Reason.BAD_FIELD,
+        Reason.BAD_REWARD,
+        Reason.LENGTH_MISMATCH,
+        Reason.POSITIVE_LOGPROB,
+        Reason.SEGMENT_MISMATCH,
+    }
+    assert all(isinstance(d, Defect) and d.detail for d in defects)
+
+
+def test_counts_of_bad_values_are_reported() -> None:
+    logp = valid_record().logp_infer.copy()
+    logp[[3, 30, 300]] = np.nan
+    (defect,) = validate(valid_record(logp_infer=logp), LIMITS)
+    assert "logp_infer[3]" in defect.detail
+    assert "3 non-finite" in defect.detail
+
+
+def test_tiny_positive_log_probs_are_tolerated() -> None:
+    record = valid_record(logp_infer=with_value("logp_infer", 0, 5e-5))
+    assert validate(record, LIMITS) == []
+    strict = dataclasses.replace(LIMITS, logprob_epsilon=0.0)
+    assert [d.reason for d in validate(record, strict)] == [Reason.POSITIVE_LOGPROB]
+
+
+def test_validate_bytes_accepts_a_good_record() -> None:
+    record = valid_record()
+    decoded, defects = validate_bytes(encode(record), LIMITS)
+    assert defects == []
+    assert decoded == record
+
+
+def test_validate_bytes_reports_record_defects_with_the_record() -> None:
+    record = valid_record(reward=float("inf"))
+    decoded, defects = validate_bytes(encode(record), LIMITS)
+    assert decoded == record
+    assert [d.reason for d in defects] == [Reason.BAD_REWARD]
+
+
+@pytest.mark.parametrize(
+    ("data", "code"),
+    [
+        (b"", "empty"),
+        (b'{"prompt_ids": []}', "bad_magic"),
+        (encode(valid_record())[:-10], "truncated"),
+        (encode(valid_record()) + b"!", "trailing_bytes"),
+        (encode(valid_record())[:-1] + b"\x00", "checksum_mismatch"),
+    ],
+)
+def test_validate_bytes_maps_decode_errors(data: bytes, code: str) -> None:
+    decoded, defects = validate_bytes(data, LIMITS)
+    assert decoded is None
+    assert [d.reason for d in defects] == [Reason.DECODE_ERROR]
+    assert defects[0].detail.startswith(code)
+
+
+def test_validate_bytes_reports_oversize_before_decoding() -> None:
+    data = encode(valid_record())
+    decoded, defects = validate_bytes(data, dataclasses.replace(LIMITS, max_record_bytes=1000))
+    assert decoded is None
+    assert [d.reason for d in defects] == [Reason.OVERSIZE]
+    assert str(len(data)) in defects[0].detail
+
+
+# Anything may arrive from a producer: validation must describe it, never crash.
+junk_arrays = st.sampled_from(
+    [
+        np.empty(0, np.int32),
+        np.array([1, -2, 3], np.int32),
+        np.array([1, 2], np.int64),
+        np.array([[1, 2]], np.int32),
+        np.array([np.nan, 0.5, -1.0], np.float32),
+        np.array([-1.0, -2.0], np.float64),
+        np.array([2, 1], np.int64),
+        [1, 2, 3],
+        "not an array",
+    ]
+)
+junk_scalars = st.sampled_from([0, -1, 1, 2**40, 1.5, float("nan"), None, "x", True, [1]])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "prompt_ids": junk_arrays,
+            "response_ids": junk_arrays,
+            "logp_infer": junk_arrays,
+            "logp_old": junk_arrays | st.none(),
+            "segment_versions": junk_arrays,
+            "segment_lengths": junk_arrays,
+            "group_size": junk_scalars,
+            "sample_index": junk_scalars,
+            "reward": junk_scalars,
+            "advantage": junk_scalars,
+            "created_at_ms": junk_scalars,
+            "finish_reason": junk_scalars,
+            "old_logits_status": junk_scalars,
+            "reward_details": st.sampled_from([{}, [], {"a": float("nan")}, {2: 1}]),
+            "region": junk_scalars,
+        },
+    )
+)
+def test_validate_never_crashes(changes: dict[str, Any]) -> None:
+    defects = validate(valid_record(**changes), LIMITS)
+    assert all(isinstance(d.reason, Reason) and d.field in d.detail for d in defects)
+    if changes and not defects:
+        # Only harmless changes may pass: re-check the record still encodes and decodes.
+        assert validate_bytes(encode(valid_record(**changes)), LIMITS)[1] == []
+
+
+def test_nan_and_positive_log_probs_are_both_reported() -> None:
+    logp = with_value("logp_infer", 0, np.nan)
+    logp[5] = 0.5
+    reasons = [d.reason for d in validate(valid_record(logp_infer=logp), LIMITS)]
+    assert reasons == [Reason.NONFINITE_LOGPROB, Reason.POSITIVE_LOGPROB]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    hnp.arrays(
+        np.float32,
+        512,
+        elements=st.sampled_from([-1.0, -1e-3, 0.0, 1e-5, 0.5, np.nan, np.inf, -np.inf])
+        | st.floats(width=32),
+    )
+)
+def test_log_prob_checks_agree_with_a_plain_reference(logp: np.ndarray) -> None:
+    reasons = {d.reason for d in validate(valid_record(logp_infer=logp), LIMITS)}
+    finite = np.isfinite(logp)
+    assert (Reason.NONFINITE_LOGPROB in reasons) == (not finite.all())
+    positive = finite & (logp > LIMITS.logprob_epsilon)
+    assert (Reason.POSITIVE_LOGPROB in reasons) == bool(positive.any())
