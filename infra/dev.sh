@@ -42,7 +42,7 @@ python_311() {
 
 install_venv() {
   local stamp="$VENV/.rollstream-lock" want
-  want="$(cat "$LOCK" "$REPO/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+  want="$(sha256sum <"$LOCK" | cut -d' ' -f1)"
   if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     log "creating $VENV from infra/requirements.lock (first time: several GB, cached in ~/.cache/pip)"
     rm -rf "$VENV"
@@ -51,10 +51,13 @@ install_venv() {
     "$VENV/bin/python" -m pip install -q -r "$LOCK"
     echo "$want" >"$stamp"
   fi
-  # The project itself, editable, pointing at this checkout (cheap; redone per clone).
-  if [ "$(cat "$VENV/.rollstream-src" 2>/dev/null)" != "$REPO" ]; then
+  # The project itself, editable, pointing at this checkout (seconds; redone per clone
+  # and whenever pyproject.toml changes).
+  local src
+  src="$REPO $(sha256sum <"$REPO/pyproject.toml" | cut -d' ' -f1)"
+  if [ "$(cat "$VENV/.rollstream-src" 2>/dev/null)" != "$src" ]; then
     "$VENV/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$REPO"
-    echo "$REPO" >"$VENV/.rollstream-src"
+    echo "$src" >"$VENV/.rollstream-src"
   fi
   "$VENV/bin/python" -m pip check
 }
