@@ -120,5 +120,14 @@ def topics_ensure(config: RollstreamConfig) -> None:
     click.echo(f"present: {', '.join(report.existing) or '-'}")
 
 
+def _register_role_commands() -> None:
+    """Sub-commands that live with their role; importing them does not import torch."""
+    from rollstream.weights.cli import weights
+
+    main.add_command(weights)
+
+
+_register_role_commands()
+
 if __name__ == "__main__":
     main()

@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -113,6 +113,70 @@ class S3Config(StrictModel):
         return self.embedded and not self.endpoint_url
 
 
+class WeightsConfig(StrictModel):
+    """How versions are written, found, verified and kept."""
+
+    base_every: int = Field(
+        default=20, ge=1, description="Write a full base at least every this many versions."
+    )
+    max_delta_fraction: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="Write a base instead of a delta larger than this fraction of a base.",
+    )
+    zstd_level: int = Field(default=3, ge=1, le=22, description="zstd level of deltas.")
+    keep_versions: int = Field(
+        default=16,
+        ge=1,
+        description="Retention window: the newest N versions stay, plus what they need.",
+    )
+    orphan_grace_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="Files of unfinished uploads older than this are garbage-collected.",
+    )
+    signing_key: Path | None = Field(
+        default=None, description="ed25519 private key (PEM) the writer signs manifests with."
+    )
+    public_key: Path | None = Field(
+        default=None,
+        description="ed25519 public key (PEM); when set, followers refuse unsigned versions.",
+    )
+    verify_state: bool = Field(
+        default=True,
+        description="Followers check each rebuilt tensor against the writer's CRC-32.",
+    )
+    poll_interval_s: float = Field(
+        default=2.0, gt=0, description="How often followers and mirrors poll the store."
+    )
+    retry_max_s: float = Field(
+        default=30.0, gt=0, description="Longest back-off between retries of a refused version."
+    )
+    topic: str = Field(default="policy.versions", description="Announcement topic.")
+    regions: dict[str, S3Config] = Field(
+        default_factory=dict,
+        description="Other S3 stores by region name (the home store is the [s3] section).",
+    )
+
+    @model_validator(mode="after")
+    def _region_names_match(self) -> WeightsConfig:
+        for key, region in self.regions.items():
+            if region.name not in (key, "local"):
+                raise ValueError(f"region {key!r} has a different name {region.name!r}")
+        return self
+
+    def region(self, name: str, home: S3Config) -> S3Config:
+        """The store named ``name``: a configured region or the home store."""
+        if name in self.regions:
+            found = self.regions[name]
+            return found if found.name == name else found.model_copy(update={"name": name})
+        if name == home.name:
+            return home
+        known = sorted({home.name, *self.regions})
+        raise KeyError(f"unknown region {name!r} (known: {', '.join(known)})")
+
+
 class RollstreamConfig(BaseSettings):
     """The whole configuration: one file for every role."""
 
@@ -134,6 +198,7 @@ class RollstreamConfig(BaseSettings):
     )
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     s3: S3Config = Field(default_factory=S3Config)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
 
 
 def _well_known_env() -> dict[str, Any]:

@@ -1,0 +1,358 @@
+"""Bit-exact encoding of weights: full bases and sparse deltas.
+
+A *base* is a plain safetensors file of the whole state. A *delta* is a safetensors file,
+compressed with zstd, holding for every tensor whose bits changed two 1-D entries:
+
+* ``<name>:idx`` (uint8) — the changed flat positions, gap-coded: the first gap is the
+  first position, each next gap is ``position - previous - 1`` (so adjacent changes
+  cost a zero), every gap written as an unsigned LEB128 varint (7 bits a byte, high
+  bit = "more bytes follow");
+* ``<name>:val`` (the tensor's own dtype) — the new values at those positions.
+
+Changes are found by comparing raw bits, never float values, so ``-0.0``/``+0.0`` and
+NaN payloads survive and applying a chain of deltas reproduces the writer bit for bit.
+
+Why varint gaps: at the 0.4–2% change density of one RL step most gaps are below 16384,
+so a gap takes one or two bytes before compression. Measured on SmolLM2-135M (zstd -3),
+the index stream is ~5% smaller than byte-shuffled uint32 gaps and ~30% smaller than
+plain uint32 gaps, and zstd runs faster on the 3-4x shorter input.
+
+``state_checksums`` (CRC-32 of each tensor's raw bytes) lets a reader check the weights it
+rebuilt against the writer's, tensor by tensor; ``state_digest`` condenses them into one
+sha256 fingerprint of the whole state. A checksum, not a cryptographic hash, on
+purpose: it guards the *application* (a held state that was modified, a bug), which runs
+on every version over every byte, so its speed matters (CRC-32 ~3.7 GB/s here against
+~1.5 GB/s for sha256). Tampering is stopped by the sha256 of every file and the signed
+manifest: together with a deterministic apply they already pin the weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import zlib
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import safetensors.torch
+import torch
+import zstandard
+
+from rollstream.weights.errors import FormatError, RefusalReason
+from rollstream.weights.manifest import TensorSpec
+
+StateDict = dict[str, torch.Tensor]
+
+DELTA_METADATA = {"format": "rollstream.delta", "version": "1"}
+BASE_METADATA = {"format": "rollstream.base", "version": "1"}
+IDX_SUFFIX = ":idx"
+VAL_SUFFIX = ":val"
+
+_BITS_BY_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MAX_VARINT_BYTES = 9  # 63 bits: any position an int64 can hold
+
+
+# --- tensors and specs -------------------------------------------------------------------
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat integer view of the tensor's raw bits (copied only if not contiguous)."""
+    flat = tensor.detach().cpu().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    try:
+        return flat.view(_BITS_BY_SIZE[flat.element_size()])
+    except KeyError:
+        raise TypeError(f"unsupported dtype {flat.dtype}") from None
+
+
+def specs_of(state: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+    """Dtype and shape of every tensor, in name order (the manifest's order)."""
+    return {
+        name: TensorSpec(dtype_name(state[name].dtype), tuple(state[name].shape))
+        for name in sorted(state)
+    }
+
+
+def split_aliases(state: Mapping[str, torch.Tensor]) -> tuple[StateDict, dict[str, str]]:
+    """Store tied tensors once: ``(unique, {alias: stored name})``.
+
+    Models with tied embeddings list the same tensor under two names; safetensors refuses
+    to save both, and storing it twice would double its share of every delta.
+    """
+    unique: StateDict = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[object, ...], str] = {}
+    for name in sorted(state):
+        tensor = state[name]
+        ident = (
+            tensor.device,
+            tensor.data_ptr(),
+            tensor.dtype,
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+        )
+        if tensor.numel() and ident in seen:
+            aliases[name] = seen[ident]
+        else:
+            seen[ident] = name
+            unique[name] = tensor
+    return unique, aliases
+
+
+def join_aliases(unique: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> StateDict:
+    """The full state again: every alias is the very same tensor object as its target."""
+    state = dict(unique)
+    for alias, target in aliases.items():
+        state[alias] = unique[target]
+    return state
+
+
+def cast_state(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> StateDict:
+    """Floating-point tensors cast to ``dtype`` (e.g. fp32 master weights to the bf16 copy
+    a trainer publishes), other tensors as they are; tied tensors stay tied."""
+    unique, aliases = split_aliases(state)
+    cast = {
+        name: t.detach().to(dtype) if t.is_floating_point() else t.detach()
+        for name, t in unique.items()
+    }
+    return join_aliases(cast, aliases)
+
+
+def state_checksums(state: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """CRC-32 (zlib) of each tensor's raw bytes, in name order.
+
+    Tensor by tensor on threads: ``zlib.crc32`` releases the GIL on large buffers.
+    """
+    ordered = sorted(state)
+
+    def one(name: str) -> int:
+        return zlib.crc32(bits(state[name]).numpy())
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        return dict(zip(ordered, pool.map(one, ordered), strict=True))
+
+
+def digest_of_checksums(checksums: Mapping[str, int]) -> str:
+    """One fingerprint of a whole state: sha256 over ``name NUL crc32-hex LF`` lines in
+    name order. Derived from the checksums, so it costs no second pass over the weights."""
+    lines = "".join(f"{name}\0{checksums[name]:08x}\n" for name in sorted(checksums))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def state_digest(state: Mapping[str, torch.Tensor]) -> str:
+    """``digest_of_checksums(state_checksums(state))``: equal digests, equal weights."""
+    return digest_of_checksums(state_checksums(state))
+
+
+def dense_bytes(state: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of the weights themselves (tied tensors counted once)."""
+    unique, _ = split_aliases(state)
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+# --- gap-coded positions --------------------------------------------------------------------
+
+
+def encode_positions(positions: np.ndarray) -> np.ndarray:
+    """Strictly increasing int64 positions -> LEB128 varint gaps (uint8)."""
+    if positions.size == 0:
+        return np.empty(0, dtype=np.uint8)
+    gaps = np.diff(positions, prepend=-1).astype(np.uint64) - np.uint64(1)
+    lengths = np.ones(gaps.size, dtype=np.int64)
+    for k in range(1, _MAX_VARINT_BYTES):
+        lengths += gaps >= np.uint64(1 << (7 * k))
+    offsets = np.cumsum(lengths) - lengths
+    out = np.empty(int(lengths.sum()), dtype=np.uint8)
+    sel = np.arange(gaps.size)
+    rest = gaps
+    for k in range(int(lengths.max())):
+        more = lengths[sel] > k + 1
+        out[offsets[sel] + k] = (rest & np.uint64(0x7F)).astype(np.uint8) | (
+            more.astype(np.uint8) << 7
+        )
+        sel, rest = sel[more], rest[more] >> np.uint64(7)
+    return out
+
+
+def decode_positions(data: np.ndarray, numel: int) -> np.ndarray:
+    """Inverse of ``encode_positions``; checks the stream is well formed and in range."""
+    if data.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if data[-1] & 0x80:
+        raise FormatError(RefusalReason.CORRUPT, "varint stream ends inside a number")
+    last = (data & 0x80) == 0
+    ends = np.flatnonzero(last)
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    if int((ends - starts).max()) >= _MAX_VARINT_BYTES:
+        raise FormatError(RefusalReason.CORRUPT, "varint longer than 9 bytes")
+    group = np.cumsum(last) - last
+    shift = (7 * (np.arange(data.size) - starts[group])).astype(np.uint64)
+    gaps = np.add.reduceat((data & 0x7F).astype(np.uint64) << shift, starts)
+    if int(gaps.max()) >= numel:
+        raise FormatError(RefusalReason.CORRUPT, "position beyond the end of the tensor")
+    positions = np.cumsum(gaps.astype(np.int64) + 1) - 1
+    if int(positions[-1]) >= numel:
+        raise FormatError(RefusalReason.CORRUPT, "position beyond the end of the tensor")
+    return positions
+
+
+# --- deltas --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorDelta:
+    """Changed flat positions (int64, increasing) and their new values (tensor's dtype)."""
+
+    positions: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass(frozen=True)
+class EncodedDelta:
+    """A compressed delta and what a manifest needs to know about it."""
+
+    blob: bytes  # zstd-compressed safetensors
+    raw_bytes: int  # size of the safetensors payload before compression
+    changed_elements: int
+    changes: dict[str, TensorDelta]  # the same delta, decoded (the writer applies it)
+
+
+def delta_compatible(prev: Mapping[str, TensorSpec], curr: Mapping[str, TensorSpec]) -> bool:
+    """A delta can only express value changes: same names, dtypes and shapes."""
+    return dict(prev) == dict(curr)
+
+
+def diff_tensor(old: torch.Tensor, new: torch.Tensor) -> TensorDelta | None:
+    """Positions whose bits differ, with the new values; None if nothing changed."""
+    # numpy, not torch: torch.nonzero is an order of magnitude slower on CPU here.
+    old_bits, new_bits = bits(old).numpy(), bits(new).numpy()
+    positions = np.flatnonzero(old_bits != new_bits)
+    if positions.size == 0:
+        return None
+    values = torch.from_numpy(new_bits[positions]).view(new.dtype)
+    return TensorDelta(positions=torch.from_numpy(positions), values=values)
+
+
+def encode_delta(
+    prev: Mapping[str, torch.Tensor], curr: Mapping[str, torch.Tensor], level: int = 3
+) -> EncodedDelta:
+    """Delta turning ``prev`` into ``curr`` (same names, dtypes, shapes; no aliases)."""
+    if not delta_compatible(specs_of(prev), specs_of(curr)):
+        raise ValueError("states differ in names, dtypes or shapes: write a base instead")
+    entries: StateDict = {}
+    changes: dict[str, TensorDelta] = {}
+    for name in sorted(curr):
+        delta = diff_tensor(prev[name], curr[name])
+        if delta is None:
+            continue
+        entries[name + IDX_SUFFIX] = torch.from_numpy(encode_positions(delta.positions.numpy()))
+        entries[name + VAL_SUFFIX] = delta.values
+        changes[name] = delta
+    raw = safetensors.torch.save(entries, metadata=DELTA_METADATA)
+    blob = zstandard.ZstdCompressor(level=level).compress(raw)
+    changed = sum(d.positions.numel() for d in changes.values())
+    return EncodedDelta(blob=blob, raw_bytes=len(raw), changed_elements=changed, changes=changes)
+
+
+def decode_delta(
+    blob: bytes, raw_bytes: int, specs: Mapping[str, TensorSpec]
+) -> dict[str, TensorDelta]:
+    """Decompress and validate a delta against the manifest's tensor specs."""
+    try:
+        declared = zstandard.frame_content_size(blob[:18])
+    except zstandard.ZstdError:
+        declared = -1
+    if declared != raw_bytes:
+        raise FormatError(
+            RefusalReason.CORRUPT,
+            f"zstd frame declares {declared} bytes, manifest says {raw_bytes}",
+        )
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=raw_bytes)
+        entries = safetensors.torch.load(raw)
+    except Exception as err:  # zstd and safetensors raise several unrelated types
+        raise FormatError(RefusalReason.CORRUPT, f"delta does not decode: {err}") from None
+    names = {key.rpartition(":")[0] for key in entries}
+    if len(entries) != 2 * len(names):
+        raise FormatError(RefusalReason.CORRUPT, "delta entries are not idx/val pairs")
+    out: dict[str, TensorDelta] = {}
+    for name in sorted(names):
+        idx, val = entries.get(name + IDX_SUFFIX), entries.get(name + VAL_SUFFIX)
+        spec = specs.get(name)
+        if idx is None or val is None or spec is None:
+            raise FormatError(RefusalReason.CORRUPT, f"unexpected delta entry for {name!r}")
+        if idx.dtype != torch.uint8 or val.dim() != 1 or dtype_name(val.dtype) != spec.dtype:
+            raise FormatError(RefusalReason.CORRUPT, f"ill-typed delta entry for {name!r}")
+        positions = decode_positions(idx.numpy(), spec.numel)
+        if positions.size != val.numel():
+            raise FormatError(RefusalReason.CORRUPT, f"{name!r}: positions and values differ")
+        out[name] = TensorDelta(positions=torch.from_numpy(positions), values=val)
+    return out
+
+
+def apply_delta(state: Mapping[str, torch.Tensor], delta: Mapping[str, TensorDelta]) -> StateDict:
+    """A new state with the delta applied; ``state`` itself is never modified.
+
+    Unchanged tensors are shared with ``state`` (copy on write), changed ones are fresh
+    contiguous copies: whoever still holds the previous snapshot keeps valid weights.
+    """
+    out = dict(state)
+    for name, change in delta.items():
+        held = state[name]
+        updated = bits(held).numpy().copy()
+        updated[change.positions.numpy()] = bits(change.values).numpy()
+        out[name] = torch.from_numpy(updated).view(held.dtype).reshape(held.shape)
+    return out
+
+
+def apply_delta_inplace(
+    state: Mapping[str, torch.Tensor], delta: Mapping[str, TensorDelta]
+) -> None:
+    """Scatter the delta into ``state``'s own (contiguous, CPU) tensors: for an owner
+    that hands its tensors to nobody, such as the writer's copy of what it published."""
+    for name, change in delta.items():
+        target = state[name]
+        if not target.is_contiguous() or target.device.type != "cpu":
+            raise ValueError(f"{name}: in-place apply needs a contiguous CPU tensor")
+        bits(target).numpy()[change.positions.numpy()] = bits(change.values).numpy()
+
+
+# --- bases ---------------------------------------------------------------------------------
+
+
+def base_payload(state: Mapping[str, torch.Tensor]) -> StateDict:
+    """Tensors ready for safetensors: contiguous, on CPU, no two sharing memory."""
+    out: StateDict = {}
+    storages: set[tuple[object, int]] = set()
+    for name in sorted(state):
+        tensor = state[name].detach().cpu().contiguous()
+        storage = (tensor.device, tensor.untyped_storage().data_ptr())
+        if tensor.numel() and storage in storages:
+            tensor = tensor.clone()
+        storages.add(storage)
+        out[name] = tensor
+    return out
+
+
+def check_base(state: Mapping[str, torch.Tensor], specs: Mapping[str, TensorSpec]) -> None:
+    """A loaded base must hold exactly the stored tensors the manifest lists."""
+    found = specs_of(state)
+    if found != dict(specs):
+        missing = sorted(set(specs) - set(found))
+        extra = sorted(set(found) - set(specs))
+        raise FormatError(
+            RefusalReason.CORRUPT,
+            f"base does not match its manifest (missing {missing[:3]}, extra {extra[:3]}, "
+            "or dtype/shape differ)",
+        )

@@ -1,0 +1,249 @@
+"""The trainer side: turn each new state dict into a published, announced version.
+
+``DeltaWriter`` keeps its own copy of the last published weights, so it can diff the
+next state against exactly what readers hold. Each ``publish`` writes a sparse delta,
+or a full base when there is no previous state, every ``base_every`` versions, when the
+tensor layout changed, or when the delta would exceed ``max_delta_fraction`` of a base
+(a base then costs readers little more and shortens every later chain).
+
+Order of operations: data files, then the manifest by conditional put (the claim),
+then the announcement. A crash before the claim leaves only orphan files (collected by
+retention); a crash after it leaves a valid version that pollers still find.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from confluent_kafka import KafkaException
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from rollstream.weights import format as fmt
+from rollstream.weights.announce import Announcer
+from rollstream.weights.config import WeightsConfig
+from rollstream.weights.errors import VersionTaken
+from rollstream.weights.manifest import FileEntry, Kind, Manifest, load_private_key, sha256_hex
+from rollstream.weights.store import WeightStore, new_file_name, sha256_file
+from schemas.control import VersionAnnouncement
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    """What was published, where, and how long each stage took (seconds)."""
+
+    manifest: Manifest
+    manifest_sha256: str
+    uri: str
+    announcement: VersionAnnouncement
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class DeltaWriter:
+    """Publishes versions of one run to one store, optionally signed and announced."""
+
+    def __init__(
+        self,
+        store: WeightStore,
+        *,
+        base_every: int = 20,
+        max_delta_fraction: float = 0.25,
+        zstd_level: int = 3,
+        signing_key: Ed25519PrivateKey | None = None,
+        announcer: Announcer | None = None,
+    ) -> None:
+        self.store = store
+        self.base_every = base_every
+        self.max_delta_fraction = max_delta_fraction
+        self.zstd_level = zstd_level
+        self.signing_key = signing_key
+        self.announcer = announcer
+        self._prev: fmt.StateDict | None = None  # our own copy of the last published state
+        self._aliases: dict[str, str] = {}
+        self._version: int | None = None
+        self._base: int | None = None
+
+    @classmethod
+    def from_config(
+        cls, store: WeightStore, config: WeightsConfig, announcer: Announcer | None = None
+    ) -> DeltaWriter:
+        return cls(
+            store,
+            base_every=config.base_every,
+            max_delta_fraction=config.max_delta_fraction,
+            zstd_level=config.zstd_level,
+            signing_key=load_private_key(config.signing_key) if config.signing_key else None,
+            announcer=announcer,
+        )
+
+    @property
+    def version(self) -> int | None:
+        """The last version this writer published."""
+        return self._version
+
+    def publish(
+        self, state: Mapping[str, torch.Tensor], version: int | None = None
+    ) -> PublishResult:
+        """Publish ``state`` as ``version`` (default: the one after this writer's last, or
+        after the store's latest for a writer that has not published yet, e.g. after a
+        restart, whose first version is always a base). ``state`` must not change while
+        this runs.
+
+        Raises ``VersionTaken`` if another writer claimed the number first; this writer's
+        files are then removed, and its next version will be a full base (the chain in
+        the store continues from the other writer's state, not from ours).
+        """
+        if version is None:
+            last = self._version if self._version is not None else self.store.latest()
+            version = 0 if last is None else last + 1
+        if self._version is not None and version <= self._version:
+            raise ValueError(f"version {version} is not after {self._version}")
+        timings: dict[str, float] = {}
+        clock = time.perf_counter()
+
+        unique, aliases = fmt.split_aliases({k: v.detach() for k, v in state.items()})
+        specs = fmt.specs_of(unique)
+        delta = self._try_delta(unique, aliases, version)
+        timings["encode"] = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        checksums = fmt.state_checksums(unique)
+        timings["checksum"] = time.perf_counter() - clock
+
+        with tempfile.TemporaryDirectory(prefix="rollstream-weights-") as scratch:
+            clock = time.perf_counter()
+            kind: Kind = "base" if delta is None else "delta"
+            name = new_file_name(kind)
+            payload: bytes | Path
+            if delta is None:
+                payload = Path(scratch) / name
+                safetensors.torch.save_file(
+                    fmt.base_payload(unique), payload, metadata=fmt.BASE_METADATA
+                )
+                size = raw_size = payload.stat().st_size
+                file_sha = sha256_file(payload)
+            else:
+                payload, size, raw_size = delta.blob, len(delta.blob), delta.raw_bytes
+                file_sha = sha256_hex(delta.blob)
+            manifest = Manifest(
+                run=self.store.run,
+                version=version,
+                kind=kind,
+                parent=None if delta is None else self._version,
+                base=version if delta is None else self._base,  # type: ignore[arg-type]
+                tensors=specs,
+                aliases=aliases,
+                files=(FileEntry(name=name, bytes=size, sha256=file_sha, raw_bytes=raw_size),),
+                checksums=checksums,
+                state_sha256=fmt.digest_of_checksums(checksums),
+                changed_elements=0 if delta is None else delta.changed_elements,
+            )
+            if self.signing_key is not None:
+                manifest = manifest.sign(self.signing_key)
+            manifest_bytes = manifest.to_bytes()
+            timings["serialize"] = time.perf_counter() - clock
+
+            clock = time.perf_counter()
+            file_key = self.store.key(version, name)
+            self.store.upload(file_key, payload)
+            timings["upload"] = time.perf_counter() - clock
+            clock = time.perf_counter()
+            try:
+                manifest_key = self.store.claim(version, manifest_bytes)
+            except VersionTaken:
+                self.store.delete([file_key])
+                # The store's chain now holds another writer's state: our next version
+                # must not be a delta against ours, so it will be a full base.
+                self._prev = None
+                log.warning(
+                    "version %d of run %s was claimed by another writer", version, self.store.run
+                )
+                raise
+            timings["claim"] = time.perf_counter() - clock
+
+        clock = time.perf_counter()
+        if delta is None:
+            self._prev = {
+                k: v.cpu().clone(memory_format=torch.contiguous_format) for k, v in unique.items()
+            }
+            self._base = version
+        else:
+            assert self._prev is not None
+            fmt.apply_delta_inplace(self._prev, delta.changes)
+        self._aliases = aliases
+        self._version = version
+        timings["remember"] = time.perf_counter() - clock
+
+        announcement = VersionAnnouncement(
+            run=self.store.run,
+            version=version,
+            uri=self.store.uri(manifest_key),
+            parent=manifest.parent,
+            base=manifest.base,
+            sha256=sha256_hex(manifest_bytes),
+            bytes=manifest.total_bytes,
+            published_at_ms=int(time.time() * 1000),
+        )
+        if self.announcer is not None:
+            clock = time.perf_counter()
+            self._announce(announcement)
+            timings["announce"] = time.perf_counter() - clock
+        log.info(
+            "published %s v%d of run %s: %d bytes, %d changed elements (%s)",
+            kind,
+            version,
+            self.store.run,
+            manifest.total_bytes,
+            manifest.changed_elements,
+            self.store.region,
+        )
+        return PublishResult(
+            manifest=manifest,
+            manifest_sha256=announcement.sha256,
+            uri=announcement.uri,
+            announcement=announcement,
+            timings=timings,
+        )
+
+    def _try_delta(
+        self, unique: fmt.StateDict, aliases: dict[str, str], version: int
+    ) -> fmt.EncodedDelta | None:
+        """The delta to publish, or None when this version should be a base."""
+        if self._prev is None or self._base is None or self._version is None:
+            return None
+        if version - self._base >= self.base_every or aliases != self._aliases:
+            return None
+        if not fmt.delta_compatible(fmt.specs_of(self._prev), fmt.specs_of(unique)):
+            log.info("tensor layout changed at v%d: writing a base", version)
+            return None
+        delta = fmt.encode_delta(self._prev, unique, level=self.zstd_level)
+        limit = self.max_delta_fraction * fmt.dense_bytes(unique)
+        if len(delta.blob) > limit:
+            log.info(
+                "delta of v%d is %d bytes (> %d): writing a base",
+                version,
+                len(delta.blob),
+                int(limit),
+            )
+            return None
+        return delta
+
+    def _announce(self, announcement: VersionAnnouncement) -> None:
+        assert self.announcer is not None
+        for attempt in Retrying(
+            stop=stop_after_attempt(3),
+            wait=wait_exponential(multiplier=0.5, max=5),
+            retry=retry_if_exception_type(KafkaException),
+            reraise=True,
+        ):
+            with attempt:
+                self.announcer.announce(announcement)

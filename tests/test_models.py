@@ -1,0 +1,43 @@
+"""The shared models: the tiny Llama of design §6 and the converted SmolLM2 checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollstream.models import build_tiny_llama, smollm2_checkpoint, smollm2_gguf_path
+
+
+def test_tiny_llama_is_deterministic_and_small() -> None:
+    a, b, c = build_tiny_llama(seed=3), build_tiny_llama(seed=3), build_tiny_llama(seed=4)
+    params = sum(p.numel() for p in a.parameters())
+    assert 120_000 < params < 140_000
+    assert a.config.vocab_size == 16 and a.config.num_hidden_layers == 2
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa)
+
+
+@pytest.mark.slow
+def test_smollm2_is_converted_once_to_bf16_safetensors(cache_dir: Path) -> None:
+    """Uses the real cache: the first run converts (~30 s), later runs reuse it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert smollm2_gguf_path().suffix == ".gguf"
+    path = smollm2_checkpoint(cache_dir)
+    weights = path / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert smollm2_checkpoint(cache_dir) == path
+    assert weights.stat().st_mtime_ns == stamp  # reused, not rewritten
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.dtype == torch.bfloat16
+    unique = {p.data_ptr(): p.numel() for p in model.parameters()}
+    assert 130e6 < sum(unique.values()) < 140e6
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = tokenizer("Hello", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert torch.isfinite(logits.float()).all()

@@ -1,0 +1,136 @@
+"""Mirroring versions between two real SeaweedFS servers standing for two regions."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from weights_support import same_bits, step, store_for, tiny_state, wait_for
+
+from infra.topics import ensure_topics
+from rollstream.config import KafkaConfig, S3Config
+from rollstream.weights.announce import AnnouncementListener, Announcer
+from rollstream.weights.errors import RefusalReason, VersionRefused
+from rollstream.weights.follower import WeightFollower
+from rollstream.weights.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    generate_keypair,
+    load_private_key,
+    load_public_key,
+)
+from rollstream.weights.mirror import mirror_forever, mirror_once, versions_to_copy
+from rollstream.weights.writer import DeltaWriter
+from schemas.topics import TopicSpec
+
+
+def test_mirror_copies_complete_versions_manifest_bytes_unchanged(
+    s3_config: S3Config, second_s3_config: S3Config, tmp_path: Path
+) -> None:
+    generate_keypair(tmp_path / "k", tmp_path / "k.pub")
+    run = "mirrored"
+    src, dst = store_for(s3_config, run), store_for(second_s3_config, run)
+    assert (src.region, dst.region) == ("region-a", "region-b")
+    writer = DeltaWriter(src, base_every=3, signing_key=load_private_key(tmp_path / "k"))
+    states = [tiny_state()]
+    writer.publish(states[0])
+    for i in range(1, 7):
+        states.append(step(states[-1], seed=i))
+        writer.publish(states[-1])
+
+    report = mirror_once(src, dst, since=0)
+    assert report.copied == list(range(7)) and not report.failed
+    assert dst.versions() == src.versions()
+    for version in range(7):
+        assert dst.read_manifest(version) == src.read_manifest(version)
+    assert mirror_once(src, dst).copied == []  # nothing new
+
+    follower = WeightFollower(dst, public_key=load_public_key(tmp_path / "k.pub"))
+    for version in (2, 6):
+        assert same_bits(follower.sync(version).state, states[version])
+
+    states.append(step(states[-1], seed=99))
+    writer.publish(states[-1])
+    assert versions_to_copy(src, dst) == [7]
+    assert mirror_once(src, dst).copied == [7]
+    assert same_bits(follower.sync().state, states[7])
+
+
+def test_empty_region_starts_from_the_latest_base(
+    s3_config: S3Config, second_s3_config: S3Config
+) -> None:
+    src, dst = store_for(s3_config, "late"), store_for(second_s3_config, "late")
+    writer = DeltaWriter(src, base_every=4)
+    state = tiny_state()
+    for i in range(7):  # bases at 0 and 4
+        state = step(state, seed=i)
+        writer.publish(state)
+    assert mirror_once(src, dst).copied == [4, 5, 6]
+    assert same_bits(WeightFollower(dst).sync().state, state)
+
+
+def test_a_corrupt_source_version_is_not_mirrored(
+    s3_config: S3Config, second_s3_config: S3Config
+) -> None:
+    src, dst = store_for(s3_config, "bad"), store_for(second_s3_config, "bad")
+    writer = DeltaWriter(src, base_every=10)
+    state = tiny_state()
+    for i in range(3):
+        state = step(state, seed=i)
+        writer.publish(state)
+    manifest = Manifest.from_bytes(src.read_manifest(1))
+    key = src.key(1, manifest.files[0].name)
+    src.client.put_object(Bucket=src.bucket, Key=key, Body=src.get_bytes(key)[:-3])
+
+    report = mirror_once(src, dst, since=0)
+    assert report.copied == [0, 2]
+    assert list(report.failed) == [1] and "does not match its manifest" in report.failed[1]
+    # No manifest for v1 at the destination: readers there never see the damaged version.
+    assert dst.versions() == [0, 2]
+    assert MANIFEST_NAME not in {o.name for o in dst.objects(version=1)}
+    follower = WeightFollower(dst)
+    follower.sync(0)
+    with pytest.raises(VersionRefused) as err:
+        follower.sync(2)
+    assert err.value.reason is RefusalReason.MISSING_PARENT
+
+
+def test_follower_in_second_region_follows_kafka_and_mirror(
+    s3_config: S3Config, second_s3_config: S3Config, kafka_config: KafkaConfig, unique_name
+) -> None:
+    """The full path: trainer in region A announces, a mirror copies, a follower in
+    region B applies (it may hear the announcement before the files arrive)."""
+    topic = unique_name("policy.versions")
+    ensure_topics(kafka_config.client_config(), [TopicSpec(topic, 1, cleanup_policy="compact")])
+    run = "two-regions"
+    src, dst = store_for(s3_config, run), store_for(second_s3_config, run)
+    announcer = Announcer(kafka_config.client_config(), topic)
+    writer = DeltaWriter(src, base_every=5, announcer=announcer)
+    follower = WeightFollower(dst, retry_max_s=0.5)
+    listener = AnnouncementListener(kafka_config.client_config(), run, topic)
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=mirror_forever, args=(src, dst, stop, 0.2), daemon=True),
+        threading.Thread(
+            target=follower.follow,
+            args=(stop,),
+            kwargs={"listener": listener, "poll_interval_s": 5.0},
+            daemon=True,
+        ),
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        state = tiny_state()
+        for version in range(7):
+            state = step(state, seed=version)
+            writer.publish(state)
+            wait_for(lambda v=version: follower.version == v, what=f"v{version} in region B")
+            assert same_bits(follower.snapshot.state, state)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+        listener.close()
+        announcer.close()

@@ -1,0 +1,62 @@
+"""Helpers shared by the ``test_weights_*`` modules: small states, sparse steps, waiting."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+import torch
+
+from rollstream.config import S3Config
+from rollstream.weights import format as fmt
+from rollstream.weights.store import WeightStore
+
+
+def tiny_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Mixed dtypes and a tied pair, like a real checkpoint, but a few hundred KB."""
+    gen = torch.Generator().manual_seed(seed)
+    embed = torch.randn(64, 48, generator=gen).to(torch.bfloat16)
+    return {
+        "embed.weight": embed,
+        "head.weight": embed,  # tied
+        "layers.0.attn.weight": torch.randn(48, 48, generator=gen).to(torch.bfloat16),
+        "layers.0.mlp.weight": torch.randn(96, 48, generator=gen).to(torch.bfloat16),
+        "layers.0.norm.weight": torch.ones(48, dtype=torch.float32),
+        "layers.0.scale": torch.randn(48, generator=gen).to(torch.float16),
+    }
+
+
+def step(
+    state: dict[str, torch.Tensor], seed: int, fraction: float = 0.02
+) -> dict[str, torch.Tensor]:
+    """A new state with about ``fraction`` of each tensor's elements nudged (ties kept)."""
+    gen = torch.Generator().manual_seed(seed)
+    unique, aliases = fmt.split_aliases(state)
+    out = {}
+    for name, tensor in unique.items():
+        noise = torch.randn(tensor.shape, generator=gen) * 0.05
+        mask = torch.rand(tensor.shape, generator=gen) < fraction
+        out[name] = torch.where(mask, (tensor.float() + noise).to(tensor.dtype), tensor)
+    return fmt.join_aliases(out, aliases)
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype
+        and a[k].shape == b[k].shape
+        and torch.equal(fmt.bits(a[k]), fmt.bits(b[k]))
+        for k in a
+    )
+
+
+def store_for(config: S3Config, run: str | None = None) -> WeightStore:
+    return WeightStore.from_config(config, run or f"run-{uuid.uuid4().hex[:8]}")
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
