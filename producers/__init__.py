@@ -1,1 +1,17 @@
-"""Producers: see README (built in a later issue)."""
+"""Producers: generate rollouts with a policy version on every token, publish them to Kafka.
+
+Modules, in reading order:
+
+- ``config``: ``ProducersConfig`` (``[engine]``, ``[rollout]``), pydantic only.
+- ``engine``: the CPU inference engine (torch + transformers): batched, abortable,
+  hot-swappable weights, SGLang's log-prob numerics.
+- ``server``: the engine behind the subset of SGLang's native HTTP API that RL needs.
+- ``client``: ``EngineClient`` for that API (ours or a real SGLang), responses checked.
+- ``tasks``: prompt sources and reward functions (a registry users extend).
+- ``backends``: in-process or HTTP engine, one interface for the worker.
+- ``ledger``, ``publish``: idempotent Kafka publishing, groups counted only when all G
+  records are acknowledged, a crash-safe ledger and its recovery.
+- ``worker``: the rollout worker (admission control, version-change policies).
+- ``metrics``: Prometheus metrics and the terminal progress line.
+- ``cli``: ``serve`` and ``produce`` (``python -m producers``).
+"""

@@ -1,0 +1,136 @@
+"""How the rollout worker reaches its engine: in-process, or over SGLang's HTTP API.
+
+Both backends return the same checked ``GenerateOutput`` (the in-process one builds the
+exact JSON object the server would send and parses it with the client's checks), so the
+worker has one code path. New policy versions arrive as ``(version, state_dict)``:
+
+- ``LocalBackend`` hot-swaps the state dict into the engine between batches.
+- ``HttpBackend`` writes ``<weights_dir>/v<version>/model.safetensors`` and asks the
+  engine to ``/update_weights_from_disk`` it with ``weight_version=str(version)``; the
+  engine must see ``weights_dir`` (same host or a shared volume). For a real SGLang
+  server pass ``template_dir``: its non-weight files (config.json, tokenizer files) are
+  copied next to the weights so the directory is a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from producers.client import EngineClient, GenerateOutput, parse_generate_response
+
+
+class Backend(Protocol):
+    async def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sequence[dict[str, Any]],
+        rids: Sequence[str],
+    ) -> list[GenerateOutput]: ...
+
+    async def abort(self, rids: Sequence[str]) -> None: ...
+
+    async def load_version(self, version: int, state_dict: Mapping[str, Any]) -> None: ...
+
+    async def model_info(self) -> dict[str, Any]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class LocalBackend:
+    """An ``Engine`` in this process (its scheduler thread does the compute)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine.start()
+
+    async def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sequence[dict[str, Any]],
+        rids: Sequence[str],
+    ) -> list[GenerateOutput]:
+        from producers.engine import SamplingParams
+
+        items = [
+            (list(p), SamplingParams.from_dict(s), rid, True)
+            for p, s, rid in zip(prompts, sampling, rids, strict=True)
+        ]
+        futures = self.engine.submit_many(items)
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        data = [r.to_sglang(self.engine.decode(r.output_ids)) for r in results]
+        return parse_generate_response(data, len(items), True)
+
+    async def abort(self, rids: Sequence[str]) -> None:
+        for rid in rids:
+            self.engine.abort(rid)
+
+    async def load_version(self, version: int, state_dict: Mapping[str, Any]) -> None:
+        await asyncio.wrap_future(self.engine.update_weights(state_dict, str(version)))
+
+    async def model_info(self) -> dict[str, Any]:
+        return self.engine.model_info()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.engine.shutdown)
+
+
+class HttpBackend:
+    """An engine behind SGLang's native HTTP API (``EngineClient``)."""
+
+    def __init__(
+        self,
+        client: EngineClient,
+        weights_dir: Path,
+        *,
+        template_dir: Path | None = None,
+        keep_versions: int = 2,
+    ) -> None:
+        self.client = client
+        self.weights_dir = Path(weights_dir)
+        self.template_dir = template_dir
+        self.keep_versions = keep_versions
+
+    async def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sequence[dict[str, Any]],
+        rids: Sequence[str],
+    ) -> list[GenerateOutput]:
+        return await self.client.generate(prompts, list(sampling), rids=rids, return_logprob=True)
+
+    async def abort(self, rids: Sequence[str]) -> None:
+        await asyncio.gather(*(self.client.abort(rid) for rid in rids))
+
+    async def load_version(self, version: int, state_dict: Mapping[str, Any]) -> None:
+        directory = self.weights_dir / f"v{version}"
+        await asyncio.to_thread(self._write, state_dict, directory)
+        await self.client.update_weights_from_disk(str(directory), weight_version=str(version))
+        await asyncio.to_thread(self._prune, version)
+
+    def _write(self, state_dict: Mapping[str, Any], directory: Path) -> None:
+        from producers.engine import save_weights
+
+        save_weights(state_dict, directory)
+        if self.template_dir is not None:
+            for item in Path(self.template_dir).iterdir():
+                if item.is_file() and item.suffix != ".safetensors":
+                    shutil.copy2(item, directory / item.name)
+
+    def _prune(self, current: int) -> None:
+        versions = sorted(
+            int(p.name[1:])
+            for p in self.weights_dir.glob("v*")
+            if p.is_dir() and p.name[1:].isdigit()
+        )
+        for old in versions:
+            if old < current and old not in versions[-self.keep_versions :]:
+                shutil.rmtree(self.weights_dir / f"v{old}", ignore_errors=True)
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self.client.model_info()
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

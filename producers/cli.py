@@ -1,0 +1,138 @@
+"""``rollstream serve`` and ``rollstream produce``: the producer role's commands.
+
+Both take the ``RollstreamConfig`` that the ``rollstream`` group puts in ``ctx.obj``.
+The producers section comes from ``config.producers`` once it exists there, or from
+``--producers-config FILE`` (env ``ROLLSTREAM_PRODUCERS_CONFIG``: a TOML file with
+``[engine]`` and ``[rollout]`` tables). Heavy imports happen inside the commands, so
+``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+from pydantic import ValidationError
+
+from producers.config import EngineConfig, ProducersConfig, RolloutConfig, producers_section
+
+_CONFIG_OPTION = click.option(
+    "--producers-config",
+    "producers_config",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    envvar="ROLLSTREAM_PRODUCERS_CONFIG",
+    help="TOML with [engine] and [rollout] tables (env: ROLLSTREAM_PRODUCERS_CONFIG).",
+)
+
+
+def _logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def _section(config: Any, path: Path | None, engine: dict, rollout: dict) -> ProducersConfig:
+    """The producers config with command-line overrides applied (and validated)."""
+    try:
+        base = producers_section(config, path)
+        engine_values = {**base.engine.model_dump(), **_set(engine)}
+        rollout_values = {**base.rollout.model_dump(), **_set(rollout)}
+        return ProducersConfig(
+            engine=EngineConfig.model_validate(engine_values),
+            rollout=RolloutConfig.model_validate(rollout_values),
+        )
+    except (ValidationError, OSError, ValueError) as err:
+        raise click.UsageError(f"invalid producers configuration:\n{err}") from err
+
+
+def _set(values: dict) -> dict:
+    return {key: value for key, value in values.items() if value is not None}
+
+
+@click.command("serve")
+@_CONFIG_OPTION
+@click.option("--host", help="Address to bind (default from [engine], 127.0.0.1).")
+@click.option("--port", type=int, help="Port (default from [engine], 30000; 0 = free).")
+@click.option("--model", help="'tiny-llama', 'smollm2-135m-instruct' or a checkpoint directory.")
+@click.pass_obj
+def serve(
+    config: Any,
+    producers_config: Path | None,
+    host: str | None,
+    port: int | None,
+    model: str | None,
+) -> None:
+    """Run the CPU engine behind SGLang's native HTTP API (/generate, /abort_request,
+    /update_weights_from_disk, /get_model_info, /health)."""
+    section = _section(config, producers_config, {"host": host, "port": port, "model": model}, {})
+    _logging()
+    from producers.engine import engine_from_config
+    from producers.server import SGLANG_RELEASE
+    from producers.server import serve as run_server
+
+    engine = engine_from_config(section.engine, Path(config.cache_dir))
+
+    def ready(url: str) -> None:
+        click.echo(f"engine {engine.model_path!r} serves SGLang {SGLANG_RELEASE}'s API at {url}")
+        sys.stdout.flush()
+
+    run_server(engine, section.engine.host, section.engine.port, on_ready=ready)
+
+
+@click.command("produce")
+@_CONFIG_OPTION
+@click.option("--groups", type=int, help="Deliver this many groups, then stop.")
+@click.option("--engine-url", help="Engine speaking SGLang's API; default: in-process.")
+@click.option("--task", help="Task name (see producers.tasks).")
+@click.option("--topic", help="Topic to publish to (default rollouts.raw).")
+@click.pass_obj
+def produce(
+    config: Any,
+    producers_config: Path | None,
+    groups: int | None,
+    engine_url: str | None,
+    task: str | None,
+    topic: str | None,
+) -> None:
+    """Generate GRPO groups with the engine and publish them to Kafka."""
+    overrides = {"groups": groups, "engine_url": engine_url, "task": task, "topic": topic}
+    section = _section(config, producers_config, {}, overrides)
+    _logging()
+    from infra.services import Services
+    from producers.worker import run_producer
+
+    resolved = Services(config).resolved()
+    report = asyncio.run(run_producer(resolved, section))
+    click.echo(
+        f"delivered {report.groups_delivered} group(s), {report.trajectories_delivered} "
+        f"record(s), {report.tokens} tokens in {report.seconds:.1f}s "
+        f"({report.interrupted_samples} interrupted sample(s), "
+        f"{report.groups_dropped} group(s) dropped at shutdown)"
+    )
+
+
+@click.group("producers")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    envvar="ROLLSTREAM_CONFIG",
+    help="rollstream TOML config (env: ROLLSTREAM_CONFIG); ROLLSTREAM_* variables override it.",
+)
+@click.pass_context
+def cli(ctx: click.Context, config_path: Path | None) -> None:
+    """The producer role on its own (``python -m producers``)."""
+    from rollstream.config import load_config
+
+    try:
+        ctx.obj = load_config(config_path)
+    except ValidationError as err:
+        raise click.UsageError(f"invalid configuration:\n{err}") from err
+
+
+cli.add_command(serve)
+cli.add_command(produce)

@@ -1,0 +1,333 @@
+"""Async client for an engine speaking SGLang's native HTTP API (ours or SGLang itself).
+
+Every response is checked before it is trusted: a missing field, log-probs that do not
+line up with the output ids, a non-finite or positive log-prob, or a batch of the wrong
+size raises ``EngineResponseError`` saying exactly what was wrong, so a misbehaving
+engine never turns into a silently corrupt trajectory.
+
+Transient failures (connection refused or reset, HTTP 502/503/504) are retried with
+exponential backoff and jitter (tenacity); after ``retries`` attempts the call raises
+``EngineUnavailable``. A ``/generate`` that timed out while reading is not retried: the
+engine may still be working on it. ``check_model`` compares ``get_model_info`` with the
+model a run expects and raises ``EngineModelMismatch`` naming both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    retry_if_exception,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+FINISH_TYPES = frozenset({"stop", "length", "abort"})
+_LOGPROB_EPSILON = 1e-4
+_RETRY_STATUS = frozenset({502, 503, 504})
+
+
+class EngineError(RuntimeError):
+    """Base class of the client's errors."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached (after all retries)."""
+
+
+class EngineRequestError(EngineError):
+    """The engine refused a request (HTTP 4xx/5xx that is not transient)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"engine answered HTTP {status}: {message}")
+        self.status = status
+
+
+class EngineResponseError(EngineError):
+    """The engine answered something that is not a valid SGLang response."""
+
+
+class EngineModelMismatch(EngineError):
+    """The engine serves another model than the run expects."""
+
+
+class _Transient(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    """One generated sequence, checked."""
+
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float] | None
+    finish_type: str  # "stop" | "length" | "abort"
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    weight_version: str | None
+    text: str
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_type == "abort"
+
+
+def parse_generate_response(data: Any, expected: int, want_logprob: bool) -> list[GenerateOutput]:
+    """Check and convert a batch ``/generate`` answer (a list of ``expected`` objects)."""
+    if isinstance(data, dict) and expected == 1 and "meta_info" in data:
+        data = [data]
+    if not isinstance(data, list):
+        raise EngineResponseError(f"expected a list of {expected} results, got {_kind(data)}")
+    if len(data) != expected:
+        raise EngineResponseError(f"expected {expected} results, got {len(data)}")
+    return [_parse_one(item, i, want_logprob) for i, item in enumerate(data)]
+
+
+def _parse_one(item: Any, index: int, want_logprob: bool) -> GenerateOutput:
+    where = f"result {index}"
+    if not isinstance(item, dict):
+        raise EngineResponseError(f"{where}: expected an object, got {_kind(item)}")
+    meta = item.get("meta_info")
+    if not isinstance(meta, dict):
+        raise EngineResponseError(f"{where}: meta_info missing or not an object")
+    ids = item.get("output_ids")
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        raise EngineResponseError(f"{where}: output_ids missing or not a list of integers")
+    finish = meta.get("finish_reason")
+    if not isinstance(finish, dict) or finish.get("type") not in FINISH_TYPES:
+        raise EngineResponseError(
+            f"{where}: finish_reason {finish!r} is not an object with type in "
+            f"{sorted(FINISH_TYPES)}"
+        )
+    completion = meta.get("completion_tokens")
+    if completion is not None and completion != len(ids):
+        raise EngineResponseError(
+            f"{where}: completion_tokens={completion} but {len(ids)} output_ids"
+        )
+    logprobs = None
+    if want_logprob:
+        logprobs = _parse_logprobs(meta.get("output_token_logprobs"), ids, where)
+    version = meta.get("weight_version")
+    return GenerateOutput(
+        rid=str(meta.get("id", "")),
+        output_ids=[int(t) for t in ids],
+        logprobs=logprobs,
+        finish_type=finish["type"],
+        finish_reason=finish,
+        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        weight_version=None if version is None else str(version),
+        text=str(item.get("text") or ""),
+    )
+
+
+def _parse_logprobs(entries: Any, ids: list[int], where: str) -> list[float]:
+    if not isinstance(entries, list):
+        raise EngineResponseError(f"{where}: output_token_logprobs missing (return_logprob)")
+    if len(entries) != len(ids):
+        raise EngineResponseError(
+            f"{where}: {len(entries)} output_token_logprobs for {len(ids)} output_ids"
+        )
+    values = []
+    for i, (entry, token) in enumerate(zip(entries, ids, strict=True)):
+        if not isinstance(entry, list | tuple) or len(entry) < 2:
+            raise EngineResponseError(
+                f"{where}: output_token_logprobs[{i}] = {entry!r}, expected [logprob, id, text]"
+            )
+        value, entry_token = entry[0], entry[1]
+        if entry_token != token:
+            raise EngineResponseError(
+                f"{where}: output_token_logprobs[{i}] is for token {entry_token}, "
+                f"output_ids[{i}] is {token}"
+            )
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise EngineResponseError(f"{where}: output_token_logprobs[{i}] = {value!r}")
+        if not math.isfinite(value) or value > _LOGPROB_EPSILON:
+            raise EngineResponseError(
+                f"{where}: output_token_logprobs[{i}] = {value} is not a log-probability"
+            )
+        values.append(float(min(value, 0.0)))
+    return values
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    return type(value).__name__
+
+
+def same_model(expected: str, served: str) -> bool:
+    """Whether ``served`` names ``expected``: equal, or equal last path component
+    (case-insensitive), so ``HuggingFaceTB/SmolLM2-135M-Instruct`` matches
+    ``smollm2-135m-instruct`` and a checkpoint mounted elsewhere still matches."""
+    a, b = expected.rstrip("/"), served.rstrip("/")
+    return a == b or a.rsplit("/", 1)[-1].lower() == b.rsplit("/", 1)[-1].lower()
+
+
+class EngineClient:
+    """One engine at ``url``. Use as ``async with EngineClient(url) as client: ...``."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout: float = 5.0,
+        request_timeout: float = 600.0,
+        retries: int = 5,
+        retry_max_wait: float = 10.0,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.retries = retries
+        self.retry_max_wait = retry_max_wait
+        timeout = httpx.Timeout(request_timeout, connect=connect_timeout)
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits)
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # --- API ---------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        input_ids: Sequence[Sequence[int]],
+        sampling_params: dict[str, Any] | Sequence[dict[str, Any]],
+        *,
+        rids: Sequence[str] | None = None,
+        return_logprob: bool = True,
+    ) -> list[GenerateOutput]:
+        """Generate for a batch of prompts (one request, sent in SGLang's batch form)."""
+        body: dict[str, Any] = {
+            "input_ids": [list(map(int, ids)) for ids in input_ids],
+            "sampling_params": (
+                sampling_params if isinstance(sampling_params, dict) else list(sampling_params)
+            ),
+            "return_logprob": return_logprob,
+        }
+        if rids is not None:
+            body["rid"] = list(rids)
+        data = await self._request("POST", "/generate", body, retry_reads=False)
+        return parse_generate_response(data, len(body["input_ids"]), return_logprob)
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        """Abort one request by rid, or every request (``abort_all``)."""
+        await self._request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+    async def update_weights_from_disk(
+        self,
+        model_path: str,
+        weight_version: str | None = None,
+        *,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Ask the engine to load a checkpoint directory; raises ``EngineRequestError``
+        when it reports failure (it then keeps its old weights)."""
+        body: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        data = await self._request("POST", "/update_weights_from_disk", body, retry_reads=False)
+        if not isinstance(data, dict) or data.get("success") is not True:
+            raise EngineRequestError(400, f"update_weights_from_disk failed: {data!r}")
+        return data
+
+    async def model_info(self) -> dict[str, Any]:
+        data = await self._request("GET", "/get_model_info")
+        if not isinstance(data, dict) or not isinstance(data.get("model_path"), str):
+            raise EngineResponseError(f"get_model_info answered {data!r}, no model_path")
+        return data
+
+    async def health(self) -> bool:
+        """True if ``/health`` answers 200 right now (no retries)."""
+        try:
+            response = await self._http.get("/health", timeout=5.0)
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
+    async def check_model(self, expected: str) -> dict[str, Any]:
+        """``get_model_info``, after checking that the engine serves ``expected``."""
+        info = await self.model_info()
+        if not same_model(expected, info["model_path"]):
+            raise EngineModelMismatch(
+                f"engine at {self.url} serves model {info['model_path']!r} "
+                f"(get_model_info.model_path) but this run expects {expected!r}: point "
+                "rollout.engine_url at the right engine or fix rollout.expected_model"
+            )
+        return info
+
+    # --- transport ---------------------------------------------------------------------
+
+    async def _request(
+        self, method: str, path: str, body: Any = None, *, retry_reads: bool = True
+    ) -> Any:
+        def transient(exc: BaseException) -> bool:
+            if isinstance(exc, _Transient):
+                return True
+            if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+                return True
+            if isinstance(exc, httpx.RemoteProtocolError | httpx.WriteError):
+                return True
+            return retry_reads and isinstance(exc, httpx.ReadError | httpx.ReadTimeout)
+
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.retries),
+            wait=wait_exponential_jitter(multiplier=0.1, max=self.retry_max_wait, jitter=0.1),
+            retry=retry_if_exception(transient),
+            reraise=False,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await self._once(method, path, body)
+        except RetryError as exc:
+            cause = exc.last_attempt.exception()
+            raise EngineUnavailable(
+                f"engine at {self.url} unavailable for {method} {path} after "
+                f"{self.retries} attempts: {cause!r}"
+            ) from cause
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _once(self, method: str, path: str, body: Any) -> Any:
+        response = await self._http.request(method, path, json=body)
+        if response.status_code in _RETRY_STATUS:
+            raise _Transient(response.status_code, response.text[:200])
+        if response.status_code >= 400:
+            raise EngineRequestError(response.status_code, _error_message(response))
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise EngineResponseError(
+                f"{method} {path} answered non-JSON: {response.text[:200]!r}"
+            ) from exc
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in data:
+            return str(data["message"])
+    return str(data)[:500]

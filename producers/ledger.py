@@ -1,0 +1,362 @@
+"""The delivery ledger: what this producer knows it delivered, durable across kill -9.
+
+An append-only JSONL file under ``<state_dir>/producers/<run_id>/<producer_id>/``,
+one event a line, flushed to the OS as it is written (enough to survive kill -9):
+
+- ``mark``: the end offsets of every partition of the topic, queried at start-up and
+  then periodically. Any record produced after a mark lies at or beyond it.
+- ``pending``: a group is about to be produced (its id and its G trajectory ids).
+- ``delivered``: all G records of the group are acknowledged by the broker, with their
+  partitions and offsets. Only this line counts a group as delivered.
+- ``orphaned`` / ``lost``: written by recovery for a group left pending by a crash: some
+  (orphaned) or none (lost) of its records reached the topic. Neither counts as
+  delivered; consumers drop incomplete groups anyway.
+
+Recovery (``recover``) runs at start-up, before producing. For each group left pending
+it scans the topic from the last mark written before the oldest pending line (a bounded
+tail) and looks for the group's trajectory ids in the ``rs-trajectory-id`` headers: all
+G found means delivered (the crash hit between the acks and the ledger line), fewer
+means orphaned. Afterwards the ledger's delivered ids are exactly the complete groups
+this producer put in the topic, and its orphaned ids exactly the partial ones.
+
+Only ``pending`` lines are fsynced (``fsync=True``, the default): they must be on disk
+before the records can reach Kafka, or a power cut could leave records the ledger never
+heard of. A lost ``delivered`` line is harmless (recovery finds the group in the topic),
+a lost ``mark`` only makes recovery scan from an older one. A torn last line (a crash
+mid-write) is cut off when the ledger is opened. An advisory
+lock (``flock``) keeps two processes from sharing one ledger.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+logger = logging.getLogger(__name__)
+
+LEDGER_NAME = "ledger.jsonl"
+
+
+class LedgerLocked(RuntimeError):
+    """Another process holds this ledger."""
+
+
+@dataclass
+class PendingGroup:
+    group_id: str
+    trajectory_ids: list[str]
+    line: int  # index of its pending line among all lines
+
+
+@dataclass
+class LedgerState:
+    """What the ledger's lines say, folded."""
+
+    delivered: dict[str, list[str]] = field(default_factory=dict)
+    orphaned: dict[str, list[str]] = field(default_factory=dict)
+    lost: set[str] = field(default_factory=set)
+    pending: dict[str, PendingGroup] = field(default_factory=dict)
+    marks: list[tuple[int, dict[int, int]]] = field(default_factory=list)  # (line, offsets)
+    lines: int = 0
+
+    @property
+    def delivered_ids(self) -> set[str]:
+        return {tid for ids in self.delivered.values() for tid in ids}
+
+
+class Ledger:
+    """The ledger file of one producer; ``open`` it, then ``close`` it (or ``with``)."""
+
+    def __init__(self, directory: Path, *, fsync: bool = True) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / LEDGER_NAME
+        self.fsync = fsync
+        self.state = LedgerState()
+        self._fh: Any = None
+        self._lock_fh: Any = None
+
+    def open(self) -> Ledger:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fh = (self.directory / ".lock").open("w")
+        try:
+            fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            self._lock_fh.close()
+            raise LedgerLocked(
+                f"ledger {self.path} is in use by another process: give each worker its own "
+                "rollout.producer_id"
+            ) from exc
+        self._repair_tail()
+        self.state = read_ledger(self.path)
+        self._fh = self.path.open("ab")
+        return self
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        if self._lock_fh is not None:
+            fcntl.flock(self._lock_fh, fcntl.LOCK_UN)
+            self._lock_fh.close()
+            self._lock_fh = None
+
+    def __enter__(self) -> Ledger:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _repair_tail(self) -> None:
+        """Cut a torn last line (a crash mid-write) so appends start on a line boundary."""
+        if not self.path.exists():
+            return
+        with self.path.open("r+b") as fh:
+            data = fh.read()
+            if data and not data.endswith(b"\n"):
+                keep = data.rfind(b"\n") + 1
+                logger.warning(
+                    "ledger %s: dropping a torn last line (%d bytes)", self.path, len(data) - keep
+                )
+                fh.truncate(keep)
+
+    # --- events ------------------------------------------------------------------------
+
+    def mark(self, offsets: Mapping[int, int]) -> None:
+        self._append({"kind": "mark", "offsets": {str(p): o for p, o in offsets.items()}})
+        self.state.marks.append((self.state.lines - 1, dict(offsets)))
+
+    def pending(self, group_id: str, trajectory_ids: list[str], *, sync: bool = True) -> None:
+        """Record a group about to be produced; with ``sync=False`` the caller must call
+        ``sync()`` before producing (e.g. from another thread, off the event loop)."""
+        event = {"kind": "pending", "group_id": group_id, "trajectory_ids": trajectory_ids}
+        self._append(event, sync=sync)
+        self.state.pending[group_id] = PendingGroup(group_id, trajectory_ids, self.state.lines - 1)
+
+    def sync(self) -> None:
+        """fsync what was written (when ``fsync``); safe to call from another thread."""
+        if self.fsync and self._fh is not None:
+            os.fsync(self._fh.fileno())
+
+    def delivered(
+        self,
+        group_id: str,
+        trajectory_ids: list[str],
+        positions: list[tuple[int, int]],
+        *,
+        recovered: bool = False,
+    ) -> None:
+        event = {
+            "kind": "delivered",
+            "group_id": group_id,
+            "trajectory_ids": trajectory_ids,
+            "positions": positions,
+        }
+        if recovered:
+            event["recovered"] = True
+        self._append(event)
+        self.state.pending.pop(group_id, None)
+        self.state.delivered[group_id] = trajectory_ids
+
+    def orphaned(self, group_id: str, found: list[str], positions: list[tuple[int, int]]) -> None:
+        event = {"kind": "orphaned", "group_id": group_id, "trajectory_ids": found}
+        self._append({**event, "positions": positions})
+        self.state.pending.pop(group_id, None)
+        self.state.orphaned[group_id] = found
+
+    def lost(self, group_id: str) -> None:
+        self._append({"kind": "lost", "group_id": group_id})
+        self.state.pending.pop(group_id, None)
+        self.state.lost.add(group_id)
+
+    def _append(self, event: dict[str, Any], *, sync: bool = False) -> None:
+        if self._fh is None:
+            raise RuntimeError("ledger is not open")
+        event["ts_ms"] = int(time.time() * 1000)
+        self._fh.write(orjson.dumps(event) + b"\n")
+        self._fh.flush()  # in the OS's hands: survives kill -9
+        if sync and self.fsync:
+            os.fsync(self._fh.fileno())  # on disk: survives a power cut
+        self.state.lines += 1
+
+
+def read_ledger(path: Path) -> LedgerState:
+    """Fold a ledger file into a ``LedgerState`` (a torn last line is ignored)."""
+    state = LedgerState()
+    if not Path(path).exists():
+        return state
+    with Path(path).open("rb") as fh:
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                break  # torn tail
+            event = orjson.loads(raw)
+            line = state.lines
+            state.lines += 1
+            kind = event["kind"]
+            gid = event.get("group_id")
+            if kind == "mark":
+                state.marks.append((line, {int(p): o for p, o in event["offsets"].items()}))
+            elif kind == "pending":
+                state.pending[gid] = PendingGroup(gid, event["trajectory_ids"], line)
+            elif kind == "delivered":
+                state.pending.pop(gid, None)
+                state.delivered[gid] = event["trajectory_ids"]
+            elif kind == "orphaned":
+                state.pending.pop(gid, None)
+                state.orphaned[gid] = event["trajectory_ids"]
+            elif kind == "lost":
+                state.pending.pop(gid, None)
+                state.lost.add(gid)
+            else:
+                raise ValueError(f"{path}:{line + 1}: unknown ledger event {kind!r}")
+    return state
+
+
+# --- Kafka side ---------------------------------------------------------------------------
+
+
+def end_offsets(
+    client_config: Mapping[str, str], topic: str, timeout: float = 10.0
+) -> dict[int, int]:
+    """High watermark of every partition of ``topic`` (transient errors such as a leader
+    election on a fresh topic are retried until ``timeout``)."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+    consumer = Consumer(
+        {**client_config, "group.id": "rollstream-ledger-probe", "enable.auto.commit": False}
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                metadata = consumer.list_topics(topic, timeout=timeout)
+                info = metadata.topics.get(topic)
+                if info is None or info.error is not None:
+                    error = info.error if info is not None else "missing"
+                    raise RuntimeError(
+                        f"topic {topic!r} not found ({error}): create it first "
+                        "(rollstream infra up / rollstream topics ensure)"
+                    )
+                return {
+                    p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)[1]
+                    for p in sorted(info.partitions)
+                }
+            except KafkaException as exc:
+                if not exc.args[0].retriable() and exc.args[0].name() not in _TRANSIENT:
+                    raise
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    finally:
+        consumer.close()
+
+
+_TRANSIENT = frozenset(
+    {"NOT_LEADER_FOR_PARTITION", "LEADER_NOT_AVAILABLE", "UNKNOWN_TOPIC_OR_PART", "_TRANSPORT"}
+)
+
+
+@dataclass(frozen=True)
+class RecoveryReport:
+    delivered: int = 0
+    orphaned: int = 0
+    lost: int = 0
+    scanned: int = 0
+
+
+def recover(
+    ledger: Ledger, client_config: Mapping[str, str], topic: str, timeout: float = 30.0
+) -> RecoveryReport:
+    """Resolve the groups a crash left pending by looking for their records in the topic."""
+    pending = list(ledger.state.pending.values())
+    if not pending:
+        return RecoveryReport()
+    oldest = min(p.line for p in pending)
+    starts: dict[int, int] = {}
+    for line, offsets in ledger.state.marks:
+        if line < oldest:
+            starts = offsets  # the last mark before the oldest pending group
+    wanted = {tid: p.group_id for p in pending for tid in p.trajectory_ids}
+    found = scan_for(client_config, topic, starts, wanted.keys(), timeout)
+    report = {"delivered": 0, "orphaned": 0, "lost": 0}
+    for group in pending:
+        hits = [(tid, found[tid]) for tid in group.trajectory_ids if tid in found]
+        if len(hits) == len(group.trajectory_ids):
+            ledger.delivered(
+                group.group_id, group.trajectory_ids, [pos for _, pos in hits], recovered=True
+            )
+            report["delivered"] += 1
+        elif hits:
+            ledger.orphaned(group.group_id, [t for t, _ in hits], [pos for _, pos in hits])
+            report["orphaned"] += 1
+        else:
+            ledger.lost(group.group_id)
+            report["lost"] += 1
+    result = RecoveryReport(scanned=len(found), **report)
+    logger.info(
+        "ledger recovery: %d pending group(s): %d delivered, %d orphaned (partial), %d lost",
+        len(pending),
+        result.delivered,
+        result.orphaned,
+        result.lost,
+    )
+    return result
+
+
+def scan_for(
+    client_config: Mapping[str, str],
+    topic: str,
+    starts: Mapping[int, int],
+    trajectory_ids: Iterable[str],
+    timeout: float = 30.0,
+) -> dict[str, tuple[int, int]]:
+    """``{trajectory_id: (partition, offset)}`` for the wanted ids found in ``topic``,
+    reading every partition from ``starts`` (default: the beginning) to its end."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+    wanted = set(trajectory_ids)
+    ends = end_offsets(client_config, topic, timeout)
+    consumer = Consumer(
+        {
+            **client_config,
+            "group.id": "rollstream-ledger-recovery",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+        }
+    )
+    found: dict[str, tuple[int, int]] = {}
+    try:
+        todo = {p for p, end in ends.items() if end > starts.get(p, 0)}
+        consumer.assign(
+            [TopicPartition(topic, p, starts.get(p, OFFSET_BEGINNING)) for p in sorted(todo)]
+        )
+        deadline = time.monotonic() + timeout
+        while todo:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ledger recovery: scanning {topic} took over {timeout}s")
+            message = consumer.poll(0.5)
+            if message is None:
+                continue
+            if message.error():
+                if message.error().code() == KafkaError._PARTITION_EOF:
+                    if message.offset() >= ends[message.partition()]:
+                        todo.discard(message.partition())
+                    continue
+                raise RuntimeError(f"ledger recovery: {message.error()}")
+            for key, value in message.headers() or ():
+                if key == "rs-trajectory-id" and value is not None:
+                    tid = value.decode()
+                    if tid in wanted:
+                        found[tid] = (message.partition(), message.offset())
+            if message.offset() + 1 >= ends[message.partition()]:
+                todo.discard(message.partition())
+    finally:
+        consumer.close()
+    return found

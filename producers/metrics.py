@@ -1,0 +1,140 @@
+"""The rollout worker's metrics (Prometheus, own registry) and its terminal progress line.
+
+Metrics, all prefixed ``rollstream_producer_``:
+
+- ``tokens_total`` (counter): response tokens generated, interrupted attempts included.
+  tokens/s is ``rate(...)`` of it.
+- ``groups_total`` (counter): groups whose G records were all acknowledged by Kafka.
+  groups/s is its rate.
+- ``trajectories_total`` (counter): records acknowledged.
+- ``version`` (gauge): policy version the engine currently serves.
+- ``latest_version`` (gauge): newest version announced to the worker.
+- ``version_lag`` (gauge): ``latest_version - version`` (weights still to be applied).
+- ``consumed_lag`` (gauge): ``version - trainer consumed version`` (admission control).
+- ``admission_paused`` (gauge): 1 while no new group may start.
+- ``inflight_groups`` / ``undelivered_groups`` (gauges): generating / awaiting acks.
+- ``interrupted_samples_total`` (counter, label ``policy``): samples cut by a version
+  change (continued for ``interrupt``, regenerated for ``abort``).
+- ``delivery_failures_total`` (counter): records Kafka refused or timed out.
+- ``engine_errors_total`` (counter): engine calls that failed after retries.
+- ``publish_seconds`` / ``generate_seconds`` (summaries): per group, the time from
+  encoding to handing the records to the producer (the ledger fsync wait included), and
+  the generation time.
+
+No global registry: each worker owns a ``CollectorRegistry`` (``metrics.registry``), so
+two workers in one process never collide; ``serve(port)`` exposes it over HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Summary
+
+logger = logging.getLogger(__name__)
+
+
+class ProducerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        p = "rollstream_producer_"
+        self.tokens = Counter(p + "tokens", "Response tokens generated.", registry=r)
+        self.groups = Counter(p + "groups", "Groups delivered (all G acknowledged).", registry=r)
+        self.trajectories = Counter(p + "trajectories", "Records acknowledged.", registry=r)
+        self.version = Gauge(p + "version", "Policy version the engine serves.", registry=r)
+        self.latest_version = Gauge(p + "latest_version", "Newest version announced.", registry=r)
+        self.version_lag = Gauge(p + "version_lag", "latest_version - version.", registry=r)
+        self.consumed_lag = Gauge(
+            p + "consumed_lag", "version - trainer consumed version.", registry=r
+        )
+        self.admission_paused = Gauge(
+            p + "admission_paused", "1 while no new group may start.", registry=r
+        )
+        self.inflight_groups = Gauge(p + "inflight_groups", "Groups generating.", registry=r)
+        self.undelivered_groups = Gauge(
+            p + "undelivered_groups", "Groups produced, awaiting acks.", registry=r
+        )
+        self.interrupted = Counter(
+            p + "interrupted_samples",
+            "Samples cut by a version change.",
+            ["policy"],
+            registry=r,
+        )
+        self.delivery_failures = Counter(
+            p + "delivery_failures", "Records Kafka refused or timed out.", registry=r
+        )
+        self.engine_errors = Counter(
+            p + "engine_errors", "Engine calls failed after retries.", registry=r
+        )
+        self.publish_seconds = Summary(
+            p + "publish_seconds", "Serialise + produce time per group.", registry=r
+        )
+        self.generate_seconds = Summary(
+            p + "generate_seconds", "Generation time per group.", registry=r
+        )
+
+    def get(self, sample: str) -> float:
+        """Current value of a sample, e.g. ``get("groups_total")`` or ``get("version")``."""
+        return self.registry.get_sample_value("rollstream_producer_" + sample) or 0.0
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        from prometheus_client import start_http_server
+
+        start_http_server(port, addr=addr, registry=self.registry)
+
+
+class Progress:
+    """A one-line status: a live ``rich`` line on a terminal, a log line every 30 s else."""
+
+    def __init__(self, metrics: ProducerMetrics, *, enabled: bool = True, total: int | None = None):
+        self.metrics = metrics
+        self.total = total
+        self._live: Any = None
+        self._last = (time.monotonic(), 0.0, 0.0)
+        self._rates = (0.0, 0.0)
+        self._last_log = 0.0
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.live import Live
+
+            self._live = Live(console=Console(stderr=True), refresh_per_second=4, transient=False)
+            self._live.start()
+
+    def line(self) -> str:
+        m = self.metrics
+        now = time.monotonic()
+        tokens, groups = m.get("tokens_total"), m.get("groups_total")
+        then, tokens0, groups0 = self._last
+        if now - then >= 1.0:
+            self._rates = ((tokens - tokens0) / (now - then), (groups - groups0) / (now - then))
+            self._last = (now, tokens, groups)
+        done = f"{int(groups)}" + (f"/{self.total}" if self.total is not None else "")
+        paused = " [admission paused]" if m.get("admission_paused") else ""
+        return (
+            f"groups {done}  {self._rates[1]:.2f} groups/s  {self._rates[0]:.0f} tok/s  "
+            f"v{int(m.get('version'))} (lag {int(m.get('version_lag'))}, "
+            f"ahead of trainer {int(m.get('consumed_lag'))})  "
+            f"inflight {int(m.get('inflight_groups'))}  "
+            f"unacked {int(m.get('undelivered_groups'))}  "
+            f"delivery failures {int(m.get('delivery_failures_total'))}{paused}"
+        )
+
+    def update(self) -> None:
+        text = self.line()
+        if self._live is not None:
+            from rich.text import Text
+
+            self._live.update(Text(text))
+        elif time.monotonic() - self._last_log >= 30.0:
+            self._last_log = time.monotonic()
+            logger.info("%s", text)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self.update()
+            self._live.stop()
+            self._live = None

@@ -1,0 +1,360 @@
+"""HTTP server for ``Engine``: the subset of SGLang's native API that RL rollouts need.
+
+Followed release: **SGLang v0.5.3** (``python/sglang/srt/entrypoints/http_server.py`` and
+``managers/io_struct.py``). Field names are SGLang's, so a real SGLang server on a GPU is
+a drop-in for the same client:
+
+- ``POST /generate`` (also PUT): ``input_ids`` (one list, or a batch of lists), ``rid``
+  (str or list), ``sampling_params`` (object, or one per input), ``return_logprob`` (bool
+  or list). Answers one object, or a list for a batch: ``{"text", "output_ids",
+  "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+  "cached_tokens", "weight_version", "e2e_latency", "output_token_logprobs"}}`` where
+  ``output_token_logprobs`` is ``[[logprob, token_id, null], ...]`` and ``finish_reason``
+  is ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}`` or
+  ``{"type": "abort", "message": ...}``.
+- ``POST /abort_request``: ``{"rid": ..., "abort_all": false}``; answers 200, empty body.
+  The aborted ``/generate`` returns what it generated so far, finish type ``abort``.
+- ``POST /update_weights_from_disk``: ``{"model_path", "load_format", "abort_all_requests",
+  "weight_version"}``; answers ``{"success", "message", "num_paused_requests"}`` (400 when
+  it fails; the engine keeps its old weights). Runs between batches.
+- ``GET /get_model_info``: ``{"model_path", "tokenizer_path", "is_generation",
+  "preferred_sampling_params", "weight_version"}``; ``GET /get_weight_version``.
+- ``GET /health`` and ``/health_generate``: 200 while the scheduler runs (the latter
+  generates one token), 503 otherwise. ``GET /get_server_info``: engine settings and
+  counters (not SGLang's fields).
+
+Not implemented (answered 400, never silently ignored): text prompts, streaming, top
+log-probs, input-token log-probs, penalties, constrained decoding, ``n`` > 1.
+Errors use SGLang's body ``{"object": "error", "message", "type", "code"}``.
+
+The model runs in the engine's scheduler thread; handlers only await its futures, so the
+event loop stays responsive while a batch computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from producers.engine import Engine, RequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SGLANG_RELEASE = "v0.5.3"
+"""The SGLang release whose native HTTP API this server follows."""
+
+_GENERATE_FIELDS = frozenset(
+    {
+        "input_ids",
+        "rid",
+        "sampling_params",
+        "return_logprob",
+        "logprob_start_len",
+        "top_logprobs_num",
+        "return_text_in_logprobs",
+        "stream",
+        "log_metrics",
+        "text",
+        "token_ids_logprob",
+    }
+)
+_ENGINE_KEY = web.AppKey("engine", Engine)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    body = {"object": "error", "message": message, "type": "BadRequest", "code": status}
+    return _json(body, status)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        data = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"body is not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise RequestError("body must be a JSON object")
+    return data
+
+
+@dataclass(frozen=True)
+class _Item:
+    input_ids: list[int]
+    rid: str | None
+    params: SamplingParams
+    return_logprob: bool
+
+
+def parse_generate(body: dict[str, Any]) -> tuple[list[_Item], bool]:
+    """The requests in a ``/generate`` body, and whether it was a batch."""
+    unknown = sorted(set(body) - _GENERATE_FIELDS)
+    if unknown:
+        raise RequestError(f"unsupported /generate fields: {unknown}")
+    if body.get("text") is not None:
+        raise RequestError("text prompts are not supported: send input_ids")
+    if body.get("stream"):
+        raise RequestError("stream=true is not supported")
+    if body.get("top_logprobs_num") or body.get("token_ids_logprob"):
+        raise RequestError("top_logprobs_num / token_ids_logprob are not supported")
+    start = body.get("logprob_start_len")
+    if start is not None and start != -1 and start != [-1] * _len_or(start):
+        raise RequestError("input-token log-probs (logprob_start_len >= 0) are not supported")
+    ids = body.get("input_ids")
+    if not isinstance(ids, list) or not ids:
+        raise RequestError("input_ids must be a non-empty list of token ids or of lists")
+    batch = isinstance(ids[0], list)
+    prompts = ids if batch else [ids]
+    for prompt in prompts:
+        if not isinstance(prompt, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise RequestError("input_ids must hold integers (one list per prompt)")
+    n = len(prompts)
+    rids = _per_item(body.get("rid"), n, "rid", str)
+    params = _per_item(body.get("sampling_params"), n, "sampling_params", dict)
+    logprob = _per_item(body.get("return_logprob"), n, "return_logprob", bool)
+    if len(set(r for r in rids if r is not None)) < sum(r is not None for r in rids):
+        raise RequestError("rid values must be unique")
+    items = [
+        _Item(prompt, rid, SamplingParams.from_dict(p), bool(lp))
+        for prompt, rid, p, lp in zip(prompts, rids, params, logprob, strict=True)
+    ]
+    return items, batch
+
+
+def _len_or(value: Any) -> int:
+    return len(value) if isinstance(value, list) else 0
+
+
+def _per_item(value: Any, n: int, name: str, kind: type) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise RequestError(f"{name} has {len(value)} entries for {n} inputs")
+        if not all(v is None or isinstance(v, kind) for v in value):
+            raise RequestError(f"{name} entries must be {kind.__name__}")
+        return value
+    if value is not None and not isinstance(value, kind):
+        raise RequestError(f"{name} must be a {kind.__name__} or a list of them")
+    if name == "rid" and value is not None and n > 1:
+        return [f"{value}-{i}" for i in range(n)]  # SGLang expands a batch's rid prefix
+    return [value] * n
+
+
+async def generate(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE_KEY]
+    try:
+        items, batch = parse_generate(await _body(request))
+        rids = [item.rid or uuid.uuid4().hex for item in items]
+        futures = engine.submit_many(
+            [
+                (i.input_ids, i.params, rid, i.return_logprob)
+                for i, rid in zip(items, rids, strict=True)
+            ]
+        )
+    except RequestError as exc:
+        return _error(str(exc))
+    try:
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+    except asyncio.CancelledError:  # the client went away: free the engine
+        for rid in rids:
+            engine.abort(rid)
+        raise
+    out = [r.to_sglang(engine.decode(r.output_ids)) for r in results]
+    return _json(out if batch else out[0])
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    try:
+        body = await _body(request)
+    except RequestError as exc:
+        return _error(str(exc))
+    request.app[_ENGINE_KEY].abort(body.get("rid") or None, abort_all=bool(body.get("abort_all")))
+    return web.Response(status=200)
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE_KEY]
+    try:
+        body = await _body(request)
+        model_path = body.get("model_path")
+        if not isinstance(model_path, str) or not model_path:
+            raise RequestError("model_path is required")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            raise RequestError(f"load_format {body['load_format']!r} is not supported")
+    except RequestError as exc:
+        return _error(str(exc))
+    version = body.get("weight_version")
+    future = engine.update_weights_from_disk(
+        model_path,
+        None if version is None else str(version),
+        abort_all_requests=bool(body.get("abort_all_requests")),
+    )
+    try:
+        paused = await asyncio.wrap_future(future)
+    except Exception as exc:  # reported to the caller; the old weights stay
+        logger.warning("update_weights_from_disk(%s) failed: %s", model_path, exc)
+        content = {"success": False, "message": f"Failed to update weights: {exc}"}
+        return _json({**content, "num_paused_requests": 0}, 400)
+    message = "Succeeded to update model weights."
+    if version is not None:
+        message += f" Weight version updated to {version}."
+    return _json({"success": True, "message": message, "num_paused_requests": paused})
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    return _json(request.app[_ENGINE_KEY].model_info())
+
+
+async def get_weight_version(request: web.Request) -> web.Response:
+    return _json({"weight_version": request.app[_ENGINE_KEY].weight_version})
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE_KEY]
+    stats = engine.stats
+    return _json(
+        {
+            "version": f"rollstream-engine (SGLang {SGLANG_RELEASE} API subset)",
+            "model_path": engine.model_path,
+            "max_batch_size": engine.max_batch_size,
+            "batch_wait_s": engine.batch_wait_s,
+            "context_length": engine.context_length,
+            "requests": stats.requests,
+            "batches": stats.batches,
+            "tokens_generated": stats.tokens_generated,
+            "aborted": stats.aborted,
+            "max_batch_seen": stats.max_batch_seen,
+        }
+    )
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200 if request.app[_ENGINE_KEY].alive else 503)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE_KEY]
+    if not engine.alive:
+        return web.Response(status=503)
+    params = SamplingParams(temperature=0.0, max_new_tokens=1)
+    future = engine.submit([0], params)
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(future), timeout=20)
+    except TimeoutError:
+        return web.Response(status=503)
+    return web.Response(status=200)
+
+
+def make_app(engine: Engine) -> web.Application:
+    """The aiohttp application serving ``engine`` (which must be started)."""
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[_ENGINE_KEY] = engine
+    app.router.add_post("/generate", generate)
+    app.router.add_put("/generate", generate)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/get_weight_version", get_weight_version)
+    app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    return app
+
+
+class ServerThread:
+    """``engine`` served on ``host:port`` from a background thread (tests, benchmarks,
+    notebooks). ``port=0`` picks a free port; ``url`` tells which."""
+
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.engine = engine.start()
+        self.host = host
+        self.port = port
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise RuntimeError(f"engine server failed to start: {self._error}") from self._error
+        return self
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._start())
+        except BaseException as exc:  # handed to start()
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup() if self._runner else asyncio.sleep(0))
+        self._loop.close()
+
+    async def _start(self) -> None:
+        self._runner = web.AppRunner(make_app(self.engine), access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port).start()
+        self.port = self._runner.addresses[0][1]
+
+    def stop(self, shutdown_engine: bool = True) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+        if shutdown_engine:
+            self.engine.shutdown()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(
+    engine: Engine, host: str, port: int, on_ready: Callable[[str], None] | None = None
+) -> None:
+    """Serve in the calling thread until SIGINT/SIGTERM; ``on_ready`` gets the URL (with
+    the real port when ``port`` is 0)."""
+    engine.start()
+
+    async def main() -> None:
+        runner = web.AppRunner(make_app(engine), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        if on_ready is not None:
+            on_ready(f"http://{host}:{runner.addresses[0][1]}")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()

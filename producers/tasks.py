@@ -1,0 +1,439 @@
+"""Tasks: where prompts come from and how responses are scored.
+
+A task is a prompt source plus a reward function (``Task``). The registry maps names to
+factories; ``make_task(name, options, context)`` builds one. Built in:
+
+- ``copy-first-digit-twice`` and ``reverse-3-digits``: synthetic tasks for the tiny model
+  of design §6 (vocab PAD BOS EOS SEP ``+`` 0-9). Prompt ``BOS d1 d2 d3 SEP``; the target
+  is the answer digits followed by EOS. Reward is partial credit: the share of target
+  positions (EOS included) the response gets right, so 1.0 means an exact answer that
+  stops where it should. A randomly initialised model learns the first in ~100 GRPO steps
+  on one core (design §6).
+- ``arithmetic``: word problems with integer answers for SmolLM2-135M-Instruct, generated
+  from templates with a seeded RNG (no dataset download), checked exactly. The model is
+  asked to end with ``Answer: <number>``; ``format_ok`` tells whether it did.
+- ``file``: your own prompts (JSONL or Parquet) with your own reward function by dotted
+  path, signature ``reward(response_text: str, response_ids: list[int], example: dict)
+  -> float | tuple[float, dict]``.
+
+Register more with ``@register_task("name")`` on a factory ``(context, **options) -> Task``,
+or name a factory directly as ``"package.module:factory"``. Reward details (parsed answer,
+correctness, format) are a small JSON object that travels in the trajectory's
+``reward_details``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import random
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from rollstream.models import BOS_ID, DIGIT0_ID, EOS_ID, PAD_ID, PLUS_ID, SEP_ID, TINY_VOCAB
+
+# --- the tiny vocabulary ------------------------------------------------------------------
+
+
+class TinyTokenizer:
+    """Tokenizer of the tiny model's 16-token vocabulary (``rollstream.models.TINY_VOCAB``).
+
+    Text is digits and ``+``; the special tokens are written ``<pad> <bos> <eos> <sep>``.
+    The model's vocabulary has 16 ids for these 15 names; the unnamed id decodes as ``<15>``.
+    """
+
+    vocab: tuple[str, ...] = TINY_VOCAB
+    pad_token_id, bos_token_id, eos_token_id, sep_token_id, plus_token_id = (
+        PAD_ID,
+        BOS_ID,
+        EOS_ID,
+        SEP_ID,
+        PLUS_ID,
+    )
+    _SPECIAL = re.compile(r"<pad>|<bos>|<eos>|<sep>|[0-9+]|\s+|.", re.S)
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for piece in self._SPECIAL.findall(text):
+            if piece.isspace():
+                continue
+            if piece not in self.vocab:
+                raise ValueError(f"{piece!r} is not in the tiny vocabulary {self.vocab}")
+            ids.append(self.vocab.index(piece))
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        out = []
+        for token in ids:
+            if not 0 <= token < len(self.vocab):  # the model's 16th id has no name
+                out.append(f"<{token}>")
+            elif not (skip_special_tokens and token < PLUS_ID):
+                out.append(self.vocab[token])
+        return "".join(out)
+
+
+def digits_to_ids(digits: Sequence[int]) -> list[int]:
+    return [DIGIT0_ID + d for d in digits]
+
+
+# --- the task contract -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: its token ids and what its reward function needs (``meta``)."""
+
+    ids: list[int]
+    meta: dict[str, Any] = field(default_factory=dict)
+    text: str | None = None
+
+
+class Task(Protocol):
+    """A prompt source and a reward function."""
+
+    name: str
+    max_new_tokens: int
+    stop_token_ids: list[int]
+
+    def sample(self, rng: random.Random) -> Prompt: ...
+
+    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> tuple[float, dict[str, Any]]:
+        """Reward of one response, and its JSON-able details."""
+        ...
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """What a task factory may use: the cache directory, and the engine's tokenizer when
+    the engine runs in-process."""
+
+    cache_dir: Path
+    tokenizer: Any = None
+
+
+TaskFactory = Callable[..., Task]
+_REGISTRY: dict[str, TaskFactory] = {}
+
+
+def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
+    """Decorator: register ``factory(context, **options) -> Task`` under ``name``."""
+
+    def decorate(factory: TaskFactory) -> TaskFactory:
+        if name in _REGISTRY and _REGISTRY[name] is not factory:
+            raise ValueError(f"task {name!r} is already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return decorate
+
+
+def available_tasks() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_task(name: str, options: dict[str, Any] | None, context: TaskContext) -> Task:
+    """Build a registered task, or one whose factory is given as ``module:attr``."""
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        if ":" not in name and "." not in name:
+            raise KeyError(f"unknown task {name!r}; registered: {available_tasks()}")
+        factory = load_object(name)
+    task = factory(context, **(options or {}))
+    for attr in ("name", "max_new_tokens", "stop_token_ids", "sample", "reward"):
+        if not hasattr(task, attr):
+            raise TypeError(f"task {name!r} built by {factory!r} has no {attr!r}")
+    return task
+
+
+def load_object(path: str) -> Any:
+    """The object at ``package.module:attr`` (or ``package.module.attr``)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"{path!r} is not a dotted path like 'package.module:function'")
+    module = importlib.import_module(module_name)
+    try:
+        obj = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError as exc:
+        raise ValueError(f"{module_name} has no attribute {attr!r}") from exc
+    return obj
+
+
+# --- synthetic digit tasks (tiny model) ----------------------------------------------------
+
+
+def score_digits(target: Sequence[int], response_ids: Sequence[int]) -> tuple[float, dict]:
+    """Partial credit: share of positions of ``target digits + EOS`` that are right."""
+    expected = [*digits_to_ids(target), EOS_ID]
+    got = list(response_ids[: len(expected)])
+    correct_positions = sum(int(a == b) for a, b in zip(expected, got, strict=False))
+    answer_ids = list(response_ids)
+    stopped = EOS_ID in answer_ids
+    if stopped:
+        answer_ids = answer_ids[: answer_ids.index(EOS_ID)]
+    answer = "".join(TINY_VOCAB[t] for t in answer_ids if DIGIT0_ID <= t < DIGIT0_ID + 10)
+    exact = got == expected
+    details = {
+        "target": "".join(str(d) for d in target),
+        "answer": answer,
+        "correct": exact,
+        "format_ok": stopped and all(DIGIT0_ID <= t < DIGIT0_ID + 10 for t in answer_ids),
+        "positions_correct": correct_positions,
+        "positions": len(expected),
+    }
+    return correct_positions / len(expected), details
+
+
+@dataclass
+class DigitsTask:
+    """``BOS d1..dn SEP`` → ``f(digits) EOS`` on the tiny vocabulary."""
+
+    name: str
+    num_digits: int
+    target_fn: Callable[[list[int]], list[int]]
+    max_new_tokens: int = 8
+    stop_token_ids: list[int] = field(default_factory=lambda: [EOS_ID])
+
+    def sample(self, rng: random.Random) -> Prompt:
+        digits = [rng.randrange(10) for _ in range(self.num_digits)]
+        ids = [BOS_ID, *digits_to_ids(digits), SEP_ID]
+        return Prompt(ids, {"digits": digits, "target": self.target_fn(digits)})
+
+    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> tuple[float, dict]:
+        return score_digits(prompt.meta["target"], response_ids)
+
+
+@register_task("copy-first-digit-twice")
+def copy_first_digit_twice(context: TaskContext, num_digits: int = 3, **kw: Any) -> DigitsTask:
+    return DigitsTask("copy-first-digit-twice", num_digits, lambda d: [d[0], d[0]], **kw)
+
+
+@register_task("reverse-3-digits")
+def reverse_3_digits(context: TaskContext, **kw: Any) -> DigitsTask:
+    return DigitsTask("reverse-3-digits", 3, lambda d: list(reversed(d)), **kw)
+
+
+# --- arithmetic word problems (SmolLM2) ---------------------------------------------------
+
+_NAMES = ("Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hugo", "Ines", "Jonas")
+_ITEMS = ("apples", "marbles", "stickers", "books", "pencils", "cookies", "stamps", "shells")
+SYSTEM_PROMPT = (
+    "You are a careful math tutor. Solve the problem, then end with a final line "
+    "'Answer: <number>'."
+)
+_ANSWER = re.compile(r"answer\s*[:=]\s*\$?\s*(-?\d[\d,]*)", re.I)
+_NUMBER = re.compile(r"-?\d[\d,]*")
+
+
+def make_word_problem(rng: random.Random) -> tuple[str, int]:
+    """A word problem with an integer answer, from a seeded ``rng``."""
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    kind = rng.randrange(4)
+    if kind == 0:
+        a, b = rng.randint(2, 60), rng.randint(2, 40)
+        return f"{name} has {a} {item}. {name} gets {b} more. How many {item} now?", a + b
+    if kind == 1:
+        a = rng.randint(10, 90)
+        b = rng.randint(1, a - 1)
+        return f"{name} had {a} {item} and gave away {b}. How many {item} are left?", a - b
+    if kind == 2:
+        a, b = rng.randint(2, 12), rng.randint(2, 12)
+        return f"A box holds {a} {item}. How many {item} are in {b} boxes?", a * b
+    a, b = rng.randint(2, 12), rng.randint(2, 9)
+    return (
+        f"{name} shares {a * b} {item} equally among {b} friends. How many {item} does "
+        "each friend get?",
+        a,
+    )
+
+
+def score_arithmetic(text: str, answer: int) -> tuple[float, dict[str, Any]]:
+    """1.0 for the exact answer. Prefers an ``Answer: N`` line (``format_ok``), else takes
+    the last number in the text."""
+    matches = _ANSWER.findall(text)
+    format_ok = bool(matches)
+    candidates = matches or _NUMBER.findall(text)
+    parsed: int | None = None
+    if candidates:
+        try:
+            parsed = int(candidates[-1].replace(",", ""))
+        except ValueError:
+            parsed = None
+    correct = parsed == answer
+    details = {"parsed": parsed, "answer": answer, "correct": correct, "format_ok": format_ok}
+    return (1.0 if correct else 0.0), details
+
+
+def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+@dataclass
+class ArithmeticTask:
+    tokenizer: Any
+    name: str = "arithmetic"
+    max_new_tokens: int = 96
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.stop_token_ids:
+            stops = {self.tokenizer.eos_token_id}
+            end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+            if isinstance(end, int) and end != self.tokenizer.unk_token_id:
+                stops.add(end)
+            self.stop_token_ids = sorted(t for t in stops if t is not None)
+
+    def sample(self, rng: random.Random) -> Prompt:
+        question, answer = make_word_problem(rng)
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": question},
+        ]
+        return Prompt(_chat_ids(self.tokenizer, messages), {"answer": answer}, question)
+
+    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> tuple[float, dict]:
+        text = self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
+        return score_arithmetic(text, prompt.meta["answer"])
+
+
+def _hf_tokenizer(context: TaskContext, tokenizer: str | None) -> Any:
+    if tokenizer is None and context.tokenizer is not None:
+        return context.tokenizer
+    from transformers import AutoTokenizer
+
+    if tokenizer is None or tokenizer == "smollm2-135m-instruct":
+        from rollstream.models import smollm2_checkpoint
+
+        tokenizer = str(smollm2_checkpoint(context.cache_dir))
+    return AutoTokenizer.from_pretrained(tokenizer)
+
+
+@register_task("arithmetic")
+def arithmetic(context: TaskContext, tokenizer: str | None = None, **kw: Any) -> ArithmeticTask:
+    """Options: ``tokenizer`` (a checkpoint directory; default SmolLM2-135M-Instruct),
+    ``max_new_tokens``, ``stop_token_ids``."""
+    return ArithmeticTask(_hf_tokenizer(context, tokenizer), **kw)
+
+
+# --- user prompts from a file -------------------------------------------------------------
+
+
+def read_examples(path: Path) -> list[dict[str, Any]]:
+    """Rows of a JSONL or Parquet file as dicts."""
+    path = Path(path)
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    rows = []
+    with path.open() as fh:
+        for number, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{number}: not JSON ({exc})") from exc
+    return rows
+
+
+@dataclass
+class FileTask:
+    """Prompts from a file (``prompt_ids``, or ``prompt`` text via a tokenizer), scored by
+    a user function."""
+
+    examples: list[dict[str, Any]]
+    reward_fn: Callable[..., Any]
+    tokenizer: Any
+    name: str = "file"
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = field(default_factory=list)
+    chat: bool = False
+
+    def sample(self, rng: random.Random) -> Prompt:
+        index = rng.randrange(len(self.examples))
+        example = self.examples[index]
+        if "prompt_ids" in example:
+            ids = [int(t) for t in example["prompt_ids"]]
+            text = None
+        elif "prompt" in example:
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (task option 'tokenizer')")
+            text = str(example["prompt"])
+            if self.chat:
+                ids = _chat_ids(self.tokenizer, [{"role": "user", "content": text}])
+            else:
+                ids = list(self.tokenizer.encode(text))
+        else:
+            raise ValueError(f"example {index} has neither 'prompt_ids' nor 'prompt'")
+        return Prompt(ids, {"example": example, "index": index}, text)
+
+    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> tuple[float, dict]:
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
+        result = self.reward_fn(text, list(response_ids), prompt.meta["example"])
+        reward, details = result if isinstance(result, tuple) else (result, {})
+        reward = float(reward)
+        if not math.isfinite(reward):
+            raise ValueError(f"reward function {self.reward_fn!r} returned {reward}")
+        if not isinstance(details, dict):
+            raise TypeError(f"reward details must be a dict, got {type(details).__name__}")
+        return reward, {**details, "example_index": prompt.meta["index"]}
+
+
+@register_task("file")
+def file_task(
+    context: TaskContext,
+    path: str,
+    reward: str,
+    tokenizer: str | None = None,
+    name: str = "file",
+    **kw: Any,
+) -> FileTask:
+    """Options: ``path`` (.jsonl or .parquet), ``reward`` (dotted path), ``tokenizer``
+    ('tiny', a checkpoint directory, or none for the engine's), ``max_new_tokens``,
+    ``stop_token_ids``, ``chat`` (apply the chat template), ``name``."""
+    examples = read_examples(Path(path))
+    if not examples:
+        raise ValueError(f"{path} holds no examples")
+    if tokenizer == "tiny":
+        tok: Any = TinyTokenizer()
+    elif tokenizer is None and context.tokenizer is None:
+        tok = None
+    else:
+        tok = _hf_tokenizer(context, tokenizer)
+    stops = kw.pop("stop_token_ids", None)
+    if stops is None:
+        eos = getattr(tok, "eos_token_id", None)
+        stops = [eos] if eos is not None else []
+    return FileTask(examples, load_object(reward), tok, name=name, stop_token_ids=stops, **kw)
+
+
+__all__ = [
+    "PAD_ID",
+    "ArithmeticTask",
+    "DigitsTask",
+    "FileTask",
+    "Prompt",
+    "Task",
+    "TaskContext",
+    "TinyTokenizer",
+    "available_tasks",
+    "load_object",
+    "make_task",
+    "make_word_problem",
+    "read_examples",
+    "register_task",
+    "score_arithmetic",
+    "score_digits",
+]

@@ -1,0 +1,787 @@
+"""The rollout worker: prompts in, version-tagged GRPO groups out to Kafka.
+
+One asyncio loop runs everything that is not model compute (the engine's own thread or
+a remote server does that):
+
+1. **Admission.** A new group starts only when the worker holds a version (when
+   following weights, the first one must arrive), fewer than ``max_inflight_groups`` are
+   generating, fewer than ``max_undelivered_groups`` await Kafka's acknowledgement
+   (bounded memory while the broker is away), the engine's version is at most
+   ``staleness_window`` versions behind the newest announced one (else the weight store
+   is lagging or down: wait for the follower), and at most ``staleness_window`` versions
+   ahead of the trainer's consumed version (the version of the data the trainer is
+   eating; ``consumed_version`` hook): beyond that, new data would only queue up and go
+   stale. Each pause and its reason is logged once.
+2. **Generation.** The G samples of a group go to the engine as one batch request, each
+   with its own rid. A sample's response is a list of segments ``(version, tokens)``.
+3. **Version changes** (``on_new_version`` / thread-safe ``submit_version``): the worker
+   closes the gate for new engine calls, then per ``version_policy``:
+   ``finish``: waits for calls in flight to finish on the old weights;
+   ``interrupt``: aborts them (keeping their tokens), loads the new weights, and
+   continues each cut sample from prompt + partial response on the new weights: a
+   partial rollout with two (or more) segments;
+   ``abort``: aborts them, discards their tokens and regenerates them from scratch.
+   Weights change only while no engine call is in flight, so every token's version is
+   known exactly; the engine's own ``weight_version`` is used when it reports an integer.
+4. **Publishing.** Rewards are computed, records built and validated
+   (``schemas.validation``), the group is produced by ``GroupPublisher`` and counts once
+   Kafka acknowledged all G records (the ledger says so durably).
+
+Failures: an unreachable engine is retried forever with backoff and a clear log line
+(the group is regenerated); an unreachable broker is ridden out by the idempotent
+producer (admission pauses once ``max_undelivered_groups`` wait); an unreachable weight
+store pauses admission once the announced versions run ahead. A malformed engine
+answer, an invalid record or a delivery error stops the worker with that error.
+``request_stop`` (SIGINT/SIGTERM) stops admission, aborts generation in flight (those
+groups are dropped, never published), waits for acknowledgements of what was published,
+and returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from producers.backends import Backend
+from producers.client import EngineError, EngineUnavailable, GenerateOutput
+from producers.config import ProducersConfig, RolloutConfig
+from producers.metrics import ProducerMetrics, Progress
+from producers.publish import GroupPublisher
+from producers.tasks import Prompt, Task
+from schemas.trajectory import NO_VERSION, Trajectory
+from schemas.validation import ValidationLimits, validate
+
+logger = logging.getLogger(__name__)
+
+
+class Stopped(Exception):
+    """The worker is stopping: the group in hand is dropped."""
+
+
+class InvalidTrajectory(RuntimeError):
+    """A record the worker built failed validation: a bug or a broken engine."""
+
+
+@dataclass
+class Sample:
+    """One finished response with its per-version segments."""
+
+    response_ids: list[int]
+    logprobs: list[float]
+    segments: list[list[int]]  # [version, length] pairs, versions non-decreasing
+    finish_type: str
+    finished_at_ms: int
+    interruptions: int = 0
+
+
+@dataclass
+class WorkerReport:
+    groups_delivered: int = 0
+    trajectories_delivered: int = 0
+    groups_dropped: int = 0
+    tokens: int = 0
+    interrupted_samples: int = 0
+    versions_applied: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        *,
+        config: RolloutConfig,
+        backend: Backend,
+        task: Task,
+        publisher: GroupPublisher,
+        run_id: str,
+        producer_id: str,
+        region: str,
+        metrics: ProducerMetrics | None = None,
+        consumed_version: Callable[[], int | None] | None = None,
+        announced_version: Callable[[], int | None] | None = None,
+        wait_for_first_version: bool = False,
+        mark: Callable[[], Mapping[int, int]] | None = None,
+        limits: ValidationLimits | None = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.task = task
+        self.publisher = publisher
+        self.run_id = run_id
+        self.producer_id = producer_id
+        self.region = region
+        self.metrics = metrics or publisher.metrics
+        self.consumed_version = consumed_version
+        self.announced_version = announced_version
+        self.limits = limits or ValidationLimits()
+        self._mark = mark
+        self.rng = random.Random(config.seed)
+        # NO_VERSION until the first version is loaded, when the engine's own weights
+        # are not a published version (weights come from the WeightFollower).
+        self.wait_for_first_version = wait_for_first_version
+        self.version = NO_VERSION if wait_for_first_version else config.initial_version
+        self.latest_version = self.version
+        self.report = WorkerReport()
+        try:  # so that submit_version works before run() (e.g. a follower's first sync)
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._stop = asyncio.Event()
+        self._version_ready = asyncio.Event()
+        self._pending_version: tuple[int, Mapping[str, Any]] | None = None
+        self._inflight_calls = 0
+        self._inflight_rids: set[str] = set()
+        self._swaps = 0  # incremented when a version change starts
+        self._failure: BaseException | None = None
+        self._stop_abort: asyncio.Future | None = None
+        self._engine_version_warned = False
+        self.metrics.version.set(self.version)
+        self.metrics.latest_version.set(self.version)
+
+    # --- control from outside ----------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def request_stop(self) -> None:
+        """Stop starting groups, abort generation in flight (safe from the loop only;
+        from other threads or signal handlers use ``request_stop_threadsafe``)."""
+        if self._stop.is_set():
+            return
+        logger.info("stopping: no new groups; aborting generation in flight")
+        self._stop.set()
+        self._gate.set()  # wake anything waiting for a version change
+        if self._inflight_rids:
+            self._stop_abort = asyncio.ensure_future(self._abort(list(self._inflight_rids)))
+
+    def request_stop_threadsafe(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.request_stop)
+
+    def submit_version(self, version: int, state_dict: Mapping[str, Any]) -> None:
+        """Offer new weights from any thread (e.g. a ``WeightFollower`` callback)."""
+        if self._loop is None:
+            raise RuntimeError("the worker is not running")
+        self._loop.call_soon_threadsafe(self._offer_version, version, state_dict)
+
+    async def on_new_version(self, version: int, state_dict: Mapping[str, Any]) -> None:
+        """Offer new weights from the worker's loop; returns once they serve (or were
+        superseded by a newer offer)."""
+        self._offer_version(version, state_dict)
+        while self.version < version and not self._stop.is_set() and self._failure is None:
+            await asyncio.sleep(0.005)
+
+    def _offer_version(self, version: int, state_dict: Mapping[str, Any]) -> None:
+        if version <= max(self.version, self._pending_version[0] if self._pending_version else -1):
+            logger.info("version %d ignored: not newer than the current one", version)
+            return
+        self._pending_version = (version, state_dict)
+        self.latest_version = max(self.latest_version, version)
+        self.metrics.latest_version.set(self.latest_version)
+        self.metrics.version_lag.set(self.latest_version - self.version)
+        self._version_ready.set()
+
+    # --- main loop ---------------------------------------------------------------------
+
+    async def run(
+        self, groups: int | None = None, *, progress: Progress | None = None
+    ) -> WorkerReport:
+        """Deliver ``groups`` groups (``None``: until stopped); returns a report."""
+        self._loop = asyncio.get_running_loop()
+        started_at = time.monotonic()
+        await self._adopt_engine_version()
+        helpers = [
+            asyncio.create_task(self._version_loop(), name="versions"),
+            asyncio.create_task(self._poll_loop(progress), name="poll"),
+        ]
+        tasks: set[asyncio.Task] = set()
+        started = 0
+        try:
+            while not self._stop.is_set() and (groups is None or started < groups):
+                while len(tasks) >= self.config.max_inflight_groups:
+                    await self._reap(tasks)
+                if not await self._admit(tasks):
+                    break
+                started += 1
+                tasks.add(asyncio.create_task(self._group_task(), name=f"group-{started}"))
+            while tasks:
+                await self._reap(tasks)
+            await self._drain()
+        except BaseException:
+            self._stop.set()
+            self._gate.set()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        finally:
+            for helper in helpers:
+                helper.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+            self.report.seconds = time.monotonic() - started_at
+            self.report.groups_delivered = self.publisher.delivered_groups
+            self.report.trajectories_delivered = int(self.metrics.get("trajectories_total"))
+            if progress is not None:
+                progress.close()
+        if self._failure is not None:
+            raise self._failure
+        return self.report
+
+    async def _reap(self, tasks: set[asyncio.Task]) -> None:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED, timeout=0.5)
+        for task in done:
+            tasks.discard(task)
+            task.result()  # a group's fatal error stops the worker
+        if self._failure is not None:
+            raise self._failure
+
+    async def _admit(self, tasks: set[asyncio.Task]) -> bool:
+        """Wait until a new group may start; False when stopping."""
+        reason = None
+        while not self._stop.is_set():
+            if self._failure is not None:
+                raise self._failure
+            why = self._pause_reason()
+            if why is None:
+                self.metrics.admission_paused.set(0)
+                if reason is not None:
+                    logger.info("admission resumed")
+                return True
+            self.metrics.admission_paused.set(1)
+            if why != reason:
+                reason = why
+                logger.info("admission paused: %s", why)
+            if tasks:
+                await self._reap(tasks)
+            else:
+                await asyncio.sleep(0.05)
+        return False
+
+    def _pause_reason(self) -> str | None:
+        """Why no new group may start now, or None."""
+        window = self.config.staleness_window
+        if self.version == NO_VERSION:
+            return "waiting for the first policy version from the weight follower"
+        announced = self.announced_version() if self.announced_version is not None else None
+        if announced is not None:
+            if announced > self.latest_version:
+                self.latest_version = announced
+                self.metrics.latest_version.set(announced)
+            self.metrics.version_lag.set(self.latest_version - self.version)
+            if announced - self.version > window:
+                return (
+                    f"serving v{self.version} but v{announced} is announced, more than the "
+                    f"staleness window ({window}) behind: waiting for the weight follower "
+                    "(is the weight store reachable?)"
+                )
+        consumed = self.consumed_version() if self.consumed_version is not None else None
+        if consumed is not None:
+            ahead = self.version - consumed
+            self.metrics.consumed_lag.set(ahead)
+            if ahead > window:
+                return (
+                    f"v{self.version} is {ahead} versions ahead of the trainer's consumed "
+                    f"version {consumed} (staleness window {window})"
+                )
+        if self.publisher.undelivered_groups >= self.config.max_undelivered_groups:
+            return f"{self.publisher.undelivered_groups} groups await Kafka acknowledgement"
+        return None
+
+    async def _poll_loop(self, progress: Progress | None) -> None:
+        last_mark = time.monotonic()
+        last_progress = 0.0
+        while True:
+            try:
+                self.publisher.poll(0)
+            except Exception as exc:  # a delivery error: stop the worker with it
+                self._fail(exc)
+                return
+            now = time.monotonic()
+            if progress is not None and now - last_progress >= 0.25:
+                last_progress = now
+                progress.update()
+            if self._mark is not None and now - last_mark >= self.config.mark_interval_s:
+                last_mark = now
+                try:
+                    offsets = await asyncio.to_thread(self._mark)
+                except Exception as exc:  # a missed mark only widens a later recovery scan
+                    logger.warning("could not record partition end offsets: %s", exc)
+                else:
+                    self.publisher.ledger.mark(offsets)
+            await asyncio.sleep(0.01)
+
+    async def _drain(self, stopping_limit_s: float = 30.0) -> None:
+        """Wait until Kafka acknowledged every published group. When stopping on a signal,
+        give up after ``stopping_limit_s``: what is left stays ``pending`` in the ledger
+        and the next start's recovery settles it."""
+        began = last_log = time.monotonic()
+        while self.publisher.undelivered_groups:
+            self.publisher.poll(0)
+            now = time.monotonic()
+            if self._stop.is_set() and now - began > stopping_limit_s:
+                logger.warning(
+                    "stopping with %d group(s) unacknowledged (left to recovery)",
+                    self.publisher.undelivered_groups,
+                )
+                return
+            if now - last_log > 10:
+                last_log = now
+                logger.info(
+                    "waiting for Kafka to acknowledge %d group(s)",
+                    self.publisher.undelivered_groups,
+                )
+            await asyncio.sleep(0.01)
+        self.publisher.flush(30)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+        self.request_stop()
+
+    # --- one group -----------------------------------------------------------------------
+
+    async def _group_task(self) -> None:
+        backoff = 1.0
+        while True:
+            try:
+                await self._run_group()
+                return
+            except Stopped:
+                self.report.groups_dropped += 1
+                return
+            except EngineUnavailable as exc:
+                self.metrics.engine_errors.inc()
+                logger.warning("engine unavailable (%s); retrying the group in %.0fs", exc, backoff)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), backoff)
+                backoff = min(backoff * 2, 30.0)
+                if self._stop.is_set():
+                    self.report.groups_dropped += 1
+                    return
+
+    async def _run_group(self) -> None:
+        prompt = self.task.sample(self.rng)
+        group_id = uuid.uuid4().hex
+        created_ms = _now_ms()
+        size = self.config.group_size
+        params = self.config.sampling.to_sglang(self.task.max_new_tokens, self.task.stop_token_ids)
+        self.metrics.inflight_groups.inc()
+        began = time.perf_counter()
+        try:
+            samples = await self._generate_group(prompt, group_id, size, params)
+        finally:
+            self.metrics.inflight_groups.dec()
+        generated = time.perf_counter() - began
+        trajectories = [
+            self._trajectory(prompt, group_id, i, size, sample, created_ms)
+            for i, sample in enumerate(samples)
+        ]
+        began = time.perf_counter()
+        await self.publisher.publish_async(group_id, trajectories)
+        self.metrics.publish_seconds.observe(time.perf_counter() - began)
+        self.metrics.generate_seconds.observe(generated)
+
+    def _trajectory(
+        self, prompt: Prompt, group_id: str, index: int, size: int, sample: Sample, created_ms: int
+    ) -> Trajectory:
+        reward, details = self.task.reward(prompt, sample.response_ids)
+        if sample.interruptions:
+            details = {**details, "interruptions": sample.interruptions}
+        traj = Trajectory.create(
+            run_id=self.run_id,
+            trajectory_id=f"{group_id}-{index}",
+            group_id=group_id,
+            group_size=size,
+            sample_index=index,
+            producer_id=self.producer_id,
+            region=self.region,
+            task=self.task.name,
+            prompt_ids=prompt.ids,
+            response_ids=sample.response_ids,
+            logp_infer=sample.logprobs,
+            segment_versions=[v for v, _ in sample.segments],
+            segment_lengths=[n for _, n in sample.segments],
+            reward=float(reward),
+            reward_details=details,
+            finish_reason=sample.finish_type,
+            created_at_ms=created_ms,
+            finished_at_ms=max(created_ms, sample.finished_at_ms),
+        )
+        defects = validate(traj, self.limits)
+        if defects:
+            raise InvalidTrajectory(
+                f"record {traj.trajectory_id} is invalid: " + "; ".join(map(str, defects))
+            )
+        return traj
+
+    async def _generate_group(
+        self, prompt: Prompt, group_id: str, size: int, params: dict[str, Any]
+    ) -> list[Sample]:
+        rids = [f"{group_id}-{i}-0" for i in range(size)]
+        outputs, version, swaps = await self._call([prompt.ids] * size, [params] * size, rids)
+        return list(
+            await asyncio.gather(
+                *(
+                    self._complete(prompt.ids, params, group_id, i, out, version, swaps)
+                    for i, out in enumerate(outputs)
+                )
+            )
+        )
+
+    async def _complete(
+        self,
+        prompt_ids: list[int],
+        params: dict[str, Any],
+        group_id: str,
+        index: int,
+        out: GenerateOutput,
+        version: int,
+        swaps: int,
+    ) -> Sample:
+        """Follow one sample through interruptions until it finishes."""
+        ids: list[int] = []
+        logprobs: list[float] = []
+        segments: list[list[int]] = []
+        interruptions = 0
+        limit = int(params["max_new_tokens"])
+        while True:
+            if out.output_ids:
+                v = self._segment_version(out, version)
+                if segments and segments[-1][0] == v:
+                    segments[-1][1] += len(out.output_ids)
+                else:
+                    segments.append([v, len(out.output_ids)])
+                ids += out.output_ids
+                logprobs += out.logprobs or []
+            if not out.aborted:
+                return Sample(ids, logprobs, segments, out.finish_type, _now_ms(), interruptions)
+            if self._stop.is_set():
+                raise Stopped
+            if swaps == self._swaps:
+                raise EngineError(
+                    f"engine aborted request {out.rid} without a version change: "
+                    f"{out.finish_reason}"
+                )
+            interruptions += 1
+            self.report.interrupted_samples += 1
+            self.metrics.interrupted.labels(self.config.version_policy).inc()
+            if self.config.version_policy == "abort":
+                ids, logprobs, segments = [], [], []
+            remaining = limit - len(ids)
+            if remaining <= 0:
+                return Sample(ids, logprobs, segments, "length", _now_ms(), interruptions)
+            rid = f"{group_id}-{index}-{interruptions}"
+            more = {**params, "max_new_tokens": remaining}
+            outputs, version, swaps = await self._call([prompt_ids + ids], [more], [rid])
+            out = outputs[0]
+
+    def _segment_version(self, out: GenerateOutput, believed: int) -> int:
+        """The engine's integer ``weight_version`` if it reports one, else our belief."""
+        try:
+            reported = int(out.weight_version) if out.weight_version is not None else None
+        except ValueError:
+            reported = None
+        if reported is None:
+            return believed
+        if reported != believed and not self._engine_version_warned:
+            self._engine_version_warned = True
+            logger.warning(
+                "engine reports weight_version %d, the worker believed %d: using the engine's",
+                reported,
+                believed,
+            )
+        return reported
+
+    async def _call(
+        self, prompts: list[list[int]], sampling: list[dict[str, Any]], rids: list[str]
+    ) -> tuple[list[GenerateOutput], int, int]:
+        """One engine call, admitted by the version gate; returns the outputs with the
+        version and swap counter in force when it was issued."""
+        while not self._gate.is_set():
+            await self._gate.wait()
+        if self._stop.is_set():
+            raise Stopped
+        version, swaps = self.version, self._swaps
+        self._inflight_calls += 1
+        self._idle.clear()
+        self._inflight_rids.update(rids)
+        try:
+            outputs = await self.backend.generate(prompts, sampling, rids)
+        finally:
+            self._inflight_calls -= 1
+            self._inflight_rids.difference_update(rids)
+            if self._inflight_calls == 0:
+                self._idle.set()
+        tokens = sum(len(o.output_ids) for o in outputs)
+        self.metrics.tokens.inc(tokens)
+        self.report.tokens += tokens
+        return outputs, version, swaps
+
+    # --- versions ------------------------------------------------------------------------
+
+    async def _adopt_engine_version(self) -> None:
+        if self.wait_for_first_version:
+            return  # the follower's first version replaces whatever the engine holds
+        info = await self.backend.model_info()
+        try:
+            reported = int(info.get("weight_version"))
+        except (TypeError, ValueError):
+            return
+        if reported != self.version:
+            logger.info("engine serves weight_version %d; starting from it", reported)
+            self.version = self.latest_version = reported
+            self.metrics.version.set(reported)
+            self.metrics.latest_version.set(reported)
+
+    async def _version_loop(self) -> None:
+        while True:
+            await self._version_ready.wait()
+            self._version_ready.clear()
+            if self._pending_version is None:
+                continue
+            version, state_dict = self._pending_version
+            self._pending_version = None
+            try:
+                await self._swap(version, state_dict)
+            except Exception as exc:  # the worker cannot go on without knowing its weights
+                self._fail(exc)
+                return
+
+    async def _swap(self, version: int, state_dict: Mapping[str, Any]) -> None:
+        policy = self.config.version_policy
+        self._gate.clear()
+        self._swaps += 1
+        try:
+            if policy != "finish" and self._inflight_rids:
+                await self._abort(list(self._inflight_rids))
+            await self._idle.wait()
+            backoff = 1.0
+            while True:
+                try:
+                    await self.backend.load_version(version, state_dict)
+                    break
+                except EngineUnavailable as exc:
+                    self.metrics.engine_errors.inc()
+                    logger.warning("engine unavailable while loading v%d (%s)", version, exc)
+                    if self._stop.is_set():
+                        return
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 30.0)
+            self.version = version
+            self.report.versions_applied.append(version)
+            self.metrics.version.set(version)
+            self.metrics.version_lag.set(self.latest_version - version)
+            logger.info("now generating with version %d (policy %s)", version, policy)
+        finally:
+            self._gate.set()
+
+    async def _abort(self, rids: list[str]) -> None:
+        try:
+            await self.backend.abort(rids)
+        except EngineError as exc:  # the calls then finish on their own
+            logger.warning("could not abort %d request(s): %s", len(rids), exc)
+
+
+# --- assembling a worker from the configuration ------------------------------------------
+
+
+def default_producer_id() -> str:
+    return socket.gethostname()
+
+
+def ledger_dir(state_dir: Path, run_id: str, producer_id: str) -> Path:
+    return Path(state_dir) / "producers" / run_id / producer_id
+
+
+async def run_producer(
+    config: Any,
+    producers: ProducersConfig,
+    *,
+    groups: int | None = None,
+    install_signals: bool = True,
+    consumed_version: Callable[[], int | None] | None = None,
+    on_worker: Callable[[RolloutWorker], Any] | None = None,
+) -> WorkerReport:
+    """Run a rollout worker for a resolved ``RollstreamConfig`` (Kafka address known).
+
+    Opens (and recovers) the ledger, connects the engine (``rollout.engine_url``, else an
+    in-process engine), builds the task, starts a ``WeightFollower`` thread on the run's
+    weight store (``rollout.follow_weights``: verified versions go to ``submit_version``;
+    the announcements it reads tell the worker how far behind it is), and publishes until
+    ``groups`` groups are delivered (default ``rollout.groups``) or a signal arrives.
+    ``consumed_version`` is the trainer's consumed version for admission control (none by
+    default); ``on_worker`` receives the worker before it runs (tests, extra wiring).
+    """
+    import signal
+
+    from producers.backends import HttpBackend, LocalBackend
+    from producers.client import EngineClient
+    from producers.ledger import Ledger, end_offsets, recover
+    from producers.tasks import TaskContext, make_task
+
+    rollout = producers.rollout
+    producer_id = rollout.producer_id or default_producer_id()
+    client_config = config.kafka.client_config()
+    end_offsets(client_config, rollout.topic)  # fails early and clearly if the topic is missing
+    metrics = ProducerMetrics()
+    if rollout.metrics_port is not None:
+        metrics.serve(rollout.metrics_port)
+
+    backend: Backend
+    tokenizer = None
+    if rollout.engine_url:
+        client = EngineClient(
+            rollout.engine_url,
+            connect_timeout=rollout.connect_timeout_s,
+            request_timeout=rollout.request_timeout_s,
+            retries=rollout.retries,
+            retry_max_wait=rollout.retry_max_wait_s,
+        )
+        await client.check_model(rollout.expected_model or producers.engine.model)
+        weights = Path(config.state_dir) / "producers" / config.run_id / producer_id / "weights"
+        backend = HttpBackend(client, weights)
+    else:
+        from producers.engine import engine_from_config
+
+        engine = await asyncio.to_thread(engine_from_config, producers.engine, config.cache_dir)
+        engine.weight_version = str(rollout.initial_version)
+        tokenizer = engine.tokenizer
+        backend = LocalBackend(engine)
+
+    ledger = Ledger(
+        ledger_dir(config.state_dir, config.run_id, producer_id), fsync=rollout.ledger_fsync
+    )
+    ledger.open()
+    publisher: GroupPublisher | None = None
+    watcher: _WatchedListener | None = None
+    follower: threading.Thread | None = None
+    stop_following = threading.Event()
+    try:
+        await asyncio.to_thread(recover, ledger, client_config, rollout.topic)
+        ledger.mark(await asyncio.to_thread(end_offsets, client_config, rollout.topic))
+        task = make_task(
+            rollout.task, rollout.task_options, TaskContext(config.cache_dir, tokenizer)
+        )
+        publisher = GroupPublisher(
+            client_config,
+            rollout.topic,
+            ledger,
+            metrics,
+            delivery_timeout_ms=rollout.delivery_timeout_ms,
+            overrides=rollout.producer_overrides,
+        )
+        worker = RolloutWorker(
+            config=rollout,
+            backend=backend,
+            task=task,
+            publisher=publisher,
+            run_id=config.run_id,
+            producer_id=producer_id,
+            region=config.s3.name,
+            metrics=metrics,
+            consumed_version=consumed_version,
+            announced_version=lambda: watcher.newest if watcher is not None else None,
+            wait_for_first_version=rollout.follow_weights,
+            mark=lambda: end_offsets(client_config, rollout.topic),
+        )
+        if rollout.follow_weights:
+            follower, watcher = _start_follower(config, worker, stop_following)
+        if on_worker is not None:
+            on_worker(worker)
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGINT, signal.SIGTERM) if install_signals else ()
+        for sig in signals:
+            loop.add_signal_handler(sig, _on_signal, worker, sig)
+        target = groups if groups is not None else rollout.groups
+        progress = Progress(metrics, enabled=rollout.progress, total=target)
+        try:
+            return await worker.run(target, progress=progress)
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+    finally:
+        stop_following.set()
+        if follower is not None:
+            await asyncio.to_thread(follower.join, 30)
+        if watcher is not None:
+            watcher.close()
+        if publisher is not None:
+            await asyncio.to_thread(publisher.close)
+        ledger.close()
+        await backend.aclose()
+
+
+class _WatchedListener:
+    """An ``AnnouncementListener`` that remembers the newest version it has seen, so the
+    worker knows how far behind it is even while the weight store is unreachable."""
+
+    def __init__(self, listener: Any) -> None:
+        self.listener = listener
+        self.newest: int | None = None
+
+    def next(self, timeout_s: float) -> Any:
+        announcement = self.listener.next(timeout_s)
+        if announcement is not None:
+            self.newest = max(self.newest or 0, announcement.version)
+        return announcement
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _start_follower(
+    config: Any, worker: RolloutWorker, stop: threading.Event
+) -> tuple[threading.Thread, _WatchedListener]:
+    """A ``WeightFollower`` thread feeding verified versions to ``worker.submit_version``."""
+    from rollstream.weights.announce import AnnouncementListener
+    from rollstream.weights.follower import Snapshot, WeightFollower
+    from rollstream.weights.store import WeightStore
+
+    def on_version(snapshot: Snapshot) -> None:
+        worker.submit_version(snapshot.version, snapshot.state)
+
+    store = WeightStore.from_config(config.s3, config.run_id)
+    follower = WeightFollower.from_config(store, config.weights, on_version)
+    listener = _WatchedListener(
+        AnnouncementListener(config.kafka.client_config(), config.run_id, config.weights.topic)
+    )
+    thread = threading.Thread(
+        target=follower.follow,
+        args=(stop,),
+        kwargs={"listener": listener, "poll_interval_s": config.weights.poll_interval_s},
+        name="weight-follower",
+        daemon=True,
+    )
+    thread.start()
+    logger.info("following weights of run %s in %s", config.run_id, store.uri(store.run_prefix))
+    return thread, listener
+
+
+def _on_signal(worker: RolloutWorker, sig: int) -> None:
+    import os
+    import signal
+
+    if worker.stopping:  # a second signal: leave now
+        logger.warning("second signal: exiting without waiting for acknowledgements")
+        os._exit(128 + sig)
+    logger.info("%s received: finishing", signal.Signals(sig).name)
+    worker.request_stop()

@@ -1,0 +1,610 @@
+"""The rollout worker against the real Kafka broker: exact delivery, versions and log-probs,
+version-change policies, admission control, engine outages, the ledger across kill -9."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from confluent_kafka import Consumer, Producer, TopicPartition
+
+from infra.topics import ensure_topics
+from producers.config import EngineConfig, ProducersConfig, RolloutConfig, SamplingConfig
+from producers.engine import Engine
+from producers.ledger import Ledger, end_offsets, read_ledger, recover
+from producers.server import ServerThread
+from producers.tasks import TaskContext, make_task
+from producers.worker import ledger_dir, run_producer
+from rollstream.config import RollstreamConfig, default_cache_dir
+from rollstream.models import build_tiny_llama
+from schemas.codec import decode, encode, parse_headers, routing_headers
+from schemas.topics import TopicSpec
+from schemas.trajectory import Trajectory
+from schemas.validation import ValidationLimits, validate
+
+torch.set_num_threads(1)
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = {0: build_tiny_llama(seed=0), 1: build_tiny_llama(seed=1)}
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def make_topic(kafka_config, unique_name, partitions: int = 4) -> str:
+    name = unique_name("rollouts.raw")
+    ensure_topics(kafka_config.client_config(), [TopicSpec(name, partitions=partitions)])
+    return name
+
+
+def rs_config(kafka_config, tmp_path: Path) -> RollstreamConfig:
+    return RollstreamConfig(
+        run_id=f"run-{uuid.uuid4().hex[:6]}",
+        state_dir=tmp_path / "state",
+        cache_dir=default_cache_dir(),
+        kafka=kafka_config,
+    )
+
+
+def rollout(topic: str, **overrides) -> RolloutConfig:
+    values = {
+        "topic": topic,
+        "group_size": 4,
+        "seed": 1,
+        "progress": False,
+        "producer_id": "worker-a",
+        "ledger_fsync": False,
+        "follow_weights": False,
+        **overrides,
+    }
+    return RolloutConfig(**values)
+
+
+def read_topic(kafka_config, topic: str) -> list:
+    """Every message of ``topic`` (a plain confluent-kafka consumer, from the beginning)."""
+    ends = end_offsets(kafka_config.client_config(), topic)
+    consumer = Consumer(
+        {
+            **kafka_config.client_config(),
+            "group.id": f"test-{uuid.uuid4().hex}",
+            "enable.auto.commit": False,
+        }
+    )
+    consumer.assign([TopicPartition(topic, p, 0) for p, end in ends.items() if end > 0])
+    todo = {p for p, end in ends.items() if end > 0}
+    messages = []
+    deadline = time.monotonic() + 60
+    while todo and time.monotonic() < deadline:
+        message = consumer.poll(0.5)
+        if message is None:
+            continue
+        assert message.error() is None, message.error()
+        messages.append(message)
+        if message.offset() + 1 >= ends[message.partition()]:
+            todo.discard(message.partition())
+    consumer.close()
+    assert not todo, f"could not read partitions {todo} to their end"
+    return messages
+
+
+def recompute(model, prompt, response) -> list[float]:
+    with torch.inference_mode():
+        logits = model(torch.tensor([list(prompt) + list(response)])).logits[0].float()
+        logp = torch.log_softmax(logits, dim=-1)
+    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(response)]
+
+
+def check_records(messages, groups: int, size: int, run_id: str) -> list[Trajectory]:
+    """Exactly ``groups`` complete, valid groups of ``size``; returns the records."""
+    assert len(messages) == groups * size
+    records = []
+    by_group = defaultdict(list)
+    for message in messages:
+        traj = decode(message.value())
+        assert validate(traj, ValidationLimits(vocab_size=16)) == []
+        headers = parse_headers(message.headers())
+        assert headers.trajectory_id == traj.trajectory_id
+        assert message.key().decode() == traj.group_id == headers.group_id
+        assert traj.run_id == run_id and traj.group_size == size
+        by_group[traj.group_id].append(traj)
+        records.append(traj)
+    assert len(by_group) == groups
+    for members in by_group.values():
+        assert sorted(t.sample_index for t in members) == list(range(size))
+        assert len({tuple(t.prompt_ids) for t in members}) == 1
+    return records
+
+
+def check_logprobs(traj: Trajectory, models=MODELS) -> None:
+    """Each segment's log-probs equal a plain forward pass of its version's weights."""
+    start = 0
+    for version, length in zip(traj.segment_versions, traj.segment_lengths, strict=True):
+        expected = recompute(models[int(version)], traj.prompt_ids, traj.response_ids)
+        got = traj.logp_infer[start : start + length]
+        assert list(got) == pytest.approx(expected[start : start + length], abs=1e-5)
+        start += length
+    assert start == len(traj.response_ids)
+
+
+# --- delivery ---------------------------------------------------------------------------------
+
+
+def test_worker_delivers_exactly_n_groups_over_http(kafka_config, unique_name, tmp_path):
+    topic = make_topic(kafka_config, unique_name)
+    config = rs_config(kafka_config, tmp_path)
+    groups, size = 6, 4
+    engine = Engine(build_tiny_llama(seed=0), model_path="tiny-llama", seed=0)
+    with ServerThread(engine) as server:
+        settings = ProducersConfig(
+            rollout=rollout(topic, engine_url=server.url, groups=groups, max_inflight_groups=3)
+        )
+        report = asyncio.run(run_producer(config, settings, install_signals=False))
+    assert report.groups_delivered == groups
+    assert report.trajectories_delivered == groups * size
+    messages = read_topic(kafka_config, topic)
+    records = check_records(messages, groups, size, config.run_id)
+    task = make_task("copy-first-digit-twice", {}, TaskContext(tmp_path))
+    for traj in records:
+        assert list(traj.segment_versions) == [0]
+        assert traj.finish_reason in ("stop", "length")
+        assert traj.producer_id == "worker-a" and traj.task == "copy-first-digit-twice"
+        check_logprobs(traj)
+        reward, details = task.reward(_prompt_of(traj), [int(t) for t in traj.response_ids])
+        assert (traj.reward, traj.reward_details) == (reward, details)
+    # The ledger lists exactly what the topic holds, with positions.
+    state = read_ledger(ledger_dir(config.state_dir, config.run_id, "worker-a") / "ledger.jsonl")
+    assert state.pending == {} and state.orphaned == {}
+    assert state.delivered_ids == {t.trajectory_id for t in records}
+    positions = {(m.partition(), m.offset()) for m in messages}
+    assert len(positions) == groups * size
+
+
+def _prompt_of(traj: Trajectory):
+    from producers.tasks import Prompt
+
+    digits = [int(t) - 5 for t in traj.prompt_ids[1:-1]]
+    return Prompt([int(t) for t in traj.prompt_ids], {"digits": digits, "target": [digits[0]] * 2})
+
+
+# --- versions ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["interrupt", "abort", "finish"])
+def test_version_change_policies(kafka_config, unique_name, tmp_path, policy):
+    topic = make_topic(kafka_config, unique_name)
+    config = rs_config(kafka_config, tmp_path)
+    settings = ProducersConfig(
+        engine=EngineConfig(step_delay_ms=20, seed=0),
+        rollout=rollout(
+            topic,
+            groups=2,
+            max_inflight_groups=1,
+            version_policy=policy,
+            sampling=SamplingConfig(max_new_tokens=12, ignore_eos=True, stop_token_ids=[]),
+        ),
+    )
+    holder = {}
+
+    async def scenario():
+        async def new_version_mid_generation():
+            while "worker" not in holder:
+                await asyncio.sleep(0.005)
+            worker = holder["worker"]
+            while worker.backend.engine.stats.tokens_generated < 4:  # first group under way
+                await asyncio.sleep(0.002)
+            await worker.on_new_version(1, MODELS[1].state_dict())
+
+        trigger = asyncio.create_task(new_version_mid_generation())
+        report = await run_producer(
+            config, settings, install_signals=False, on_worker=lambda w: holder.update(worker=w)
+        )
+        await trigger
+        return report
+
+    report = asyncio.run(asyncio.wait_for(scenario(), 240))
+    assert report.versions_applied == [1]
+    records = check_records(read_topic(kafka_config, topic), 2, 4, config.run_id)
+    first, second = sorted({t.group_id: t for t in records}.values(), key=lambda t: t.created_at_ms)
+    by_group = defaultdict(list)
+    for traj in records:
+        by_group[traj.group_id].append(traj)
+        assert sum(traj.segment_lengths) == len(traj.response_ids) == 12
+        check_logprobs(traj)
+    for traj in by_group[first.group_id]:
+        if policy == "interrupt":  # a partial rollout: old weights, then new weights
+            assert list(traj.segment_versions) == [0, 1]
+            assert all(n > 0 for n in traj.segment_lengths)
+            assert traj.reward_details["interruptions"] == 1
+        elif policy == "abort":  # thrown away and regenerated on the new weights
+            assert list(traj.segment_versions) == [1]
+            assert traj.reward_details["interruptions"] == 1
+        else:  # finished on the old weights
+            assert list(traj.segment_versions) == [0]
+            assert "interruptions" not in traj.reward_details
+    for traj in by_group[second.group_id]:
+        assert list(traj.segment_versions) == [1]
+    assert report.interrupted_samples == (0 if policy == "finish" else 4)
+
+
+def test_worker_follows_published_weights(kafka_config, s3_config, unique_name, tmp_path):
+    from rollstream.config import WeightsConfig
+    from rollstream.weights.announce import Announcer
+    from rollstream.weights.store import WeightStore
+    from rollstream.weights.writer import DeltaWriter
+    from schemas.topics import POLICY_VERSIONS
+
+    topic = make_topic(kafka_config, unique_name)
+    client = kafka_config.client_config()
+    versions_topic = unique_name("policy.versions")
+    ensure_topics(client, [dataclasses.replace(POLICY_VERSIONS, name=versions_topic)])
+    config = rs_config(kafka_config, tmp_path).model_copy(
+        update={"s3": s3_config, "weights": WeightsConfig(topic=versions_topic, poll_interval_s=1)}
+    )
+    # The trainer's weights differ from the engine's own (seed 0): only following helps.
+    published = {0: build_tiny_llama(seed=2), 1: build_tiny_llama(seed=3)}
+    announcer = Announcer(client, versions_topic)
+    writer = DeltaWriter(WeightStore.from_config(s3_config, config.run_id), announcer=announcer)
+    writer.publish(published[0].state_dict(), 0)
+    settings = ProducersConfig(
+        engine=EngineConfig(step_delay_ms=10, seed=0),
+        rollout=rollout(
+            topic,
+            groups=3,
+            max_inflight_groups=1,
+            staleness_window=0,
+            follow_weights=True,
+            sampling=SamplingConfig(max_new_tokens=12, ignore_eos=True, stop_token_ids=[]),
+        ),
+    )
+    holder = {}
+
+    async def scenario():
+        async def trainer():
+            while "worker" not in holder:
+                await asyncio.sleep(0.005)
+            worker = holder["worker"]
+            while worker.publisher.delivered_groups < 1:
+                await asyncio.sleep(0.005)
+            await asyncio.to_thread(writer.publish, published[1].state_dict(), 1)
+
+        task = asyncio.create_task(trainer())
+        report = await run_producer(
+            config, settings, install_signals=False, on_worker=lambda w: holder.update(worker=w)
+        )
+        await asyncio.wait_for(task, 60)
+        return report
+
+    try:
+        report = asyncio.run(asyncio.wait_for(scenario(), 240))
+    finally:
+        announcer.close()
+    assert report.versions_applied == [0, 1]
+    records = check_records(read_topic(kafka_config, topic), 3, 4, config.run_id)
+    for traj in records:
+        check_logprobs(traj, published)
+    ordered = sorted(records, key=lambda t: t.created_at_ms)
+    assert list(ordered[0].segment_versions) == [0]
+    assert list(ordered[-1].segment_versions) == [1]
+
+
+def test_admission_control_waits_for_the_trainer(kafka_config, unique_name, tmp_path):
+    topic = make_topic(kafka_config, unique_name)
+    config = rs_config(kafka_config, tmp_path)
+    # The engine starts at version 1 while the trainer has consumed version 0's data.
+    settings = ProducersConfig(
+        rollout=rollout(
+            topic, groups=3, max_inflight_groups=1, staleness_window=0, initial_version=1
+        )
+    )
+    consumed = [0]
+    holder = {}
+    seen = {}
+
+    async def scenario():
+        async def trainer():
+            while "worker" not in holder:
+                await asyncio.sleep(0.005)
+            worker = holder["worker"]
+            while not worker.metrics.get("admission_paused"):
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.3)  # paused means paused: nothing starts meanwhile
+            seen["delivered"] = worker.publisher.delivered_groups
+            seen["inflight"] = worker.metrics.get("inflight_groups")
+            seen["lag"] = worker.metrics.get("consumed_lag")
+            consumed[0] = 1  # the trainer caught up
+
+        task = asyncio.create_task(trainer())
+        report = await run_producer(
+            config,
+            settings,
+            install_signals=False,
+            consumed_version=lambda: consumed[0],
+            on_worker=lambda w: holder.update(worker=w),
+        )
+        await asyncio.wait_for(task, 60)
+        return report
+
+    report = asyncio.run(asyncio.wait_for(scenario(), 240))
+    assert seen == {"delivered": 0, "inflight": 0, "lag": 1}
+    assert report.groups_delivered == 3
+    records = check_records(read_topic(kafka_config, topic), 3, 4, config.run_id)
+    assert all(list(t.segment_versions) == [1] for t in records)
+
+
+def test_admission_waits_while_weights_lag_the_announced_version(
+    kafka_config, unique_name, tmp_path, caplog
+):
+    from producers.backends import LocalBackend
+    from producers.publish import GroupPublisher
+    from producers.worker import RolloutWorker
+
+    topic = make_topic(kafka_config, unique_name)
+    announced = [3]  # the weight store is down: v3 announced, the worker still at v0
+
+    async def scenario():
+        engine = Engine(build_tiny_llama(seed=0), model_path="tiny-llama", seed=0)
+        backend = LocalBackend(engine)
+        with Ledger(tmp_path / "ledger") as ledger:
+            publisher = GroupPublisher(kafka_config.client_config(), topic, ledger)
+            worker = RolloutWorker(
+                config=rollout(topic, staleness_window=1),
+                backend=backend,
+                task=make_task("copy-first-digit-twice", {}, TaskContext(tmp_path)),
+                publisher=publisher,
+                run_id="r",
+                producer_id="p",
+                region="local",
+                announced_version=lambda: announced[0],
+            )
+            run = asyncio.create_task(worker.run(1))
+            while not worker.metrics.get("admission_paused"):
+                await asyncio.sleep(0.005)
+            lag = worker.metrics.get("version_lag")
+            delivered = publisher.delivered_groups
+            await worker.on_new_version(2, MODELS[1].state_dict())  # the follower catches up
+            report = await asyncio.wait_for(run, 60)
+            publisher.close()
+        await backend.aclose()
+        return lag, delivered, report
+
+    with caplog.at_level("INFO", logger="producers.worker"):
+        lag, delivered, report = asyncio.run(scenario())
+    assert (lag, delivered) == (3, 0)
+    assert "v3 is announced, more than the staleness window (1) behind" in caplog.text
+    assert report.groups_delivered == 1 and report.versions_applied == [2]
+
+
+# --- outages ----------------------------------------------------------------------------------
+
+
+def test_worker_rides_out_an_engine_outage(kafka_config, unique_name, tmp_path):
+    topic = make_topic(kafka_config, unique_name)
+    config = rs_config(kafka_config, tmp_path)
+    engine = Engine(build_tiny_llama(seed=0), model_path="tiny-llama", seed=0)
+    servers = [ServerThread(engine).start()]
+    port = servers[0].port
+    settings = ProducersConfig(
+        rollout=rollout(
+            topic,
+            engine_url=servers[0].url,
+            groups=6,
+            max_inflight_groups=1,
+            retries=2,
+            retry_max_wait_s=0.1,
+        )
+    )
+    holder = {}
+
+    async def scenario():
+        async def outage():
+            while "worker" not in holder:
+                await asyncio.sleep(0.005)
+            worker = holder["worker"]
+            while worker.publisher.delivered_groups < 2:
+                await asyncio.sleep(0.005)
+            await asyncio.to_thread(servers[0].stop, False)  # the engine goes away
+            while not worker.metrics.get("engine_errors_total"):
+                await asyncio.sleep(0.01)
+            holder["during"] = worker.publisher.delivered_groups
+            servers.append(await asyncio.to_thread(ServerThread(engine, port=port).start))
+
+        task = asyncio.create_task(outage())
+        report = await run_producer(
+            config, settings, install_signals=False, on_worker=lambda w: holder.update(worker=w)
+        )
+        await task
+        return report
+
+    try:
+        report = asyncio.run(asyncio.wait_for(scenario(), 240))
+    finally:
+        servers[-1].stop()
+    assert holder["during"] < 6
+    assert report.groups_delivered == 6
+    check_records(read_topic(kafka_config, topic), 6, 4, config.run_id)
+
+
+# --- ledger -----------------------------------------------------------------------------------
+
+
+def _group(group_id: str, size: int = 3) -> list[Trajectory]:
+    return [
+        Trajectory.create(
+            run_id="r",
+            trajectory_id=f"{group_id}-{i}",
+            group_id=group_id,
+            group_size=size,
+            sample_index=i,
+            producer_id="p",
+            region="local",
+            task="t",
+            prompt_ids=[1, 5, 3],
+            response_ids=[6, 2],
+            logp_infer=[-1.0, -2.0],
+            segment_versions=[0],
+            segment_lengths=[2],
+            reward=0.0,
+            reward_details={},
+            finish_reason="stop",
+            created_at_ms=1,
+            finished_at_ms=2,
+        )
+        for i in range(size)
+    ]
+
+
+def test_ledger_recovery_resolves_what_a_crash_left_pending(kafka_config, unique_name, tmp_path):
+    topic = make_topic(kafka_config, unique_name, partitions=3)
+    client = kafka_config.client_config()
+    producer = Producer({**client, "enable.idempotence": True})
+    # Records from before this producer's session: the scan starts after them.
+    for traj in _group("older"):
+        producer.produce(topic, encode(traj), b"older", headers=routing_headers(traj))
+    producer.flush(30)
+    with Ledger(tmp_path) as ledger:
+        ledger.mark(end_offsets(client, topic))
+        for gid, produced in (("partial", 2), ("complete", 3), ("missing", 0), ("done", 3)):
+            group = _group(gid)
+            ledger.pending(gid, [t.trajectory_id for t in group])
+            for traj in group[:produced]:
+                producer.produce(topic, encode(traj), gid.encode(), headers=routing_headers(traj))
+        producer.flush(30)
+        ledger.delivered("done", [t.trajectory_id for t in _group("done")], [(0, 0)] * 3)
+    # A crash mid-write leaves a torn line behind.
+    with (tmp_path / "ledger.jsonl").open("ab") as fh:
+        fh.write(b'{"kind": "delivered", "group_id": "parti')
+    with Ledger(tmp_path) as ledger:
+        assert set(ledger.state.pending) == {"partial", "complete", "missing"}
+        report = recover(ledger, client, topic)
+        assert (report.delivered, report.orphaned, report.lost) == (1, 1, 1)
+    state = read_ledger(tmp_path / "ledger.jsonl")
+    assert state.pending == {}
+    assert set(state.delivered) == {"done", "complete"}
+    assert state.orphaned == {"partial": ["partial-0", "partial-1"]}
+    assert state.lost == {"missing"}
+    assert (tmp_path / "ledger.jsonl").read_bytes().endswith(b"\n")
+
+
+def test_ledger_is_exclusive(tmp_path):
+    from producers.ledger import LedgerLocked
+
+    with Ledger(tmp_path), pytest.raises(LedgerLocked, match="another process"):
+        Ledger(tmp_path).open()
+
+
+# --- the worker as a process: kill -9, SIGTERM ------------------------------------------------
+
+
+def _spawn(kafka_config, tmp_path: Path, run_id: str, topic: str, groups: int):
+    settings = tmp_path / "producers.toml"
+    settings.write_text(
+        textwrap.dedent(
+            f"""
+            [engine]
+            model = "tiny-llama"
+            torch_threads = 1
+            step_delay_ms = 2
+            [rollout]
+            topic = "{topic}"
+            groups = {groups}
+            group_size = 4
+            max_inflight_groups = 2
+            producer_id = "worker-k"
+            progress = false
+            follow_weights = false
+            """
+        )
+    )
+    env = {
+        **os.environ,
+        "ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS": kafka_config.bootstrap_servers,
+        "ROLLSTREAM_STATE_DIR": str(tmp_path / "state"),
+        "ROLLSTREAM_RUN_ID": run_id,
+        "ROLLSTREAM_S3__EMBEDDED": "false",
+        "PYTHONPATH": str(REPO),
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "producers", "--producers-config", str(settings)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _wait_for_deliveries(ledger_file: Path, at_least: int, process, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(process.stdout.read().decode()[-3000:])
+        if ledger_file.exists() and len(read_ledger(ledger_file).delivered) >= at_least:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {at_least} deliveries in {timeout}s")
+
+
+def _ledger_matches_topic(kafka_config, topic: str, ledger_file: Path) -> tuple[int, int]:
+    state = read_ledger(ledger_file)
+    assert state.pending == {}, "recovery left groups pending"
+    by_group = defaultdict(set)
+    for message in read_topic(kafka_config, topic):
+        traj = decode(message.value())
+        by_group[traj.group_id].add(traj.trajectory_id)
+    complete = {g: ids for g, ids in by_group.items() if len(ids) == 4}
+    partial = {g: ids for g, ids in by_group.items() if len(ids) < 4}
+    assert set(state.delivered) == set(complete)
+    assert state.delivered_ids == set().union(*complete.values())
+    assert {g: set(ids) for g, ids in state.orphaned.items()} == partial
+    assert not (set(state.lost) & set(by_group))
+    return len(complete), len(partial)
+
+
+def test_kill_9_and_restart_keep_ledger_and_topic_in_agreement(kafka_config, unique_name, tmp_path):
+    topic = make_topic(kafka_config, unique_name)
+    run_id = f"run-{uuid.uuid4().hex[:6]}"
+    ledger_file = ledger_dir(tmp_path / "state", run_id, "worker-k") / "ledger.jsonl"
+    first = _spawn(kafka_config, tmp_path, run_id, topic, groups=100_000)
+    try:
+        _wait_for_deliveries(ledger_file, 3, first)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    delivered_before = len(read_ledger(ledger_file).delivered)
+    second = _spawn(kafka_config, tmp_path, run_id, topic, groups=2)
+    output = second.communicate(timeout=300)[0].decode()
+    assert second.returncode == 0, output[-3000:]
+    assert "delivered 2 group(s), 8 record(s)" in output
+    complete, _ = _ledger_matches_topic(kafka_config, topic, ledger_file)
+    assert complete >= delivered_before + 2
+
+
+def test_sigterm_stops_cleanly(kafka_config, unique_name, tmp_path):
+    topic = make_topic(kafka_config, unique_name)
+    run_id = f"run-{uuid.uuid4().hex[:6]}"
+    ledger_file = ledger_dir(tmp_path / "state", run_id, "worker-k") / "ledger.jsonl"
+    process = _spawn(kafka_config, tmp_path, run_id, topic, groups=100_000)
+    try:
+        _wait_for_deliveries(ledger_file, 2, process)
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=120)[0].decode()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output[-3000:]
+    assert "SIGTERM received" in output
+    complete, partial = _ledger_matches_topic(kafka_config, topic, ledger_file)
+    assert partial == 0 and complete >= 2
+    assert len(read_ledger(ledger_file).orphaned) == 0
