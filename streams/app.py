@@ -1,0 +1,291 @@
+"""The stream worker: ``faust -A streams.app worker`` (or ``rollstream stream``).
+
+Reads top to bottom: configuration, the app, its topics and table, the services the
+agent uses, then the agent and the timer. The decisions live in plain modules
+(``streams.processor``, ``.oldlogits``, ``.snapshots``, ``.staleness``); this file only
+wires them to Kafka. Configuration comes from ``$ROLLSTREAM_CONFIG`` (the ``[streams]``
+and ``[weights]`` sections, plus Kafka and S3).
+
+Per message on ``rollouts.raw`` (keyed by group id): decode, validate, staleness check,
+add to the group's table entry; when the group is complete (or every sample is
+accounted for), compute exact old logits in a one-thread executor — never on the event
+loop, so heartbeats and commits go on — and emit the ``ScoredGroup``. A timer sends
+*ticks* to the partitions holding overdue groups (the internal ticks topic is
+co-partitioned with raw), so timeouts close groups inside the same per-partition
+transactions as everything else (``streams.txn`` explains the exactly-once argument).
+
+Scaling out: start more workers with the same ``app_id``. Faust's assignor gives each
+worker whole partitions of raw, ticks and the table changelog together (a group never
+spans workers), and each worker runs its own forward passes: old-logit compute scales
+with the number of workers up to the raw partition count (8), as long as each worker
+has its own cores (set ``old_logits.torch_threads`` to the cores per worker). Each worker
+holds its own snapshot store, so memory for snapshots grows with the worker count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import faust
+import torch
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient
+from faust.types import TP
+
+from infra.topics import ensure_topics
+from rollstream.weights.announce import AnnouncementListener
+from schemas.topics import (
+    POLICY_VERSIONS,
+    ROLLOUTS_DLQ,
+    ROLLOUTS_RAW,
+    ROLLOUTS_SCORED,
+    ROLLOUTS_STALE,
+    TopicSpec,
+)
+from streams.config import load_stream_config
+from streams.gaps import GapGuard
+from streams.metrics import StreamMetrics
+from streams.oldlogits import OldLogitEngine, parse_tiny_spec
+from streams.processor import Message, Processor, Step
+from streams.snapshots import FollowerFeed, FollowerSource, SeededSource, SnapshotStore
+from streams.staleness import StalenessPolicy, VersionTracker
+from streams.txn import EffectWriter, check_faust_internals
+from streams.versions import VersionReader
+
+log = logging.getLogger("streams")
+
+# --- configuration ----------------------------------------------------------------------
+
+SHARED, CONFIG, WEIGHTS = load_stream_config()
+RUN_ID = SHARED.run_id
+KAFKA = SHARED.kafka.client_config()
+TOPICS = CONFIG.topics
+
+
+def _prepare_topics() -> int:
+    """Create missing topics; the ticks topic gets raw's partition count. Returns it."""
+    present = AdminClient(KAFKA).list_topics(timeout=30).topics
+    if TOPICS.raw in present:
+        partitions = len(present[TOPICS.raw].partitions)
+    else:
+        partitions = ROLLOUTS_RAW.partitions
+    renamed = [
+        TopicSpec(TOPICS.raw, partitions),
+        TopicSpec(TOPICS.scored, ROLLOUTS_SCORED.partitions, max_message_bytes=16 * 1024 * 1024),
+        TopicSpec(
+            TOPICS.stale, ROLLOUTS_STALE.partitions, retention_ms=ROLLOUTS_STALE.retention_ms
+        ),
+        TopicSpec(TOPICS.dlq, ROLLOUTS_DLQ.partitions, retention_ms=ROLLOUTS_DLQ.retention_ms),
+        TopicSpec(
+            TOPICS.versions,
+            POLICY_VERSIONS.partitions,
+            cleanup_policy="compact",
+            max_message_bytes=POLICY_VERSIONS.max_message_bytes,
+            extra_configs=POLICY_VERSIONS.extra_configs,
+        ),
+        TopicSpec(CONFIG.ticks_topic, partitions, retention_ms=60 * 60 * 1000),
+    ]
+    missing = [spec for spec in renamed if spec.name not in present]
+    ensure_topics(KAFKA, missing, replication_factor=CONFIG.replication_factor)
+    return partitions
+
+
+RAW_PARTITIONS = _prepare_topics()
+torch.set_num_threads(CONFIG.old_logits.torch_threads)
+
+# --- the app ------------------------------------------------------------------------------
+
+app = faust.App(
+    CONFIG.app_id,
+    broker=";".join(f"kafka://{s}" for s in KAFKA["bootstrap.servers"].split(",")),
+    store="memory://",
+    processing_guarantee=CONFIG.processing_guarantee,
+    broker_commit_interval=CONFIG.commit_interval_s,
+    broker_session_timeout=CONFIG.session_timeout_s,
+    topic_replication_factor=CONFIG.replication_factor,
+    topic_partitions=RAW_PARTITIONS,
+    table_standby_replicas=0,
+    producer_max_request_size=16 * 1024 * 1024,
+    web_enabled=False,
+)
+
+# --- topics and table ---------------------------------------------------------------------
+
+source = app.topic(TOPICS.raw, CONFIG.ticks_topic, key_serializer="raw", value_serializer="raw")
+groups = app.Table(
+    "groups",
+    partitions=RAW_PARTITIONS,
+    key_type=bytes,  # raw bytes in and out of the changelog (streams.groups)
+    value_type=bytes,
+    help="Group assembly state, samples and source watermarks (streams.groups).",
+)
+
+# --- services -----------------------------------------------------------------------------
+
+metrics = StreamMetrics()
+tracker = VersionTracker()
+policy = StalenessPolicy(CONFIG.staleness)
+executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="old-logits")
+
+
+def _snapshot_source():
+    old = CONFIG.old_logits
+    if old.mode == "off":
+        return None
+    if old.source == "seeded":
+        model_kwargs = parse_tiny_spec(old.model) if old.model.startswith("tiny") else {}
+        return SeededSource(old.seed_base, **model_kwargs)
+    from rollstream.weights.follower import WeightFollower
+    from rollstream.weights.store import WeightStore
+
+    store = WeightStore.from_config(SHARED.s3, RUN_ID)
+    return FollowerSource(
+        store,
+        make_follower=lambda s: WeightFollower.from_config(s, WEIGHTS),
+        timeout_s=old.rebuild_timeout_s,
+    )
+
+
+snapshot_source = _snapshot_source()
+snapshots = SnapshotStore(
+    snapshot_source,
+    budget_bytes=int(CONFIG.old_logits.snapshot_memory_mb * 1024 * 1024),
+    dtype=getattr(torch, CONFIG.old_logits.dtype),
+    metrics=metrics,
+)
+engine = OldLogitEngine(CONFIG.old_logits, snapshots, metrics=metrics)
+processor = Processor(CONFIG, RUN_ID, tracker, groups.data, metrics)
+writer = EffectWriter(app, groups, exactly_once=CONFIG.processing_guarantee == "exactly_once")
+
+
+def _on_new_version(version: int) -> None:
+    metrics.trainer_version.set(version)
+    snapshots.retain(policy.oldest_admitted(version))
+
+
+versions = VersionReader(KAFKA, TOPICS.versions, RUN_ID, tracker, on_version=_on_new_version)
+
+
+async def _seek_raw(partition: int, offset: int) -> None:
+    await app.consumer.seek(TP(TOPICS.raw, partition), offset)
+
+
+gaps = GapGuard(groups.data, KAFKA, TOPICS.raw, _seek_raw)
+
+# --- the agent ----------------------------------------------------------------------------
+
+
+@app.agent(source)
+async def assemble(stream: faust.StreamT) -> None:
+    """One message at a time: decide, compute old logits off-loop, apply atomically."""
+    await _versions_caught_up()
+    async for event in stream.events():
+        message = event.message
+        msg = Message(
+            message.topic,
+            message.partition,
+            message.offset,
+            event.key,
+            event.value,
+            tuple(_headers(message.headers)),
+        )
+        if not await gaps.admit(msg):
+            continue  # records before it were skipped upstream; they are being re-read
+        try:
+            step = await _step(msg)
+        except Exception as err:  # a bug must not kill the worker: dead-letter the input
+            log.exception("processing %s-%d@%d failed", msg.topic, msg.partition, msg.offset)
+            step = processor.failed(msg, err)
+        await writer.apply(step)
+
+
+async def _versions_caught_up(timeout_s: float = 60.0) -> None:
+    """Judge no record before the trainer's version is known (see streams.versions)."""
+    versions.start()
+    deadline = time.monotonic() + timeout_s
+    while not versions.caught_up.is_set():
+        if time.monotonic() > deadline:
+            log.warning("%s not read to its end after %.0fs; going on", TOPICS.versions, timeout_s)
+            return
+        await asyncio.sleep(0.05)
+
+
+async def _step(msg: Message) -> Step:
+    now = _now_ms()
+    step = processor.handle(msg, now)
+    attached = {}
+    loop = asyncio.get_running_loop()
+    for closing in step.closings:
+        if closing.emit:
+            attached[closing.state.group_id] = await loop.run_in_executor(
+                executor, engine.attach, closing.samples
+            )
+    return processor.finish(step, attached, _now_ms())
+
+
+# --- timer: ticks for overdue groups ----------------------------------------------------
+
+_ticks = Producer({**KAFKA, "linger.ms": 0})
+
+
+@app.timer(interval=CONFIG.groups.tick_interval_s)
+async def tick() -> None:
+    """Send a tick to each of our partitions that holds an overdue group or marker."""
+    mine = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == TOPICS.raw}
+    for partition in processor.due_partitions(_now_ms()) & mine:
+        _ticks.produce(CONFIG.ticks_topic, value=b"", partition=partition)
+    _ticks.poll(0)
+
+
+# --- startup: version tracking, weight following, metrics ---------------------------------
+
+
+@app.task
+async def start_services() -> None:
+    check_faust_internals(app.producer)
+    versions.start()
+    if snapshot_source is not None and CONFIG.old_logits.source == "s3":
+        _start_follower()
+    if CONFIG.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(CONFIG.metrics_port, registry=metrics.registry)
+    log.info(
+        "streams: run %s, raw %s (%d partitions), old logits %s, guarantee %s",
+        RUN_ID,
+        TOPICS.raw,
+        RAW_PARTITIONS,
+        CONFIG.old_logits.mode,
+        CONFIG.processing_guarantee,
+    )
+
+
+def _start_follower() -> None:
+    from rollstream.weights.follower import FollowerMetrics, WeightFollower
+    from rollstream.weights.store import WeightStore
+
+    store = WeightStore.from_config(SHARED.s3, RUN_ID)
+    follower = WeightFollower.from_config(
+        store, WEIGHTS, on_version=snapshots.on_snapshot, metrics=FollowerMetrics(metrics.registry)
+    )
+    listener = AnnouncementListener(KAFKA, RUN_ID, TOPICS.versions)
+    FollowerFeed(follower, listener, WEIGHTS.poll_interval_s).start()
+
+
+def _headers(headers: object) -> list[tuple[str, bytes]]:
+    if headers is None:
+        return []
+    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    return [(str(k), bytes(v) if v is not None else b"") for k, v in pairs]  # type: ignore[union-attr]
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+if __name__ == "__main__":
+    app.main()

@@ -1,0 +1,230 @@
+"""Configuration of the stream processors: the ``[streams]`` section of the TOML file.
+
+Light on purpose (pydantic only, no torch, no Faust): ``rollstream stream --help`` and
+config validation stay instant. Every field is described; unknown keys are errors.
+
+``load_stream_config`` takes the ``[streams]`` and ``[weights]`` sections from
+``RollstreamConfig`` when it has them, and until then reads those tables out of the file
+itself and validates the rest with ``rollstream.config.load_config``. This module
+imports nothing from ``rollstream`` at import time, so ``rollstream.config`` can import
+``StreamsConfig`` from it.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from rollstream.config import RollstreamConfig
+    from rollstream.weights.config import WeightsConfig
+
+CONFIG_ENV = "ROLLSTREAM_CONFIG"
+"""Environment variable naming the TOML file a ``faust -A streams.app worker`` reads."""
+
+
+class StrictModel(BaseModel):
+    """Unknown keys are rejected, instances are immutable (as ``rollstream.config``'s
+    sections; defined here so that ``rollstream.config`` can import this module without
+    an import cycle)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StreamTopics(StrictModel):
+    """Topic names (tests use unique ones); defaults are ``schemas.topics``."""
+
+    raw: str = Field(default="rollouts.raw", description="Input: trajectories keyed by group id.")
+    scored: str = Field(default="rollouts.scored", description="Output: one ScoredGroup per group.")
+    stale: str = Field(
+        default="rollouts.stale", description="Records outside the staleness window."
+    )
+    dlq: str = Field(
+        default="rollouts.dlq", description="Records that failed validation, with why."
+    )
+    versions: str = Field(
+        default="policy.versions", description="Compacted VersionAnnouncement topic (trainer)."
+    )
+    ticks: str | None = Field(
+        default=None,
+        description="Internal timer topic co-partitioned with raw (default <app_id>-ticks).",
+    )
+
+
+class StalenessConfig(StrictModel):
+    """Which records are fresh enough to train on (design.md §1, seed 001 for staged).
+
+    ``window``: staleness = trainer version - oldest segment version; a record is stale
+    when it exceeds ``max_staleness``. ``staged`` (Mu-GRPO): versions form stages of
+    ``stage_versions``; a record is admitted while its oldest version's stage is at most
+    ``stages_admitted`` stages behind the trainer's, however many versions that is, so a
+    stage's data stays usable for all the optimisation steps of the stage.
+    """
+
+    mode: Literal["window", "staged"] = Field(
+        default="window", description="window: a fixed version window; staged: Mu-GRPO stages."
+    )
+    max_staleness: int = Field(
+        default=4, ge=0, description="window mode: most versions a record may lag the trainer."
+    )
+    stage_versions: int = Field(
+        default=8, ge=1, description="staged mode: trainer versions per generate/optimise stage."
+    )
+    stages_admitted: int = Field(
+        default=0, ge=0, description="staged mode: how many earlier stages are still admitted."
+    )
+
+
+class OldLogitsConfig(StrictModel):
+    """Exact old log-probs: the model code, numerics and snapshot store."""
+
+    mode: Literal["exact", "off"] = Field(
+        default="exact",
+        description="exact: recompute logp_old per segment version; off: mark records 'off'.",
+    )
+    model: str = Field(
+        default="tiny",
+        description="Architecture: 'tiny' or 'tiny:hidden_size=..,num_layers=..' "
+        "(rollstream.models.build_tiny_llama), 'smollm2', or a Hugging Face model directory.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="Dtype of the forward pass (must match the trainer's)."
+    )
+    temperature: float = Field(
+        default=1.0, gt=0, description="Sampling temperature; logits are divided by it."
+    )
+    source: Literal["s3", "seeded"] = Field(
+        default="s3",
+        description="Where versions come from: s3 (WeightFollower on the run's store) or "
+        "seeded (version v = build_tiny_llama(seed=seed_base+v); tests and benchmarks only).",
+    )
+    seed_base: int = Field(default=0, description="seeded source: seed of version 0.")
+    max_batch_sequences: int = Field(
+        default=32, ge=1, description="Most sequences in one forward pass."
+    )
+    max_batch_tokens: int = Field(
+        default=16_384, ge=1, description="Most padded tokens (rows x width) in one pass."
+    )
+    snapshot_memory_mb: float = Field(
+        default=2048.0, gt=0, description="Memory budget of the snapshot store (LRU beyond)."
+    )
+    torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads.")
+    rebuild_timeout_s: float = Field(
+        default=60.0, gt=0, description="Give up rebuilding a version from S3 after this long."
+    )
+
+
+class GroupsConfig(StrictModel):
+    """Assembling GRPO groups and normalising their advantages."""
+
+    timeout_s: float = Field(
+        default=120.0, gt=0, description="Emit or drop a group this long after its first sample."
+    )
+    partial_policy: Literal["emit", "drop"] = Field(
+        default="emit",
+        description="On timeout: emit the samples present (flagged partial) or dead-letter them.",
+    )
+    min_partial_samples: int = Field(
+        default=2, ge=1, description="A timed-out group with fewer samples is dead-lettered."
+    )
+    emitted_retention_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="How long an emitted group's id is remembered (late samples are refused).",
+    )
+    tick_interval_s: float = Field(
+        default=1.0, gt=0, description="How often the worker checks for timed-out groups."
+    )
+    normalize_std: bool = Field(default=True, description="A = (r - mean)/(std + eps) if true.")
+    eps: float = Field(default=1e-6, ge=0, description="Added to the std before dividing.")
+
+
+class ValidationConfig(StrictModel):
+    """Limits applied to every incoming record (``schemas.validation.ValidationLimits``)."""
+
+    vocab_size: int | None = Field(default=None, description="Token ids must be below this.")
+    max_prompt_tokens: int = Field(default=32_768, ge=1, description="Longest prompt accepted.")
+    max_response_tokens: int = Field(default=32_768, ge=1, description="Longest response.")
+    max_record_bytes: int = Field(default=4 * 1024 * 1024, ge=1, description="Largest record.")
+
+
+class StreamsConfig(StrictModel):
+    """The stream processors (issue 5): one Faust app, any number of workers."""
+
+    app_id: str = Field(
+        default="rollstream-streams",
+        description="Faust app id: consumer group, transactional ids, table changelog prefix.",
+    )
+    topics: StreamTopics = Field(default_factory=StreamTopics)
+    staleness: StalenessConfig = Field(default_factory=StalenessConfig)
+    old_logits: OldLogitsConfig = Field(default_factory=OldLogitsConfig)
+    groups: GroupsConfig = Field(default_factory=GroupsConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    processing_guarantee: Literal["exactly_once", "at_least_once"] = Field(
+        default="exactly_once",
+        description="exactly_once: outputs, table and offsets in one Kafka transaction.",
+    )
+    commit_interval_s: float = Field(
+        default=1.0, gt=0, description="How often offsets (and transactions) are committed."
+    )
+    replication_factor: int = Field(
+        default=1,
+        ge=1,
+        description="Replication of the topics the worker creates (changelog, ticks, ...).",
+    )
+    session_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Consumer group session timeout: how long a dead worker keeps its partitions.",
+    )
+    metrics_port: int | None = Field(
+        default=None, description="Serve Prometheus metrics on this port (none: off)."
+    )
+
+    @model_validator(mode="after")
+    def _ticks_differ(self) -> StreamsConfig:
+        names = [self.topics.raw, self.topics.scored, self.topics.stale, self.topics.dlq]
+        if len(set(names)) != len(names):
+            raise ValueError(f"raw, scored, stale and dlq topics must differ: {names}")
+        return self
+
+    @property
+    def ticks_topic(self) -> str:
+        return self.topics.ticks or f"{self.app_id}-ticks"
+
+
+def load_stream_config(
+    path: Path | None = None,
+) -> tuple[RollstreamConfig, StreamsConfig, WeightsConfig]:
+    """The shared config, the ``[streams]`` section and the ``[weights]`` section.
+
+    ``path`` defaults to ``$ROLLSTREAM_CONFIG`` (none: defaults and environment only).
+    """
+    from rollstream.config import RollstreamConfig, load_config
+    from rollstream.weights.config import WeightsConfig
+
+    if path is None and os.environ.get(CONFIG_ENV):
+        path = Path(os.environ[CONFIG_ENV])
+    values: dict[str, Any] = {}
+    if path is not None:
+        with Path(path).open("rb") as fh:
+            values = tomllib.load(fh)
+    # Sections RollstreamConfig already knows stay in it (and get its env overrides).
+    known = RollstreamConfig.model_fields
+    sections = {name: values.pop(name, {}) for name in ("streams", "weights") if name not in known}
+    shared = load_config(None, **values)
+    streams = (
+        shared.streams  # type: ignore[attr-defined]
+        if "streams" in known
+        else StreamsConfig.model_validate(sections["streams"])
+    )
+    weights = (
+        shared.weights  # type: ignore[attr-defined]
+        if "weights" in known
+        else WeightsConfig.model_validate(sections["weights"])
+    )
+    return shared, streams, weights

@@ -1,0 +1,88 @@
+"""Prometheus metrics of a stream worker, on a registry the caller owns (or a new one).
+
+=================================================  ==========================================
+metric                                             meaning
+=================================================  ==========================================
+``rollstream_streams_records_in_total{topic}``     messages consumed (raw records and ticks)
+``rollstream_streams_records_out_total{topic}``    messages produced to scored / stale / dlq
+``rollstream_streams_dlq_total{reason}``           records dead-lettered, by reason code
+``rollstream_streams_stale_total``                 records routed to the stale topic
+``rollstream_streams_groups_total{outcome}``       groups closed: complete / partial / dropped
+``rollstream_streams_group_latency_seconds``       first sample seen → group emitted (histogram)
+``rollstream_streams_oldlogit_tokens_total``       response tokens given exact ``logp_old``
+``rollstream_streams_oldlogit_seconds_total``      forward-pass seconds spent on them; the
+                                                   ratio of the two rates is tokens/s
+``rollstream_streams_oldlogit_tokens_per_second``  tokens/s of the last old-logit batch
+``rollstream_streams_oldlogit_status_total{s}``    samples by ``old_logits_status``
+``rollstream_streams_snapshot_hits_total``         snapshot lookups served from memory
+``rollstream_streams_snapshot_misses_total``       lookups that had to rebuild (or failed)
+``rollstream_streams_snapshot_rebuilds_total``     versions rebuilt from the source on a miss
+``rollstream_streams_snapshot_unavailable_total``  versions the source could not provide
+``rollstream_streams_snapshot_evictions_total``    versions evicted (LRU over budget, window)
+``rollstream_streams_snapshot_bytes``              bytes of weights held (shared tensors once)
+``rollstream_streams_snapshot_versions``           versions held
+``rollstream_streams_trainer_version``             newest announced trainer version
+=================================================  ==========================================
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_PREFIX = "rollstream_streams_"
+
+
+class StreamMetrics:
+    """Every metric above; ``registry`` defaults to a fresh one (tests stay independent)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.records_in = Counter(
+            _PREFIX + "records_in", "Messages consumed.", ["topic"], registry=r
+        )
+        self.records_out = Counter(
+            _PREFIX + "records_out", "Messages produced.", ["topic"], registry=r
+        )
+        self.dlq = Counter(_PREFIX + "dlq", "Records dead-lettered.", ["reason"], registry=r)
+        self.stale = Counter(_PREFIX + "stale", "Records routed as stale.", registry=r)
+        self.groups = Counter(_PREFIX + "groups", "Groups closed.", ["outcome"], registry=r)
+        self.group_latency = Histogram(
+            _PREFIX + "group_latency_seconds",
+            "First sample seen to group emitted.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
+        self.oldlogit_tokens = Counter(
+            _PREFIX + "oldlogit_tokens", "Tokens given exact logp_old.", registry=r
+        )
+        self.oldlogit_seconds = Counter(
+            _PREFIX + "oldlogit_seconds", "Forward-pass seconds for logp_old.", registry=r
+        )
+        self.oldlogit_rate = Gauge(
+            _PREFIX + "oldlogit_tokens_per_second", "Tokens/s of the last batch.", registry=r
+        )
+        self.oldlogit_status = Counter(
+            _PREFIX + "oldlogit_status", "Samples by old_logits_status.", ["status"], registry=r
+        )
+        self.snapshot_hits = Counter(_PREFIX + "snapshot_hits", "Snapshot hits.", registry=r)
+        self.snapshot_misses = Counter(_PREFIX + "snapshot_misses", "Snapshot misses.", registry=r)
+        self.snapshot_rebuilds = Counter(
+            _PREFIX + "snapshot_rebuilds", "Versions rebuilt on a miss.", registry=r
+        )
+        self.snapshot_unavailable = Counter(
+            _PREFIX + "snapshot_unavailable", "Versions the source lacked.", registry=r
+        )
+        self.snapshot_evictions = Counter(
+            _PREFIX + "snapshot_evictions", "Versions evicted.", registry=r
+        )
+        self.snapshot_bytes = Gauge(_PREFIX + "snapshot_bytes", "Bytes held.", registry=r)
+        self.snapshot_versions = Gauge(_PREFIX + "snapshot_versions", "Versions held.", registry=r)
+        self.trainer_version = Gauge(
+            _PREFIX + "trainer_version", "Newest announced trainer version.", registry=r
+        )
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of a sample by its full name (``..._total`` for counters)."""
+        found = self.registry.get_sample_value(name, labels)
+        return 0.0 if found is None else found

@@ -1,0 +1,417 @@
+"""What the stream does with one message, as plain Python (no Faust, no Kafka, no torch).
+
+``Processor.handle`` turns a consumed message into a ``Step``: the messages to produce,
+the table writes, and the groups to close. Closing a group that will be emitted needs
+old logits first; the caller computes them off the event loop (``OldLogitEngine``) and
+hands them to ``Processor.finish``, which adds the scored group (or its dead letters)
+and the source-offset watermark. The caller then applies the whole step atomically
+(``streams.txn``). Reads come from the table as it was before the step; within a step
+every write goes to a different key, except the group state, which is written once.
+
+A raw record goes through, in order:
+
+1. **replay check**: at or below the partition's watermark → already applied, skip;
+2. **decode + validate** (``schemas.codec``, ``schemas.validation``) → DLQ with the codec's
+   or the validator's reason code, the original bytes and headers, and the source
+   topic/partition/offset (``schemas.control.DeadLetter``);
+3. **routing checks**: another run's record (``foreign_run``), a Kafka key that is not
+   the group id (``key_mismatch``: the group could be split across partitions);
+4. **staleness** (``StalenessPolicy``) → ``rollouts.stale`` with ``StaleRecord``;
+5. **assembly**: the sample joins its group's table entry; a duplicate
+   (``duplicate_sample``), a taken sample index (``duplicate_sample_index``), a group size
+   that disagrees (``group_size_mismatch``) or a sample of an already closed group
+   (``late_sample``) goes to the DLQ instead. Stale or invalid samples of the group are
+   counted as *dropped*, so a group whose every sample is accounted for closes at once.
+
+A tick (the internal ``ticks`` topic, same partitioning) closes the partition's groups
+older than ``timeout_s`` and forgets closed-group markers past ``emitted_retention_s``.
+
+Closing: all ``group_size`` samples → emitted complete. Fewer (timeout, or some dropped)
+→ ``partial_policy="emit"`` emits them flagged partial if at least
+``min_partial_samples`` are present; otherwise each goes to the DLQ as
+``incomplete_group``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable, Mapping
+
+from schemas.codec import DecodeError, decode, routing_headers
+from schemas.control import DEAD_LETTER_HEADER, STALE_HEADER, DeadLetter, StaleRecord
+from schemas.group import encode_group
+from schemas.trajectory import Trajectory
+from schemas.validation import ValidationLimits, validate
+from streams.config import StreamsConfig
+from streams.groups import (
+    GROUP_PREFIX,
+    GroupState,
+    SampleEntry,
+    build_scored_group,
+    group_key,
+    offset_key,
+    sample_key,
+)
+from streams.metrics import StreamMetrics
+from streams.staleness import StalenessPolicy, VersionTracker
+
+log = logging.getLogger(__name__)
+
+Headers = tuple[tuple[str, bytes], ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Message:
+    """A consumed Kafka message, client-independent."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Headers = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Send:
+    """A message to produce."""
+
+    topic: str
+    key: bytes | None
+    value: bytes
+    headers: Headers = ()
+
+
+@dataclasses.dataclass(slots=True)
+class Closing:
+    """A group to close. ``emit``: it becomes a ScoredGroup (old logits needed first)."""
+
+    state: GroupState
+    samples: list[Trajectory]
+    raw: list[bytes]  # the samples' original record bytes, same order
+    emit: bool
+    outcome: str  # complete | partial | dropped
+
+
+@dataclasses.dataclass(slots=True)
+class Step:
+    """Everything one message causes; applied atomically by the caller."""
+
+    message: Message
+    sends: list[Send] = dataclasses.field(default_factory=list)
+    writes: list[tuple[bytes, bytes | None]] = dataclasses.field(default_factory=list)
+    closings: list[Closing] = dataclasses.field(default_factory=list)
+    skipped: bool = False
+
+    @property
+    def partition(self) -> int:
+        """Table (changelog) partition of every write: the source partition."""
+        return self.message.partition
+
+
+class DeadLetterReason:
+    """Reason codes the stream itself adds to those of the codec and the validator."""
+
+    FOREIGN_RUN = "foreign_run"
+    KEY_MISMATCH = "key_mismatch"
+    DUPLICATE_SAMPLE = "duplicate_sample"
+    DUPLICATE_SAMPLE_INDEX = "duplicate_sample_index"
+    GROUP_SIZE_MISMATCH = "group_size_mismatch"
+    LATE_SAMPLE = "late_sample"
+    INCOMPLETE_GROUP = "incomplete_group"
+    PROCESSING_ERROR = "processing_error"
+
+
+class Processor:
+    """The stream's decisions, given the table's current contents."""
+
+    def __init__(
+        self,
+        config: StreamsConfig,
+        run_id: str,
+        tracker: VersionTracker,
+        table: Mapping[bytes, bytes],
+        metrics: StreamMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.run_id = run_id
+        self.tracker = tracker
+        self.table = table
+        self.metrics = metrics if metrics is not None else StreamMetrics()
+        self.policy = StalenessPolicy(config.staleness)
+        v = config.validation
+        self.limits = ValidationLimits(
+            vocab_size=v.vocab_size,
+            max_prompt_tokens=v.max_prompt_tokens,
+            max_response_tokens=v.max_response_tokens,
+            max_record_bytes=v.max_record_bytes,
+        )
+        self.topics = config.topics
+        self.ticks_topic = config.ticks_topic
+
+    # --- entry points ---------------------------------------------------------------------
+
+    def handle(self, msg: Message, now_ms: int) -> Step:
+        """The step for ``msg`` (old logits of emitted groups still to be attached)."""
+        step = Step(msg)
+        self.metrics.records_in.labels(topic=msg.topic).inc()
+        watermark = self.table.get(offset_key(msg.topic, msg.partition))
+        if watermark is not None and msg.offset <= int(watermark):
+            step.skipped = True
+            return step
+        if msg.topic == self.ticks_topic:
+            self._tick(step, now_ms)
+        else:
+            self._record(step, now_ms)
+        return step
+
+    def finish(self, step: Step, attached: Mapping[str, list[Trajectory]], now_ms: int) -> Step:
+        """Add the closings' outputs (``attached``: emitted groups' samples with old logits,
+        by group id) and the watermark write. Returns ``step``."""
+        if step.skipped:
+            return step
+        for closing in step.closings:
+            state = closing.state
+            if closing.emit:
+                group = build_scored_group(
+                    self.run_id,
+                    state,
+                    attached[state.group_id],
+                    trainer_version=self.tracker.version,
+                    now_ms=now_ms,
+                    normalize_std=self.config.groups.normalize_std,
+                    eps=self.config.groups.eps,
+                )
+                self._send(
+                    step,
+                    self.topics.scored,
+                    state.group_id.encode(),
+                    encode_group(group),
+                    (
+                        ("rs-run-id", self.run_id.encode()),
+                        ("rs-group-id", state.group_id.encode()),
+                        ("rs-complete", b"1" if group.complete else b"0"),
+                    ),
+                )
+                latency = max(0, now_ms - state.first_seen_ms) / 1000
+                self.metrics.group_latency.observe(latency)
+            else:
+                offsets = {s.trajectory_id: s.offset for s in state.samples}
+                for traj, raw in zip(closing.samples, closing.raw, strict=True):
+                    self._dead_letter(
+                        step,
+                        DeadLetterReason.INCOMPLETE_GROUP,
+                        f"group {state.group_id} closed with {len(state.samples)} of "
+                        f"{state.group_size} samples",
+                        key=state.group_id.encode(),
+                        value=raw,
+                        headers=tuple(routing_headers(traj)),
+                        source=(self.topics.raw, state.partition, offsets[traj.trajectory_id]),
+                    )
+            self.metrics.groups.labels(outcome=closing.outcome).inc()
+            for entry in state.samples:
+                step.writes.append((sample_key(state.group_id, entry.trajectory_id), None))
+            marker = state.closed_as(closing.outcome, now_ms)
+            keep = self.config.groups.emitted_retention_s > 0
+            step.writes.append((group_key(state.group_id), marker.to_bytes() if keep else None))
+        msg = step.message
+        step.writes.append((offset_key(msg.topic, msg.partition), str(msg.offset).encode()))
+        return step
+
+    def failed(self, msg: Message, error: BaseException) -> Step:
+        """The step for a message whose processing raised (a bug, not bad input): the
+        message goes to the DLQ as ``processing_error`` and the worker moves on."""
+        step = Step(msg)
+        self._reject(step, DeadLetterReason.PROCESSING_ERROR, f"{type(error).__name__}: {error}")
+        step.writes.append((offset_key(msg.topic, msg.partition), str(msg.offset).encode()))
+        return step
+
+    def due_partitions(self, now_ms: int) -> set[int]:
+        """Partitions holding a group past its timeout or a marker past its retention."""
+        due: set[int] = set()
+        for _key, state in self._group_states():
+            if self._is_due(state, now_ms):
+                due.add(state.partition)
+        return due
+
+    # --- raw records ----------------------------------------------------------------------
+
+    def _record(self, step: Step, now_ms: int) -> None:
+        msg = step.message
+        value = msg.value if msg.value is not None else b""
+        try:
+            traj = decode(value, max_bytes=self.limits.max_record_bytes)
+        except DecodeError as err:
+            self._reject(step, str(err.reason), err.message)
+            return
+        defects = validate(traj, self.limits)
+        key_matches = msg.key == traj.group_id.encode()
+        if defects:
+            detail = "; ".join(str(d) for d in defects)
+            self._reject(step, str(defects[0].reason), detail)
+            if key_matches and traj.run_id == self.run_id:
+                self._drop_from_group(step, traj, now_ms)
+            return
+        if traj.run_id != self.run_id:
+            self._reject(
+                step,
+                DeadLetterReason.FOREIGN_RUN,
+                f"run {traj.run_id!r}, stream serves {self.run_id!r}",
+            )
+            return
+        if not key_matches:
+            self._reject(
+                step,
+                DeadLetterReason.KEY_MISMATCH,
+                f"key {msg.key!r} is not the group id {traj.group_id!r}",
+            )
+            return
+        trainer = self.tracker.version
+        verdict = self.policy.judge(traj.min_version, trainer)
+        if not verdict.admitted:
+            stale = StaleRecord(traj.trajectory_id, verdict.staleness, trainer, verdict.limit)
+            self._send(
+                step, self.topics.stale, msg.key, value, (*_strip(msg.headers), stale.header())
+            )
+            self.metrics.stale.inc()
+            self._drop_from_group(step, traj, now_ms)
+            return
+        self._add_to_group(step, traj, verdict.staleness, now_ms)
+
+    def _add_to_group(self, step: Step, traj: Trajectory, staleness: int, now_ms: int) -> None:
+        msg = step.message
+        state = self._load_group(traj.group_id, msg.partition, now_ms)
+        reason = detail = None
+        if state.closed:
+            reason = DeadLetterReason.LATE_SAMPLE
+            detail = f"group {traj.group_id} was closed ({state.outcome}) at {state.closed_ms}"
+        elif state.has(traj.trajectory_id):
+            reason = DeadLetterReason.DUPLICATE_SAMPLE
+            detail = f"trajectory {traj.trajectory_id} already in group {traj.group_id}"
+        elif state.group_size is not None and state.group_size != traj.group_size:
+            reason = DeadLetterReason.GROUP_SIZE_MISMATCH
+            detail = f"group_size {traj.group_size}, group {traj.group_id} has {state.group_size}"
+        elif any(s.sample_index == traj.sample_index for s in state.samples):
+            reason = DeadLetterReason.DUPLICATE_SAMPLE_INDEX
+            detail = f"sample_index {traj.sample_index} already taken in group {traj.group_id}"
+        if reason is not None:
+            self._reject(step, reason, detail or "")
+            return
+        entry = SampleEntry(traj.trajectory_id, traj.sample_index, staleness, msg.offset)
+        state = state.with_sample(entry, traj.group_size)
+        assert msg.value is not None
+        step.writes.append((sample_key(traj.group_id, traj.trajectory_id), msg.value))
+        self._store_or_close(step, state, {traj.trajectory_id: (traj, msg.value)})
+
+    def _drop_from_group(self, step: Step, traj: Trajectory, now_ms: int) -> None:
+        """Count a stale or invalid sample as accounted for in its group."""
+        if not (isinstance(traj.group_size, int) and traj.group_size >= 1):
+            return
+        state = self._load_group(traj.group_id, step.message.partition, now_ms)
+        if state.closed or state.has(traj.trajectory_id):
+            return
+        self._store_or_close(step, state.with_dropped(traj.trajectory_id, traj.group_size), {})
+
+    def _store_or_close(
+        self, step: Step, state: GroupState, fresh: Mapping[str, tuple[Trajectory, bytes]]
+    ) -> None:
+        if state.ready:
+            self._close(step, state, fresh)
+        else:
+            step.writes.append((group_key(state.group_id), state.to_bytes()))
+
+    # --- ticks ----------------------------------------------------------------------------
+
+    def _tick(self, step: Step, now_ms: int) -> None:
+        for key, state in self._group_states():
+            if state.partition != step.partition or not self._is_due(state, now_ms):
+                continue
+            if state.closed:
+                step.writes.append((key, None))  # forget the marker
+            else:
+                self._close(step, state, {})
+
+    def _is_due(self, state: GroupState, now_ms: int) -> bool:
+        groups = self.config.groups
+        if state.closed:
+            assert state.closed_ms is not None
+            return now_ms - state.closed_ms >= groups.emitted_retention_s * 1000
+        return now_ms - state.first_seen_ms >= groups.timeout_s * 1000
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _close(
+        self, step: Step, state: GroupState, fresh: Mapping[str, tuple[Trajectory, bytes]]
+    ) -> None:
+        """Queue ``state``'s group for closing; its samples come from the table (or
+        ``fresh``, for the one arriving in this step)."""
+        samples: list[Trajectory] = []
+        raws: list[bytes] = []
+        for entry in state.samples:
+            if entry.trajectory_id in fresh:
+                traj, raw = fresh[entry.trajectory_id]
+            else:
+                raw = self.table[sample_key(state.group_id, entry.trajectory_id)]
+                traj = decode(raw)  # validated on arrival
+            samples.append(traj)
+            raws.append(raw)
+        groups = self.config.groups
+        n = len(samples)
+        if n == state.group_size:
+            outcome, emit = "complete", True
+        elif n and groups.partial_policy == "emit" and n >= groups.min_partial_samples:
+            outcome, emit = "partial", True
+        else:
+            outcome, emit = "dropped", False
+        step.closings.append(Closing(state, samples, raws, emit, outcome))
+
+    def _load_group(self, group_id: str, partition: int, now_ms: int) -> GroupState:
+        raw = self.table.get(group_key(group_id))
+        if raw is None:
+            return GroupState(group_id, partition, now_ms)
+        return GroupState.from_bytes(raw)
+
+    def _group_states(self) -> Iterable[tuple[bytes, GroupState]]:
+        for key, value in list(self.table.items()):
+            if key.startswith(GROUP_PREFIX) and value is not None:
+                yield key, GroupState.from_bytes(value)
+
+    def _reject(self, step: Step, reason: str, detail: str) -> None:
+        msg = step.message
+        self._dead_letter(
+            step,
+            reason,
+            detail,
+            key=msg.key,
+            value=msg.value if msg.value is not None else b"",
+            headers=msg.headers,
+            source=(msg.topic, msg.partition, msg.offset),
+        )
+
+    def _dead_letter(
+        self,
+        step: Step,
+        reason: str,
+        detail: str,
+        *,
+        key: bytes | None,
+        value: bytes,
+        headers: Headers,
+        source: tuple[str, int, int],
+    ) -> None:
+        letter = DeadLetter(reason, detail[:4000], *source)
+        self._send(step, self.topics.dlq, key, value, (*_strip(headers), letter.header()))
+        self.metrics.dlq.labels(reason=reason).inc()
+
+    def _send(
+        self, step: Step, topic: str, key: bytes | None, value: bytes, headers: Headers
+    ) -> None:
+        step.sends.append(Send(topic, key, value, tuple(headers)))
+        self.metrics.records_out.labels(topic=topic).inc()
+
+
+def _strip(headers: Headers) -> Headers:
+    """The original headers minus an earlier dead-letter or stale header (a replayed
+    record would otherwise carry two)."""
+    return tuple((k, v) for k, v in headers if k not in (DEAD_LETTER_HEADER, STALE_HEADER))

@@ -1,0 +1,383 @@
+"""Records for tests and benchmarks: rollouts sampled from a tiny model under given versions.
+
+``rollout`` samples a response segment by segment, each segment under its own version's
+weights (a partial rollout that saw weight updates), and records the sampler's log-probs
+as ``logp_infer`` (optionally perturbed, to mimic an inference engine whose numerics
+differ from the trainer's). ``synthetic`` makes a valid record without a model.
+
+``WorkerProcess`` runs a real stream worker in a subprocess and the readers below look at
+what it produced, on a real broker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from schemas.trajectory import Trajectory
+
+
+def rollout(
+    model: Any,
+    states: Mapping[int, Mapping[str, Any]],
+    prompt: Sequence[int],
+    segments: Sequence[tuple[int, int]],
+    *,
+    run_id: str = "run",
+    group_id: str | None = None,
+    group_size: int = 1,
+    sample_index: int = 0,
+    seed: int = 0,
+    temperature: float = 1.0,
+    infer_noise: float = 0.0,
+    reward: float | None = None,
+) -> Trajectory:
+    """A trajectory whose segment ``k`` has ``segments[k] = (version, length)`` tokens
+    sampled under ``states[version]``."""
+    import torch
+
+    from rollstream.logprobs import params_for
+
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    ids = [int(t) for t in prompt]
+    response: list[int] = []
+    logps: list[float] = []
+    for version, length in segments:
+        params = params_for(model, states[version], dtype)
+        for _ in range(length):
+            with torch.inference_mode():
+                logits = torch.func.functional_call(
+                    model, params, (), {"input_ids": torch.tensor([ids])}, strict=False
+                ).logits[0, -1]
+            logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+            token = int(torch.multinomial(logp.exp(), 1, generator=gen))
+            ids.append(token)
+            response.append(token)
+            logps.append(float(logp[token]))
+    logp_infer = np.asarray(logps, np.float32)
+    if infer_noise:
+        logp_infer = np.minimum(logp_infer + rng.normal(0, infer_noise, len(logps)), 0.0)
+    group_id = group_id or uuid.uuid4().hex
+    return Trajectory.create(
+        run_id=run_id,
+        trajectory_id=f"{group_id}-{sample_index}",
+        group_id=group_id,
+        group_size=group_size,
+        sample_index=sample_index,
+        producer_id="test-producer",
+        region="local",
+        task="test",
+        prompt_ids=list(prompt),
+        response_ids=response,
+        logp_infer=logp_infer,
+        segment_versions=[v for v, _ in segments],
+        segment_lengths=[n for _, n in segments],
+        reward=float(rng.random() if reward is None else reward),
+        reward_details={},
+        finish_reason="length",
+        created_at_ms=1_000,
+        finished_at_ms=2_000,
+    )
+
+
+def synthetic(
+    *,
+    run_id: str = "run",
+    group_id: str = "g",
+    group_size: int = 4,
+    sample_index: int = 0,
+    versions: Sequence[int] = (0,),
+    prompt_len: int = 4,
+    response_len: int = 6,
+    reward: float | None = None,
+    seed: int | None = None,
+    vocab: int = 16,
+) -> Trajectory:
+    """A valid record with random tokens (no model): for routing and assembly tests.
+
+    The response is split evenly over ``versions`` (the last segment takes the rest).
+    """
+    rng = np.random.default_rng(seed if seed is not None else sample_index)
+    n = len(versions)
+    lengths = [response_len // n] * (n - 1)
+    lengths.append(response_len - sum(lengths))
+    return Trajectory.create(
+        run_id=run_id,
+        trajectory_id=f"{group_id}-{sample_index}",
+        group_id=group_id,
+        group_size=group_size,
+        sample_index=sample_index,
+        producer_id="test-producer",
+        region="local",
+        task="test",
+        prompt_ids=rng.integers(0, vocab, prompt_len),
+        response_ids=rng.integers(0, vocab, response_len),
+        logp_infer=-rng.exponential(1.0, response_len),
+        segment_versions=list(versions),
+        segment_lengths=lengths,
+        reward=float(rng.random() if reward is None else reward),
+        reward_details={"seed": int(sample_index)},
+        finish_reason="stop",
+        created_at_ms=1_000,
+        finished_at_ms=2_000,
+    )
+
+
+# --- running workers and reading topics (tests and benchmarks) --------------------------
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def to_toml(values: Mapping[str, Any], _prefix: tuple[str, ...] = ()) -> str:
+    """A TOML document for nested dicts of strings, numbers and booleans."""
+    lines: list[str] = []
+    tables: list[tuple[str, Mapping[str, Any]]] = []
+    for key, value in values.items():
+        if isinstance(value, Mapping):
+            tables.append((key, value))
+        elif value is not None:
+            lines.append(f"{key} = {_toml_value(value)}")
+    text = ""
+    if _prefix and lines:
+        text += f"[{'.'.join(_prefix)}]\n"
+    text += "".join(line + "\n" for line in lines)
+    for key, table in tables:
+        text += to_toml(table, (*_prefix, key))
+    return text
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return orjson.dumps(value).decode()
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+class WorkerProcess:
+    """A stream worker in a subprocess: ``python -m streams.app worker`` with a TOML
+    config written to ``workdir``; its output goes to ``workdir/<name>.log``."""
+
+    def __init__(self, config: Mapping[str, Any], workdir: Path, name: str = "worker") -> None:
+        self.config = config
+        self.workdir = Path(workdir)
+        self.name = name
+        self.process: subprocess.Popen | None = None
+        self.log_path = self.workdir / f"{name}.log"
+
+    def start(self, loglevel: str = "info") -> WorkerProcess:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config_path = self.workdir / f"{self.name}.toml"
+        config_path.write_text(to_toml(self.config))
+        env = dict(os.environ, ROLLSTREAM_CONFIG=str(config_path), PYTHONUNBUFFERED="1")
+        with self.log_path.open("ab") as out:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "streams.app",
+                    f"--datadir={self.workdir / 'data'}",
+                    "worker",
+                    "--without-web",
+                    "-l",
+                    loglevel,
+                ],
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no final commit."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(30)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def read_topic(
+    client_config: Mapping[str, str],
+    topics: Sequence[str],
+    *,
+    until: Any = None,
+    timeout: float = 60.0,
+    check: Any = None,
+) -> list[Any]:
+    """Every committed message of ``topics`` from the start, polled until ``until(msgs)``
+    is true (or, without ``until``, until the end offsets seen at the start are reached),
+    or ``timeout`` passes. ``check()`` runs every poll (e.g. assert the worker lives)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer(
+        {
+            **client_config,
+            "group.id": f"read-{uuid.uuid4().hex[:8]}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+        }
+    )
+    ends = {}
+    for topic in topics:
+        for p in consumer.list_topics(topic, timeout=30).topics[topic].partitions:
+            ends[(topic, p)] = consumer.get_watermark_offsets(TopicPartition(topic, p))[1]
+    consumer.subscribe(list(topics))
+    found: list[Any] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if check is not None:
+                check()
+            for msg in consumer.consume(num_messages=500, timeout=0.5):
+                if msg.error() is None:
+                    found.append(msg)
+            if until is not None and until(found):
+                break
+            if until is None:
+                positions = consumer.position([TopicPartition(t, p) for t, p in ends])
+                if all(tp.offset >= ends[(tp.topic, tp.partition)] for tp in positions):
+                    break
+    finally:
+        consumer.close()
+    return found
+
+
+def committed_offsets(client_config: Mapping[str, str], group: str, topic: str) -> dict[int, int]:
+    """The consumer group's committed offset per partition of ``topic`` (-1001: none)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({**client_config, "group.id": group, "enable.auto.commit": False})
+    try:
+        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        found = consumer.committed([TopicPartition(topic, p) for p in partitions], timeout=30)
+        return {tp.partition: tp.offset for tp in found}
+    finally:
+        consumer.close()
+
+
+def end_offsets(client_config: Mapping[str, str], topic: str) -> dict[int, int]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({**client_config, "group.id": f"ends-{uuid.uuid4().hex[:8]}"})
+    try:
+        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p))[1] for p in partitions}
+    finally:
+        consumer.close()
+
+
+def wait_until(predicate: Any, timeout: float, what: str, check: Any = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def stream_topics(name: Any) -> dict[str, str]:
+    """Topic names for one test or benchmark run; ``name("raw")`` must be unique."""
+    return {key: name(key) for key in ("raw", "scored", "stale", "dlq", "versions")}
+
+
+def create_stream_topics(
+    client_config: Mapping[str, str], topics: Mapping[str, str], raw_partitions: int = 4
+) -> None:
+    from infra.topics import ensure_topics
+    from schemas.topics import TopicSpec
+
+    specs = [TopicSpec(topics["raw"], raw_partitions)]
+    specs += [TopicSpec(topics[name], 1) for name in ("scored", "stale", "dlq")]
+    specs.append(TopicSpec(topics["versions"], 1, cleanup_policy="compact"))
+    ensure_topics(client_config, specs)
+
+
+def worker_config(
+    bootstrap_servers: str,
+    topics: Mapping[str, str],
+    app_id: str,
+    *,
+    run_id: str,
+    s3: Any = None,
+    weights: Mapping[str, Any] | None = None,
+    **streams: Any,
+) -> dict[str, Any]:
+    """A whole config file (as a dict) for ``WorkerProcess``; ``streams`` are
+    ``[streams]`` keys, ``s3`` an ``S3Config`` (its secret written out)."""
+    config: dict[str, Any] = {
+        "run_id": run_id,
+        "kafka": {"bootstrap_servers": bootstrap_servers},
+        "streams": {"app_id": app_id, "topics": dict(topics), "commit_interval_s": 0.5, **streams},
+        "weights": dict(weights or {}),
+    }
+    if s3 is not None:
+        secret = s3.secret_access_key.get_secret_value() if s3.secret_access_key else None
+        config["s3"] = {
+            "name": s3.name,
+            "endpoint_url": s3.endpoint_url,
+            "bucket": s3.bucket,
+            "region_name": s3.region_name,
+            "embedded": False,
+            "access_key_id": s3.access_key_id,
+            "secret_access_key": secret,
+        }
+    return config
+
+
+def keyed(traj: Trajectory) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+    """``(key, value, headers)`` as a producer sends ``traj`` on ``rollouts.raw``."""
+    from schemas.codec import encode, routing_headers
+
+    return traj.group_id.encode(), encode(traj), routing_headers(traj)
+
+
+def produce(
+    client_config: Mapping[str, str],
+    topic: str,
+    records: Sequence[tuple[bytes | None, bytes, Sequence[tuple[str, bytes]]]],
+) -> None:
+    """Produce ``(key, value, headers)`` records and wait for every acknowledgement."""
+    from confluent_kafka import Producer
+
+    producer = Producer({**client_config, "linger.ms": 5})
+    for key, value, headers in records:
+        while True:
+            try:
+                producer.produce(topic, key=key, value=value, headers=list(headers))
+                break
+            except BufferError:
+                producer.poll(0.1)
+        producer.poll(0)
+    if producer.flush(60) != 0:
+        raise RuntimeError(f"{topic}: records not acknowledged within 60 s")

@@ -1,0 +1,240 @@
+"""Snapshot store and exact old logits, in process (no Kafka); S3 rebuilds on real SeaweedFS."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rollstream.config import S3Config
+from rollstream.logprobs import PADDED_BATCH_ATOL
+from rollstream.models import build_tiny_llama
+from rollstream.weights.store import WeightStore
+from rollstream.weights.writer import DeltaWriter
+from streams.config import OldLogitsConfig
+from streams.metrics import StreamMetrics
+from streams.oldlogits import OldLogitEngine, Unit, parse_tiny_spec, plan_batches, segment_units
+from streams.snapshots import (
+    FollowerSource,
+    InMemorySource,
+    SeededSource,
+    SnapshotStore,
+    VersionUnavailable,
+)
+from streams.testing import rollout
+
+torch.set_num_threads(1)
+
+VERSIONS = (3, 4, 5)
+
+
+@pytest.fixture(scope="module")
+def states() -> dict[int, dict[str, torch.Tensor]]:
+    return {v: build_tiny_llama(seed=100 + v).state_dict() for v in VERSIONS}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_llama(seed=0)
+
+
+def engine_for(states, model, **config) -> tuple[OldLogitEngine, SnapshotStore, InMemorySource]:
+    source = InMemorySource(states)
+    metrics = StreamMetrics()
+    store = SnapshotStore(source, budget_bytes=1 << 30, metrics=metrics)
+    engine = OldLogitEngine(OldLogitsConfig(**config), store, model=model, metrics=metrics)
+    return engine, store, source
+
+
+def direct(states, version, traj, start, end) -> np.ndarray:
+    model = build_tiny_llama(seed=0)
+    model.load_state_dict(states[version])
+    ids = torch.tensor([[*traj.prompt_ids.tolist(), *traj.response_ids.tolist()]])
+    with torch.inference_mode():
+        logp = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)[0]
+    p = traj.num_prompt_tokens
+    return np.array(
+        [logp[p + j - 1, traj.response_ids[j]].item() for j in range(start, end)], np.float32
+    )
+
+
+def test_each_segment_is_scored_under_its_own_version(states, model) -> None:
+    trajs = [
+        rollout(model, states, [1, 5, 6], [(3, 4)], seed=1, infer_noise=0.05),
+        rollout(model, states, [1, 7], [(3, 3), (5, 4)], seed=2),  # two segments
+        rollout(model, states, [1, 8, 9, 4], [(4, 5)], seed=3),
+    ]
+    engine, _, _ = engine_for(states, model)
+    out = engine.attach(trajs)
+    for traj, got in zip(trajs, out, strict=True):
+        assert got.old_logits_status == "exact"
+        start = 0
+        for version, length in zip(traj.segment_versions, traj.segment_lengths, strict=True):
+            want = direct(states, int(version), traj, start, start + int(length))
+            np.testing.assert_allclose(
+                got.logp_old[start : start + length], want, atol=PADDED_BATCH_ATOL
+            )
+            start += int(length)
+    # The second segment really used version 5: version 3 scores it differently.
+    two = trajs[1]
+    under_3 = direct(states, 3, two, 3, 7)
+    assert np.abs(out[1].logp_old[3:] - under_3).max() > 1e-3
+    # Sampled at temperature 1 without noise: logp_old matches logp_infer.
+    np.testing.assert_allclose(out[1].logp_old, two.logp_infer, atol=1e-5)
+
+
+def test_a_batch_of_one_is_bit_exact_with_a_direct_pass(states, model) -> None:
+    traj = rollout(model, states, [2, 3], [(4, 6)], seed=5)
+    engine, _, _ = engine_for(states, model)
+    (got,) = engine.attach([traj])
+    assert got.logp_old.tobytes() == direct(states, 4, traj, 0, 6).tobytes()
+
+
+def test_missing_version_marks_the_record_missing(states, model) -> None:
+    partial = dict(states)
+    del partial[4]
+    engine, _, source = engine_for(partial, model)
+    trajs = [
+        rollout(model, states, [1], [(3, 2), (4, 2)], seed=1),
+        rollout(model, states, [1], [(5, 3)], seed=2),
+    ]
+    first, second = engine.attach(trajs)
+    assert first.old_logits_status == "missing" and first.logp_old is None
+    assert second.old_logits_status == "exact"
+    assert 4 in source.loads
+    assert engine.metrics.value("rollstream_streams_snapshot_unavailable_total") == 1
+
+
+def test_off_mode_computes_nothing(states, model) -> None:
+    engine, _, source = engine_for(states, model, mode="off")
+    (got,) = engine.attach([rollout(model, states, [1], [(3, 2)])])
+    assert got.old_logits_status == "off" and got.logp_old is None and source.loads == []
+
+
+def test_batch_limits_do_not_change_values_beyond_tolerance(states, model) -> None:
+    trajs = [rollout(model, states, [1] * (i + 1), [(3, 3 + i)], seed=i) for i in range(6)]
+    one, _, _ = engine_for(states, model, max_batch_sequences=1)
+    many, _, _ = engine_for(states, model, max_batch_sequences=6)
+    for a, b in zip(one.attach(trajs), many.attach(trajs), strict=True):
+        np.testing.assert_allclose(a.logp_old, b.logp_old, atol=PADDED_BATCH_ATOL)
+    assert many.metrics.value("rollstream_streams_oldlogit_tokens_total") == sum(
+        len(t.response_ids) for t in trajs
+    )
+
+
+def test_plan_batches_respects_both_limits() -> None:
+    class T:
+        def __init__(self, p: int) -> None:
+            self.num_prompt_tokens = p
+
+    trajs = [T(2), T(2), T(10), T(2)]
+    units = [Unit(i, 0, 0, 4) for i in range(4)]
+    assert [len(b) for b in plan_batches(units, trajs, 2, 10_000)] == [2, 2]
+    # widths 6, 6, 14, 6: rows x widest row must stay within the token limit
+    assert [[u.row for u in b] for b in plan_batches(units, trajs, 8, 30)] == [[0, 1], [2, 3]]
+    assert [[u.row for u in b] for b in plan_batches(units, trajs, 8, 20)] == [[0, 1], [2], [3]]
+    assert [[u.row for u in b] for b in plan_batches(units, trajs, 8, 5)] == [[0], [1], [2], [3]]
+
+
+def test_segment_units_cover_the_response(states, model) -> None:
+    traj = rollout(model, states, [1], [(3, 2), (4, 1), (5, 3)])
+    assert segment_units([traj]) == [Unit(0, 3, 0, 2), Unit(0, 4, 2, 3), Unit(0, 5, 3, 6)]
+
+
+def test_parse_tiny_spec() -> None:
+    assert parse_tiny_spec("tiny") == {}
+    assert parse_tiny_spec("tiny:hidden_size=128,tie_word_embeddings=false") == {
+        "hidden_size": 128,
+        "tie_word_embeddings": False,
+    }
+    with pytest.raises(ValueError):
+        parse_tiny_spec("tiny:oops")
+
+
+# --- snapshot store ---------------------------------------------------------------------
+
+
+def nbytes(state) -> int:
+    return sum(
+        {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in state.values()}.values()
+    )
+
+
+def test_store_hits_misses_and_lru_eviction(states) -> None:
+    one = nbytes(states[3])
+    source = InMemorySource(states)
+    store = SnapshotStore(source, budget_bytes=2 * one + 10)
+    assert store.get(3) is not None and store.get(4) is not None
+    assert store.get(3) is not None  # hit: 3 becomes most recent
+    store.get(5)  # evicts 4, the least recently used
+    assert store.versions == [3, 5] and store.bytes <= 2 * one + 10
+    store.get(4)  # rebuilt on a miss
+    assert source.loads == [3, 4, 5, 4]
+    m = store.metrics
+    assert m.value("rollstream_streams_snapshot_hits_total") == 1
+    assert m.value("rollstream_streams_snapshot_misses_total") == 4
+    assert m.value("rollstream_streams_snapshot_rebuilds_total") == 4
+    assert m.value("rollstream_streams_snapshot_evictions_total") == 2
+    assert m.value("rollstream_streams_snapshot_bytes") == store.bytes
+
+
+def test_a_version_over_budget_is_still_served(states) -> None:
+    store = SnapshotStore(InMemorySource(states), budget_bytes=1)
+    assert store.get(3) is not None and store.versions == [3]
+    store.get(4)
+    assert store.versions == [4]
+
+
+def test_pushed_versions_hit_and_shared_tensors_count_once(states) -> None:
+    store = SnapshotStore(None, budget_bytes=1 << 30)
+    base = states[3]
+    child = dict(base)
+    child["model.norm.weight"] = base["model.norm.weight"] + 1  # a delta touching one tensor
+    store.put(3, base)
+    store.put(4, child)
+    assert store.bytes == nbytes(base) + child["model.norm.weight"].nbytes
+    assert store.get(4) is not None and store.get(6) is None  # no source: unavailable
+    assert store.retain(4) == [3] and store.versions == [4]
+
+
+def test_store_converts_dtype_and_keeps_ties(states) -> None:
+    store = SnapshotStore(None, budget_bytes=1 << 30, dtype=torch.bfloat16)
+    held = store.put(3, states[3])
+    assert held["lm_head.weight"] is held["model.embed_tokens.weight"]
+    assert held["lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_seeded_source_is_deterministic() -> None:
+    source = SeededSource(seed_base=7, hidden_size=32)
+    a, b = source.load(2), source.load(2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(
+        a["model.norm.weight"],
+        build_tiny_llama(seed=9, hidden_size=32).state_dict()["model.norm.weight"],
+    )
+    with pytest.raises(VersionUnavailable):
+        source.load(-1)
+
+
+@pytest.mark.slow
+def test_follower_source_rebuilds_versions_from_s3(s3_config: S3Config) -> None:
+    store = WeightStore.from_config(s3_config, "run-snap")
+    writer = DeltaWriter(store, base_every=10)
+    published = {}
+    model = build_tiny_llama(seed=0)
+    for version in range(4):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.01 * (torch.rand_like(p) < 0.05))
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        writer.publish(state, version)
+        published[version] = state
+    source = FollowerSource(store, max_attempts=1, timeout_s=10)
+    snapshots = SnapshotStore(source, budget_bytes=1 << 30)
+    for version in (2, 0, 3):  # out of order: each rebuilt from the base + deltas
+        got = snapshots.get(version)
+        assert got is not None
+        assert all(torch.equal(got[k], published[version][k]) for k in published[version])
+    with pytest.raises(VersionUnavailable):
+        source.load(9)
+    assert snapshots.get(9) is None
