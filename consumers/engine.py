@@ -1,0 +1,254 @@
+"""The DeepSpeed engine around a transformers causal LM.
+
+``TrainEngine`` owns the model, a torch ``AdamW`` optimiser wrapped by DeepSpeed (ZeRO
+stage 0-3, bf16 with fp32 master weights, gradient accumulation and clipping done by
+DeepSpeed), its checkpoints, and the frozen copies some losses need (the EWMA proximal
+model, a KL reference). Nothing here knows about Kafka.
+
+The accelerator comes from the config (``auto``: CUDA when torch sees a GPU, else CPU)
+and is handed to DeepSpeed through ``DS_ACCELERATOR`` *before* DeepSpeed is imported, so
+the same code runs unchanged on this CPU machine (gloo) and on GPUs (nccl). A process
+started without a launcher gets single-process defaults for ``RANK``/``WORLD_SIZE``/
+``MASTER_ADDR``/``MASTER_PORT``; under ``deepspeed``/``torchrun`` the launcher's win.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from consumers.config import EngineConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def resolve_accelerator(config: EngineConfig) -> str:
+    """``cpu`` or ``cuda``; also exported as ``DS_ACCELERATOR`` for DeepSpeed."""
+    name = config.accelerator
+    if name == "auto":
+        name = os.environ.get("DS_ACCELERATOR") or ("cuda" if torch.cuda.is_available() else "cpu")
+    os.environ["DS_ACCELERATOR"] = name
+    return name
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def init_distributed(config: EngineConfig) -> str:
+    """Initialise torch.distributed through DeepSpeed once per process; returns the
+    accelerator name."""
+    accelerator = resolve_accelerator(config)
+    if "RANK" not in os.environ:  # not under a launcher: a world of one
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    import deepspeed
+
+    if accelerator == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not torch.distributed.is_initialized():
+        backend = config.dist_backend or ("nccl" if accelerator == "cuda" else "gloo")
+        deepspeed.init_distributed(dist_backend=backend)
+    return accelerator
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def load_model(config: ModelConfig, cache_dir: Path | None = None) -> torch.nn.Module:
+    """The fp32 causal LM named by ``config`` (DeepSpeed casts it for bf16 training)."""
+    if config.source == "tiny":
+        from rollstream.models import build_tiny_llama
+
+        return build_tiny_llama(seed=config.tiny_seed)
+    from transformers import AutoModelForCausalLM
+
+    if config.source == "smollm2":
+        from rollstream.config import default_cache_dir
+        from rollstream.models import smollm2_checkpoint
+
+        path = smollm2_checkpoint(cache_dir or default_cache_dir())
+    else:
+        assert config.path is not None
+        path = config.path
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+
+
+def deepspeed_config(config: EngineConfig) -> dict[str, Any]:
+    """The DeepSpeed config dict for ``config`` (``config.deepspeed`` merged last).
+
+    ``train_micro_batch_size_per_gpu`` is 1 because micro-batches are formed by the
+    trainer (whole groups under a token budget), not by a DeepSpeed data loader; the
+    value only enters DeepSpeed's sample counters.
+    """
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": config.grad_accum_steps,
+        "zero_optimization": {"stage": config.zero_stage},
+        "bf16": {"enabled": config.bf16},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if config.grad_clip is not None:
+        ds["gradient_clipping"] = config.grad_clip
+    return _deep_merge(ds, config.deepspeed)
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+class TrainEngine:
+    """A DeepSpeed engine plus what the trainer asks of it.
+
+    ``frozen_copies`` is how many frozen replicas of the *initial* weights the caller
+    will ask for (``frozen_copy``): they are deep-copied before DeepSpeed wraps the model
+    so they carry no ZeRO hooks. Frozen copies need ZeRO <= 2 (under ZeRO-3 the full
+    weights are never materialised on one rank).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, config: EngineConfig, *, frozen_copies: int = 0
+    ) -> None:
+        self.config = config
+        self.accelerator = init_distributed(config)
+        import deepspeed
+
+        if frozen_copies and config.zero_stage == 3:
+            raise ValueError("frozen model copies (EWMA proximal, KL reference) need ZeRO <= 2")
+        self._templates = [copy.deepcopy(model) for _ in range(frozen_copies)]
+        if config.gradient_checkpointing:
+            model.gradient_checkpointing_enable()  # type: ignore[operator]
+        model.train()
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=deepspeed_config(config)
+        )
+        self.dtype = next(self.engine.module.parameters()).dtype
+
+    # --- properties ---------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.engine.device)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def global_steps(self) -> int:
+        """Optimiser steps taken (DeepSpeed's counter; restored by ``load_checkpoint``)."""
+        return int(self.engine.global_steps)
+
+    # --- training -----------------------------------------------------------------------
+
+    def __call__(self, **kwargs: Any) -> Any:
+        """The wrapped model's forward (through DeepSpeed's hooks)."""
+        return self.engine(**kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward with DeepSpeed's scaling (÷ grad_accum_steps) and reductions."""
+        self.engine.backward(loss)
+
+    def step(self) -> bool:
+        """End of a micro-batch; returns True when it stepped the optimiser (boundary)."""
+        boundary = bool(self.engine.is_gradient_accumulation_boundary())
+        self.engine.step()
+        return boundary
+
+    def grad_norm(self) -> float | None:
+        """Global gradient norm of the last optimiser step, before clipping."""
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # --- weights ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights in the training dtype, on the CPU; tied parameters stay
+        one tensor (as the weights writer expects). Collective under ZeRO-3: call it on
+        every rank (only rank 0 gets the weights)."""
+        if self.config.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()
+        else:
+            state = self.engine.module.state_dict()
+        copies: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in state.items():
+            tensor = tensor.detach()
+            if tensor.device.type != "cpu":
+                key = (
+                    tensor.untyped_storage().data_ptr(),
+                    tensor.storage_offset(),
+                    tuple(tensor.shape),
+                    tuple(tensor.stride()),
+                )
+                if key not in copies:  # tied parameters: copied once, still one tensor
+                    copies[key] = tensor.cpu()
+                tensor = copies[key]
+            out[name] = tensor
+        return out
+
+    def frozen_copy(self) -> torch.nn.Module:
+        """A no-grad, eval-mode copy of the initial weights in the engine's dtype and
+        device (for a KL reference or the EWMA proximal policy)."""
+        if not self._templates:
+            raise RuntimeError("TrainEngine was built with fewer frozen_copies")
+        model = self._templates.pop().to(device=self.device, dtype=self.dtype)
+        model.eval()
+        model.requires_grad_(False)
+        return model
+
+    # --- checkpoints --------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
+        """DeepSpeed's checkpoint (weights, fp32 master, optimiser) under
+        ``directory/tag``; DeepSpeed's own ``latest`` file is not written (the caller keeps
+        an atomic marker). Collective: every rank calls it."""
+        self.engine.save_checkpoint(
+            str(directory), tag=tag, client_state=client_state, save_latest=False
+        )
+
+    def load_checkpoint(self, directory: Path, tag: str) -> dict[str, Any]:
+        """Restore weights, optimiser and step counters; returns the client state."""
+        path, client_state = self.engine.load_checkpoint(
+            str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {directory}")
+        return dict(client_state or {})
+
+
+def barrier() -> None:
+    """A barrier across ranks (no-op for a world of one)."""
+    if torch.distributed.is_initialized() and world_size() > 1:
+        torch.distributed.barrier()

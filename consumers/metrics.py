@@ -1,0 +1,229 @@
+"""Per-step metrics of the trainer: what they mean, and where they go.
+
+Every optimiser step produces one flat dict of floats (namespaced names) that goes to
+three sinks at once: a JSONL file (one object per step, flushed), Prometheus gauges on a
+registry this object owns (no global state; served on ``prometheus_port`` if set), and a
+rich progress line on stderr.
+
+Data metrics (``data_metrics``), over the trajectories trained in the step:
+
+==============================  ===============================================================
+``reward/mean``, ``reward/std``  reward of the trained trajectories
+``response/length_mean|max``     response tokens per trajectory
+``prompt/length_mean``           prompt tokens per trajectory
+``staleness/mean``               mean over response tokens of (trainer version − the version
+                                 of the segment that generated the token)
+``staleness/max``                largest token staleness
+``staleness/hist/<b>``           trajectories whose staleness (trainer version − oldest
+                                 segment version) falls in bucket b: 0, 1, 2, 3, 4-7, 8-15, 16+
+``staleness/region/<r>``         mean token staleness of region r's trajectories (version lag
+                                 per region)
+``data/groups``, ``data/trajectories``  trained in the step
+==============================  ===============================================================
+
+Loss metrics come from ``consumers.losses`` (see its table): ``loss/total``,
+``clip/frac``, ``mis/masked_frac``, ``nav/vetoed_frac``, ``veto/catastrophic_seqs``,
+``ratio/*``, ``train_infer/kept_frac`` ..., plus ``mismatch/k3_kl`` (exact records only),
+``grad/norm`` (before clipping), ``optim/lr``, ``ewma/*``. The trainer adds ``step``,
+``version``, ``time/*`` (step, wait for data, publish, checkpoint seconds),
+``throughput/tokens_per_s`` (prompt + response tokens of the step / step compute time)
+and ``data/dlq`` (records sent to the DLQ since the last step).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import orjson
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from schemas.trajectory import Trajectory
+
+STALENESS_BUCKETS: tuple[tuple[str, int, int | None], ...] = (
+    ("0", 0, 0),
+    ("1", 1, 1),
+    ("2", 2, 2),
+    ("3", 3, 3),
+    ("4-7", 4, 7),
+    ("8-15", 8, 15),
+    ("16+", 16, None),
+)
+
+
+def staleness_bucket(staleness: int) -> str:
+    for name, low, high in STALENESS_BUCKETS:
+        if staleness >= low and (high is None or staleness <= high):
+            return name
+    return "0"  # negative staleness (a version from the future) counts as fresh
+
+
+def data_metrics(trajectories: Sequence[Trajectory], version: int) -> dict[str, float]:
+    """Reward, lengths and staleness of the trajectories trained at ``version``."""
+    if not trajectories:
+        return {"data/trajectories": 0.0}
+    rewards = np.array([t.reward for t in trajectories], dtype=np.float64)
+    resp = np.array([t.num_response_tokens for t in trajectories], dtype=np.float64)
+    prompt = np.array([t.num_prompt_tokens for t in trajectories], dtype=np.float64)
+    out: dict[str, float] = {
+        "data/trajectories": float(len(trajectories)),
+        "data/groups": float(len({t.group_id for t in trajectories})),
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std()),
+        "response/length_mean": float(resp.mean()),
+        "response/length_max": float(resp.max()),
+        "prompt/length_mean": float(prompt.mean()),
+    }
+    for name, _, _ in STALENESS_BUCKETS:
+        out[f"staleness/hist/{name}"] = 0.0
+    token_staleness: list[np.ndarray] = []
+    by_region: dict[str, list[np.ndarray]] = {}
+    for traj in trajectories:
+        if len(traj.segment_versions):
+            oldest = version - int(traj.segment_versions.min())
+            out[f"staleness/hist/{staleness_bucket(oldest)}"] += 1.0
+        per_token = version - traj.token_versions()
+        token_staleness.append(per_token)
+        by_region.setdefault(traj.region, []).append(per_token)
+    all_tokens = np.concatenate(token_staleness) if token_staleness else np.empty(0)
+    if all_tokens.size:
+        out["staleness/mean"] = float(all_tokens.mean())
+        out["staleness/max"] = float(all_tokens.max())
+    for region, parts in by_region.items():
+        joined = np.concatenate(parts)
+        if joined.size:
+            out[f"staleness/region/{region}"] = float(joined.mean())
+    return out
+
+
+class MetricsSink:
+    """JSONL file + Prometheus registry + optional rich progress line."""
+
+    def __init__(
+        self,
+        metrics_file: Path | None,
+        *,
+        registry: CollectorRegistry | None = None,
+        progress: bool = False,
+        total_steps: int | None = None,
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._file: IO[bytes] | None = None
+        if metrics_file is not None:
+            metrics_file.parent.mkdir(parents=True, exist_ok=True)
+            self._file = metrics_file.open("ab")
+        self._gauge = Gauge(
+            "rollstream_trainer_metric",
+            "Latest value of a per-step trainer metric (see consumers.metrics).",
+            ["name"],
+            registry=self.registry,
+        )
+        self.steps = Counter(
+            "rollstream_trainer_steps", "Optimiser steps taken.", registry=self.registry
+        )
+        self.trajectories = Counter(
+            "rollstream_trainer_trajectories",
+            "Trajectories trained.",
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "rollstream_trainer_tokens", "Prompt + response tokens trained.", registry=self.registry
+        )
+        self.dlq = Counter(
+            "rollstream_trainer_dlq_records",
+            "Records sent to the DLQ.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.staleness = Histogram(
+            "rollstream_trainer_staleness",
+            "Trajectory staleness (trainer version - oldest segment version).",
+            buckets=(0, 1, 2, 3, 7, 15, math.inf),
+            registry=self.registry,
+        )
+        self._lock = threading.Lock()
+        self._progress: Any = None
+        self._task: Any = None
+        if progress:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.description}"),
+                console=Console(stderr=True),
+                transient=False,
+            )
+            self._progress.start()
+            self._task = self._progress.add_task("waiting for data", total=total_steps)
+
+    def serve(self, port: int) -> int:
+        """Expose the registry over HTTP; returns the bound port."""
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(port, registry=self.registry)
+        return int(server.server_port)
+
+    def record_dlq(self, reason: str) -> None:
+        self.dlq.labels(reason=reason).inc()
+
+    def emit(self, metrics: dict[str, float], trajectories: Sequence[Trajectory] = ()) -> None:
+        """Write one step's metrics everywhere."""
+        with self._lock:
+            clean = {k: v for k, v in metrics.items() if math.isfinite(v)}
+            if self._file is not None:
+                self._file.write(orjson.dumps(clean) + b"\n")
+                self._file.flush()
+            for name, value in clean.items():
+                self._gauge.labels(name=name).set(value)
+            self.steps.inc()
+            self.trajectories.inc(len(trajectories))
+            self.tokens.inc(sum(t.num_prompt_tokens + t.num_response_tokens for t in trajectories))
+            version = int(metrics.get("version", 0))
+            for traj in trajectories:
+                if len(traj.segment_versions):
+                    self.staleness.observe(version - int(traj.segment_versions.min()))
+            if self._progress is not None:
+                self._progress.update(
+                    self._task,
+                    completed=int(metrics.get("step", 0)),
+                    description=progress_line(clean),
+                )
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def progress_line(metrics: dict[str, float]) -> str:
+    """The short summary shown next to the progress bar."""
+    parts = []
+    for name, label, fmt in (
+        ("version", "v", "{:.0f}"),
+        ("loss/total", "loss", "{:+.4f}"),
+        ("reward/mean", "reward", "{:.3f}"),
+        ("staleness/mean", "stale", "{:.2f}"),
+        ("clip/frac", "clip", "{:.3f}"),
+        ("grad/norm", "|g|", "{:.3f}"),
+        ("throughput/tokens_per_s", "tok/s", "{:.0f}"),
+    ):
+        if name in metrics:
+            parts.append(f"{label} {fmt.format(metrics[name])}")
+    return "  ".join(parts)

@@ -1,0 +1,166 @@
+"""Publishing policy versions from the trainer through ``rollstream.weights``.
+
+Version number = optimiser step count: the weights after step ``n`` are version ``n``
+(version 0 = the initial weights, published at start when the store has none).
+
+- **Outages.** The S3 part (``DeltaWriter.publish``: data file, then the manifest claim)
+  and the announcement on ``policy.versions`` are retried separately with back-off, so an
+  outage of one never re-runs the other. A claim that reached S3 but whose answer was
+  lost comes back as ``VersionTaken`` on retry: if the stored manifest's state digest is
+  that of our weights, the version *is* ours and is announced; otherwise another writer
+  owns the number and the error is raised. No scheduled version is skipped.
+- **Restarts.** After a crash the trainer resumes from its last checkpoint at step
+  ``k``, but it may have published versions ``k+1..m`` before dying. Those versions stay
+  what they are (generators and the old-logit service may already use them; the store
+  never rewrites a version), so the restarted trainer does not publish again until its
+  step passes ``m``; its first publish after a restart is a full base (the writer holds
+  no previous state). Version numbers in the store stay gap-free with respect to the
+  schedule and monotonic.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+from boto3.exceptions import Boto3Error
+from botocore.exceptions import BotoCoreError, ClientError
+from confluent_kafka import KafkaException
+
+from consumers.config import PublishConfig, RetryConfig
+from consumers.retry import retrying
+from rollstream.weights import format as fmt
+from rollstream.weights.announce import Announcer
+from rollstream.weights.errors import VersionTaken
+from rollstream.weights.manifest import parse_manifest, sha256_hex
+from rollstream.weights.writer import DeltaWriter, PublishResult
+from schemas.control import VersionAnnouncement
+
+log = logging.getLogger(__name__)
+
+S3_ERRORS: tuple[type[BaseException], ...] = (BotoCoreError, ClientError, Boto3Error)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published version: its announcement and where the time went (seconds)."""
+
+    version: int
+    announcement: VersionAnnouncement
+    seconds: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Publisher:
+    """Decides when to publish and publishes with retries (see the module doc)."""
+
+    def __init__(
+        self,
+        writer: DeltaWriter,
+        config: PublishConfig,
+        retry: RetryConfig,
+        announcer: Announcer | None = None,
+    ) -> None:
+        self.writer = writer
+        self.store = writer.store
+        self.config = config
+        self.retry = retry
+        self.announcer = announcer
+        self.skip_through = -1  # versions up to this one already exist in the store
+        self.last: Published | None = None
+        self.last_version: int | None = None
+
+    def resume(
+        self, step: int, state: Callable[[], Mapping[str, torch.Tensor]]
+    ) -> Published | None:
+        """Look at the store once at start: remember the newest version (never republish
+        it or anything before it) and publish ``step`` when the store is empty."""
+        latest = self._s3(self.store.latest, "list versions")
+        if latest is not None:
+            self.skip_through = latest
+            self.last_version = latest
+            if latest > step:
+                log.warning(
+                    "the store already holds versions up to %d (published before a crash); "
+                    "resuming at step %d, the next publish will be after step %d",
+                    latest,
+                    step,
+                    latest,
+                )
+            return None
+        if not self.config.initial:
+            return None
+        return self.publish(step, state())
+
+    def due(self, step: int) -> bool:
+        every = self.config.every
+        return every is not None and step % every == 0 and step > self.skip_through
+
+    def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> Published:
+        """Publish ``state`` as ``version`` to S3, then announce it; retried on outages."""
+        started = time.perf_counter()
+        result: PublishResult | None = None
+        announcement: VersionAnnouncement
+        try:
+            result = self._s3(lambda: self.writer.publish(state, version), f"publish v{version}")
+            announcement = result.announcement
+        except VersionTaken:
+            announcement = self._ours_after_lost_answer(version, state)
+        if self.announcer is not None and self.config.announce:
+            announcer = self.announcer
+            for attempt in retrying(self.retry, (KafkaException,), f"announce v{version}"):
+                with attempt:
+                    announcer.announce(announcement)
+        self.skip_through = version
+        self.last_version = version
+        self.last = Published(
+            version=version,
+            announcement=announcement,
+            seconds=time.perf_counter() - started,
+            timings=dict(result.timings) if result is not None else {},
+        )
+        log.info(
+            "published v%d (%s, %d bytes) in %.3fs",
+            version,
+            "base" if announcement.is_base else "delta",
+            announcement.bytes,
+            self.last.seconds,
+        )
+        return self.last
+
+    def _ours_after_lost_answer(
+        self, version: int, state: Mapping[str, torch.Tensor]
+    ) -> VersionAnnouncement:
+        """After ``VersionTaken``: the announcement of the stored version if it holds our
+        weights (a retried claim whose first answer was lost), else re-raise."""
+        raw = self._s3(lambda: self.store.read_manifest(version), f"read manifest v{version}")
+        manifest, _ = parse_manifest(raw)
+        unique, _aliases = fmt.split_aliases({k: v.detach() for k, v in state.items()})
+        if manifest.state_sha256 != fmt.state_digest(unique):
+            raise VersionTaken(self.store.run, version, self.store.manifest_key(version))
+        log.warning("v%d was already claimed by this trainer (a lost answer): keeping it", version)
+        return VersionAnnouncement(
+            run=self.store.run,
+            version=version,
+            uri=self.store.uri(self.store.manifest_key(version)),
+            parent=manifest.parent,
+            base=manifest.base,
+            sha256=sha256_hex(raw),
+            bytes=manifest.total_bytes,
+            published_at_ms=int(time.time() * 1000),
+        )
+
+    def _s3(self, fn: Callable[[], T], what: str) -> T:
+        for attempt in retrying(self.retry, S3_ERRORS, what):
+            with attempt:
+                return fn()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def close(self) -> None:
+        if self.announcer is not None:
+            self.announcer.close()

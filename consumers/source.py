@@ -1,0 +1,280 @@
+"""Reading scored groups from Kafka: consumer-group membership, seeks, DLQ, commits.
+
+Offset discipline (confluent-kafka, no auto commit, no auto offset store):
+
+- Positions come from the trainer, not from Kafka: ``ScoredSource(start_offsets=...)``
+  receives the offsets saved in the last checkpoint, and every partition assignment seeks
+  to the position the trainer knows (the next offset it has not yet taken into a batch,
+  which is the checkpoint's offset right after start). A partition the trainer has never
+  read starts at the group's committed offset, else at the earliest one.
+- ``commit(offsets)`` is called by the trainer with the offsets of a checkpoint once it is
+  durable (and after the DLQ producer is flushed), synchronously.
+- Undecodable or untrainable records go to the DLQ topic (value and headers unchanged, a
+  ``DeadLetter`` header with reason and source offset) and still advance the offsets of
+  the micro-batch they fall in: they are "processed", never silently lost.
+
+One trainer process per consumer group: a rebalance inside the process (for example after
+``max.poll.interval.ms`` was exceeded) re-seeks to the in-memory positions, so nothing is
+read twice; a second trainer in the same group is not supported.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+
+from confluent_kafka import (
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+
+from consumers.batching import BatchAssembler, ConsumedGroup, MicroBatch, check_trainable
+from consumers.batching import TopicPartition as TP
+from consumers.config import BatchConfig, RetryConfig, TopicsConfig
+from consumers.retry import retrying
+from schemas.codec import DecodeError
+from schemas.control import DeadLetter
+from schemas.group import decode_group
+
+log = logging.getLogger(__name__)
+
+#: Called with the reason of every record sent to the DLQ (metrics).
+DlqHook = Callable[[str], None]
+
+
+class DeadLetterProducer:
+    """Idempotent producer for the DLQ; the first delivery error is kept and raised."""
+
+    def __init__(self, client_config: Mapping[str, str], topic: str) -> None:
+        self.topic = topic
+        self._producer = Producer(
+            {**client_config, "enable.idempotence": True, "acks": "all", "linger.ms": 5}
+        )
+        self._error: KafkaError | None = None
+        self.sent = 0
+
+    def _delivered(self, err: KafkaError | None, _msg: Message) -> None:
+        if err is not None and self._error is None:
+            self._error = err
+
+    def send(self, msg: Message, reason: str, detail: str) -> None:
+        letter = DeadLetter(
+            reason=reason,
+            detail=detail[:2000],
+            source_topic=msg.topic() or "",
+            partition=max(msg.partition() or 0, 0),
+            offset=max(msg.offset() or 0, 0),
+        )
+        headers = [(k, v) for k, v in (msg.headers() or []) if k != letter.header()[0]] + [
+            letter.header()
+        ]
+        while True:
+            try:
+                self._producer.produce(
+                    self.topic,
+                    key=msg.key(),
+                    value=msg.value(),
+                    headers=headers,
+                    on_delivery=self._delivered,
+                )
+                break
+            except BufferError:  # local queue full: serve callbacks and try again
+                self._producer.poll(0.5)
+        self._producer.poll(0)
+        self.sent += 1
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait for every dead letter to be acknowledged; raise the first failure."""
+        remaining = self._producer.flush(timeout_s)
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise KafkaException(err)
+        if remaining:
+            raise KafkaException(
+                KafkaError(KafkaError._MSG_TIMED_OUT, f"{remaining} dead letters not acked")
+            )
+
+
+class ScoredSource:
+    """Micro-batches of scored groups from one topic (see the module doc)."""
+
+    def __init__(
+        self,
+        client_config: Mapping[str, str],
+        topics: TopicsConfig,
+        batch: BatchConfig,
+        retry: RetryConfig,
+        *,
+        run_id: str,
+        vocab_size: int,
+        max_length: int,
+        start_offsets: Mapping[TP, int] | None = None,
+        on_dead_letter: DlqHook | None = None,
+    ) -> None:
+        self.topics = topics
+        self.batch_config = batch
+        self.retry = retry
+        self.run_id = run_id
+        self.vocab_size = vocab_size
+        self.max_length = max_length
+        self._on_dead_letter = on_dead_letter
+        self.positions: dict[TP, int] = {
+            k: v for k, v in (start_offsets or {}).items() if k[0] == topics.scored
+        }
+        self.assigned: set[TP] = set()
+        self.assembler = BatchAssembler(batch.max_groups, batch.max_tokens, batch.max_wait_s)
+        self.dlq = DeadLetterProducer(client_config, topics.dlq)
+        self.foreign = 0
+        static = {"group.instance.id": topics.group_instance_id} if topics.group_instance_id else {}
+        self._consumer = Consumer(
+            {
+                **client_config,
+                **static,
+                "group.id": topics.group_id,
+                "session.timeout.ms": topics.session_timeout_ms,
+                "enable.auto.commit": False,
+                "enable.auto.offset.store": False,
+                "auto.offset.reset": "earliest",
+                "enable.partition.eof": False,
+                "max.poll.interval.ms": topics.max_poll_interval_ms,
+                "fetch.max.bytes": 64 * 1024 * 1024,
+            }
+        )
+        self._consumer.subscribe(
+            [topics.scored], on_assign=self._on_assign, on_revoke=self._on_revoke
+        )
+
+    # --- rebalance callbacks ------------------------------------------------------------
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            known = self.positions.get((tp.topic, tp.partition))
+            if known is not None:
+                tp.offset = known  # resume exactly where the trained (or taken) data ends
+            self.assigned.add((tp.topic, tp.partition))
+        log.info(
+            "assigned %s",
+            ", ".join(
+                f"{tp.topic}[{tp.partition}]@{tp.offset if tp.offset >= 0 else 'committed'}"
+                for tp in partitions
+            ),
+        )
+        consumer.assign(partitions)
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            self.assigned.discard((tp.topic, tp.partition))
+        log.info("revoked %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
+        consumer.unassign()
+
+    # --- reading ------------------------------------------------------------------------
+
+    def next_micro_batch(self, stop: threading.Event) -> MicroBatch | None:
+        """Poll until a micro-batch closes (group count, token budget, or the wait limit
+        after its first group); None when ``stop`` is set first."""
+        while not stop.is_set():
+            ready = self.assembler.take()
+            if ready is not None:
+                return ready
+            left = self.assembler.seconds_left()
+            timeout = self.batch_config.poll_timeout_s
+            if left is not None:
+                timeout = min(timeout, max(left, 0.001))
+            msg = self._consumer.poll(timeout)
+            if msg is not None:
+                self._handle(msg)
+        return None
+
+    def _handle(self, msg: Message) -> None:
+        err = msg.error()
+        if err is not None:
+            if err.fatal():
+                raise KafkaException(err)
+            log.warning("consumer error (retried by librdkafka): %s", err)
+            return
+        topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+        assert topic is not None and partition is not None and offset is not None
+        self.positions[(topic, partition)] = offset + 1
+        try:
+            group = decode_group(msg.value() or b"")
+        except DecodeError as exc:
+            self._dead_letter(msg, str(exc.reason), exc.message)
+            return
+        if group.run_id != self.run_id:
+            self.foreign += 1
+            if self.foreign == 1 or self.foreign % 1000 == 0:
+                log.warning(
+                    "skipping group %s of run %r (training run %r); %d such records so far",
+                    group.group_id,
+                    group.run_id,
+                    self.run_id,
+                    self.foreign,
+                )
+            self.assembler.add_skipped(topic, partition, offset)
+            return
+        for traj in group.samples:
+            problem = check_trainable(traj, self.vocab_size, self.max_length)
+            if problem is not None:
+                reason, _, detail = problem.partition(": ")
+                self._dead_letter(msg, reason, f"trajectory {traj.trajectory_id}: {detail}")
+                return
+        if not group.samples:
+            self._dead_letter(msg, "empty_group", f"group {group.group_id} has no samples")
+            return
+        self.assembler.add_group(
+            ConsumedGroup(
+                topic=topic,
+                partition=partition,
+                offset=offset,
+                group_id=group.group_id,
+                trajectories=group.samples,
+            )
+        )
+
+    def _dead_letter(self, msg: Message, reason: str, detail: str) -> None:
+        log.error(
+            "dead-lettering %s[%s]@%s: %s: %s",
+            msg.topic(),
+            msg.partition(),
+            msg.offset(),
+            reason,
+            detail,
+        )
+        self.dlq.send(msg, reason, detail)
+        self.assembler.add_skipped(msg.topic() or "", msg.partition() or 0, msg.offset() or 0)
+        if self._on_dead_letter is not None:
+            self._on_dead_letter(reason)
+
+    # --- committing ---------------------------------------------------------------------
+
+    def flush_dead_letters(self) -> None:
+        """Every dead letter acknowledged (retried with back-off while the broker is away)."""
+        for attempt in retrying(self.retry, (KafkaException,), "flush the DLQ"):
+            with attempt:
+                self.dlq.flush()
+
+    def commit(self, offsets: Mapping[TP, int]) -> bool:
+        """Commit checkpointed ``offsets`` to the group synchronously. A failure is logged
+        and returns False: the checkpoint, not Kafka, is the source of truth on restart."""
+        mine = [TopicPartition(t, p, o) for (t, p), o in offsets.items() if t == self.topics.scored]
+        if not mine:
+            return True
+        try:
+            for attempt in retrying(self.retry, (KafkaException,), "commit offsets", quick=True):
+                with attempt:
+                    self._consumer.commit(offsets=mine, asynchronous=False)
+        except KafkaException as exc:
+            log.warning("offset commit failed (the checkpoint has them): %s", exc)
+            return False
+        return True
+
+    def close(self) -> None:
+        try:
+            self.dlq.flush()
+        finally:
+            self._consumer.close()

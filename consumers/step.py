@@ -1,0 +1,227 @@
+"""One optimiser step: log-probs with gradient, the configured loss, backward, step.
+
+The anchor of the decoupled losses (what ``logp_old`` means to them) is chosen per
+record, because a batch can mix records with exact old log-probs and records without:
+
+==================  =========================================================================
+record              anchor
+==================  =========================================================================
+exact ``logp_old``  ``logp_old`` from the stream (training-side numerics at its version)
+otherwise, route    ``ewma``: ``logp_prox``, a no-grad forward pass of the proximal model
+                    (EWMA of the trainer's past weights, ``consumers.ewma``) in the same
+                    batch layout; ``infer``: ``logp_infer`` (d = 1); ``drop``: not trained
+==================  =========================================================================
+
+The ``ppo_ewma`` loss anchors on ``logp_prox`` by definition; exact records use their
+``logp_old`` there too unless ``approx.exact_for_ppo_ewma`` is off. Losses that do not
+anchor on ``logp_old`` (``grpo``, ``mu_grpo`` on the total ratio) ignore the route.
+
+The EWMA is created the first time a batch needs it (θ_prox = the current weights, a
+fresh average) and, from then on, updated after every optimiser step, or reset when the
+step's ``train_infer/kept_frac`` falls under the threshold. ``mismatch/k3_kl`` is always
+computed over exact records only (k3 of logp_old − logp_infer), whatever the anchor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from consumers.batching import PackedBatch, pack, response_logprobs
+from consumers.config import TrainerConfig
+from consumers.engine import TrainEngine
+from consumers.ewma import EwmaProximal
+from consumers.losses import LossInputs, compute_loss, k3
+from schemas.trajectory import OldLogitsStatus, Trajectory
+
+#: Metrics summed over micro-batches (the others are response-token-weighted means).
+_SUMMED = ("tokens/response", "mis/masked_seqs", "veto/catastrophic_seqs", "nav/vetoed_seqs")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Loss metrics of one optimiser step (token-weighted over its micro-batches)."""
+
+    metrics: dict[str, float]
+    trained: list[Trajectory]
+    dropped: int
+
+
+class StepRunner:
+    """Runs optimiser steps on an engine with the configured loss and anchor route."""
+
+    def __init__(self, engine: TrainEngine, config: TrainerConfig, pad_id: int) -> None:
+        self.engine = engine
+        self.config = config
+        self.loss_config = config.loss
+        self.pad_id = pad_id
+        self.uses_anchor = config.needs_old_logp()
+        self.route = config.approx.route if self.uses_anchor else "infer"
+        self.is_ppo_ewma = config.loss.type == "ppo_ewma"
+        self.beta, self.reset_below = config.ewma_settings()
+        self.ref_model = engine.frozen_copy() if config.loss.kl_coef > 0 else None
+        self.prox_model = engine.frozen_copy() if self.route == "ewma" else None
+        self.ewma: EwmaProximal | None = None
+
+    @staticmethod
+    def frozen_copies_needed(config: TrainerConfig) -> int:
+        """How many frozen copies ``TrainEngine`` must keep for this config."""
+        uses_ewma = config.needs_old_logp() and config.approx.route == "ewma"
+        return int(config.loss.kl_coef > 0) + int(uses_ewma)
+
+    # --- the step -----------------------------------------------------------------------
+
+    def select(self, trajectories: Sequence[Trajectory]) -> tuple[list[Trajectory], int]:
+        """The records this step can train (route ``drop`` skips non-exact ones)."""
+        if self.route != "drop":
+            return list(trajectories), 0
+        kept = [t for t in trajectories if t.old_logits_status == OldLogitsStatus.EXACT]
+        return kept, len(trajectories) - len(kept)
+
+    def train_step(self, micro_batches: Sequence[Sequence[Trajectory]]) -> StepResult:
+        """Forward/backward every micro-batch (``grad_accum_steps`` of them, each
+        non-empty after ``select``) and step the optimiser once."""
+        if len(micro_batches) != self.engine.config.grad_accum_steps:
+            raise ValueError(
+                f"{len(micro_batches)} micro-batches for grad_accum_steps="
+                f"{self.engine.config.grad_accum_steps}"
+            )
+        parts: list[dict[str, float]] = []
+        trained: list[Trajectory] = []
+        dropped = 0
+        boundary = False
+        for records in micro_batches:
+            kept, n_dropped = self.select(records)
+            dropped += n_dropped
+            if not kept:
+                raise ValueError("a micro-batch with nothing to train (select() it first)")
+            packed = pack(kept).to(self.engine.device)
+            parts.append(self._micro_step(packed))
+            trained.extend(kept)
+            boundary = self.engine.step()
+        if not boundary:
+            raise RuntimeError("DeepSpeed did not step the optimiser at the end of a step")
+        metrics = _combine(parts)
+        grad_norm = self.engine.grad_norm()
+        if grad_norm is not None:
+            metrics["grad/norm"] = grad_norm
+        metrics["optim/lr"] = self.engine.lr()
+        self._after_optimizer_step(metrics)
+        return StepResult(metrics=metrics, trained=trained, dropped=dropped)
+
+    def _micro_step(self, batch: PackedBatch) -> dict[str, float]:
+        logp_new = self._logp(self.engine.engine, batch)  # through DeepSpeed
+        exact = batch.old_exact[:, None]
+        needs_prox = self.route == "ewma" and (
+            bool((~batch.old_exact).any())
+            or (self.is_ppo_ewma and not self.config.approx.exact_for_ppo_ewma)
+        )
+        logp_prox = self._logp_prox(batch) if needs_prox else None
+        logp_ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                logp_ref = self._logp(self.ref_model, batch)
+
+        fallback = logp_prox if logp_prox is not None else batch.logp_infer
+        logp_old = None
+        anchored_on_prox = None  # [B, 1] rows whose anchor is logp_prox
+        if self.is_ppo_ewma:
+            use_exact = exact & self.config.approx.exact_for_ppo_ewma
+            logp_prox = torch.where(use_exact, batch.logp_old, fallback)
+            anchored_on_prox = ~use_exact
+        elif self.uses_anchor:
+            logp_old = torch.where(exact, batch.logp_old, fallback)
+            anchored_on_prox = ~exact if self.route == "ewma" else None
+        inputs = LossInputs(
+            logp_new=logp_new,
+            logp_old=logp_old,
+            logp_infer=batch.logp_infer,
+            advantages=batch.advantages,
+            mask=batch.response_mask,
+            logp_ref=logp_ref,
+            logp_prox=logp_prox if self.is_ppo_ewma else None,
+        )
+        out = compute_loss(self.loss_config, inputs)
+        self.engine.backward(out.loss)
+
+        metrics = dict(out.metrics)
+        metrics.pop("mismatch/k3_kl", None)
+        with torch.no_grad():
+            exact_mask = batch.response_mask & exact
+            n_exact = int(exact_mask.sum())
+            if n_exact:
+                log_d = torch.where(exact_mask, batch.logp_old - batch.logp_infer, 0.0)
+                metrics["mismatch/k3_kl"] = float(k3(log_d).sum()) / n_exact
+            metrics["data/exact_old_frac"] = n_exact / max(int(batch.response_mask.sum()), 1)
+            if anchored_on_prox is not None:
+                n_prox = int((batch.response_mask & anchored_on_prox).sum())
+                metrics["data/anchor_prox_frac"] = n_prox / max(int(batch.response_mask.sum()), 1)
+        return metrics
+
+    def _logp(self, model: Any, batch: PackedBatch) -> torch.Tensor:
+        return response_logprobs(
+            model, batch, temperature=self.config.model.temperature, pad_id=self.pad_id
+        )
+
+    # --- EWMA proximal policy -----------------------------------------------------------
+
+    def _logp_prox(self, batch: PackedBatch) -> torch.Tensor:
+        assert self.prox_model is not None
+        if self.ewma is None:
+            self.ewma = EwmaProximal(self.engine.module.state_dict(), self.beta)
+            self.prox_model.load_state_dict(self.ewma.proximal_state_dict())
+        with torch.no_grad():
+            return self._logp(self.prox_model, batch)
+
+    def _after_optimizer_step(self, metrics: dict[str, float]) -> None:
+        if self.ewma is None or self.prox_model is None:
+            return
+        state = self.engine.module.state_dict()
+        kept = metrics.get("train_infer/kept_frac")
+        if kept is not None and self.ewma.should_reset(kept, self.reset_below):
+            self.ewma.reset(state)
+            metrics["ewma/reset"] = 1.0
+        else:
+            self.ewma.update(state)
+            metrics["ewma/reset"] = 0.0
+        metrics["ewma/weight"] = self.ewma.weight
+        self.prox_model.load_state_dict(self.ewma.proximal_state_dict())
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint must keep besides the engine (the EWMA, if any)."""
+        return {"ewma": None if self.ewma is None else self.ewma.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("ewma")
+        if saved is None or self.prox_model is None:
+            self.ewma = None
+            return
+        self.ewma = EwmaProximal(self.engine.module.state_dict(), self.beta)
+        self.ewma.load_state_dict(saved)
+        self.prox_model.load_state_dict(self.ewma.proximal_state_dict())
+
+
+def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Sum counts, max maxima, response-token-weighted means for everything else."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    weights = [max(p.get("tokens/response", 0.0), 0.0) for p in parts]
+    names = sorted({name for p in parts for name in p})
+    out: dict[str, float] = {}
+    for name in names:
+        present = [(p[name], w) for p, w in zip(parts, weights, strict=True) if name in p]
+        values = [v for v, _ in present]
+        if name in _SUMMED:
+            out[name] = float(sum(values))
+        elif name.endswith("/max"):
+            out[name] = float(max(values))
+        else:
+            weight = sum(w for _, w in present)
+            if weight > 0:
+                out[name] = float(sum(v * w for v, w in present) / weight)
+            else:
+                out[name] = float(sum(values) / len(values))
+    return out

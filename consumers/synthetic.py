@@ -1,0 +1,109 @@
+"""Hand-made scored groups for tests and benchmarks (no producer or stream needed).
+
+``synthetic_groups`` samples responses from a model (or uniformly), records their
+log-probs the way a generator and the old-logit service would (``logp_infer`` =
+``logp_old`` = the model's log-probs in the shared layout, status ``exact``), scores them
+with a toy reward (the share of response tokens equal to ``target_token``) and attaches
+group-normalised advantages. Deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from typing import Any
+
+import numpy as np
+
+from rollstream.advantages import group_advantages
+from schemas.group import SampleDiagnostics, ScoredGroup
+from schemas.trajectory import OldLogitsStatus, Trajectory
+
+
+def synthetic_groups(
+    num_groups: int,
+    *,
+    group_size: int = 4,
+    prompt_len: int = 4,
+    response_len: int = 6,
+    vocab_size: int = 16,
+    version: int = 0,
+    model: Any = None,
+    seed: int = 0,
+    target_token: int = 5,
+    status: str = OldLogitsStatus.EXACT.value,
+    run_id: str = "test",
+    region: str = "local",
+    vary_lengths: bool = True,
+) -> list[list[Trajectory]]:
+    """``num_groups`` groups of ``group_size`` scored trajectories each."""
+    rng = np.random.default_rng(seed)
+    groups: list[list[Trajectory]] = []
+    for g in range(num_groups):
+        group_id = f"g{seed}-{g}-{uuid.UUID(int=int(rng.integers(2**63))).hex[:8]}"
+        prompt = rng.integers(1, vocab_size, size=prompt_len, dtype=np.int32)
+        responses = []
+        for _ in range(group_size):
+            length = int(rng.integers(1, response_len + 1)) if vary_lengths else response_len
+            responses.append(rng.integers(0, vocab_size, size=length, dtype=np.int32))
+        if model is not None:
+            from rollstream.logprobs import response_logprobs
+
+            logps = response_logprobs(model, [(prompt, r) for r in responses])
+        else:
+            logps = [
+                np.log(rng.uniform(0.05, 0.95, size=len(r))).astype(np.float32) for r in responses
+            ]
+        rewards = [float(np.mean(r == target_token)) for r in responses]
+        if len(set(rewards)) == 1:  # keep a learning signal in every group
+            rewards[0] += 1.0
+        adv = group_advantages(rewards).advantages
+        group = []
+        for i, (resp, logp) in enumerate(zip(responses, logps, strict=True)):
+            traj = Trajectory.create(
+                run_id=run_id,
+                trajectory_id=f"{group_id}-{i}",
+                group_id=group_id,
+                group_size=group_size,
+                sample_index=i,
+                producer_id="synthetic",
+                region=region,
+                task="synthetic",
+                prompt_ids=prompt,
+                response_ids=resp,
+                logp_infer=logp,
+                segment_versions=[version],
+                segment_lengths=[len(resp)],
+                reward=rewards[i],
+                reward_details={},
+                finish_reason="stop",
+                created_at_ms=0,
+                finished_at_ms=0,
+            )
+            if status in (OldLogitsStatus.EXACT, OldLogitsStatus.APPROX):
+                traj = traj.with_old_logits(logp, status)
+            elif status != OldLogitsStatus.MISSING:
+                traj = dataclasses.replace(traj, old_logits_status=status)
+            group.append(traj.with_advantage(float(adv[i])))
+        groups.append(group)
+    return groups
+
+
+def scored_group(samples: list[Trajectory], *, trainer_version_seen: int = 0) -> ScoredGroup:
+    """The ``rollouts.scored`` record of one synthetic group (``encode_group`` it)."""
+    rewards = np.array([t.reward for t in samples], dtype=np.float64)
+    first = samples[0]
+    return ScoredGroup(
+        run_id=first.run_id,
+        group_id=first.group_id,
+        group_size=first.group_size,
+        trainer_version_seen=trainer_version_seen,
+        samples=tuple(samples),
+        diagnostics=tuple(
+            SampleDiagnostics.of(t, trainer_version_seen - t.min_version) for t in samples
+        ),
+        reward_mean=float(rewards.mean()),
+        reward_std=float(rewards.std()),
+        complete=len(samples) == first.group_size,
+        emitted_at_ms=0,
+    )

@@ -1,0 +1,349 @@
+"""The trainer's driver loop: consume → train → publish → checkpoint → commit.
+
+Reads like pseudocode on purpose (``Trainer.run``)::
+
+    restore the last checkpoint (weights, optimiser, step, Kafka offsets, EWMA)
+    publish version `step` if the store has none
+    until stopped or max_steps:
+        gather grad_accum_steps micro-batches of whole groups from rollouts.scored
+        one optimiser step (consumers.step)                  -> version step+1
+        publish every publish.every steps                    (S3, then policy.versions)
+        checkpoint every checkpoint.every steps:
+            flush the DLQ, save (offsets + ledger inside), mark LATEST,
+            append the ledger, commit the offsets to Kafka
+        metrics: JSONL, Prometheus, progress line
+    on stop (SIGTERM/SIGINT, max_steps): finish the step, checkpoint, close
+
+Crash safety: offsets are committed only after the checkpoint that covers them is
+durable, and a restart seeks to the offsets stored in that checkpoint, so every record
+is trained into the surviving weights exactly once (``consumers.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from consumers.batching import TopicPartition, merge_offsets
+from consumers.checkpoint import CheckpointManager, TrainerState, TrainingLedger
+from consumers.config import CheckpointConfig, TrainerConfig
+from consumers.metrics import MetricsSink, data_metrics
+from rollstream.config import S3Config
+from rollstream.weights.config import WeightsConfig
+from schemas.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+FAILPOINT_ENV = "ROLLSTREAM_TRAINER_FAILPOINT"
+"""Crash tests only: ``after_checkpoint:N`` makes the trainer SIGKILL itself right after
+checkpoint N is durable, before the ledger append and the offset commit."""
+
+
+def _failpoint(name: str, step: int) -> None:
+    if os.environ.get(FAILPOINT_ENV) == f"{name}:{step}":
+        log.warning("failpoint %s:%d: killing this process", name, step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """Everything ``Trainer`` needs: the run, the clusters, and the trainer section."""
+
+    run_id: str
+    kafka: Mapping[str, str]  # librdkafka client config (KafkaConfig.client_config())
+    trainer: TrainerConfig
+    s3: S3Config | None = None  # None: no publishing
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
+    cache_dir: Path | None = None
+    state_dir: Path | None = None  # default home of checkpoints
+
+    def checkpoint_config(self) -> CheckpointConfig:
+        """``trainer.checkpoint`` with its directory resolved."""
+        config = self.trainer.checkpoint
+        if config.dir is not None:
+            return config
+        if self.state_dir is None:
+            raise ValueError("set trainer.checkpoint.dir (or give a state dir)")
+        return config.model_copy(
+            update={"dir": self.state_dir / "trainer" / self.run_id / "checkpoints"}
+        )
+
+
+@dataclass
+class TrainSummary:
+    """What a ``run`` did."""
+
+    step: int
+    steps_this_run: int
+    trained: int
+    dead_letters: int
+    checkpoints: int
+    published: list[int]
+
+
+class Trainer:
+    """Owns the engine, the Kafka source, the publisher and the sinks of one run."""
+
+    def __init__(self, settings: TrainerSettings) -> None:
+        self.settings = settings
+        self.config = settings.trainer
+        self.stop_event = threading.Event()
+        self.step = 0
+        self.offsets: dict[TopicPartition, int] = {}
+        self.pending_ledger: list[tuple[int, list[str]]] = []
+        self.last_checkpoint_step = 0
+        self.summary = TrainSummary(0, 0, 0, 0, 0, [])
+
+    # --- setup --------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        """Engine, loss runner, checkpoints, Kafka, publisher, sinks (heavy imports here)."""
+        import torch
+
+        from consumers.engine import TrainEngine, load_model, world_size
+        from consumers.step import StepRunner
+
+        cfg = self.config
+        torch.manual_seed(cfg.engine.seed)
+        model = load_model(cfg.model, self.settings.cache_dir)
+        model_cfg = model.config
+        self.vocab_size = int(model_cfg.vocab_size)
+        self.max_length = int(cfg.model.max_length or model_cfg.max_position_embeddings)
+        pad = cfg.model.pad_token_id
+        if pad is None:
+            pad = getattr(model_cfg, "pad_token_id", None) or 0
+        self.engine = TrainEngine(
+            model, cfg.engine, frozen_copies=StepRunner.frozen_copies_needed(cfg)
+        )
+        if world_size() > 1:
+            raise NotImplementedError(
+                "the Kafka trainer runs as one process (world size 1); data-parallel ranks "
+                "fed from rank 0 are not implemented yet"
+            )
+        self.runner = StepRunner(self.engine, cfg, pad_id=int(pad))
+        self.checkpoints = CheckpointManager(self.settings.checkpoint_config())
+        self.ledger = (
+            TrainingLedger(cfg.ledger_file, fsync=cfg.checkpoint.fsync)
+            if cfg.ledger_file is not None
+            else None
+        )
+        self.sink = MetricsSink(cfg.metrics_file, progress=cfg.progress, total_steps=cfg.max_steps)
+        if cfg.prometheus_port is not None:
+            port = self.sink.serve(cfg.prometheus_port)
+            log.info("prometheus metrics on :%d", port)
+
+    def _restore(self) -> None:
+        state = self.checkpoints.load(self.engine)
+        if state is None:
+            log.info("no checkpoint in %s: starting at step 0", self.checkpoints.dir)
+            return
+        self.step = self.last_checkpoint_step = state.step
+        self.offsets = dict(state.offsets)
+        self.runner.load_state_dict(state.runner)
+        if self.engine.global_steps != state.step:
+            raise RuntimeError(
+                f"checkpoint step {state.step} != DeepSpeed global_steps {self.engine.global_steps}"
+            )
+        if self.ledger is not None:
+            written = self.ledger.append(state.ledger)
+            if written:
+                log.warning("ledger: wrote %d step(s) the checkpoint had and it lacked", written)
+        log.info(
+            "restored step %d; resuming at offsets %s",
+            state.step,
+            {f"{t}[{p}]": o for (t, p), o in sorted(self.offsets.items())},
+        )
+
+    def _connect(self) -> None:
+        from consumers.source import ScoredSource
+
+        cfg = self.config
+        self._ensure_topics()
+        self.source = ScoredSource(
+            self.settings.kafka,
+            cfg.topics,
+            cfg.batch,
+            cfg.retry,
+            run_id=self.settings.run_id,
+            vocab_size=self.vocab_size,
+            max_length=self.max_length,
+            start_offsets=self.offsets,
+            on_dead_letter=self.sink.record_dlq,
+        )
+        self.publisher = None
+        if self.settings.s3 is not None and (cfg.publish.every or cfg.publish.initial):
+            from consumers.publish import Publisher
+            from rollstream.weights.announce import Announcer
+            from rollstream.weights.store import WeightStore
+            from rollstream.weights.writer import DeltaWriter
+
+            store = WeightStore.from_config(self.settings.s3, self.settings.run_id)
+            writer = DeltaWriter.from_config(store, self.settings.weights)
+            announcer = (
+                Announcer(self.settings.kafka, topic=cfg.topics.versions)
+                if cfg.publish.announce
+                else None
+            )
+            self.publisher = Publisher(writer, cfg.publish, cfg.retry, announcer)
+            first = self.publisher.resume(self.step, self.engine.state_dict)
+            if first is not None:
+                self.summary.published.append(first.version)
+
+    def _ensure_topics(self) -> None:
+        from confluent_kafka import KafkaException
+
+        from consumers.retry import retrying
+        from infra.topics import ensure_topics
+        from schemas.topics import POLICY_VERSIONS, ROLLOUTS_DLQ, ROLLOUTS_SCORED
+
+        names = self.config.topics
+        specs = [
+            dataclasses.replace(ROLLOUTS_SCORED, name=names.scored),
+            dataclasses.replace(ROLLOUTS_DLQ, name=names.dlq),
+            dataclasses.replace(POLICY_VERSIONS, name=names.versions),
+        ]
+        for attempt in retrying(self.config.retry, (KafkaException,), "ensure topics"):
+            with attempt:
+                ensure_topics(self.settings.kafka, specs)
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def run(self) -> TrainSummary:
+        """Train until ``max_steps`` or a stop request; always ends on a checkpoint."""
+        self._build()
+        try:
+            self._restore()
+            self._connect()
+            max_steps = self.config.max_steps
+            while not self.stop_event.is_set() and (max_steps is None or self.step < max_steps):
+                if not self._one_step():
+                    break
+            self._checkpoint_if_behind()
+        finally:
+            self._close()
+        self.summary.step = self.step
+        return self.summary
+
+    def _one_step(self) -> bool:
+        """Gather, train, publish, maybe checkpoint; False when stopped while gathering."""
+        cfg = self.config
+        started = time.perf_counter()
+        gathered = self._gather(cfg.engine.grad_accum_steps)
+        if gathered is None:
+            return False
+        micro_batches, covered = gathered
+        computed = time.perf_counter()
+        version = self.step  # the weights being trained are version `step`
+        result = self.runner.train_step(micro_batches)
+        trained_at = time.perf_counter()
+        self.step += 1
+        self.offsets = merge_offsets(self.offsets, covered)
+        ids = [t.trajectory_id for t in result.trained]
+        self.pending_ledger.append((self.step, ids))
+
+        metrics: dict[str, float] = {"step": float(self.step), "version": float(version)}
+        metrics.update(data_metrics(result.trained, version))
+        metrics.update(result.metrics)
+        tokens = sum(t.num_prompt_tokens + t.num_response_tokens for t in result.trained)
+        compute_s = trained_at - computed
+        metrics["time/wait_s"] = computed - started
+        metrics["time/step_s"] = compute_s
+        metrics["throughput/tokens_per_s"] = tokens / compute_s if compute_s > 0 else 0.0
+        metrics["data/dropped_approx"] = float(result.dropped)
+        metrics["data/dlq_total"] = float(self.source.dlq.sent)
+
+        if self.publisher is not None and self.publisher.due(self.step):
+            published = self.publisher.publish(self.step, self.engine.state_dict())
+            metrics["time/publish_s"] = published.seconds
+            self.summary.published.append(self.step)
+        if self.step % cfg.checkpoint.every == 0:
+            metrics["time/checkpoint_s"] = self._checkpoint()
+        self.sink.emit(metrics, result.trained)
+        self.summary.steps_this_run += 1
+        self.summary.trained += len(result.trained)
+        return True
+
+    def _gather(
+        self, count: int
+    ) -> tuple[list[list[Trajectory]], dict[TopicPartition, int]] | None:
+        """``count`` non-empty micro-batches and the offsets they (and any empty ones
+        between them) cover; None if a stop was requested first."""
+        batches: list[list[Trajectory]] = []
+        covered: dict[TopicPartition, int] = {}
+        while len(batches) < count:
+            micro = self.source.next_micro_batch(self.stop_event)
+            if micro is None:
+                return None
+            covered = merge_offsets(covered, micro.next_offsets)
+            kept, _dropped = self.runner.select(micro.trajectories)
+            if kept:  # a micro-batch left empty by route=drop only advances the offsets
+                batches.append(micro.trajectories)
+        return batches, covered
+
+    # --- checkpoints --------------------------------------------------------------------
+
+    def _checkpoint(self) -> float:
+        """Durable checkpoint, then ledger, then Kafka commit; returns seconds taken."""
+        started = time.perf_counter()
+        self.source.flush_dead_letters()  # a DLQ record must be safe before its offset is
+        state = TrainerState(
+            step=self.step,
+            offsets=dict(self.offsets),
+            ledger=list(self.pending_ledger),
+            runner=self.runner.state_dict(),
+            last_published=None if self.publisher is None else self.publisher.last_version,
+        )
+        tag = self.checkpoints.save(self.engine, state)
+        _failpoint("after_checkpoint", self.step)
+        if self.ledger is not None:
+            self.ledger.append(self.pending_ledger)
+        self.pending_ledger = []
+        self.last_checkpoint_step = self.step
+        self.summary.checkpoints += 1
+        self.source.commit(self.offsets)
+        seconds = time.perf_counter() - started
+        log.info("checkpoint %s durable, offsets committed (%.2fs)", tag, seconds)
+        return seconds
+
+    def _checkpoint_if_behind(self) -> None:
+        if self.step > self.last_checkpoint_step:
+            self._checkpoint()
+
+    def _close(self) -> None:
+        for name in ("source", "publisher"):
+            part: Any = getattr(self, name, None)
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:  # closing must not hide the error that got us here
+                    log.exception("closing the %s failed", name)
+        sink = getattr(self, "sink", None)
+        if sink is not None:
+            sink.close()
+        self.summary.dead_letters = self.source.dlq.sent if hasattr(self, "source") else 0
+
+    # --- stopping -----------------------------------------------------------------------
+
+    def request_stop(self, *_args: object) -> None:
+        """Finish the current step, checkpoint, and return from ``run``."""
+        if not self.stop_event.is_set():
+            log.info("stop requested: finishing the current step")
+        self.stop_event.set()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT request a clean stop (main thread only)."""
+
+        def handler(signum: int, _frame: FrameType | None) -> None:
+            self.request_stop()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
