@@ -122,9 +122,13 @@ def topics_ensure(config: RollstreamConfig) -> None:
 
 def _register_role_commands() -> None:
     """Sub-commands that live with their role; importing them does not import torch."""
+    from consumers.cli import train
+    from producers.cli import produce, serve
     from rollstream.weights.cli import weights
+    from streams.cli import stream
 
-    main.add_command(weights)
+    for command in (weights, serve, produce, stream, train):
+        main.add_command(command)
 
 
 _register_role_commands()

@@ -20,6 +20,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from consumers.config import TrainerConfig
+from producers.config import ProducersConfig
+from streams.config import StreamsConfig
+
 
 def default_state_dir() -> Path:
     """Where embedded services keep their data and logs unless told otherwise."""
@@ -199,6 +203,15 @@ class RollstreamConfig(BaseSettings):
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     s3: S3Config = Field(default_factory=S3Config)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    producers: ProducersConfig = Field(
+        default_factory=ProducersConfig, description="[producers]: engine and rollout worker."
+    )
+    streams: StreamsConfig = Field(
+        default_factory=StreamsConfig, description="[streams]: the Faust stream processors."
+    )
+    trainer: TrainerConfig = Field(
+        default_factory=TrainerConfig, description="[trainer]: the DeepSpeed trainer."
+    )
 
 
 def _well_known_env() -> dict[str, Any]:
