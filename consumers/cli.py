@@ -45,48 +45,15 @@ def apply_overrides(data: dict[str, Any], assignments: tuple[str, ...]) -> dict[
     return data
 
 
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in top.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
 def load_sections(
     path: Path | None, assignments: tuple[str, ...] = ()
 ) -> tuple[RollstreamConfig, TrainerConfig, WeightsConfig]:
-    """The shared config plus the trainer and weights sections of one TOML file.
+    """The shared config with its trainer and weights sections.
 
-    Works whether or not ``RollstreamConfig`` declares ``trainer``/``weights`` sections
-    yet: undeclared sections are split off and validated here.
+    Precedence: the TOML file < ``ROLLSTREAM_*`` variables < ``--set`` assignments.
     """
-    data: dict[str, Any] = {}
-    if path is not None:
-        with Path(path).open("rb") as fh:
-            data = tomllib.load(fh)
-    # file < ROLLSTREAM_* variables (as in rollstream.config.load_config) < --set
-    env_only = RollstreamConfig.model_validate({}).model_dump(exclude_unset=True)
-    data = apply_overrides(_merge(data, env_only), assignments)
-    declared = RollstreamConfig.model_fields
-    own = {
-        name: data.pop(name, None) or {} for name in ("trainer", "weights") if name not in declared
-    }
-    config = load_config(None, **data)
-    trainer_raw = own.get("trainer")
-    trainer = (
-        TrainerConfig.model_validate(trainer_raw or {})
-        if "trainer" not in declared
-        else config.trainer  # type: ignore[attr-defined]
-    )
-    weights = (
-        WeightsConfig.model_validate(own.get("weights") or {})
-        if "weights" not in declared
-        else config.weights  # type: ignore[attr-defined]
-    )
-    return config, trainer, weights
+    config = load_config(path, **apply_overrides({}, assignments))
+    return config, config.trainer, config.weights
 
 
 def run_trainer(config: RollstreamConfig, trainer: TrainerConfig, weights: WeightsConfig) -> int:
@@ -129,8 +96,7 @@ def train(
 ) -> None:
     """Train on rollouts.scored and publish versions (the trainer role)."""
     config: RollstreamConfig = ctx.obj
-    trainer = getattr(config, "trainer", None) or TrainerConfig()
-    weights = getattr(config, "weights", None) or WeightsConfig()
+    trainer, weights = config.trainer, config.weights
     if assignments:
         data = apply_overrides({"trainer": trainer.model_dump(mode="json")}, assignments)
         trainer = _validated(data["trainer"])

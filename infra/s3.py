@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -114,9 +115,20 @@ class SeaweedServer:
             self.process.start(argv, env, marker=f"-dir={store}")
 
     def wait_ready(self, timeout: float = 60.0) -> str:
-        """Wait until S3 answers; returns the endpoint URL."""
+        """Wait until S3 answers and every volume on disk is registered; returns the URL.
+
+        After a restart the S3 gateway answers before the volume server has reported its
+        volumes to the master, and reads of existing objects fail with InternalError for a
+        few seconds; so readiness also asks the master how many volumes it knows.
+        """
         client = make_s3_client(self.config())
-        self.process.wait_until(lambda: _answers(client), timeout, "an S3 endpoint that answers")
+        on_disk = len(list((self.data_dir / "store").glob("*.dat")))
+        master = f"http://127.0.0.1:{self.ports()['master.port']}/dir/status"
+        self.process.wait_until(
+            lambda: _answers(client) and _registered_volumes(master) >= on_disk,
+            timeout,
+            f"an S3 endpoint that answers with all {on_disk} volumes registered",
+        )
         return self.endpoint_url
 
     def start(self, timeout: float = 60.0) -> str:
@@ -130,6 +142,18 @@ class SeaweedServer:
 def _answers(client: Any) -> bool:
     client.list_buckets()
     return True
+
+
+def _registered_volumes(master_status_url: str) -> int:
+    """How many volumes the SeaweedFS master has heard of from its volume servers."""
+    with urllib.request.urlopen(master_status_url, timeout=2) as response:
+        topology = orjson.loads(response.read())["Topology"]
+    return sum(
+        node.get("Volumes", 0)
+        for center in topology.get("DataCenters") or []
+        for rack in center.get("Racks") or []
+        for node in rack.get("DataNodes") or []
+    )
 
 
 def make_s3_client(config: S3Config) -> Any:

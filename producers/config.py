@@ -2,9 +2,8 @@
 
 Light on purpose (pydantic only, no torch), like ``rollstream.config``: entry points parse
 and validate it before importing anything heavy. Unknown keys are errors, instances are
-immutable. ``ProducersConfig`` is meant to become the ``producers`` section of
-``RollstreamConfig``; until then ``python -m producers --producers-config FILE`` reads it
-from a TOML file of its own (tables ``[engine]`` and ``[rollout]``).
+immutable. ``ProducersConfig`` is the ``producers`` section of ``RollstreamConfig``;
+``--producers-config FILE`` can also read it from a TOML file of its own.
 """
 
 from __future__ import annotations
@@ -110,6 +109,15 @@ class RolloutConfig(_Strict):
         description="Start no new group while the engine's version is more than this many "
         "versions ahead of the trainer's consumed version.",
     )
+    groups_per_version: int | None = Field(
+        default=None,
+        ge=1,
+        description="Admission credit: start at most (versions announced since this worker "
+        "began + 1 + staleness_window) x this many groups, so the worker never runs more than "
+        "staleness_window trainer steps ahead. Set it to the groups this worker contributes to "
+        "one trainer step (with staleness_window = 0 generation waits for every update: the "
+        "synchronous baseline). None: no credit limit.",
+    )
     version_policy: VersionPolicy = Field(
         default="interrupt",
         description="On a new version mid-generation: 'finish' on the old weights, "
@@ -198,9 +206,8 @@ def load_producers_config(path: Path | None) -> ProducersConfig:
 
 
 def producers_section(config: Any, path: Path | None = None) -> ProducersConfig:
-    """The producers config of a ``RollstreamConfig``: its ``producers`` section once the
-    lead has added it, else ``path`` (a TOML file), else the defaults."""
+    """The ``producers`` section of a ``RollstreamConfig``, or of a separate file ``path``
+    (``--producers-config``: a file with ``[engine]``/``[rollout]`` or ``[producers]``)."""
     if path is not None:
         return load_producers_config(path)
-    section = getattr(config, "producers", None)
-    return section if isinstance(section, ProducersConfig) else ProducersConfig()
+    return config.producers

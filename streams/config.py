@@ -3,19 +3,16 @@
 Light on purpose (pydantic only, no torch, no Faust): ``rollstream stream --help`` and
 config validation stay instant. Every field is described; unknown keys are errors.
 
-``load_stream_config`` takes the ``[streams]`` and ``[weights]`` sections from
-``RollstreamConfig`` when it has them, and until then reads those tables out of the file
-itself and validates the rest with ``rollstream.config.load_config``. This module
-imports nothing from ``rollstream`` at import time, so ``rollstream.config`` can import
-``StreamsConfig`` from it.
+``load_stream_config`` reads the whole file with ``rollstream.config.load_config`` (which
+holds ``StreamsConfig`` as its ``streams`` section). This module imports nothing from
+``rollstream`` at import time, so ``rollstream.config`` can import it.
 """
 
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -200,31 +197,14 @@ class StreamsConfig(StrictModel):
 def load_stream_config(
     path: Path | None = None,
 ) -> tuple[RollstreamConfig, StreamsConfig, WeightsConfig]:
-    """The shared config, the ``[streams]`` section and the ``[weights]`` section.
+    """The shared config, its ``[streams]`` section and its ``[weights]`` section.
 
-    ``path`` defaults to ``$ROLLSTREAM_CONFIG`` (none: defaults and environment only).
+    ``path`` defaults to ``$ROLLSTREAM_CONFIG`` (none: defaults and environment only), so a
+    worker started with the ``faust`` CLI reads the same file as ``rollstream stream``.
     """
-    from rollstream.config import RollstreamConfig, load_config
-    from rollstream.weights.config import WeightsConfig
+    from rollstream.config import load_config
 
     if path is None and os.environ.get(CONFIG_ENV):
         path = Path(os.environ[CONFIG_ENV])
-    values: dict[str, Any] = {}
-    if path is not None:
-        with Path(path).open("rb") as fh:
-            values = tomllib.load(fh)
-    # Sections RollstreamConfig already knows stay in it (and get its env overrides).
-    known = RollstreamConfig.model_fields
-    sections = {name: values.pop(name, {}) for name in ("streams", "weights") if name not in known}
-    shared = load_config(None, **values)
-    streams = (
-        shared.streams  # type: ignore[attr-defined]
-        if "streams" in known
-        else StreamsConfig.model_validate(sections["streams"])
-    )
-    weights = (
-        shared.weights  # type: ignore[attr-defined]
-        if "weights" in known
-        else WeightsConfig.model_validate(sections["weights"])
-    )
-    return shared, streams, weights
+    config = load_config(path)
+    return config, config.streams, config.weights
