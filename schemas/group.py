@@ -13,9 +13,9 @@ Binary layout (all integers little-endian), record kind ``RecordKind.SCORED_GROU
               sample count u32 | reserved u32 (0)                        (24 bytes in all)
     meta      orjson object: the scalar fields and ``diagnostics`` (a list, one per sample)
     samples   count x (length u32 | a ``schemas.codec`` trajectory record)
-    checksum  CRC32 (zlib) of every byte before it, u32
+    checksum  low 32 bits of XXH3-64 of every byte before it, u32 (as in codec.py)
 
-Each sample keeps its own CRC; the outer one covers the meta and the framing. Non-finite
+Each sample keeps its own checksum; the outer one covers the meta and the framing. Non-finite
 diagnostics (NaN without ``logp_old``) travel as JSON ``null`` and decode as NaN.
 ``decode_group`` raises ``schemas.codec.DecodeError`` for every defect, never another
 exception.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
-import zlib
 from typing import Any
 
 import numpy as np
@@ -40,6 +39,7 @@ from schemas.codec import (
     RecordKind,
     decode,
     encode,
+    record_checksum,
 )
 from schemas.trajectory import NO_VERSION, SCHEMA_VERSION, Trajectory
 
@@ -166,7 +166,7 @@ def encode_group(group: ScoredGroup, *, max_bytes: int = MAX_GROUP_BYTES) -> byt
     body = b"".join(
         [_HEADER.pack(_PREFIX, 0, total, len(meta), len(group.samples), 0), meta, *parts]
     )
-    return body + _CHECKSUM.pack(zlib.crc32(body))
+    return body + _CHECKSUM.pack(record_checksum(body))
 
 
 def decode_group(
@@ -185,10 +185,10 @@ def decode_group(
             DecodeReason.TRAILING_BYTES, f"group is {total} bytes, {size - total} more follow"
         )
     (stored,) = _CHECKSUM.unpack_from(data, size - _CHECKSUM.size)
-    crc = zlib.crc32(memoryview(data)[: size - _CHECKSUM.size])
+    crc = record_checksum(memoryview(data)[: size - _CHECKSUM.size])
     if crc != stored:
         raise DecodeError(
-            DecodeReason.CHECKSUM_MISMATCH, f"stored CRC32 {stored:#010x}, computed {crc:#010x}"
+            DecodeReason.CHECKSUM_MISMATCH, f"stored checksum {stored:#010x}, computed {crc:#010x}"
         )
     if flags or reserved:
         raise DecodeError(DecodeReason.BAD_LAYOUT, f"flags {flags:#x}, reserved {reserved:#x}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import struct
-import zlib
 
 import numpy as np
 import orjson
@@ -27,6 +26,7 @@ from schemas.codec import (
     encoded_size,
     headers_to_dict,
     parse_headers,
+    record_checksum,
     routing_headers,
 )
 from schemas.control import (
@@ -133,9 +133,9 @@ def trajectories(draw: st.DrawFn) -> Trajectory:
 
 
 def reseal(data: bytes | bytearray) -> bytes:
-    """Recompute the trailing CRC32: lets a test forge records the checksum accepts."""
+    """Recompute the trailing checksum: lets a test forge records the checksum accepts."""
     body = bytes(data[:-4])
-    return body + struct.pack("<I", zlib.crc32(body))
+    return body + struct.pack("<I", record_checksum(body))
 
 
 def decode_error(data: bytes) -> DecodeError:

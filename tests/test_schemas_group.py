@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import math
 import struct
-import zlib
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.codec import DecodeError, DecodeReason, encode
+from schemas.codec import DecodeError, DecodeReason, encode, record_checksum
 from schemas.group import (
     SampleDiagnostics,
     ScoredGroup,
@@ -127,7 +126,7 @@ def reseal(body: bytes) -> bytes:
     """Fix length and checksum so that the layout checks behind them are reached."""
     total = len(body) + 4
     body = body[:8] + struct.pack("<I", total) + body[12:]
-    return body + struct.pack("<I", zlib.crc32(body))
+    return body + struct.pack("<I", record_checksum(body))
 
 
 def test_inconsistent_layout_with_valid_checksum() -> None:
