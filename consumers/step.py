@@ -58,9 +58,7 @@ class StepRunner:
         self.config = config
         self.loss_config = config.loss
         self.pad_id = pad_id
-        self.uses_anchor = config.needs_old_logp()
-        self.route = config.approx.route if self.uses_anchor else "infer"
-        self.is_ppo_ewma = config.loss.type == "ppo_ewma"
+        self.route = config.approx.route if config.needs_old_logp() else "infer"
         self.beta, self.reset_below = config.ewma_settings()
         self.ref_model = engine.frozen_copy() if config.loss.kl_coef > 0 else None
         self.prox_model = engine.frozen_copy() if self.route == "ewma" else None
@@ -104,7 +102,7 @@ class StepRunner:
             boundary = self.engine.step()
         if not boundary:
             raise RuntimeError("DeepSpeed did not step the optimiser at the end of a step")
-        metrics = _combine(parts)
+        metrics = combine_metrics(parts)
         grad_norm = self.engine.grad_norm()
         if grad_norm is not None:
             metrics["grad/norm"] = grad_norm
@@ -114,52 +112,17 @@ class StepRunner:
 
     def _micro_step(self, batch: PackedBatch) -> dict[str, float]:
         logp_new = self._logp(self.engine.engine, batch)  # through DeepSpeed
-        exact = batch.old_exact[:, None]
-        needs_prox = self.route == "ewma" and (
-            bool((~batch.old_exact).any())
-            or (self.is_ppo_ewma and not self.config.approx.exact_for_ppo_ewma)
-        )
-        logp_prox = self._logp_prox(batch) if needs_prox else None
+        logp_prox = self._logp_prox(batch) if needs_prox(self.config, batch) else None
         logp_ref = None
         if self.ref_model is not None:
             with torch.no_grad():
                 logp_ref = self._logp(self.ref_model, batch)
-
-        fallback = logp_prox if logp_prox is not None else batch.logp_infer
-        logp_old = None
-        anchored_on_prox = None  # [B, 1] rows whose anchor is logp_prox
-        if self.is_ppo_ewma:
-            use_exact = exact & self.config.approx.exact_for_ppo_ewma
-            logp_prox = torch.where(use_exact, batch.logp_old, fallback)
-            anchored_on_prox = ~use_exact
-        elif self.uses_anchor:
-            logp_old = torch.where(exact, batch.logp_old, fallback)
-            anchored_on_prox = ~exact if self.route == "ewma" else None
-        inputs = LossInputs(
-            logp_new=logp_new,
-            logp_old=logp_old,
-            logp_infer=batch.logp_infer,
-            advantages=batch.advantages,
-            mask=batch.response_mask,
-            logp_ref=logp_ref,
-            logp_prox=logp_prox if self.is_ppo_ewma else None,
+        inputs, anchored_on_prox = anchored_inputs(
+            self.config, batch, logp_new, logp_prox=logp_prox, logp_ref=logp_ref
         )
         out = compute_loss(self.loss_config, inputs)
         self.engine.backward(out.loss)
-
-        metrics = dict(out.metrics)
-        metrics.pop("mismatch/k3_kl", None)
-        with torch.no_grad():
-            exact_mask = batch.response_mask & exact
-            n_exact = int(exact_mask.sum())
-            if n_exact:
-                log_d = torch.where(exact_mask, batch.logp_old - batch.logp_infer, 0.0)
-                metrics["mismatch/k3_kl"] = float(k3(log_d).sum()) / n_exact
-            metrics["data/exact_old_frac"] = n_exact / max(int(batch.response_mask.sum()), 1)
-            if anchored_on_prox is not None:
-                n_prox = int((batch.response_mask & anchored_on_prox).sum())
-                metrics["data/anchor_prox_frac"] = n_prox / max(int(batch.response_mask.sum()), 1)
-        return metrics
+        return step_metrics(out.metrics, batch, anchored_on_prox)
 
     def _logp(self, model: Any, batch: PackedBatch) -> torch.Tensor:
         return response_logprobs(
@@ -204,7 +167,76 @@ class StepRunner:
         self.prox_model.load_state_dict(self.ewma.proximal_state_dict())
 
 
-def _combine(parts: list[dict[str, float]]) -> dict[str, float]:
+# --- the anchor route as plain functions (also used by ``rollstream replay --rerun train``) --
+
+
+def needs_prox(config: TrainerConfig, batch: PackedBatch) -> bool:
+    """Whether this micro-batch needs ``logp_prox`` (a forward pass of the EWMA model)."""
+    route = config.approx.route if config.needs_old_logp() else "infer"
+    return route == "ewma" and (
+        bool((~batch.old_exact).any())
+        or (config.loss.type == "ppo_ewma" and not config.approx.exact_for_ppo_ewma)
+    )
+
+
+def anchored_inputs(
+    config: TrainerConfig,
+    batch: PackedBatch,
+    logp_new: torch.Tensor,
+    *,
+    logp_prox: torch.Tensor | None = None,
+    logp_ref: torch.Tensor | None = None,
+) -> tuple[LossInputs, torch.Tensor | None]:
+    """The loss inputs of one micro-batch, each record anchored as the module doc says,
+    and the ``[B, 1]`` rows anchored on ``logp_prox`` (None when the route never does)."""
+    uses_anchor = config.needs_old_logp()
+    route = config.approx.route if uses_anchor else "infer"
+    is_ppo_ewma = config.loss.type == "ppo_ewma"
+    exact = batch.old_exact[:, None]
+    fallback = logp_prox if logp_prox is not None else batch.logp_infer
+    logp_old = None
+    anchored_on_prox = None
+    if is_ppo_ewma:
+        use_exact = exact & config.approx.exact_for_ppo_ewma
+        logp_prox = torch.where(use_exact, batch.logp_old, fallback)
+        anchored_on_prox = ~use_exact
+    elif uses_anchor:
+        logp_old = torch.where(exact, batch.logp_old, fallback)
+        anchored_on_prox = ~exact if route == "ewma" else None
+    inputs = LossInputs(
+        logp_new=logp_new,
+        logp_old=logp_old,
+        logp_infer=batch.logp_infer,
+        advantages=batch.advantages,
+        mask=batch.response_mask,
+        logp_ref=logp_ref,
+        logp_prox=logp_prox if is_ppo_ewma else None,
+    )
+    return inputs, anchored_on_prox
+
+
+def step_metrics(
+    loss_metrics: dict[str, float], batch: PackedBatch, anchored_on_prox: torch.Tensor | None
+) -> dict[str, float]:
+    """The loss's metrics with ``mismatch/k3_kl`` over exact records only, plus the
+    fractions of exact and proximal-anchored tokens."""
+    metrics = dict(loss_metrics)
+    metrics.pop("mismatch/k3_kl", None)
+    exact = batch.old_exact[:, None]
+    with torch.no_grad():
+        exact_mask = batch.response_mask & exact
+        n_exact = int(exact_mask.sum())
+        if n_exact:
+            log_d = torch.where(exact_mask, batch.logp_old - batch.logp_infer, 0.0)
+            metrics["mismatch/k3_kl"] = float(k3(log_d).sum()) / n_exact
+        metrics["data/exact_old_frac"] = n_exact / max(int(batch.response_mask.sum()), 1)
+        if anchored_on_prox is not None:
+            n_prox = int((batch.response_mask & anchored_on_prox).sum())
+            metrics["data/anchor_prox_frac"] = n_prox / max(int(batch.response_mask.sum()), 1)
+    return metrics
+
+
+def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     """Sum counts, max maxima, response-token-weighted means for everything else."""
     if len(parts) == 1:
         return dict(parts[0])

@@ -1,0 +1,663 @@
+"""``rollstream replay``: read any rollstream topic back, filtered, without moving offsets.
+
+Why: a loss spike, a burst of dead letters or a drop in reward is explained by the records
+behind it; replay finds them, shows them token by token, exports them to Parquet, or runs
+them again through a stream step or a trainer step (``rollstream.rerun``).
+
+**Never moves a role's offsets.** The consumer is *assigned* partitions (``assign``, never
+``subscribe``) under a throwaway group id, with auto-commit and offset storing off: it
+never joins a consumer group and never commits, so no group's committed offsets change
+(``tests/test_replay.py`` checks the broker holds no offsets afterwards).
+
+**Bounds, per partition** (``ReadBounds``): the start is ``--offset P:N`` for partition P,
+else ``--from-offset N``, else the last ``--last N`` records, else the first offset whose
+timestamp is at or after ``--from-time`` (``offsets_for_times``), else the beginning. The
+end is ``--to-offset N`` (inclusive), the first offset at or after ``--to-time``, and never
+beyond the end offsets seen when replay starts: it reads what exists and stops (it does
+not follow the topic). With a time range, each record's own timestamp must also lie in
+``[from, to)`` (producer timestamps need not grow with offsets). ``--offset`` without
+``--partition`` reads only the partitions it names. Reads are ``read_committed``, as every
+role's are: aborted transactional writes are not shown.
+
+**Decoding** sniffs each value: a trajectory (``schemas.codec``), a scored group
+(``schemas.group``), a version announcement (JSON, ``policy.versions``); anything else is
+kept as *undecodable* with the decoder's reason. The ``rs-dead-letter`` (DLQ) and
+``rs-stale`` headers are parsed, so one reader serves every topic.
+
+**Filters** (``RecordFilter``) apply to the samples a record carries: a trajectory record
+carries one, a scored group all of its samples. A record is selected when its Kafka key or
+group matches the group filter and *at least one* sample passes every sample filter (run,
+trajectory id, version range over the token segments, reward range, staleness range). A
+sample's staleness is what the stream recorded: the scored group's diagnostics, or the
+``rs-stale`` header on ``rollouts.stale``; raw and dead-lettered records carry none, so a
+staleness filter excludes them. Announcements match on run and version. ``--limit`` counts
+selected records.
+
+**Parquet** (``--parquet FILE``): one row per Kafka record, see ``rollstream.replay_export``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import click
+
+from rollstream.config import RollstreamConfig
+
+if TYPE_CHECKING:  # the schemas import pyarrow: imported when used, so --help stays instant
+    from schemas.control import DeadLetter, StaleRecord, VersionAnnouncement
+    from schemas.group import ScoredGroup
+    from schemas.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+Headers = tuple[tuple[str, bytes | None], ...]
+RecordKindName = Literal["trajectory", "scored_group", "announcement", "undecodable"]
+
+
+# --- what one Kafka record holds ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayRecord:
+    """One Kafka record, decoded as far as it goes."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+    key: bytes | None
+    headers: Headers
+    value: bytes | None
+    trajectory: Trajectory | None = None
+    group: ScoredGroup | None = None
+    announcement: VersionAnnouncement | None = None
+    error: str | None = None  # why the value is undecodable
+    dead_letter: DeadLetter | None = None
+    stale: StaleRecord | None = None
+    notes: tuple[str, ...] = ()  # malformed control headers
+
+    @property
+    def kind(self) -> RecordKindName:
+        if self.trajectory is not None:
+            return "trajectory"
+        if self.group is not None:
+            return "scored_group"
+        if self.announcement is not None:
+            return "announcement"
+        return "undecodable"
+
+    @property
+    def where(self) -> str:
+        return f"{self.topic}[{self.partition}]@{self.offset}"
+
+    def samples(self) -> list[tuple[Trajectory, int | None]]:
+        """The trajectories carried, each with the staleness the stream recorded (or None)."""
+        if self.trajectory is not None:
+            return [(self.trajectory, self.stale.staleness if self.stale else None)]
+        if self.group is not None:
+            return [
+                (t, d.staleness)
+                for t, d in zip(self.group.samples, self.group.diagnostics, strict=True)
+            ]
+        return []
+
+    def group_id(self) -> str | None:
+        if self.group is not None:
+            return self.group.group_id
+        if self.trajectory is not None:
+            return self.trajectory.group_id
+        return self.key.decode(errors="replace") if self.key is not None else None
+
+
+def decode_record(
+    topic: str,
+    partition: int,
+    offset: int,
+    timestamp_ms: int,
+    key: bytes | None,
+    value: bytes | None,
+    headers: Sequence[tuple[str, bytes | None]] | None,
+) -> ReplayRecord:
+    """Decode ``value`` by sniffing it, and parse the dead-letter and stale headers."""
+    from schemas.codec import MAGIC, DecodeError, RecordKind, decode, headers_to_dict
+    from schemas.control import (
+        DEAD_LETTER_HEADER,
+        STALE_HEADER,
+        DeadLetter,
+        StaleRecord,
+        VersionAnnouncement,
+    )
+    from schemas.group import decode_group
+
+    fields: dict[str, Any] = {}
+    notes: list[str] = []
+    pairs: Headers = tuple((str(k), v) for k, v in (headers or ()))
+    try:
+        found = headers_to_dict(pairs)
+    except DecodeError as err:
+        found = {}
+        notes.append(str(err))
+    if found.get(DEAD_LETTER_HEADER) is not None:
+        try:
+            fields["dead_letter"] = DeadLetter.from_headers(pairs)
+        except ValueError as err:
+            notes.append(f"{DEAD_LETTER_HEADER}: {err}")
+    if found.get(STALE_HEADER) is not None:
+        try:
+            fields["stale"] = StaleRecord.from_headers(pairs)
+        except ValueError as err:
+            notes.append(f"{STALE_HEADER}: {err}")
+    data = value or b""
+    try:
+        if data[:4] == MAGIC and len(data) > 5 and data[5] == RecordKind.SCORED_GROUP:
+            fields["group"] = decode_group(data)
+        elif data[:1] == b"{":
+            fields["announcement"] = VersionAnnouncement.from_json(data)
+        else:
+            fields["trajectory"] = decode(data)
+    except ValueError as err:  # DecodeError is a ValueError, as are bad announcements
+        fields["error"] = str(err)
+    return ReplayRecord(
+        topic, partition, offset, timestamp_ms, key, pairs, value, notes=tuple(notes), **fields
+    )
+
+
+# --- which records --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadBounds:
+    """Where to start and stop in each partition (see the module doc)."""
+
+    partitions: tuple[int, ...] = ()  # empty: all (or those named by ``offsets``)
+    offsets: tuple[tuple[int, int], ...] = ()  # (partition, start offset)
+    from_offset: int | None = None
+    last: int | None = None
+    to_offset: int | None = None  # inclusive
+    from_ms: int | None = None
+    to_ms: int | None = None  # exclusive
+    idle_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        given = [self.from_offset is not None, self.last is not None, self.from_ms is not None]
+        if sum(given) > 1:
+            raise ValueError("give at most one of --from-offset, --last and --from-time")
+        if self.from_ms is not None and self.to_ms is not None and self.to_ms <= self.from_ms:
+            raise ValueError("--to-time must be after --from-time")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordFilter:
+    """Which records to keep (see the module doc for how samples and groups match)."""
+
+    run: str | None = None
+    groups: frozenset[str] = frozenset()
+    trajectories: frozenset[str] = frozenset()
+    min_version: int | None = None
+    max_version: int | None = None
+    min_reward: float | None = None
+    max_reward: float | None = None
+    min_staleness: int | None = None
+    max_staleness: int | None = None
+    reasons: frozenset[str] = frozenset()  # dead-letter reasons
+
+    @property
+    def filters_samples(self) -> bool:
+        return any(
+            v is not None
+            for v in (
+                self.run,
+                self.min_version,
+                self.max_version,
+                self.min_reward,
+                self.max_reward,
+                self.min_staleness,
+                self.max_staleness,
+            )
+        ) or bool(self.trajectories)
+
+    def sample_matches(self, traj: Trajectory, staleness: int | None) -> bool:
+        if self.run is not None and traj.run_id != self.run:
+            return False
+        if self.trajectories and traj.trajectory_id not in self.trajectories:
+            return False
+        if self.min_version is not None or self.max_version is not None:
+            low = self.min_version if self.min_version is not None else -(2**63)
+            high = self.max_version if self.max_version is not None else 2**63 - 1
+            versions = traj.segment_versions
+            if not any(low <= int(v) <= high for v in versions):
+                return False
+        if self.min_reward is not None and not traj.reward >= self.min_reward:
+            return False
+        if self.max_reward is not None and not traj.reward <= self.max_reward:
+            return False
+        if self.min_staleness is not None or self.max_staleness is not None:
+            if staleness is None:
+                return False
+            if self.min_staleness is not None and staleness < self.min_staleness:
+                return False
+            if self.max_staleness is not None and staleness > self.max_staleness:
+                return False
+        return True
+
+    def matches(self, record: ReplayRecord) -> bool:
+        if self.reasons and (
+            record.dead_letter is None or record.dead_letter.reason not in self.reasons
+        ):
+            return False
+        if record.announcement is not None:
+            return self._announcement_matches(record.announcement)
+        if self.groups and record.group_id() not in self.groups:
+            return False
+        if not self.filters_samples:
+            return True
+        return any(self.sample_matches(t, s) for t, s in record.samples())
+
+    def _announcement_matches(self, ann: VersionAnnouncement) -> bool:
+        if self.groups or self.trajectories or self.min_reward is not None:
+            return False
+        if self.max_reward is not None or self.min_staleness is not None:
+            return False
+        if self.max_staleness is not None:
+            return False
+        if self.run is not None and ann.run != self.run:
+            return False
+        if self.min_version is not None and ann.version < self.min_version:
+            return False
+        return self.max_version is None or ann.version <= self.max_version
+
+
+# --- reading Kafka without a consumer group ---------------------------------------------------
+
+
+def replay_consumer_config(client_config: Mapping[str, str]) -> dict[str, Any]:
+    """librdkafka settings of a reader that joins no group and commits nothing."""
+    return {
+        **client_config,
+        # A group id is mandatory for a confluent-kafka Consumer; assign() never uses it to
+        # join a group, and with commits off nothing is ever stored under it.
+        "group.id": f"rollstream-replay-{uuid.uuid4().hex[:12]}",
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "enable.partition.eof": True,
+        "auto.offset.reset": "earliest",
+        "isolation.level": "read_committed",
+    }
+
+
+def plan_partitions(consumer: Any, topic: str, bounds: ReadBounds) -> dict[int, tuple[int, int]]:
+    """``partition -> (start, end)`` offsets to read, ``end`` exclusive."""
+    from confluent_kafka import TopicPartition
+
+    meta = consumer.list_topics(topic, timeout=30).topics.get(topic)
+    if meta is None or meta.error is not None:
+        reason = meta.error if meta is not None else "unknown"
+        raise click.ClickException(f"topic {topic!r} cannot be read: {reason}")
+    existing = sorted(meta.partitions)
+    starts = dict(bounds.offsets)
+    wanted = list(bounds.partitions) or (sorted(starts) if starts else existing)
+    unknown = sorted(set(wanted) - set(existing))
+    if unknown:
+        raise click.ClickException(f"{topic} has partitions {existing}, not {unknown}")
+    plan: dict[int, tuple[int, int]] = {}
+    for p in wanted:
+        low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+        if p in starts:
+            start = starts[p]
+        elif bounds.from_offset is not None:
+            start = bounds.from_offset
+        elif bounds.last is not None:
+            start = high - bounds.last
+        elif bounds.from_ms is not None:
+            start = _offset_at(consumer, topic, p, bounds.from_ms, high)
+        else:
+            start = low
+        end = high
+        if bounds.to_offset is not None:
+            end = min(end, bounds.to_offset + 1)
+        if bounds.to_ms is not None:
+            end = min(end, _offset_at(consumer, topic, p, bounds.to_ms, high))
+        plan[p] = (max(start, low), end)
+    return plan
+
+
+def _offset_at(consumer: Any, topic: str, partition: int, ms: int, high: int) -> int:
+    """First offset whose timestamp is at or after ``ms`` (``high`` if none)."""
+    from confluent_kafka import TopicPartition
+
+    (found,) = consumer.offsets_for_times([TopicPartition(topic, partition, ms)], timeout=30)
+    if found.error is not None:
+        raise click.ClickException(f"offsets_for_times({topic}[{partition}]): {found.error}")
+    return high if found.offset < 0 else found.offset
+
+
+def read_records(
+    client_config: Mapping[str, str],
+    topic: str,
+    bounds: ReadBounds,
+    keys: frozenset[bytes] | None = None,
+) -> Iterator[ReplayRecord]:
+    """Every record of ``topic`` inside ``bounds`` (and with a key in ``keys``, checked
+    before decoding), each partition in offset order (partitions interleave). Stops at the
+    planned ends, or after ``idle_timeout_s`` without progress (a transaction left open
+    keeps records invisible), with a warning."""
+    from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+    consumer = Consumer(replay_consumer_config(client_config))
+    try:
+        plan = plan_partitions(consumer, topic, bounds)
+        pending = {p: end for p, (start, end) in plan.items() if start < end}
+        if not pending:
+            return
+        consumer.assign([TopicPartition(topic, p, plan[p][0]) for p in sorted(pending)])
+        last_progress = time.monotonic()
+        while pending:
+            messages = consumer.consume(num_messages=500, timeout=0.5)
+            for msg in messages:
+                p = msg.partition()
+                if msg.error() is not None:
+                    if msg.error().code() == KafkaError._PARTITION_EOF:
+                        _finish(consumer, topic, pending, p)
+                        continue
+                    raise KafkaException(msg.error())
+                if p not in pending:
+                    continue
+                offset = msg.offset()
+                if offset >= pending[p]:
+                    _finish(consumer, topic, pending, p)
+                    continue
+                last_progress = time.monotonic()
+                _ts_type, ts = msg.timestamp()
+                if _in_time_range(ts, bounds) and (keys is None or msg.key() in keys):
+                    yield decode_record(topic, p, offset, ts, msg.key(), msg.value(), msg.headers())
+                if offset + 1 >= pending.get(p, 0):
+                    _finish(consumer, topic, pending, p)
+            if not messages and pending:
+                # Transaction markers occupy offsets: the position moves past them.
+                positions = consumer.position([TopicPartition(topic, p) for p in pending])
+                for tp in positions:
+                    if tp.offset >= 0 and tp.offset >= pending[tp.partition]:
+                        _finish(consumer, topic, pending, tp.partition)
+                if time.monotonic() - last_progress > bounds.idle_timeout_s:
+                    log.warning(
+                        "%s: partitions %s still short of their end offsets after %.0fs "
+                        "(an open transaction?); stopping",
+                        topic,
+                        sorted(pending),
+                        bounds.idle_timeout_s,
+                    )
+                    return
+    finally:
+        consumer.close()  # no commit: enable.auto.commit is off and nothing was stored
+
+
+def _finish(consumer: Any, topic: str, pending: dict[int, int], partition: int) -> None:
+    from confluent_kafka import TopicPartition
+
+    if pending.pop(partition, None) is not None:
+        consumer.pause([TopicPartition(topic, partition)])
+
+
+def _in_time_range(ts: int, bounds: ReadBounds) -> bool:
+    if bounds.from_ms is not None and ts < bounds.from_ms:
+        return False
+    return bounds.to_ms is None or ts < bounds.to_ms
+
+
+def select(
+    records: Iterator[ReplayRecord], record_filter: RecordFilter, limit: int | None = None
+) -> list[ReplayRecord]:
+    """The records that pass ``record_filter``, at most ``limit`` of them."""
+    chosen: list[ReplayRecord] = []
+    try:
+        for record in records:
+            if limit is not None and len(chosen) >= limit:
+                break
+            if record_filter.matches(record):
+                chosen.append(record)
+    finally:
+        close = getattr(records, "close", None)
+        if close is not None:
+            close()  # a generator from read_records closes its consumer now
+    return chosen
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def parse_time(text: str) -> int:
+    """Milliseconds since the epoch from ISO 8601 (naive = local time) or integer ms."""
+    text = text.strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    try:
+        return int(datetime.fromisoformat(text).timestamp() * 1000)
+    except ValueError as err:
+        raise click.BadParameter(f"{text!r}: expected ISO 8601 or epoch milliseconds") from err
+
+
+def parse_partition_offset(text: str) -> tuple[int, int]:
+    partition, sep, offset = text.partition(":")
+    if not sep or not partition.strip().isdigit() or not offset.strip().isdigit():
+        raise click.BadParameter(f"expected PARTITION:OFFSET, got {text!r}", param_hint="--offset")
+    return int(partition), int(offset)
+
+
+def topic_names(config: RollstreamConfig) -> dict[str, str]:
+    """Short names (raw, scored, stale, dlq, versions) to the configured topic names."""
+    topics = config.streams.topics
+    return {
+        "raw": topics.raw,
+        "scored": topics.scored,
+        "stale": topics.stale,
+        "dlq": topics.dlq,
+        "versions": topics.versions,
+    }
+
+
+def kafka_client_config(config: RollstreamConfig) -> dict[str, str]:
+    """Client settings, with the embedded broker's address filled in when it is used."""
+    if config.kafka.bootstrap_servers:
+        return config.kafka.client_config()
+    from infra.services import Services
+
+    return Services(config).resolved().kafka.client_config()
+
+
+def bounds_options(command: Any) -> Any:
+    """The offset and time options shared by ``replay`` and ``inspect``."""
+    options = [
+        click.option(
+            "--partition", "partitions", type=int, multiple=True, help="Read only this partition."
+        ),
+        click.option(
+            "--offset",
+            "offsets",
+            multiple=True,
+            metavar="P:N",
+            help="Start partition P at offset N (repeatable; reads only the partitions named "
+            "unless --partition says otherwise).",
+        ),
+        click.option("--from-offset", type=int, help="Start every partition at this offset."),
+        click.option("--last", type=int, help="Read the last N records of each partition."),
+        click.option("--to-offset", type=int, help="Stop after this offset (inclusive)."),
+        click.option(
+            "--from-time", help="Start at this time (ISO 8601, naive = local; or epoch ms)."
+        ),
+        click.option("--to-time", help="Stop before this time (ISO 8601 or epoch ms)."),
+        click.option(
+            "--idle-timeout",
+            type=float,
+            default=30.0,
+            show_default=True,
+            help="Give up on partitions that make no progress for this many seconds.",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def make_bounds(
+    partitions: tuple[int, ...],
+    offsets: tuple[str, ...],
+    from_offset: int | None,
+    last: int | None,
+    to_offset: int | None,
+    from_time: str | None,
+    to_time: str | None,
+    idle_timeout: float,
+) -> ReadBounds:
+    try:
+        return ReadBounds(
+            partitions=tuple(partitions),
+            offsets=tuple(parse_partition_offset(o) for o in offsets),
+            from_offset=from_offset,
+            last=last,
+            to_offset=to_offset,
+            from_ms=parse_time(from_time) if from_time else None,
+            to_ms=parse_time(to_time) if to_time else None,
+            idle_timeout_s=idle_timeout,
+        )
+    except ValueError as err:
+        raise click.UsageError(str(err)) from err
+
+
+@click.command("replay")
+@click.argument("topic")
+@bounds_options
+@click.option("--run", help="Only records of this run.")
+@click.option("--group", "groups", multiple=True, help="Only this group id (repeatable).")
+@click.option("--trajectory", "trajectories", multiple=True, help="Only this trajectory id.")
+@click.option("--version", type=int, help="Only records with tokens generated by this version.")
+@click.option("--min-version", type=int, help="Only records with tokens from this version on.")
+@click.option("--max-version", type=int, help="Only records with tokens up to this version.")
+@click.option("--min-reward", type=float, help="Only samples with at least this reward.")
+@click.option("--max-reward", type=float, help="Only samples with at most this reward.")
+@click.option("--min-staleness", type=int, help="Only samples at least this stale.")
+@click.option("--max-staleness", type=int, help="Only samples at most this stale.")
+@click.option("--reason", "reasons", multiple=True, help="Only dead letters with this reason.")
+@click.option("--limit", type=int, help="Stop after this many selected records.")
+@click.option(
+    "--parquet",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Export the selected records to this Parquet file (one row per record).",
+)
+@click.option("--quiet", "-q", is_flag=True, help="Do not print the records.")
+@click.option("--tokens/--no-tokens", default=True, help="Per-token tables (default on).")
+@click.option(
+    "--tokenizer",
+    default="auto",
+    show_default=True,
+    help="auto (from the record's task), tiny, none, or a tokenizer directory.",
+)
+@click.option(
+    "--rerun",
+    type=click.Choice(["stream", "train"]),
+    help="Run the selected records again through a stream step or one trainer step.",
+)
+@click.option(
+    "--trainer-version",
+    type=int,
+    help="--rerun stream: the trainer version to judge staleness against "
+    "(default: the newest announced on the versions topic).",
+)
+@click.option("--flush", is_flag=True, help="--rerun stream: close groups still open at the end.")
+@click.option(
+    "--weights-version",
+    type=int,
+    help="--rerun train: policy version to load from the run's weight store "
+    "(default: the initial weights of [trainer.model]).",
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "bfloat16"]),
+    help="--rerun train: forward-pass dtype (default: bfloat16 if trainer.engine.bf16).",
+)
+@click.option(
+    "--groups-per-micro-batch",
+    type=int,
+    help="--rerun train: groups per micro-batch (default: trainer.batch.max_groups).",
+)
+@click.pass_obj
+def replay(config: RollstreamConfig, topic: str, **opts: Any) -> None:
+    """Read TOPIC (raw, scored, stale, dlq, versions, or a full topic name) back, filtered,
+    without committing offsets; print, export to Parquet, or re-run the records."""
+    from rollstream.replay_render import Renderer, RenderOptions
+
+    name = topic_names(config).get(topic, topic)
+    bounds = make_bounds(
+        opts["partitions"],
+        opts["offsets"],
+        opts["from_offset"],
+        opts["last"],
+        opts["to_offset"],
+        opts["from_time"],
+        opts["to_time"],
+        opts["idle_timeout"],
+    )
+    version = opts["version"]
+    record_filter = RecordFilter(
+        run=opts["run"],
+        groups=frozenset(opts["groups"]),
+        trajectories=frozenset(opts["trajectories"]),
+        min_version=version if version is not None else opts["min_version"],
+        max_version=version if version is not None else opts["max_version"],
+        min_reward=opts["min_reward"],
+        max_reward=opts["max_reward"],
+        min_staleness=opts["min_staleness"],
+        max_staleness=opts["max_staleness"],
+        reasons=frozenset(opts["reasons"]),
+    )
+    client = kafka_client_config(config)
+    records = select(read_records(client, name, bounds), record_filter, opts["limit"])
+    renderer = Renderer(
+        RenderOptions(
+            tokens=opts["tokens"], tokenizer=opts["tokenizer"], cache_dir=config.cache_dir
+        )
+    )
+    if not opts["quiet"]:
+        for record in records:
+            renderer.record(record)
+    renderer.console.print(f"{len(records)} record(s) selected from {name}")
+    if opts["parquet"] is not None:
+        from rollstream.replay_export import write_export
+
+        rows = write_export(records, opts["parquet"])
+        renderer.console.print(f"wrote {rows} row(s) to {opts['parquet']}")
+    if opts["rerun"] == "stream":
+        from rollstream.rerun import StreamRerunOptions, rerun_stream
+
+        rerun_stream(
+            config,
+            records,
+            StreamRerunOptions(
+                run_id=opts["run"] or config.run_id,
+                trainer_version=opts["trainer_version"],
+                flush=opts["flush"],
+            ),
+            client,
+            renderer,
+        )
+    elif opts["rerun"] == "train":
+        from rollstream.rerun import TrainRerunOptions, rerun_train
+
+        rerun_train(
+            config,
+            records,
+            TrainRerunOptions(
+                weights_version=opts["weights_version"],
+                dtype=opts["dtype"],
+                groups_per_micro_batch=opts["groups_per_micro_batch"],
+                run_id=opts["run"] or config.run_id,
+            ),
+            renderer,
+        )

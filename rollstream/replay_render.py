@@ -1,0 +1,293 @@
+"""Readable output of replayed records (rich): why a record is where it is, token by token.
+
+Per record: where it was read (topic, partition, offset, time), the dead-letter reason or
+the stale verdict from its headers, then the payload. A trajectory shows its run, group,
+sample, segments (``v3×4`` = four tokens from version 3), reward and old-logit status, the
+prompt and response decoded when a tokenizer is known, and a table per response token:
+id, text, version, ``logp_infer``, ``logp_old``, ``log d = logp_old - logp_infer`` and the
+discrepancy ratio ``d = exp(log d)`` (design.md §1; rows with ``d`` outside [0.5, 2] are
+highlighted). A scored group shows its advantages and per-sample diagnostics first.
+
+Tokenizers (``--tokenizer``): ``auto`` picks one from the record's task
+(``producers.tasks``): the tiny vocabulary for the digit tasks, SmolLM2's for
+``arithmetic`` when its converted checkpoint is already in the cache (replay never
+downloads or converts a model); ``tiny``, ``none`` or a tokenizer directory force one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from rollstream.replay import ReplayRecord
+from schemas.group import SampleDiagnostics, ScoredGroup
+from schemas.trajectory import Trajectory
+
+TINY_TASKS = frozenset({"copy-first-digit-twice", "reverse-3-digits"})
+HIGHLIGHT_D = (0.5, 2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderOptions:
+    """What to print: per-token tables or not, and which tokenizer decodes ids."""
+
+    tokens: bool = True
+    tokenizer: str = "auto"  # auto | tiny | none | a directory
+    cache_dir: Path | None = None
+    width: int = 160  # when stdout is not a terminal
+
+
+class Renderer:
+    """Prints records to one console; holds the tokenizers it loaded (per task)."""
+
+    def __init__(self, options: RenderOptions, console: Console | None = None) -> None:
+        self.options = options
+        self.console = console or Console(
+            width=None if _is_terminal() else options.width, soft_wrap=False, highlight=False
+        )
+        self._tokenizers: dict[str, Any] = {}
+
+    # --- tokenizers ---------------------------------------------------------------------
+
+    def tokenizer(self, task: str) -> Any:
+        """The tokenizer for ``task``'s ids, or None."""
+        choice = self.options.tokenizer
+        key = task if choice == "auto" else choice
+        if key not in self._tokenizers:
+            self._tokenizers[key] = self._load_tokenizer(choice, task)
+        return self._tokenizers[key]
+
+    def _load_tokenizer(self, choice: str, task: str) -> Any:
+        from producers.tasks import TinyTokenizer
+
+        if choice == "none":
+            return None
+        if choice == "tiny" or (choice == "auto" and task in TINY_TASKS):
+            return TinyTokenizer()
+        if choice == "auto":
+            if task != "arithmetic" or self.options.cache_dir is None:
+                return None
+            from rollstream.models import SMOLLM2_DIRNAME
+
+            directory = Path(self.options.cache_dir) / "models" / SMOLLM2_DIRNAME
+            if not (directory / "config.json").exists():
+                return None
+            choice = str(directory)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(choice)
+
+    def text(self, task: str, ids: Any) -> str | None:
+        tok = self.tokenizer(task)
+        if tok is None:
+            return None
+        return str(tok.decode([int(t) for t in ids]))
+
+    # --- records ------------------------------------------------------------------------
+
+    def record(self, record: ReplayRecord) -> None:
+        when = datetime.fromtimestamp(record.timestamp_ms / 1000, UTC).isoformat(
+            timespec="milliseconds"
+        )
+        key = record.key.decode(errors="replace") if record.key is not None else "-"
+        self.console.rule(_escape(f"{record.where}  {when}  key={key}  {record.kind}"))
+        if record.dead_letter is not None:
+            d = record.dead_letter
+            self.console.print(
+                f"[bold red]dead letter[/]: reason [bold]{d.reason}[/] — {_escape(d.detail)} "
+                + _escape(f"(from {d.source_topic}[{d.partition}]@{d.offset})")
+            )
+        if record.stale is not None:
+            s = record.stale
+            self.console.print(
+                f"[yellow]stale[/]: staleness {s.staleness} > limit {s.max_staleness} "
+                f"at trainer version {s.trainer_version}"
+            )
+        for note in record.notes:
+            self.console.print(f"[red]malformed header[/]: {_escape(note)}")
+        if record.error is not None:
+            size = len(record.value or b"")
+            self.console.print(f"[red]undecodable[/] ({size} bytes): {_escape(record.error)}")
+        if record.trajectory is not None:
+            staleness = record.stale.staleness if record.stale is not None else None
+            self.trajectory(record.trajectory, staleness=staleness)
+        if record.group is not None:
+            self.group(record.group)
+        if record.announcement is not None:
+            a = record.announcement
+            kind = "base" if a.is_base else f"delta on v{a.parent} (base v{a.base})"
+            self.console.print(
+                f"run {a.run} version {a.version}: {kind}, {a.bytes} bytes at {a.uri}, "
+                f"manifest sha256 {a.sha256[:16]}…"
+            )
+
+    def trajectory(
+        self,
+        traj: Trajectory,
+        *,
+        staleness: int | None = None,
+        diagnostics: SampleDiagnostics | None = None,
+        title: str | None = None,
+    ) -> None:
+        segments = ", ".join(
+            f"v{int(v)}×{int(n)}"
+            for v, n in zip(traj.segment_versions, traj.segment_lengths, strict=False)
+        )
+        head = title or f"trajectory {traj.trajectory_id}"
+        self.console.print(
+            f"[bold]{_escape(head)}[/]  "
+            + _escape(
+                f"run {traj.run_id}  group {traj.group_id} "
+                f"sample {traj.sample_index}/{traj.group_size}  task {traj.task}"
+            )
+        )
+        adv = "-" if traj.advantage is None else f"{traj.advantage:+.4f}"
+        stale = "-" if staleness is None else str(staleness)
+        self.console.print(
+            _escape(
+                f"  producer {traj.producer_id} ({traj.region})  generated "
+                f"{_ms(traj.created_at_ms)} → {_ms(traj.finished_at_ms)}  segments [{segments}]  "
+                f"finish {traj.finish_reason}"
+            )
+        )
+        self.console.print(
+            f"  reward {traj.reward:.4f} {_details(traj.reward_details)}  advantage {adv}  "
+            f"staleness {stale}  logp_old {traj.old_logits_status}"
+        )
+        if diagnostics is not None:
+            self.console.print(
+                f"  k3 KL(infer‖old) {_f(diagnostics.k3_kl)}  d mean {_f(diagnostics.d_mean)} "
+                f"min {_f(diagnostics.d_min)} max {_f(diagnostics.d_max)}"
+            )
+        prompt = self.text(traj.task, traj.prompt_ids)
+        if prompt is not None:
+            self.console.print(f"  prompt   {_escape(repr(prompt))}")
+            response = self.text(traj.task, traj.response_ids)
+            self.console.print(f"  response {_escape(repr(response))}")
+        else:
+            self.console.print(f"  prompt ids {traj.prompt_ids.tolist()}")
+        if self.options.tokens:
+            self.console.print(self.token_table(traj))
+
+    def token_table(self, traj: Trajectory) -> Table:
+        """One row per response token: version, logp_infer, logp_old, log d and d."""
+        table = Table(box=None, pad_edge=False, header_style="bold")
+        for name in ("#", "id", "token", "v", "logp_infer", "logp_old", "log d", "d"):
+            table.add_column(name, justify="left" if name == "token" else "right")
+        versions = (
+            traj.token_versions()
+            if int(np.sum(traj.segment_lengths)) == traj.num_response_tokens
+            else None
+        )
+        tok = self.tokenizer(traj.task)
+        old = traj.logp_old
+        for i, token in enumerate(traj.response_ids.tolist()):
+            infer = float(traj.logp_infer[i]) if i < len(traj.logp_infer) else math.nan
+            row_old = float(old[i]) if old is not None and i < len(old) else None
+            log_d = None if row_old is None else row_old - infer
+            d = None if log_d is None else math.exp(log_d)
+            style = None
+            if d is not None and not HIGHLIGHT_D[0] <= d <= HIGHLIGHT_D[1]:
+                style = "bold red"
+            table.add_row(
+                str(i),
+                str(token),
+                _escape(repr(tok.decode([token]))) if tok is not None else "",
+                str(int(versions[i])) if versions is not None else "?",
+                f"{infer:.5f}",
+                "-" if row_old is None else f"{row_old:.5f}",
+                "-" if log_d is None else f"{log_d:+.5f}",
+                "-" if d is None else f"{d:.5f}",
+                style=style,
+            )
+        return table
+
+    def group(self, group: ScoredGroup) -> None:
+        state = "complete" if group.complete else "PARTIAL"
+        self.console.print(
+            f"[bold]scored group {group.group_id}[/]  run {group.run_id}  {state} "
+            f"{len(group.samples)}/{group.group_size}  reward mean {_f(group.reward_mean)} "
+            f"std {_f(group.reward_std)}  trainer version seen {group.trainer_version_seen}  "
+            f"emitted {_ms(group.emitted_at_ms)}"
+        )
+        table = Table(header_style="bold")
+        for name in (
+            "sample",
+            "trajectory",
+            "reward",
+            "advantage",
+            "staleness",
+            "segments",
+            "logp_old",
+            "k3 KL",
+            "d mean",
+            "d min",
+            "d max",
+        ):
+            left = name in ("trajectory", "segments")
+            table.add_column(name, justify="left" if left else "right")
+        for traj, diag in zip(group.samples, group.diagnostics, strict=True):
+            table.add_row(
+                str(traj.sample_index),
+                traj.trajectory_id,
+                f"{traj.reward:.4f}",
+                "-" if traj.advantage is None else f"{traj.advantage:+.4f}",
+                str(diag.staleness),
+                " ".join(
+                    f"v{int(v)}×{int(n)}"
+                    for v, n in zip(traj.segment_versions, traj.segment_lengths, strict=False)
+                ),
+                traj.old_logits_status,
+                _f(diag.k3_kl),
+                _f(diag.d_mean),
+                _f(diag.d_min),
+                _f(diag.d_max),
+            )
+        self.console.print(table)
+        if self.options.tokens:
+            for traj, diag in zip(group.samples, group.diagnostics, strict=True):
+                self.trajectory(traj, staleness=diag.staleness, diagnostics=diag)
+
+    def metrics(self, title: str, metrics: dict[str, float]) -> None:
+        """Loss terms and other named numbers, full precision."""
+        table = Table(title=title, header_style="bold")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for name in sorted(metrics):
+            table.add_row(name, repr(float(metrics[name])))
+        self.console.print(table)
+
+
+def _is_terminal() -> bool:
+    import sys
+
+    return sys.stdout.isatty()
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _f(value: float) -> str:
+    return "nan" if not math.isfinite(value) else f"{value:.5g}"
+
+
+def _ms(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds")
+
+
+def _details(details: dict[str, Any]) -> str:
+    if not details:
+        return ""
+    import orjson
+
+    return _escape(orjson.dumps(details).decode())
