@@ -255,6 +255,7 @@ class Trainer:
         metrics.update(result.metrics)
         tokens = sum(t.num_prompt_tokens + t.num_response_tokens for t in result.trained)
         compute_s = trained_at - computed
+        metrics["time/unix_s"] = time.time()  # wall clock, for reports over time
         metrics["time/wait_s"] = computed - started
         metrics["time/step_s"] = compute_s
         metrics["throughput/tokens_per_s"] = tokens / compute_s if compute_s > 0 else 0.0

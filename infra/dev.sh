@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One script behind the README's two commands.
 #
-#   bash infra/dev.sh run     install what is missing, then run the main job (embedded default)
+#   bash infra/dev.sh run     install what is missing, then `rollstream up` (embedded default,
+#                             100 trainer steps; ROLLSTREAM_UP_STEPS=N, extra args to up)
 #   bash infra/dev.sh test    install what is missing, then run the whole test suite
 #   bash infra/dev.sh install only install
 #
@@ -99,10 +100,8 @@ case "$cmd" in
     ;;
   run)
     install
-    log "main job: embedded Kafka + S3 up, topics declared, status"
-    "$VENV/bin/rollstream" infra up
-    "$VENV/bin/rollstream" infra status
-    log "stop with: $VENV/bin/rollstream infra down"
+    log "main job: rollstream up (embedded Kafka + S3, engine, producer, streams, trainer)"
+    exec "$VENV/bin/rollstream" up --max-steps "${ROLLSTREAM_UP_STEPS:-100}" "$@"
     ;;
   test)
     install
@@ -110,7 +109,7 @@ case "$cmd" in
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
   *)
-    echo "usage: infra/dev.sh [install|run|test] [pytest args...]" >&2
+    echo "usage: infra/dev.sh [install|run|test] [up or pytest args...]" >&2
     exit 2
     ;;
 esac

@@ -33,6 +33,7 @@ def _logging() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per engine call
 
 
 def _section(config: Any, path: Path | None, engine: dict, rollout: dict) -> ProducersConfig:

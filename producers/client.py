@@ -301,6 +301,11 @@ class EngineClient:
                 f"engine at {self.url} unavailable for {method} {path} after "
                 f"{self.retries} attempts: {cause!r}"
             ) from cause
+        except httpx.TransportError as exc:  # not retried here: a connection cut mid-request
+            # (the engine died during a generate or a weight load); the caller redoes the work
+            raise EngineUnavailable(
+                f"engine at {self.url} failed during {method} {path}: {exc!r}"
+            ) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _once(self, method: str, path: str, body: Any) -> Any:

@@ -112,9 +112,9 @@ class RolloutConfig(_Strict):
     groups_per_version: int | None = Field(
         default=None,
         ge=1,
-        description="Admission credit: start at most (versions announced since this worker "
-        "began + 1 + staleness_window) x this many groups, so the worker never runs more than "
-        "staleness_window trainer steps ahead. Set it to the groups this worker contributes to "
+        description="Admission credit: start at most (versions the engine loaded since this "
+        "worker began + 1 + staleness_window) x this many groups, so the worker never runs more "
+        "than staleness_window trainer steps ahead. Set it to the groups this worker gives "
         "one trainer step (with staleness_window = 0 generation waits for every update: the "
         "synchronous baseline). None: no credit limit.",
     )

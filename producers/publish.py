@@ -69,7 +69,9 @@ def producer_config(
         "enable.idempotence": True,
         "acks": "all",
         "linger.ms": 5,
-        "compression.type": "lz4",
+        # gzip, not lz4/zstd: the stream workers read with aiokafka (under Faust), which
+        # decodes gzip with the standard library but lz4/zstd only with extra packages.
+        "compression.type": "gzip",
         "delivery.timeout.ms": delivery_timeout_ms,
         "queue.buffering.max.messages": 100_000,
         "queue.buffering.max.kbytes": 262_144,  # 256 MiB of queued records at most

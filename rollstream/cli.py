@@ -124,10 +124,17 @@ def _register_role_commands() -> None:
     """Sub-commands that live with their role; importing them does not import torch."""
     from consumers.cli import train
     from producers.cli import produce, serve
+    from rollstream.audit import audit_command
+    from rollstream.inspect_group import inspect_group
+    from rollstream.replay import replay
+    from rollstream.report import report
+    from rollstream.up import up
     from rollstream.weights.cli import weights
     from streams.cli import stream
 
-    for command in (weights, serve, produce, stream, train):
+    for command in (weights, serve, produce, stream, train, up):
+        main.add_command(command)
+    for command in (replay, inspect_group, report, audit_command):
         main.add_command(command)
 
 

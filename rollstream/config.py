@@ -181,6 +181,52 @@ class WeightsConfig(StrictModel):
         raise KeyError(f"unknown region {name!r} (known: {', '.join(known)})")
 
 
+class UpConfig(StrictModel):
+    """``rollstream up``: the whole pipeline on one machine. The role sections are derived
+    from these keys, under whatever the role sections of the file set explicitly."""
+
+    sync: bool = Field(
+        default=False,
+        description="Synchronous baseline: staleness window 0, generation waits for each "
+        "update (same code as async, only the derived config differs).",
+    )
+    staleness_window: int = Field(
+        default=2,
+        ge=0,
+        description="Async mode: how many versions generation may run ahead of training "
+        "(producers' admission credit and the streams' staleness filter).",
+    )
+    model: Literal["tiny", "smollm2-135m"] = Field(
+        default="tiny",
+        description="tiny: the ~132k-parameter Llama built from a config; smollm2-135m: "
+        "SmolLM2-135M-Instruct from the cached GGUF.",
+    )
+    task: str | None = Field(
+        default=None,
+        description="Task name; empty: copy-first-digit-twice (tiny) or arithmetic (smollm2).",
+    )
+    groups_per_step: int | None = Field(
+        default=None,
+        ge=1,
+        description="GRPO groups per optimiser step; empty: 16 (tiny) or 4 (smollm2).",
+    )
+    max_steps: int = Field(default=150, ge=1, description="Stop after this many trainer steps.")
+    stop_timeout_s: float = Field(
+        default=30.0, gt=0, description="SIGTERM grace per role before SIGKILL."
+    )
+    ready_timeout_s: float = Field(
+        default=300.0, gt=0, description="Longest wait for a role to become ready."
+    )
+    restarts: int = Field(
+        default=0, ge=0, description="Restart a role that exits unexpectedly this many times."
+    )
+    pin_cores: bool = Field(
+        default=False,
+        description="Pin roles to CPU cores (os.sched_setaffinity): trainer and streams on "
+        "the last core, engine and producer on the others, as if on separate devices.",
+    )
+
+
 class RollstreamConfig(BaseSettings):
     """The whole configuration: one file for every role."""
 
@@ -211,6 +257,9 @@ class RollstreamConfig(BaseSettings):
     )
     trainer: TrainerConfig = Field(
         default_factory=TrainerConfig, description="[trainer]: the DeepSpeed trainer."
+    )
+    up: UpConfig = Field(
+        default_factory=UpConfig, description="[up]: `rollstream up` (all roles on one machine)."
     )
 
 

@@ -53,6 +53,7 @@ def stream(ctx: click.Context, loglevel: str, datadir: Path | None, check: bool)
         click.echo(streams.model_dump_json(indent=2))
         return
     datadir = datadir or shared.state_dir / "streams" / streams.app_id
+    datadir.parent.mkdir(parents=True, exist_ok=True)  # Faust creates only the last level
     sys.argv = [
         "rollstream-stream",
         f"--datadir={datadir}",
