@@ -1,0 +1,475 @@
+"""``rollstream audit``: reconcile what the producers delivered with what became of it.
+
+Why: the pipeline promises that every trajectory a producer delivered is either trained
+exactly once, filtered as stale, or dead-lettered with a reason, and that nothing is
+trained that no producer produced. Each role keeps its own record of its side:
+
+- the producers' delivery ledgers (``producers.ledger``, one per producer under
+  ``<state_dir>/producers/<run_id>/``): trajectory ids of every group whose G records
+  Kafka acknowledged (*delivered*), and of groups a crash left partly in the topic
+  (*orphaned*; the stream closes them as partial groups or dead-letters them);
+- the trainer's ledger (``trainer.ledger_file``): trajectory ids per optimiser step whose
+  gradient is in the latest durable checkpoint, each once per time it was trained;
+- the topics: ``rollouts.stale`` (``rs-stale`` header), ``rollouts.dlq`` (the stream's and
+  the trainer's dead letters, ``rs-dead-letter`` header; a dead-lettered scored group is
+  decoded for its sample ids), ``rollouts.scored`` and ``rollouts.raw`` for diagnosis.
+
+Topics are read from the beginning to the end offsets seen at the start, ``read_committed``
+(as the trainer reads them: aborted transactions of killed stream workers are invisible),
+by assigned partitions under a throwaway group id that never commits.
+
+A ``pending`` group left in a producer ledger (the producer was killed and not restarted)
+is settled here the way the producer's own recovery would: by finding its records in
+``rollouts.raw``; the ledger file is not modified.
+
+The verdict (``AuditReport.problems``): delivered but without an outcome (*missing*),
+trained more than once, trained but never produced, trained and also filtered as stale.
+Ids dead-lettered that no ledger knows are listed too (a record from outside the
+producers), but are not a loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from rollstream.config import RollstreamConfig
+
+if TYPE_CHECKING:
+    from confluent_kafka import Message
+
+TRAJECTORY_HEADER = "rs-trajectory-id"
+RUN_HEADER = "rs-run-id"
+
+
+# --- the producers' side -----------------------------------------------------------------
+
+
+@dataclass
+class Produced:
+    """What the producer ledgers of one run say, merged over producers."""
+
+    producers: int = 0
+    delivered: dict[str, list[str]] = field(default_factory=dict)  # group id -> ids
+    orphaned: dict[str, list[str]] = field(default_factory=dict)  # ids that reached raw
+    lost: set[str] = field(default_factory=set)  # group ids, none of it reached raw
+    pending: dict[str, list[str]] = field(default_factory=dict)  # unsettled by the producer
+
+    @property
+    def delivered_ids(self) -> set[str]:
+        return {tid for ids in self.delivered.values() for tid in ids}
+
+    @property
+    def orphaned_ids(self) -> set[str]:
+        return {tid for ids in self.orphaned.values() for tid in ids}
+
+    def settle_pending(self, raw_ids: Iterable[str]) -> int:
+        """Settle ``pending`` groups against the ids found in the raw topic, as the
+        producer's recovery would (all found: delivered, some: orphaned, none: lost);
+        returns how many were settled."""
+        present = set(raw_ids)
+        settled = len(self.pending)
+        for group_id, ids in self.pending.items():
+            found = [tid for tid in ids if tid in present]
+            if len(found) == len(ids):
+                self.delivered[group_id] = ids
+            elif found:
+                self.orphaned[group_id] = found
+            else:
+                self.lost.add(group_id)
+        self.pending = {}
+        return settled
+
+
+def producers_dir(config: RollstreamConfig) -> Path:
+    """Where ``rollstream produce`` keeps the ledgers of ``config.run_id`` (one per producer)."""
+    return Path(config.state_dir) / "producers" / config.run_id
+
+
+def read_producer_ledgers(directory: Path) -> Produced:
+    """Fold every ``<producer_id>/ledger.jsonl`` under ``directory`` (a torn last line is
+    ignored, as the producer itself would)."""
+    from producers.ledger import LEDGER_NAME, read_ledger
+
+    produced = Produced()
+    for path in sorted(Path(directory).glob(f"*/{LEDGER_NAME}")):
+        state = read_ledger(path)
+        produced.producers += 1
+        produced.delivered.update(state.delivered)
+        produced.orphaned.update(state.orphaned)
+        produced.lost |= state.lost
+        produced.pending.update({g: p.trajectory_ids for g, p in state.pending.items()})
+    return produced
+
+
+def read_trainer_ledger(path: Path) -> Counter[str]:
+    """How many times each trajectory id was trained, per the trainer's ledger."""
+    from consumers.checkpoint import TrainingLedger
+
+    return Counter(tid for _, ids in TrainingLedger.read(path) for tid in ids)
+
+
+# --- the topics --------------------------------------------------------------------------
+
+
+def read_topic(
+    client_config: Mapping[str, str], topic: str, timeout_s: float = 60.0
+) -> Iterator[Message]:
+    """Every committed record of ``topic`` up to the end offsets seen at the start.
+
+    Raises ``TimeoutError`` if the end is not reached within ``timeout_s`` of no progress
+    (a transaction left open keeps ``read_committed`` readers before it)."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException
+    from confluent_kafka import TopicPartition as KafkaTP
+
+    consumer = Consumer(
+        {
+            **client_config,
+            "group.id": f"rollstream-audit-{uuid.uuid4().hex[:12]}",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "enable.partition.eof": True,
+            "isolation.level": "read_committed",
+        }
+    )
+    try:
+        metadata = consumer.list_topics(topic, timeout=30).topics.get(topic)
+        if metadata is None or metadata.error is not None:
+            raise KafkaException(metadata.error if metadata else f"topic {topic} not found")
+        ends = {
+            p: consumer.get_watermark_offsets(KafkaTP(topic, p), timeout=30)[1]
+            for p in metadata.partitions
+        }
+        todo = {p for p, end in ends.items() if end > 0}
+        consumer.assign([KafkaTP(topic, p, OFFSET_BEGINNING) for p in sorted(todo)])
+        progress = time.monotonic()
+        while todo:
+            if time.monotonic() - progress > timeout_s:
+                raise TimeoutError(
+                    f"reading {topic}: partitions {sorted(todo)} did not reach their end "
+                    f"offsets {[ends[p] for p in sorted(todo)]} in {timeout_s:.0f}s"
+                )
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            progress = time.monotonic()
+            partition, offset = msg.partition(), msg.offset()
+            assert partition is not None and offset is not None
+            err = msg.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    raise KafkaException(err)
+                if offset >= ends[partition]:  # the end, past any transaction markers
+                    todo.discard(partition)
+                continue
+            if offset < ends[partition]:
+                yield msg
+            if offset + 1 >= ends[partition]:
+                todo.discard(partition)
+    finally:
+        consumer.close()
+
+
+def _headers(msg: Message) -> dict[str, bytes]:
+    return {k: v for k, v in (msg.headers() or []) if v is not None}
+
+
+def _record_ids(msg: Message, run_id: str) -> list[str] | None:
+    """Trajectory ids a record carries if it belongs to ``run_id`` ([] when it does not),
+    None when they cannot be told (undecodable, no headers)."""
+    from schemas.codec import DecodeError, decode
+    from schemas.group import decode_group
+
+    headers = _headers(msg)
+    run = headers.get(RUN_HEADER)
+    if TRAJECTORY_HEADER in headers:
+        if run is not None and run.decode(errors="replace") != run_id:
+            return []
+        return [headers[TRAJECTORY_HEADER].decode(errors="replace")]
+    value = msg.value() or b""
+    with contextlib.suppress(DecodeError):
+        group = decode_group(value)
+        return [s.trajectory_id for s in group.samples] if group.run_id == run_id else []
+    with contextlib.suppress(DecodeError):
+        traj = decode(value)
+        return [traj.trajectory_id] if traj.run_id == run_id else []
+    return None
+
+
+@dataclass
+class TopicView:
+    """The trajectory ids of one run found in a topic, with counts and (sinks) reasons."""
+
+    topic: str
+    ids: Counter[str] = field(default_factory=Counter)
+    reasons: dict[str, str] = field(default_factory=dict)  # id -> DLQ reason / "stale:<n>"
+    records: int = 0
+    unidentified: int = 0  # records of unknown run whose ids could not be read
+
+
+def read_ids(
+    client_config: Mapping[str, str], topic: str, run_id: str, timeout_s: float = 60.0
+) -> TopicView:
+    """The ids of ``run_id`` in ``topic`` (trajectory records, scored groups, dead letters
+    of either kind, stale records), with the reason of each dead letter or stale record."""
+    from schemas.control import DEAD_LETTER_HEADER, STALE_HEADER, DeadLetter, StaleRecord
+
+    view = TopicView(topic)
+    for msg in read_topic(client_config, topic, timeout_s):
+        view.records += 1
+        ids = _record_ids(msg, run_id)
+        if ids is None:
+            view.unidentified += 1
+            continue
+        headers = _headers(msg)
+        reason = None
+        if DEAD_LETTER_HEADER in headers:
+            reason = DeadLetter.from_json(headers[DEAD_LETTER_HEADER]).reason
+        elif STALE_HEADER in headers:
+            reason = f"stale:{StaleRecord.from_json(headers[STALE_HEADER]).staleness}"
+        for tid in ids:
+            view.ids[tid] += 1
+            if reason is not None:
+                view.reasons[tid] = reason
+    return view
+
+
+# --- the verdict -------------------------------------------------------------------------
+
+
+@dataclass
+class AuditReport:
+    """Every set the reconciliation is made of, and what is wrong with them."""
+
+    run_id: str
+    produced: Produced
+    trained: Counter[str]
+    stale: TopicView
+    dlq: TopicView
+    scored: TopicView | None = None
+    raw: TopicView | None = None
+
+    @property
+    def delivered(self) -> set[str]:
+        return self.produced.delivered_ids
+
+    @property
+    def accounted(self) -> set[str]:
+        """Ids with an outcome: trained, filtered as stale, or dead-lettered."""
+        return set(self.trained) | set(self.stale.ids) | set(self.dlq.ids)
+
+    @property
+    def missing(self) -> set[str]:
+        """Delivered, yet neither trained, stale nor dead-lettered: lost."""
+        return self.delivered - self.accounted
+
+    @property
+    def trained_twice(self) -> dict[str, int]:
+        return {tid: n for tid, n in self.trained.items() if n > 1}
+
+    @property
+    def unproduced(self) -> set[str]:
+        """Trained, but no producer ledger has it as delivered or orphaned."""
+        return set(self.trained) - self.delivered - self.produced.orphaned_ids
+
+    @property
+    def trained_and_stale(self) -> set[str]:
+        return set(self.trained) & set(self.stale.ids)
+
+    @property
+    def unknown_dead_letters(self) -> set[str]:
+        """Dead-lettered ids no producer ledger knows (not a loss; worth a look)."""
+        return set(self.dlq.ids) - self.delivered - self.produced.orphaned_ids
+
+    @property
+    def unprocessed(self) -> set[str]:
+        """In raw without an outcome from the stream yet (needs the raw and scored views)."""
+        if self.raw is None or self.scored is None:
+            return set()
+        return set(self.raw.ids) - set(self.scored.ids) - set(self.stale.ids) - set(self.dlq.ids)
+
+    @property
+    def untrained(self) -> set[str]:
+        """Scored for the trainer but not (yet) in its ledger."""
+        return set() if self.scored is None else set(self.scored.ids) - set(self.trained)
+
+    def dlq_reasons(self) -> Counter[str]:
+        return Counter(self.dlq.reasons.get(tid, "?") for tid in self.dlq.ids)
+
+    def problems(self) -> list[str]:
+        """Violations of exactly-once accounting; empty when the run reconciles."""
+        out = []
+        for name, ids in (
+            ("delivered but neither trained, stale nor dead-lettered", self.missing),
+            ("trained more than once", set(self.trained_twice)),
+            ("trained but never produced", self.unproduced),
+            ("trained and also filtered as stale", self.trained_and_stale),
+        ):
+            if ids:
+                out.append(f"{len(ids)} {name}: {_sample(ids)}")
+        if self.produced.pending:
+            out.append(f"{len(self.produced.pending)} producer group(s) still pending")
+        return out
+
+    def counts(self) -> dict[str, Any]:
+        """Figures for a log line or ``--json``."""
+        trained = set(self.trained)
+        stale, dlq = set(self.stale.ids), set(self.dlq.ids)
+        data: dict[str, Any] = {
+            "run_id": self.run_id,
+            "producers": self.produced.producers,
+            "delivered_groups": len(self.produced.delivered),
+            "delivered": len(self.delivered),
+            "orphaned": len(self.produced.orphaned_ids),
+            "lost_groups": len(self.produced.lost),
+            "trained": len(trained),
+            "trained_total": sum(self.trained.values()),
+            "trained_of_delivered": len(trained & self.delivered),
+            "trained_of_orphaned": len(trained & self.produced.orphaned_ids),
+            "stale": len(stale),
+            "stale_of_delivered": len(stale & self.delivered),
+            "dlq": len(dlq),
+            "dlq_of_delivered": len(dlq & self.delivered),
+            "dlq_reasons": dict(self.dlq_reasons()),
+            "missing": len(self.missing),
+            "trained_twice": len(self.trained_twice),
+            "unproduced": len(self.unproduced),
+            "unknown_dead_letters": len(self.unknown_dead_letters),
+        }
+        if self.scored is not None:
+            data["scored"] = len(self.scored.ids)
+            data["scored_twice"] = sum(1 for n in self.scored.ids.values() if n > 1)
+            data["untrained"] = len(self.untrained)
+        if self.raw is not None:
+            data["raw"] = len(self.raw.ids)
+            data["raw_twice"] = sum(1 for n in self.raw.ids.values() if n > 1)
+            data["unprocessed"] = len(self.unprocessed)
+        return data
+
+
+def _sample(ids: Iterable[str], n: int = 5) -> str:
+    ordered = sorted(ids)
+    return ", ".join(ordered[:n]) + (f", ... ({len(ordered) - n} more)" if len(ordered) > n else "")
+
+
+@dataclass(frozen=True)
+class AuditSources:
+    """Where one run's records live: the ledgers and the topic names."""
+
+    run_id: str
+    client_config: Mapping[str, str]
+    producers_dir: Path
+    trainer_ledger: Path
+    raw: str
+    scored: str
+    stale: str
+    dlqs: tuple[str, ...]  # the stream's and the trainer's (often one topic)
+
+    @classmethod
+    def from_config(cls, config: RollstreamConfig) -> AuditSources:
+        """The sources of a resolved config (Kafka address known)."""
+        ledger = config.trainer.ledger_file
+        if ledger is None:
+            raise click.UsageError("trainer.ledger_file is not set: the trainer kept no ledger")
+        topics = config.streams.topics
+        return cls(
+            run_id=config.run_id,
+            client_config=config.kafka.client_config(),
+            producers_dir=producers_dir(config),
+            trainer_ledger=Path(ledger),
+            raw=config.producers.rollout.topic,
+            scored=topics.scored,
+            stale=topics.stale,
+            dlqs=tuple(dict.fromkeys((topics.dlq, config.trainer.topics.dlq))),
+        )
+
+
+def audit(sources: AuditSources, *, diagnose: bool = True, timeout_s: float = 60.0) -> AuditReport:
+    """Read the ledgers and topics of one run and reconcile them. ``diagnose`` also reads
+    raw and scored (needed to settle pending producer groups and to list what is still in
+    flight)."""
+    client, run = sources.client_config, sources.run_id
+    produced = read_producer_ledgers(sources.producers_dir)
+    trained = read_trainer_ledger(sources.trainer_ledger)
+    dlq = TopicView(",".join(sources.dlqs))
+    for topic in sources.dlqs:
+        part = read_ids(client, topic, run, timeout_s)
+        dlq.ids.update(part.ids)
+        dlq.reasons.update(part.reasons)
+        dlq.records += part.records
+        dlq.unidentified += part.unidentified
+    report = AuditReport(
+        run_id=run,
+        produced=produced,
+        trained=trained,
+        stale=read_ids(client, sources.stale, run, timeout_s),
+        dlq=dlq,
+    )
+    if diagnose or produced.pending:
+        report.raw = read_ids(client, sources.raw, run, timeout_s)
+        report.scored = read_ids(client, sources.scored, run, timeout_s)
+        produced.settle_pending(report.raw.ids)
+    return report
+
+
+@click.command("audit")
+@click.option(
+    "--ledger",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Trainer ledger (default: trainer.ledger_file).",
+)
+@click.option(
+    "--producers-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory of the producer ledgers (default: <state_dir>/producers/<run_id>).",
+)
+@click.option("--quick", is_flag=True, help="Skip reading raw and scored (diagnosis).")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+@click.option("--timeout", "timeout_s", default=60.0, show_default=True, help="Read timeout (s).")
+@click.pass_obj
+def audit_command(
+    config: RollstreamConfig,
+    ledger: Path | None,
+    producers_dir: Path | None,
+    quick: bool,
+    as_json: bool,
+    timeout_s: float,
+) -> None:
+    """Reconcile the producers' delivery ledgers with the trainer's ledger and the stale and
+    dead-letter topics of one run (best run once producers stopped and the trainer caught up:
+    records still in flight show as missing). Exit 1 on any discrepancy."""
+    from dataclasses import replace
+
+    from infra.services import Services
+
+    resolved = Services(config).resolved()
+    if ledger is not None:
+        trainer = resolved.trainer.model_copy(update={"ledger_file": ledger})
+        resolved = resolved.model_copy(update={"trainer": trainer})
+    sources = AuditSources.from_config(resolved)
+    if producers_dir is not None:
+        sources = replace(sources, producers_dir=producers_dir)
+    report = audit(sources, diagnose=not quick, timeout_s=timeout_s)
+    counts = report.counts()
+    problems = report.problems()
+    if as_json:
+        click.echo(json.dumps({**counts, "problems": problems}, indent=2))
+    else:
+        for key, value in counts.items():
+            click.echo(f"{key:<22} {value}")
+        for line in problems:
+            click.echo(f"PROBLEM: {line}")
+        if not problems:
+            click.echo("reconciled: every delivered trajectory trained once, stale or in the DLQ")
+    if problems:
+        sys.exit(1)

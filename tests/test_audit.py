@@ -1,0 +1,81 @@
+"""The audit's reconciliation logic on ledgers written by the roles' own writers (no Kafka:
+the topic views are built by hand; ``tests/test_chaos.py`` reads real topics)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from consumers.checkpoint import TrainingLedger
+from producers.ledger import Ledger
+from rollstream.audit import (
+    AuditReport,
+    TopicView,
+    read_producer_ledgers,
+    read_trainer_ledger,
+)
+
+
+def _ids(group: str, n: int = 2) -> list[str]:
+    return [f"{group}-{i}" for i in range(n)]
+
+
+def _producer_ledgers(root: Path) -> None:
+    with Ledger(root / "p0", fsync=False) as ledger:
+        for group in ("a", "b", "c"):
+            ledger.pending(group, _ids(group))
+            ledger.delivered(group, _ids(group), [(0, 0), (0, 1)])
+        ledger.pending("d", _ids("d"))  # killed before its acknowledgements
+        ledger.pending("e", _ids("e"))
+        ledger.orphaned("e", ["e-0"], [(0, 9)])
+    with Ledger(root / "p1", fsync=False) as ledger:
+        ledger.pending("f", _ids("f"))
+        ledger.delivered("f", _ids("f"), [(1, 0), (1, 1)])
+
+
+def _view(topic: str, ids: list[str], reason: str | None = None) -> TopicView:
+    view = TopicView(topic, Counter(ids))
+    if reason is not None:
+        view.reasons = dict.fromkeys(ids, reason)
+    return view
+
+
+def test_ledgers_fold_and_pending_groups_settle_against_raw(tmp_path: Path) -> None:
+    _producer_ledgers(tmp_path)
+    produced = read_producer_ledgers(tmp_path)
+    assert produced.producers == 2
+    assert set(produced.delivered) == {"a", "b", "c", "f"}
+    assert produced.orphaned_ids == {"e-0"}
+    assert set(produced.pending) == {"d"}
+    assert produced.settle_pending(["d-0", "d-1", "a-0"]) == 1
+    assert "d" in produced.delivered and not produced.pending
+
+
+def test_report_reconciles_and_names_each_violation(tmp_path: Path) -> None:
+    _producer_ledgers(tmp_path)
+    produced = read_producer_ledgers(tmp_path)
+    produced.settle_pending([])  # d: none of it reached raw, lost
+    ledger = TrainingLedger(tmp_path / "trainer.jsonl", fsync=False)
+    ledger.append([(1, [*_ids("a"), "e-0"]), (2, _ids("b"))])
+    trained = read_trainer_ledger(tmp_path / "trainer.jsonl")
+    report = AuditReport(
+        run_id="r",
+        produced=produced,
+        trained=trained,
+        stale=_view("stale", ["c-0"], "stale:3"),
+        dlq=_view("dlq", ["c-1", *_ids("f")], "incomplete_group"),
+    )
+    assert report.problems() == []
+    assert produced.lost == {"d"}
+    counts = report.counts()
+    assert counts["delivered"] == 8 and counts["trained_of_orphaned"] == 1
+    assert counts["dlq_reasons"] == {"incomplete_group": 3}
+
+    ledger.append([(3, ["a-1", "zz-0"])])  # a-1 trained again, zz-0 never produced
+    report.trained = read_trainer_ledger(tmp_path / "trainer.jsonl")
+    report.dlq = _view("dlq", ["c-1"], "incomplete_group")  # f-* now without an outcome
+    problems = report.problems()
+    assert report.missing == {"f-0", "f-1"}
+    assert report.trained_twice == {"a-1": 2}
+    assert report.unproduced == {"zz-0"}
+    assert len(problems) == 3 and "f-0" in problems[0]
