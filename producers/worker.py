@@ -147,6 +147,8 @@ class RolloutWorker:
         self._stop = asyncio.Event()
         self._version_ready = asyncio.Event()
         self._pending_version: tuple[int, Mapping[str, Any]] | None = None
+        # The weights the engine was last given: reloaded if it restarts and forgets them.
+        self._loaded: tuple[int, Mapping[str, Any]] | None = None
         self._inflight_calls = 0
         self._inflight_rids: set[str] = set()
         self._swaps = 0  # incremented when a version change starts
@@ -518,6 +520,8 @@ class RolloutWorker:
             reported = None
         if reported is None:
             return believed
+        if self._engine_forgot_weights(reported, believed):
+            return reported
         if reported != believed and not self._engine_version_warned:
             self._engine_version_warned = True
             logger.warning(
@@ -526,6 +530,27 @@ class RolloutWorker:
                 believed,
             )
         return reported
+
+    def _engine_forgot_weights(self, reported: int, believed: int) -> bool:
+        """An engine that restarted serves its initial weights: give it ours again.
+
+        The samples it already produced keep the version it reports (honest tags; the
+        stream judges their staleness), and the reload goes through the version loop like
+        any swap, so no engine call straddles it.
+        """
+        loaded = self._loaded
+        if loaded is None or loaded[0] != believed or reported >= believed:
+            return False
+        if self._pending_version is None:
+            logger.warning(
+                "engine reports weight_version %d but was given %d (restarted?): reloading %d",
+                reported,
+                believed,
+                believed,
+            )
+            self._pending_version = loaded
+            self._version_ready.set()
+        return True
 
     async def _call(
         self, prompts: list[list[int]], sampling: list[dict[str, Any]], rids: list[str]
@@ -602,8 +627,10 @@ class RolloutWorker:
                         return
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 30.0)
+            if version != self.version:
+                self.report.versions_applied.append(version)
             self.version = version
-            self.report.versions_applied.append(version)
+            self._loaded = (version, state_dict)
             self.metrics.version.set(version)
             self.metrics.version_lag.set(self.latest_version - version)
             logger.info("now generating with version %d (policy %s)", version, policy)

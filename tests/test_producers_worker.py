@@ -300,6 +300,78 @@ def test_worker_follows_published_weights(kafka_config, s3_config, unique_name, 
     assert list(ordered[-1].segment_versions) == [1]
 
 
+def test_an_engine_that_forgets_its_weights_gets_them_again(
+    kafka_config, s3_config, unique_name, tmp_path, caplog
+):
+    """A restarted engine serves its initial weights (v0) again: the worker tags what it
+    generated that way honestly and reloads the version it had given the engine."""
+    from rollstream.config import WeightsConfig
+    from rollstream.weights.announce import Announcer
+    from rollstream.weights.store import WeightStore
+    from rollstream.weights.writer import DeltaWriter
+    from schemas.topics import POLICY_VERSIONS
+
+    topic = make_topic(kafka_config, unique_name)
+    client = kafka_config.client_config()
+    versions_topic = unique_name("policy.versions")
+    ensure_topics(client, [dataclasses.replace(POLICY_VERSIONS, name=versions_topic)])
+    config = rs_config(kafka_config, tmp_path).model_copy(
+        update={"s3": s3_config, "weights": WeightsConfig(topic=versions_topic, poll_interval_s=1)}
+    )
+    # v0 is the engine's own initial model (as in a real run); v1 differs.
+    published = {0: build_tiny_llama(seed=0), 1: build_tiny_llama(seed=3)}
+    announcer = Announcer(client, versions_topic)
+    writer = DeltaWriter(WeightStore.from_config(s3_config, config.run_id), announcer=announcer)
+    writer.publish(published[0].state_dict(), 0)
+    settings = ProducersConfig(
+        engine=EngineConfig(step_delay_ms=10, seed=0),
+        rollout=rollout(
+            topic,
+            groups=6,
+            max_inflight_groups=1,
+            staleness_window=0,
+            follow_weights=True,
+            sampling=SamplingConfig(max_new_tokens=12, ignore_eos=True, stop_token_ids=[]),
+        ),
+    )
+    holder = {}
+
+    async def scenario():
+        async def trainer_and_crash():
+            while "worker" not in holder:
+                await asyncio.sleep(0.005)
+            worker = holder["worker"]
+            while worker.publisher.delivered_groups < 1:
+                await asyncio.sleep(0.005)
+            await asyncio.to_thread(writer.publish, published[1].state_dict(), 1)
+            while worker.publisher.delivered_groups < 3:
+                await asyncio.sleep(0.005)
+            # What a restart leaves behind: the initial model, reporting version 0.
+            engine = worker.backend.engine
+            initial = build_tiny_llama(seed=0).state_dict()
+            await asyncio.wrap_future(engine.update_weights(initial, "0"))
+
+        task = asyncio.create_task(trainer_and_crash())
+        report = await run_producer(
+            config, settings, install_signals=False, on_worker=lambda w: holder.update(worker=w)
+        )
+        await asyncio.wait_for(task, 60)
+        return report, holder["worker"].backend
+
+    caplog.set_level("WARNING", logger="producers.worker")
+    try:
+        report, _backend = asyncio.run(asyncio.wait_for(scenario(), 240))
+    finally:
+        announcer.close()
+    assert report.versions_applied == [0, 1]
+    assert any("restarted?" in r.getMessage() for r in caplog.records)
+    records = check_records(read_topic(kafka_config, topic), 6, 4, config.run_id)
+    for traj in records:
+        check_logprobs(traj, published)  # every tag names the weights that produced it
+    last = max(records, key=lambda t: t.created_at_ms)
+    assert list(last.segment_versions) == [1], "the engine got version 1 back"
+
+
 def test_admission_control_waits_for_the_trainer(kafka_config, unique_name, tmp_path):
     topic = make_topic(kafka_config, unique_name)
     config = rs_config(kafka_config, tmp_path)
