@@ -114,6 +114,7 @@ def role_defaults(up: UpConfig, run_id: str, run_dir: Path, ports: Ports) -> dic
             "old_logits": {"model": "tiny" if tiny else "smollm2", "dtype": dtype},
             "groups": {"timeout_s": 60.0},
             "metrics_port": ports.streams_metrics,
+            "first_start": "committed",  # a new run starts at the end of rollouts.raw
         },
         "trainer": {
             "max_steps": up.max_steps,
@@ -492,18 +493,24 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
 
 
 def start_groups_at_end(config: RollstreamConfig) -> dict[str, int]:
-    """Commit the current end offsets for this run's trainer group if it has none yet.
+    """Commit the current end offsets for this run's trainer and stream groups if they
+    have none yet.
 
-    The run's trainer uses its own consumer group, which would otherwise start at the
-    beginning of the shared scored topic and skip through earlier runs' groups. (Not done
-    for the stream workers: their gap guard re-reads a partition from its start when the
-    first record it sees is not the first one, by design; see the report's limitations.)
+    Each run's trainer and stream app use their own consumer groups, which would otherwise
+    start at the beginning of the shared topics and wade through earlier runs' records
+    (the stream worker would dead-letter them as ``foreign_run``). With
+    ``streams.first_start = "committed"`` (``up``'s default) the stream worker's gap guard
+    starts from the marker group ``<app_id>-start``, which only this function writes;
+    it runs before any producer of the run starts, so nothing of the run is skipped.
     Returns partitions committed per group.
     """
     from confluent_kafka import Consumer, TopicPartition
 
     done: dict[str, int] = {}
     groups = {config.trainer.topics.group_id: config.trainer.topics.scored}
+    if config.streams.first_start == "committed":
+        groups[config.streams.app_id] = config.streams.topics.raw
+        groups[config.streams.start_group] = config.streams.topics.raw
     for group, topic in groups.items():
         consumer = Consumer(
             {**config.kafka.client_config(), "group.id": group, "enable.auto.commit": False}

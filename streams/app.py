@@ -174,7 +174,13 @@ async def _seek_raw(partition: int, offset: int) -> None:
     await app.consumer.seek(TP(TOPICS.raw, partition), offset)
 
 
-gaps = GapGuard(groups.data, KAFKA, TOPICS.raw, _seek_raw)
+gaps = GapGuard(
+    groups.data,
+    KAFKA,
+    TOPICS.raw,
+    _seek_raw,
+    start_group=CONFIG.start_group if CONFIG.first_start == "committed" else None,
+)
 
 # --- the agent ----------------------------------------------------------------------------
 

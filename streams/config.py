@@ -173,6 +173,17 @@ class StreamsConfig(StrictModel):
         ge=1,
         description="Replication of the topics the worker creates (changelog, ticks, ...).",
     )
+    first_start: Literal["earliest", "committed"] = Field(
+        default="earliest",
+        description=(
+            "Where a raw partition this app never applied anything from starts. earliest: "
+            "the log start (everything in the topic). committed: the offset committed for "
+            "the marker group '<app_id>-start' when there is one (else the log start); "
+            "`rollstream up` commits the topic's end there (and for the app's own group) "
+            "before a new run's first worker starts, so earlier runs are not re-read. A "
+            "separate group because Faust may commit its own past records it skipped."
+        ),
+    )
     session_timeout_s: float = Field(
         default=60.0,
         gt=0,
@@ -188,6 +199,11 @@ class StreamsConfig(StrictModel):
         if len(set(names)) != len(names):
             raise ValueError(f"raw, scored, stale and dlq topics must differ: {names}")
         return self
+
+    @property
+    def start_group(self) -> str:
+        """Marker consumer group holding where a new app starts (``first_start``)."""
+        return f"{self.app_id}-start"
 
     @property
     def ticks_topic(self) -> str:

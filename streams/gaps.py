@@ -44,8 +44,12 @@ class GapGuard:
         client_config: Mapping[str, str],
         topic: str,
         seek: Callable[[int, int], Awaitable[None]],
+        start_group: str | None = None,
     ) -> None:
+        """``start_group``: a consumer group whose committed offset, when there is one, is
+        where a partition without a watermark starts (``first_start = "committed"``)."""
         self.table = table
+        self.start_group = start_group
         self.client_config = dict(client_config)
         self.topic = topic
         self.seek = seek
@@ -91,8 +95,26 @@ class GapGuard:
     async def _start_of(self, partition: int) -> int:
         """First offset of a partition this app never applied anything from."""
         if partition not in self._log_start:
-            self._log_start[partition] = await asyncio.to_thread(self._low_watermark, partition)
+            start = await asyncio.to_thread(self._low_watermark, partition)
+            if self.start_group is not None:
+                committed = await asyncio.to_thread(self._committed_offset, partition)
+                if committed is not None:
+                    start = max(start, committed)
+            self._log_start[partition] = start
         return self._log_start[partition]
+
+    def _committed_offset(self, partition: int) -> int | None:
+        """``start_group``'s committed offset of the partition (None: it has none)."""
+        from confluent_kafka import Consumer, TopicPartition
+
+        consumer = Consumer(
+            {**self.client_config, "group.id": self.start_group, "enable.auto.commit": False}
+        )
+        try:
+            (found,) = consumer.committed([TopicPartition(self.topic, partition)], timeout=30)
+        finally:
+            consumer.close()
+        return found.offset if found.offset >= 0 else None
 
     def _consumer(self) -> Any:
         if self._side is None:

@@ -332,3 +332,16 @@ def test_gap_guard_seeks_back_over_records_faust_skipped() -> None:
     assert admit(0, 25) and seeks == [(0, 14)]
     assert admit(1, 0) and not admit(1, 3)  # no watermark yet: the log start is expected
     assert admit(0, 99, topic="ticks")  # only the raw topic is guarded
+
+    # first_start = "committed": a partition without a watermark starts at the app's
+    # committed offset (a new run's end of topic), not at the log start.
+    fresh = GapGuard({}, {}, RAW, seek, start_group="rollstream-streams-run-2")
+    fresh._first_offset_from = lambda partition, offset: offset  # type: ignore[method-assign]
+    fresh._low_watermark = lambda partition: 0  # type: ignore[method-assign]
+    fresh._committed_offset = lambda partition: {0: 500}.get(partition)  # type: ignore[method-assign]
+
+    def admit_fresh(partition: int, offset: int) -> bool:
+        return asyncio.run(fresh.admit(Message(RAW, partition, offset, b"k", b"v")))
+
+    assert admit_fresh(0, 500) and not admit_fresh(0, 503)  # starts at 500, 501..502 missing
+    assert admit_fresh(1, 0) and not admit_fresh(1, 4)  # no committed offset: the log start
