@@ -24,16 +24,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from consumers.loss_config import GrpoLossConfig, LossConfig, PpoEwmaLossConfig
+from rollstream.strict import StrictModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ModelConfig(_Strict):
+class ModelConfig(StrictModel):
     """The causal LM being trained."""
 
     source: Literal["tiny", "smollm2", "path"] = Field(
@@ -75,7 +72,7 @@ class ModelConfig(_Strict):
         return self
 
 
-class BatchConfig(_Strict):
+class BatchConfig(StrictModel):
     """How records from ``rollouts.scored`` become micro-batches (whole groups only)."""
 
     max_groups: int = Field(
@@ -104,7 +101,7 @@ class BatchConfig(_Strict):
     )
 
 
-class EngineConfig(_Strict):
+class EngineConfig(StrictModel):
     """The DeepSpeed engine and its AdamW optimiser."""
 
     accelerator: Literal["auto", "cpu", "cuda"] = Field(
@@ -144,7 +141,7 @@ class EngineConfig(_Strict):
     )
 
 
-class ApproxConfig(_Strict):
+class ApproxConfig(StrictModel):
     """Records whose ``old_logits_status`` is not ``exact`` (no trustworthy ``logp_old``).
 
     route = ewma: the anchor of those records is ``logp_prox``, the log-probs under an EWMA
@@ -177,7 +174,7 @@ class ApproxConfig(_Strict):
     )
 
 
-class CheckpointConfig(_Strict):
+class CheckpointConfig(StrictModel):
     """DeepSpeed checkpoints that carry the Kafka offsets they cover (crash safety)."""
 
     dir: Path | None = Field(
@@ -202,7 +199,7 @@ class CheckpointConfig(_Strict):
     )
 
 
-class TopicsConfig(_Strict):
+class TopicsConfig(StrictModel):
     """Kafka names (tests use unique ones)."""
 
     scored: str = Field(default="rollouts.scored", description="Scored groups to train on.")
@@ -233,7 +230,7 @@ class TopicsConfig(_Strict):
     )
 
 
-class RetryConfig(_Strict):
+class RetryConfig(StrictModel):
     """Back-off for S3 and broker outages: retried until they answer, never skipped."""
 
     initial_s: float = Field(default=0.5, gt=0, description="First back-off.")
@@ -245,7 +242,7 @@ class RetryConfig(_Strict):
     )
 
 
-class PublishConfig(_Strict):
+class PublishConfig(StrictModel):
     """Weight publishing through ``rollstream.weights.DeltaWriter``."""
 
     every: int | None = Field(
@@ -260,7 +257,7 @@ class PublishConfig(_Strict):
     announce: bool = Field(default=True, description="Announce versions on topics.versions.")
 
 
-class TrainerConfig(_Strict):
+class TrainerConfig(StrictModel):
     """Everything the trainer needs besides the Kafka/S3 connection and the run id."""
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="[trainer.model]")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from consumers.config import EngineConfig, ModelConfig
+from rollstream.config import merge_tables
 
 log = logging.getLogger(__name__)
 
@@ -105,17 +106,7 @@ def deepspeed_config(config: EngineConfig) -> dict[str, Any]:
     }
     if config.grad_clip is not None:
         ds["gradient_clipping"] = config.grad_clip
-    return _deep_merge(ds, config.deepspeed)
-
-
-def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in top.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _deep_merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
+    return merge_tables(ds, config.deepspeed)
 
 
 class TrainEngine:

@@ -27,14 +27,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import Field, TypeAdapter, field_validator
+
+from rollstream.strict import StrictModel
 
 Aggregation = Literal["token_mean", "seq_mean", "seq_mean_token_sum"]
 Bounds = tuple[float, float]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 def _check_bounds(value: Bounds, name: str) -> Bounds:
@@ -46,7 +44,7 @@ def _check_bounds(value: Bounds, name: str) -> Bounds:
     return value
 
 
-class _LossBase(_Strict):
+class _LossBase(StrictModel):
     """Fields every loss variant shares."""
 
     aggregation: Aggregation = Field(
@@ -203,7 +201,7 @@ class PpoEwmaLossConfig(_DecoupledFields):
     )
 
 
-class NavConfig(_Strict):
+class NavConfig(StrictModel):
     """Negative-advantage veto (Mu-GRPO). For every token with A < 0 that comes strictly after
     the first trigger token of its sequence, the gradient is dropped. The trigger token
     itself is kept unless ``include_trigger``."""

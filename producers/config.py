@@ -12,16 +12,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from rollstream.strict import StrictModel
 
 VersionPolicy = Literal["finish", "interrupt", "abort"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SamplingConfig(_Strict):
+class SamplingConfig(StrictModel):
     """Sampling parameters sent to the engine, named as SGLang's ``sampling_params``."""
 
     temperature: float = Field(
@@ -53,7 +51,7 @@ class SamplingConfig(_Strict):
         }
 
 
-class EngineConfig(_Strict):
+class EngineConfig(StrictModel):
     """The CPU inference engine behind ``rollstream serve`` (and the worker's in-process one)."""
 
     model: str = Field(
@@ -84,7 +82,7 @@ class EngineConfig(_Strict):
     )
 
 
-class RolloutConfig(_Strict):
+class RolloutConfig(StrictModel):
     """What the rollout worker (``rollstream produce``) generates and where it publishes."""
 
     task: str = Field(
@@ -183,7 +181,7 @@ class RolloutConfig(_Strict):
         return self
 
 
-class ProducersConfig(_Strict):
+class ProducersConfig(StrictModel):
     """The ``producers`` section: engine and rollout worker."""
 
     engine: EngineConfig = Field(default_factory=EngineConfig)

@@ -17,11 +17,12 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from consumers.config import TrainerConfig
 from producers.config import ProducersConfig
+from rollstream.strict import StrictModel
 from streams.config import StreamsConfig
 
 
@@ -35,12 +36,6 @@ def default_cache_dir() -> Path:
     """Where downloaded artefacts (Kafka jars, converted models) are cached."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "rollstream"
-
-
-class StrictModel(BaseModel):
-    """Base for config sections: unknown keys are rejected, instances are immutable."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class KafkaConfig(StrictModel):
@@ -274,11 +269,12 @@ def _well_known_env() -> dict[str, Any]:
     return found
 
 
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+def merge_tables(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``top`` laid over it; nested tables merge key by key."""
     merged = dict(base)
     for key, value in top.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
+            merged[key] = merge_tables(merged[key], value)
         else:
             merged[key] = value
     return merged
@@ -294,8 +290,8 @@ def load_config(path: Path | None = None, **overrides: Any) -> RollstreamConfig:
     if path is not None:
         with Path(path).open("rb") as fh:
             values = tomllib.load(fh)
-    values = _merge(values, _well_known_env())
+    values = merge_tables(values, _well_known_env())
     env_only = RollstreamConfig.model_validate({}).model_dump(exclude_unset=True)
-    values = _merge(values, env_only)
-    values = _merge(values, overrides)
+    values = merge_tables(values, env_only)
+    values = merge_tables(values, overrides)
     return RollstreamConfig.model_validate(values)

@@ -37,7 +37,7 @@ from typing import Any
 import click
 from pydantic import BaseModel, SecretStr
 
-from rollstream.config import RollstreamConfig, UpConfig, _merge
+from rollstream.config import RollstreamConfig, UpConfig, merge_tables
 
 ROLE_ORDER = ("streams", "trainer", "engine", "producer")
 STOP_ORDER = ("producer", "engine", "streams", "trainer")
@@ -148,7 +148,7 @@ def build_config(
     explicit = explicit_values(base)
     explicit.pop("up", None)
     explicit.pop("run_id", None)
-    merged = _merge(role_defaults(up, run_id, run_dir, ports), explicit)
+    merged = merge_tables(role_defaults(up, run_id, run_dir, ports), explicit)
     merged["up"] = up.model_dump()
     merged["trainer"]["max_steps"] = up.max_steps  # [up] max_steps (or --max-steps) decides
     return RollstreamConfig.model_validate(merged)

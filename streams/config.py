@@ -4,8 +4,8 @@ Light on purpose (pydantic only, no torch, no Faust): ``rollstream stream --help
 config validation stay instant. Every field is described; unknown keys are errors.
 
 ``load_stream_config`` reads the whole file with ``rollstream.config.load_config`` (which
-holds ``StreamsConfig`` as its ``streams`` section). This module imports nothing from
-``rollstream`` at import time, so ``rollstream.config`` can import it.
+holds ``StreamsConfig`` as its ``streams`` section). At import time this module needs
+only ``rollstream.strict``, so ``rollstream.config`` can import it without a cycle.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from rollstream.strict import StrictModel
 
 if TYPE_CHECKING:
     from rollstream.config import RollstreamConfig
@@ -22,14 +24,6 @@ if TYPE_CHECKING:
 
 CONFIG_ENV = "ROLLSTREAM_CONFIG"
 """Environment variable naming the TOML file a ``faust -A streams.app worker`` reads."""
-
-
-class StrictModel(BaseModel):
-    """Unknown keys are rejected, instances are immutable (as ``rollstream.config``'s
-    sections; defined here so that ``rollstream.config`` can import this module without
-    an import cycle)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class StreamTopics(StrictModel):
