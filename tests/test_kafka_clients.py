@@ -84,6 +84,37 @@ def test_aiokafka_round_trip(kafka_config: KafkaConfig, unique_name) -> None:
     assert asyncio.run(round_trip()) == [b"m0", b"m1", b"m2", b"m3", b"m4"]
 
 
+@pytest.mark.parametrize("codec", ["gzip", "lz4", "zstd", "snappy"])
+def test_aiokafka_reads_every_compression_librdkafka_writes(
+    kafka_config: KafkaConfig, unique_name, codec: str
+) -> None:
+    """Stream workers read with aiokafka (under Faust): a producer anywhere may compress
+    with any codec, and a batch the worker cannot decode would stop it (cramjam gives
+    aiokafka lz4, zstd and snappy)."""
+    topic = unique_name(f"codec-{codec}")
+    ensure_topics(kafka_config.client_config(), [TopicSpec(topic, partitions=1)])
+    producer = Producer(kafka_config.client_config() | {"compression.type": codec})
+    for i in range(3):
+        producer.produce(topic, key=b"k", value=b"compressible %d " % i * 50)
+    assert producer.flush(30) == 0
+
+    async def read() -> list[bytes]:
+        consumer = AIOKafkaConsumer(
+            topic,
+            bootstrap_servers=kafka_config.bootstrap_servers,
+            auto_offset_reset="earliest",
+            group_id=unique_name("g"),
+        )
+        await consumer.start()
+        try:
+            batches = await consumer.getmany(timeout_ms=10_000, max_records=3)
+            return [m.value for msgs in batches.values() for m in msgs]
+        finally:
+            await consumer.stop()
+
+    assert asyncio.run(read()) == [b"compressible %d " % i * 50 for i in range(3)]
+
+
 @pytest.mark.slow
 def test_faust_exactly_once_with_changelogged_table(
     kafka_config: KafkaConfig, unique_name, tmp_path: Path
