@@ -1,11 +1,14 @@
-"""``rollstream stream``: run one stream worker (the same as ``faust -A streams.app worker``).
+"""``rollstream stream``: run one stream worker (``python -m streams.app worker``) under a
+supervisor that starts it again if it crashes (``[streams.restart]``).
 
 Thin on purpose: the ``[streams]`` section is validated before Faust and torch are
-imported, so a bad config fails in a second with pydantic's message.
+imported, so a bad config fails in a second with pydantic's message; the supervising
+process imports neither.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -13,6 +16,7 @@ from pathlib import Path
 import click
 from pydantic import ValidationError
 
+from rollstream.supervisor import ChildSupervisor
 from streams.config import CONFIG_ENV, load_stream_config
 
 
@@ -54,17 +58,19 @@ def stream(ctx: click.Context, loglevel: str, datadir: Path | None, check: bool)
         return
     datadir = datadir or shared.state_dir / "streams" / streams.app_id
     datadir.parent.mkdir(parents=True, exist_ok=True)  # Faust creates only the last level
-    sys.argv = [
-        "rollstream-stream",
+    worker = [
+        sys.executable,
+        "-m",
+        "streams.app",
         f"--datadir={datadir}",
         "worker",
         "--without-web",
         "-l",
         loglevel,
     ]
-    from streams.app import app
-
-    app.main()
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(process)d] %(message)s")
+    supervisor = ChildSupervisor(worker, streams.restart, name="stream worker")
+    ctx.exit(supervisor.run())
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, model_validator
 
 from rollstream.strict import StrictModel
+from rollstream.supervisor import RestartConfig
 
 if TYPE_CHECKING:
     from rollstream.config import RollstreamConfig
@@ -185,6 +186,10 @@ class StreamsConfig(StrictModel):
     )
     metrics_port: int | None = Field(
         default=None, description="Serve Prometheus metrics on this port (none: off)."
+    )
+    restart: RestartConfig = Field(
+        default_factory=RestartConfig,
+        description="`rollstream stream` starts a crashed worker again (rollstream.supervisor).",
     )
 
     @model_validator(mode="after")

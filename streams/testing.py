@@ -169,11 +169,20 @@ def _toml_value(value: Any) -> str:
 
 
 class WorkerProcess:
-    """A stream worker in a subprocess: ``python -m streams.app worker`` with a TOML
-    config written to ``workdir``; its output goes to ``workdir/<name>.log``."""
+    """A stream worker in a subprocess: ``python -m streams.app worker`` (or, supervised,
+    ``rollstream stream``) with a TOML config written to ``workdir``; its output goes to
+    ``workdir/<name>.log``."""
 
-    def __init__(self, config: Mapping[str, Any], workdir: Path, name: str = "worker") -> None:
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        workdir: Path,
+        name: str = "worker",
+        *,
+        supervised: bool = False,
+    ) -> None:
         self.config = config
+        self.supervised = supervised
         self.workdir = Path(workdir)
         self.name = name
         self.process: subprocess.Popen | None = None
@@ -185,17 +194,14 @@ class WorkerProcess:
         config_path.write_text(to_toml(self.config))
         env = dict(os.environ, ROLLSTREAM_CONFIG=str(config_path), PYTHONUNBUFFERED="1")
         with self.log_path.open("ab") as out:
+            if self.supervised:  # the user's command: a supervisor restarts crashed workers
+                argv = [sys.executable, "-m", "rollstream", "stream", "-l", loglevel]
+                argv.append(f"--datadir={self.workdir / 'data'}")
+            else:
+                argv = [sys.executable, "-m", "streams.app", f"--datadir={self.workdir / 'data'}"]
+                argv += ["worker", "--without-web", "-l", loglevel]
             self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "streams.app",
-                    f"--datadir={self.workdir / 'data'}",
-                    "worker",
-                    "--without-web",
-                    "-l",
-                    loglevel,
-                ],
+                argv,
                 cwd=REPO_ROOT,
                 env=env,
                 stdout=out,
@@ -273,14 +279,28 @@ def read_topic(
 
 
 def committed_offsets(client_config: Mapping[str, str], group: str, topic: str) -> dict[int, int]:
-    """The consumer group's committed offset per partition of ``topic`` (-1001: none)."""
-    from confluent_kafka import Consumer, TopicPartition
+    """The consumer group's committed offset per partition of ``topic`` (-1001: none).
 
+    Retries while the group's coordinator moves or loads (a fresh broker creates
+    ``__consumer_offsets`` on first use)."""
+    from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+    transient = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS}
+    transient.add(KafkaError.COORDINATOR_NOT_AVAILABLE)
     consumer = Consumer({**client_config, "group.id": group, "enable.auto.commit": False})
+    deadline = time.monotonic() + 60
     try:
         partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
-        found = consumer.committed([TopicPartition(topic, p) for p in partitions], timeout=30)
-        return {tp.partition: tp.offset for tp in found}
+        while True:
+            try:
+                found = consumer.committed(
+                    [TopicPartition(topic, p) for p in partitions], timeout=30
+                )
+                return {tp.partition: tp.offset for tp in found}
+            except KafkaException as err:
+                if err.args[0].code() not in transient or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
     finally:
         consumer.close()
 

@@ -7,6 +7,8 @@ processed and committed. No mocks.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -191,3 +193,70 @@ def diagnose(client: dict, topics: dict, app_id: str, missing: set[str]) -> str:
     lines.append("changelog (uncommitted too):")
     lines.extend(changelog)
     return "\n".join(lines)
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc)."""
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()] if path.exists() else []
+
+
+def test_rollstream_stream_restarts_a_crashed_worker_and_loses_nothing(
+    kafka_config: KafkaConfig, unique_name, tmp_path: Path
+) -> None:
+    """``rollstream stream`` supervises its worker: the worker process dies (SIGKILL, as
+    after an unrecoverable transaction error) while it holds half-assembled groups; the
+    supervisor starts it again, it recovers its table and offsets, and every group comes
+    out once."""
+    client = kafka_config.client_config()
+    topics = stream_topics(unique_name)
+    create_stream_topics(client, topics, raw_partitions=2)
+    app_id = unique_name("app")
+    config = worker_config(
+        kafka_config.bootstrap_servers,
+        topics,
+        app_id,
+        run_id=RUN,
+        session_timeout_s=8.0,
+        groups={"timeout_s": 600},
+        staleness={"max_staleness": 100},
+        old_logits={"mode": "exact", "source": "seeded", "model": "tiny"},
+        restart={"backoff_s": 0.5},
+    )
+    groups = 8
+
+    def all_committed() -> bool:
+        ends = end_offsets(client, topics["raw"])
+        done = committed_offsets(client, app_id, topics["raw"])
+        return all(done.get(p, -1) >= end for p, end in ends.items() if end > 0)
+
+    supervised = WorkerProcess(config, tmp_path / "sup", name="sup", supervised=True).start()
+    try:
+        first = [keyed(t) for g in range(groups) for t in samples(g, (0, 1))]
+        produce(client, topics["raw"], first)
+        wait_until(all_committed, 180, "the first halves committed", check=alive(supervised))
+        (worker,) = children(supervised.process.pid)  # type: ignore[union-attr]
+        os.kill(worker, signal.SIGKILL)
+        wait_until(
+            lambda: any(c != worker for c in children(supervised.process.pid)),  # type: ignore[union-attr]
+            60,
+            "the supervisor to start a new worker",
+            check=alive(supervised),
+        )
+        second = [keyed(t) for g in range(groups) for t in samples(g, (2, 3))]
+        produce(client, topics["raw"], second)
+        wait_until(all_committed, 180, "the second halves committed", check=alive(supervised))
+        msgs = read_topic(client, [topics["scored"]], timeout=60)
+        dead = read_topic(client, [topics["dlq"]], timeout=30)
+        supervised.stop()
+        assert supervised.process is not None and supervised.process.returncode == 0
+    finally:
+        supervised.kill()
+
+    assert "restart 1 of 5" in supervised.log()
+    assert [DeadLetter.from_headers(m.headers()) for m in dead] == []
+    counts = Counter(decode_group(m.value()).group_id for m in msgs)
+    assert counts == Counter({f"grp-{g:02d}": 1 for g in range(groups)})
+    for m in msgs:
+        group = decode_group(m.value())
+        assert group.complete and [s.sample_index for s in group.samples] == [0, 1, 2, 3]
