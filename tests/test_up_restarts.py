@@ -1,0 +1,79 @@
+"""``rollstream up --restarts N``: a role that exits unexpectedly is started again, N times.
+
+The supervision loop of ``up`` (``rollstream.up._supervise``) on real processes standing
+in for the roles: a "producer" that crashes on its first start, and a "trainer" that
+finishes (exit 0, as at ``max_steps``) once it sees the producer's second start.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+from rollstream.config import load_config
+from rollstream.launcher import Launcher, RoleSpec
+from rollstream.up import Ports, TrainerLog, _StopFlag, _supervise
+
+
+def _script(path: Path, body: str) -> list[str]:
+    path.write_text(textwrap.dedent(body))
+    return [sys.executable, str(path)]
+
+
+def _launcher(tmp_path: Path) -> Launcher:
+    starts = tmp_path / "producer-starts"
+    launcher = Launcher(tmp_path / "logs")
+    producer = f"""
+        import pathlib, sys, time
+        starts = pathlib.Path({str(starts)!r})
+        with starts.open("a") as f:
+            f.write("start\\n")
+        if len(starts.read_text().split()) == 1:
+            sys.exit(3)  # the first incarnation crashes
+        time.sleep(120)
+        """
+    trainer = f"""
+        import pathlib, sys, time
+        starts = pathlib.Path({str(starts)!r})
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if starts.exists() and len(starts.read_text().split()) >= 2:
+                sys.exit(0)  # done, like a trainer at max_steps
+            time.sleep(0.1)
+        sys.exit(1)
+        """
+    launcher.add(RoleSpec("trainer", _script(tmp_path / "trainer.py", trainer)))
+    launcher.add(RoleSpec("producer", _script(tmp_path / "producer.py", producer)))
+    return launcher
+
+
+def _run(tmp_path: Path, restarts: int) -> tuple[tuple[str, bool], int]:
+    launcher = _launcher(tmp_path)
+    try:
+        for role in launcher.roles.values():
+            role.start()
+        outcome = _supervise(
+            launcher,
+            load_config(None, run_id="restarts"),
+            Ports.free(),
+            TrainerLog(tmp_path / "metrics.jsonl"),
+            _StopFlag(),
+            restarts,
+        )
+        return outcome, launcher.roles["producer"].starts
+    finally:
+        launcher.stop_all(timeout_s=10)
+        assert launcher.leftovers() == []
+
+
+def test_a_crashed_role_is_restarted_and_the_run_finishes(tmp_path: Path) -> None:
+    outcome, producer_starts = _run(tmp_path, restarts=1)
+    assert outcome == ("max_steps reached", True)
+    assert producer_starts == 2
+
+
+def test_without_restarts_a_crashed_role_ends_the_run(tmp_path: Path) -> None:
+    outcome, producer_starts = _run(tmp_path, restarts=0)
+    assert outcome == ("producer exited with code 3", False)
+    assert producer_starts == 1
