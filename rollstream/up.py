@@ -621,6 +621,7 @@ def _default_run_id(config: RollstreamConfig) -> str:
     help="Config, logs, metrics of this run (default <state_dir>/runs/<run_id>).",
 )
 @click.option("--pin-cores/--no-pin-cores", default=None, help="Pin roles to CPU cores.")
+@click.option("--restarts", type=int, help="Start a crashed role again this many times.")
 @click.pass_obj
 def up(config: RollstreamConfig, run_id: str | None, run_dir: Path | None, **options: Any) -> None:
     """Run producers, streams and trainer as separate processes on this machine, with
