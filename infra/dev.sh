@@ -89,6 +89,11 @@ install() {
   log "resolving Apache Kafka jars (Maven Central, cached)"
   "$VENV/bin/rollstream" infra fetch
   install_model_files
+  # DeepSpeed JIT-compiles its CPU comm op (about a minute, once; cached under
+  # $CACHE/torch_extensions). Later runs only re-check it and clear a build lock that a
+  # killed trainer left behind (consumers/op_cache.py).
+  log "building DeepSpeed's C++ ops (cached)"
+  "$VENV/bin/python" -m consumers.op_cache >/dev/null
 }
 
 cmd="${1:-run}"

@@ -1,0 +1,91 @@
+"""DeepSpeed's JIT-compiled C++ ops: built once, cached under the user's home, and safe
+against a process killed in the middle of loading them.
+
+DeepSpeed compiles its CPU communication op (``deepspeed_shm_comm``) with torch's
+``cpp_extension`` the first time a process initialises ``deepspeed.comm``; every later
+process re-checks that build under a *file baton*, a ``lock`` file created with
+``O_EXCL`` and deleted when done. A process killed while it holds the baton (kill -9 of
+a trainer during start-up, a CI job cut off) leaves the file behind, and every later
+trainer waits for it forever. Torch cannot tell a live holder from a dead one; an
+``flock`` can, because the kernel drops it with its process. So rollstream loads ops
+inside ``op_build_guard``: while it holds an exclusive flock on the extensions root, no
+other rollstream process is loading, and any baton it finds is stale and removed.
+
+The ops live in rollstream's own root (``<cache>/torch_extensions``, unless the user set
+``TORCH_EXTENSIONS_DIR``), so no other program's builds share those batons.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
+GUARD_FILE = ".rollstream-build.flock"
+
+
+def extensions_root(cache_dir: Path | None = None) -> Path:
+    """Where torch builds extensions for this process, exporting rollstream's default
+    into ``TORCH_EXTENSIONS_DIR`` (torch reads it at every build) when none is set."""
+    configured = os.environ.get(EXTENSIONS_ENV)
+    if configured:
+        return Path(configured)
+    if cache_dir is None:
+        from rollstream.config import default_cache_dir
+
+        cache_dir = default_cache_dir()
+    root = cache_dir / "torch_extensions"
+    os.environ[EXTENSIONS_ENV] = str(root)
+    return root
+
+
+def stale_batons(root: Path) -> list[Path]:
+    """Torch's build batons under ``root`` (``<root>/<python_cuda>/<op>/lock`` or
+    ``<root>/<op>/lock``)."""
+    return sorted(
+        p for p in root.glob("**/lock") if p.is_file() and len(p.relative_to(root).parts) <= 3
+    )
+
+
+@contextmanager
+def op_build_guard(root: Path) -> Iterator[None]:
+    """Hold rollstream's exclusive build lock on ``root`` and clear batons that dead
+    processes left; DeepSpeed ops are loaded inside this block."""
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / GUARD_FILE).open("a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            for baton in stale_batons(root):
+                log.warning(
+                    "removing a build lock left by a killed process: %s "
+                    "(no live rollstream process holds the build guard)",
+                    baton,
+                )
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
+
+
+def main() -> None:
+    """Build (or check) the ops a trainer loads, so the first trainer starts fast:
+    ``python -m consumers.op_cache`` (run by ``infra/dev.sh install``)."""
+    import torch
+
+    from consumers.config import EngineConfig
+    from consumers.engine import init_distributed
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    accelerator = init_distributed(EngineConfig())
+    torch.distributed.destroy_process_group()
+    print(f"DeepSpeed ops ready for {accelerator} under {extensions_root()}")
+
+
+if __name__ == "__main__":
+    main()
