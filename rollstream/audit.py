@@ -33,8 +33,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import time
-import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -44,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from rollstream.config import RollstreamConfig
+from rollstream.topic_reader import read_range, reader_config, whole_topic
 
 if TYPE_CHECKING:
     from confluent_kafka import Message
@@ -127,55 +126,14 @@ def read_topic(
 ) -> Iterator[Message]:
     """Every committed record of ``topic`` up to the end offsets seen at the start.
 
-    Raises ``TimeoutError`` if the end is not reached within ``timeout_s`` of no progress
-    (a transaction left open keeps ``read_committed`` readers before it)."""
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException
-    from confluent_kafka import TopicPartition as KafkaTP
+    Raises ``ReadStalled`` (a ``TimeoutError``) if the end is not reached within
+    ``timeout_s`` of no progress (a transaction left open keeps ``read_committed``
+    readers before it)."""
+    from confluent_kafka import Consumer
 
-    consumer = Consumer(
-        {
-            **client_config,
-            "group.id": f"rollstream-audit-{uuid.uuid4().hex[:12]}",
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "enable.partition.eof": True,
-            "isolation.level": "read_committed",
-        }
-    )
+    consumer = Consumer(reader_config(client_config, "audit"))
     try:
-        metadata = consumer.list_topics(topic, timeout=30).topics.get(topic)
-        if metadata is None or metadata.error is not None:
-            raise KafkaException(metadata.error if metadata else f"topic {topic} not found")
-        ends = {
-            p: consumer.get_watermark_offsets(KafkaTP(topic, p), timeout=30)[1]
-            for p in metadata.partitions
-        }
-        todo = {p for p, end in ends.items() if end > 0}
-        consumer.assign([KafkaTP(topic, p, OFFSET_BEGINNING) for p in sorted(todo)])
-        progress = time.monotonic()
-        while todo:
-            if time.monotonic() - progress > timeout_s:
-                raise TimeoutError(
-                    f"reading {topic}: partitions {sorted(todo)} did not reach their end "
-                    f"offsets {[ends[p] for p in sorted(todo)]} in {timeout_s:.0f}s"
-                )
-            msg = consumer.poll(0.5)
-            if msg is None:
-                continue
-            progress = time.monotonic()
-            partition, offset = msg.partition(), msg.offset()
-            assert partition is not None and offset is not None
-            err = msg.error()
-            if err is not None:
-                if err.code() != KafkaError._PARTITION_EOF:
-                    raise KafkaException(err)
-                if offset >= ends[partition]:  # the end, past any transaction markers
-                    todo.discard(partition)
-                continue
-            if offset < ends[partition]:
-                yield msg
-            if offset + 1 >= ends[partition]:
-                todo.discard(partition)
+        yield from read_range(consumer, topic, whole_topic(consumer, topic), timeout_s)
     finally:
         consumer.close()
 

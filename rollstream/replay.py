@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -50,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import click
 
 from rollstream.config import RollstreamConfig
+from rollstream.topic_reader import ReadStalled, read_range, reader_config
 
 if TYPE_CHECKING:  # the schemas import pyarrow: imported when used, so --help stays instant
     from schemas.control import DeadLetter, StaleRecord, VersionAnnouncement
@@ -278,21 +277,6 @@ class RecordFilter:
 # --- reading Kafka without a consumer group ---------------------------------------------------
 
 
-def replay_consumer_config(client_config: Mapping[str, str]) -> dict[str, Any]:
-    """librdkafka settings of a reader that joins no group and commits nothing."""
-    return {
-        **client_config,
-        # A group id is mandatory for a confluent-kafka Consumer; assign() never uses it to
-        # join a group, and with commits off nothing is ever stored under it.
-        "group.id": f"rollstream-replay-{uuid.uuid4().hex[:12]}",
-        "enable.auto.commit": False,
-        "enable.auto.offset.store": False,
-        "enable.partition.eof": True,
-        "auto.offset.reset": "earliest",
-        "isolation.level": "read_committed",
-    }
-
-
 def plan_partitions(consumer: Any, topic: str, bounds: ReadBounds) -> dict[int, tuple[int, int]]:
     """``partition -> (start, end)`` offsets to read, ``end`` exclusive."""
     from confluent_kafka import TopicPartition
@@ -349,61 +333,21 @@ def read_records(
     before decoding), each partition in offset order (partitions interleave). Stops at the
     planned ends, or after ``idle_timeout_s`` without progress (a transaction left open
     keeps records invisible), with a warning."""
-    from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+    from confluent_kafka import Consumer
 
-    consumer = Consumer(replay_consumer_config(client_config))
+    consumer = Consumer(reader_config(client_config, "replay"))
     try:
         plan = plan_partitions(consumer, topic, bounds)
-        pending = {p: end for p, (start, end) in plan.items() if start < end}
-        if not pending:
-            return
-        consumer.assign([TopicPartition(topic, p, plan[p][0]) for p in sorted(pending)])
-        last_progress = time.monotonic()
-        while pending:
-            messages = consumer.consume(num_messages=500, timeout=0.5)
-            for msg in messages:
-                p = msg.partition()
-                if msg.error() is not None:
-                    if msg.error().code() == KafkaError._PARTITION_EOF:
-                        _finish(consumer, topic, pending, p)
-                        continue
-                    raise KafkaException(msg.error())
-                if p not in pending:
-                    continue
-                offset = msg.offset()
-                if offset >= pending[p]:
-                    _finish(consumer, topic, pending, p)
-                    continue
-                last_progress = time.monotonic()
-                _ts_type, ts = msg.timestamp()
-                if _in_time_range(ts, bounds) and (keys is None or msg.key() in keys):
-                    yield decode_record(topic, p, offset, ts, msg.key(), msg.value(), msg.headers())
-                if offset + 1 >= pending.get(p, 0):
-                    _finish(consumer, topic, pending, p)
-            if not messages and pending:
-                # Transaction markers occupy offsets: the position moves past them.
-                positions = consumer.position([TopicPartition(topic, p) for p in pending])
-                for tp in positions:
-                    if tp.offset >= 0 and tp.offset >= pending[tp.partition]:
-                        _finish(consumer, topic, pending, tp.partition)
-                if time.monotonic() - last_progress > bounds.idle_timeout_s:
-                    log.warning(
-                        "%s: partitions %s still short of their end offsets after %.0fs "
-                        "(an open transaction?); stopping",
-                        topic,
-                        sorted(pending),
-                        bounds.idle_timeout_s,
-                    )
-                    return
+        for msg in read_range(consumer, topic, plan, bounds.idle_timeout_s):
+            _ts_type, ts = msg.timestamp()
+            if _in_time_range(ts, bounds) and (keys is None or msg.key() in keys):
+                p, offset = msg.partition(), msg.offset()
+                assert p is not None and offset is not None
+                yield decode_record(topic, p, offset, ts, msg.key(), msg.value(), msg.headers())
+    except ReadStalled as stalled:
+        log.warning("%s; stopping", stalled)
     finally:
         consumer.close()  # no commit: enable.auto.commit is off and nothing was stored
-
-
-def _finish(consumer: Any, topic: str, pending: dict[int, int], partition: int) -> None:
-    from confluent_kafka import TopicPartition
-
-    if pending.pop(partition, None) is not None:
-        consumer.pause([TopicPartition(topic, partition)])
 
 
 def _in_time_range(ts: int, bounds: ReadBounds) -> bool:

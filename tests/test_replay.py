@@ -50,8 +50,11 @@ def client(kafka_config: KafkaConfig) -> dict[str, str]:
 def topics(client: dict[str, str], unique_name: Callable[[str], str]) -> dict[str, str]:
     names = {short: unique_name(f"replay.{short}") for short in ("raw", "scored", "stale", "dlq")}
     names["versions"] = unique_name("replay.versions")
-    specs = [TopicSpec(names["raw"], 2)] + [
-        TopicSpec(names[s], 1) for s in ("scored", "stale", "dlq")
+    # Records carry fixed timestamps from 2025, older than the default 7-day retention:
+    # keep them forever, or the broker's periodic retention check (every 5 minutes)
+    # deletes them under a test that happens to span it.
+    specs = [TopicSpec(names["raw"], 2, retention_ms=-1)] + [
+        TopicSpec(names[s], 1, retention_ms=-1) for s in ("scored", "stale", "dlq")
     ]
     specs.append(TopicSpec(names["versions"], 1, cleanup_policy="compact"))
     ensure_topics(client, specs)

@@ -1,0 +1,120 @@
+"""Read a topic's partitions from planned start offsets up to planned end offsets: the one
+loop behind ``rollstream replay``, ``inspect`` and ``audit``.
+
+A reader joins no consumer group and commits nothing (``assign``, auto-commit and offset
+store off), so reading a topic never moves anyone's offsets. It reads ``read_committed``,
+as the trainer does: records of aborted transactions (a killed stream worker) are never
+seen. A partition is done when a record at or past its end arrives, at an end-of-partition
+at or past its end (an earlier one is the last stable offset of an open transaction), or
+when its position passes the end without a record: transaction markers occupy offsets
+and are never delivered, so a partition whose last offset is a commit marker ends that way.
+
+A ``read_committed`` consumer's high watermark is the last stable offset, so a
+whole-topic plan (``whole_topic``) ends before a transaction that is still open. A plan
+with explicit ends can reach into one, and an open transaction keeps every later record
+invisible: after ``idle_timeout_s`` without progress the read stops with ``ReadStalled``
+naming the partitions still short of their ends; the caller decides whether that is an
+error (``audit`` raises, ``replay`` warns and keeps what it read).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from confluent_kafka import Consumer, Message
+
+
+class ReadStalled(TimeoutError):
+    """Partitions made no progress towards their end offsets for ``idle_timeout_s``."""
+
+    def __init__(self, topic: str, short: Mapping[int, int], idle_timeout_s: float) -> None:
+        self.topic = topic
+        self.short = dict(short)  # partition -> planned end offset
+        super().__init__(
+            f"{topic}: partitions {sorted(short)} did not reach their end offsets "
+            f"{[short[p] for p in sorted(short)]} in {idle_timeout_s:.0f}s "
+            "(a transaction left open?)"
+        )
+
+
+def reader_config(client_config: Mapping[str, str], purpose: str) -> dict[str, Any]:
+    """librdkafka settings of a reader that joins no group and commits nothing."""
+    return {
+        **client_config,
+        # A group id is mandatory for a confluent-kafka Consumer; assign() never uses it to
+        # join a group, and with commits off nothing is ever stored under it.
+        "group.id": f"rollstream-{purpose}-{uuid.uuid4().hex[:12]}",
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "enable.partition.eof": True,
+        "auto.offset.reset": "earliest",
+        "isolation.level": "read_committed",
+    }
+
+
+def whole_topic(consumer: Consumer, topic: str) -> dict[int, tuple[int, int]]:
+    """``partition -> (low, high)`` watermarks: every record the topic holds now."""
+    from confluent_kafka import KafkaException, TopicPartition
+
+    meta = consumer.list_topics(topic, timeout=30).topics.get(topic)
+    if meta is None or meta.error is not None:
+        raise KafkaException(meta.error if meta is not None else f"topic {topic} not found")
+    return {
+        p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+        for p in sorted(meta.partitions)
+    }
+
+
+def read_range(
+    consumer: Consumer,
+    topic: str,
+    plan: Mapping[int, tuple[int, int]],
+    idle_timeout_s: float = 30.0,
+) -> Iterator[Message]:
+    """The records of ``topic`` with ``start <= offset < end`` per planned partition
+    (``end`` exclusive), each partition in offset order, partitions interleaved. The
+    caller owns (and closes) ``consumer``; raises ``ReadStalled`` (see the module doc)."""
+    from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+    pending = {p: end for p, (start, end) in plan.items() if start < end}
+    if not pending:
+        return
+
+    def finish(partition: int) -> None:
+        if pending.pop(partition, None) is not None:
+            consumer.pause([TopicPartition(topic, partition)])
+
+    consumer.assign([TopicPartition(topic, p, plan[p][0]) for p in sorted(pending)])
+    last_progress = time.monotonic()
+    while pending:
+        messages = consumer.consume(num_messages=500, timeout=0.5)
+        for msg in messages:
+            partition, offset = msg.partition(), msg.offset()
+            assert partition is not None and offset is not None
+            err = msg.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    raise KafkaException(err)
+                if offset >= pending.get(partition, 0):  # not short of the end: done
+                    finish(partition)
+                continue
+            if partition not in pending:
+                continue
+            if offset >= pending[partition]:
+                finish(partition)
+                continue
+            last_progress = time.monotonic()
+            yield msg
+            if offset + 1 >= pending.get(partition, 0):
+                finish(partition)
+        if not messages and pending:
+            positions = consumer.position([TopicPartition(topic, p) for p in pending])
+            for tp in positions:
+                if tp.offset >= 0 and tp.offset >= pending[tp.partition]:
+                    finish(tp.partition)
+            if pending and time.monotonic() - last_progress > idle_timeout_s:
+                raise ReadStalled(topic, pending, idle_timeout_s)
