@@ -46,11 +46,9 @@ def extensions_root(cache_dir: Path | None = None) -> Path:
 
 
 def stale_batons(root: Path) -> list[Path]:
-    """Torch's build batons under ``root`` (``<root>/<python_cuda>/<op>/lock`` or
-    ``<root>/<op>/lock``)."""
-    return sorted(
-        p for p in root.glob("**/lock") if p.is_file() and len(p.relative_to(root).parts) <= 3
-    )
+    """Torch's build batons under ``root``: ``<root>/<op>/lock`` (``TORCH_EXTENSIONS_DIR``
+    set) or ``<root>/<python_cuda>/<op>/lock`` (torch's default layout)."""
+    return sorted(p for p in [*root.glob("*/lock"), *root.glob("*/*/lock")] if p.is_file())
 
 
 @contextmanager

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import click
 
 from rollstream.config import RollstreamConfig
-from rollstream.topic_reader import ReadStalled, read_range, reader_config
+from rollstream.topic_reader import ReadStalled, read_range, reader_config, topic_partitions
 
 if TYPE_CHECKING:  # the schemas import pyarrow: imported when used, so --help stays instant
     from schemas.control import DeadLetter, StaleRecord, VersionAnnouncement
@@ -279,13 +279,12 @@ class RecordFilter:
 
 def plan_partitions(consumer: Any, topic: str, bounds: ReadBounds) -> dict[int, tuple[int, int]]:
     """``partition -> (start, end)`` offsets to read, ``end`` exclusive."""
-    from confluent_kafka import TopicPartition
+    from confluent_kafka import KafkaException, TopicPartition
 
-    meta = consumer.list_topics(topic, timeout=30).topics.get(topic)
-    if meta is None or meta.error is not None:
-        reason = meta.error if meta is not None else "unknown"
-        raise click.ClickException(f"topic {topic!r} cannot be read: {reason}")
-    existing = sorted(meta.partitions)
+    try:
+        existing = topic_partitions(consumer, topic)
+    except KafkaException as err:
+        raise click.ClickException(f"topic {topic!r} cannot be read: {err.args[0]}") from err
     starts = dict(bounds.offsets)
     wanted = list(bounds.partitions) or (sorted(starts) if starts else existing)
     unknown = sorted(set(wanted) - set(existing))

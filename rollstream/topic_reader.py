@@ -1,5 +1,6 @@
 """Read a topic's partitions from planned start offsets up to planned end offsets: the one
-loop behind ``rollstream replay``, ``inspect`` and ``audit``.
+loop behind ``rollstream replay``, ``inspect`` and ``audit``, with the queries a reader
+plans by (partitions, watermarks, a group's committed offsets).
 
 A reader joins no consumer group and commits nothing (``assign``, auto-commit and offset
 store off), so reading a topic never moves anyone's offsets. It reads ``read_committed``,
@@ -25,7 +26,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from confluent_kafka import Consumer, Message
+    from confluent_kafka import Consumer, Message, TopicPartition
 
 
 class ReadStalled(TimeoutError):
@@ -56,17 +57,44 @@ def reader_config(client_config: Mapping[str, str], purpose: str) -> dict[str, A
     }
 
 
-def whole_topic(consumer: Consumer, topic: str) -> dict[int, tuple[int, int]]:
-    """``partition -> (low, high)`` watermarks: every record the topic holds now."""
-    from confluent_kafka import KafkaException, TopicPartition
+def topic_partitions(consumer: Consumer, topic: str) -> list[int]:
+    """The partitions of ``topic``; ``KafkaException`` when it is missing or unreadable."""
+    from confluent_kafka import KafkaException
 
     meta = consumer.list_topics(topic, timeout=30).topics.get(topic)
     if meta is None or meta.error is not None:
         raise KafkaException(meta.error if meta is not None else f"topic {topic} not found")
+    return sorted(meta.partitions)
+
+
+def whole_topic(consumer: Consumer, topic: str) -> dict[int, tuple[int, int]]:
+    """``partition -> (low, high)`` watermarks: every record the topic holds now."""
+    from confluent_kafka import TopicPartition
+
     return {
         p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
-        for p in sorted(meta.partitions)
+        for p in topic_partitions(consumer, topic)
     }
+
+
+def committed_offsets(
+    consumer: Consumer, partitions: list[TopicPartition], timeout_s: float = 60.0
+) -> list[TopicPartition]:
+    """``consumer.committed`` for its group, retried while a fresh broker still creates
+    its offsets topic or the group's coordinator moves (it answers NOT_COORDINATOR /
+    COORDINATOR_NOT_AVAILABLE / COORDINATOR_LOAD_IN_PROGRESS meanwhile)."""
+    from confluent_kafka import KafkaException
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return list(consumer.committed(partitions, timeout=30))
+        except KafkaException as err:
+            if not err.args[0].retriable() and "COORDINATOR" not in err.args[0].name():
+                raise
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def read_range(

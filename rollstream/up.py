@@ -504,7 +504,9 @@ def start_groups_at_end(config: RollstreamConfig) -> dict[str, int]:
     it runs before any producer of the run starts, so nothing of the run is skipped.
     Returns partitions committed per group.
     """
-    from confluent_kafka import Consumer, TopicPartition
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+    from rollstream.topic_reader import committed_offsets, topic_partitions
 
     done: dict[str, int] = {}
     groups = {config.trainer.topics.group_id: config.trainer.topics.scored}
@@ -516,11 +518,14 @@ def start_groups_at_end(config: RollstreamConfig) -> dict[str, int]:
             {**config.kafka.client_config(), "group.id": group, "enable.auto.commit": False}
         )
         try:
-            metadata = consumer.list_topics(topic, timeout=30).topics.get(topic)
-            if metadata is None or metadata.error is not None or not metadata.partitions:
+            try:
+                partitions = topic_partitions(consumer, topic)
+            except KafkaException:
                 continue  # created later by its role: nothing old to skip
-            parts = [TopicPartition(topic, p) for p in metadata.partitions]
-            if any(tp.offset >= 0 for tp in _committed(consumer, parts)):
+            if not partitions:
+                continue
+            parts = [TopicPartition(topic, p) for p in partitions]
+            if any(tp.offset >= 0 for tp in committed_offsets(consumer, parts)):
                 continue  # a resumed run: keep its offsets
             ends = [
                 TopicPartition(topic, tp.partition, consumer.get_watermark_offsets(tp)[1])
@@ -531,23 +536,6 @@ def start_groups_at_end(config: RollstreamConfig) -> dict[str, int]:
         finally:
             consumer.close()
     return done
-
-
-def _committed(consumer: Any, parts: list[Any], timeout_s: float = 60.0) -> list[Any]:
-    """``consumer.committed`` retried while a fresh broker still creates its offsets topic
-    (it answers NOT_COORDINATOR / COORDINATOR_NOT_AVAILABLE meanwhile)."""
-    from confluent_kafka import KafkaException
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return list(consumer.committed(parts, timeout=30))
-        except KafkaException as err:
-            if not err.args[0].retriable() and "COORDINATOR" not in err.args[0].name():
-                raise
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
 
 
 def _supervise(

@@ -279,28 +279,17 @@ def read_topic(
 
 
 def committed_offsets(client_config: Mapping[str, str], group: str, topic: str) -> dict[int, int]:
-    """The consumer group's committed offset per partition of ``topic`` (-1001: none).
+    """The consumer group's committed offset per partition of ``topic`` (-1001: none),
+    retried while the group's coordinator moves or loads."""
+    from confluent_kafka import Consumer, TopicPartition
 
-    Retries while the group's coordinator moves or loads (a fresh broker creates
-    ``__consumer_offsets`` on first use)."""
-    from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+    from rollstream.topic_reader import committed_offsets as group_committed
 
-    transient = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS}
-    transient.add(KafkaError.COORDINATOR_NOT_AVAILABLE)
     consumer = Consumer({**client_config, "group.id": group, "enable.auto.commit": False})
-    deadline = time.monotonic() + 60
     try:
         partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
-        while True:
-            try:
-                found = consumer.committed(
-                    [TopicPartition(topic, p) for p in partitions], timeout=30
-                )
-                return {tp.partition: tp.offset for tp in found}
-            except KafkaException as err:
-                if err.args[0].code() not in transient or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+        found = group_committed(consumer, [TopicPartition(topic, p) for p in partitions])
+        return {tp.partition: tp.offset for tp in found}
     finally:
         consumer.close()
 

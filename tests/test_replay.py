@@ -383,6 +383,23 @@ def test_replay_commits_no_offsets(
     assert [(tp.partition, tp.offset) for tp in found] == [(0, 1), (1, 2)]
 
 
+def test_replay_of_a_missing_topic_or_partition_is_a_clear_error(
+    tmp_path: Path, kafka_config: KafkaConfig, topics: dict[str, str]
+) -> None:
+    missing = {**topics, "raw": f"{topics['raw']}-missing"}
+    config = write_config(tmp_path, kafka_config, missing)
+    result = CliRunner().invoke(main, ["--config", str(config), "replay", "raw", "-q"])
+    assert result.exit_code != 0
+    assert f"topic {missing['raw']!r} cannot be read" in result.output
+    assert "Traceback" not in result.output
+
+    config = write_config(tmp_path, kafka_config, topics)
+    args = ["--config", str(config), "replay", "raw", "-q", "--partition", "7"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0
+    assert f"{topics['raw']} has partitions [0, 1], not [7]" in result.output
+
+
 # --- re-running ---------------------------------------------------------------------------------
 
 

@@ -61,18 +61,15 @@ def samples(group: int, indices) -> list:
     ]
 
 
-@pytest.mark.parametrize("first_kill", ["first_output", "phase_committed"])
-def test_kill_9_then_restart_emits_every_group_exactly_once(
-    kafka_config: KafkaConfig, unique_name, tmp_path: Path, first_kill: str
-) -> None:
-    """Four workers in turn on one app id: w1 is killed -9 either as soon as anything is
-    visible downstream (mid-stream) or once all of phase 1 is committed; w2 is killed once
-    phase 1 is committed (it then holds the 18 half-assembled groups, unless w1 already
-    finished); phase 2 arrives; w3 is killed mid-stream; w4 finishes. Every group must come
-    out once, complete, and nothing may be dead-lettered as a duplicate."""
+def crash_setup(
+    kafka_config: KafkaConfig, unique_name, raw_partitions: int, **overrides
+) -> tuple[dict, dict, str, dict]:
+    """Fresh topics and app id, and a worker config that keeps every group open (long
+    group timeout, wide staleness) and computes exact old logits: ``(client, topics,
+    app_id, config)``."""
     client = kafka_config.client_config()
     topics = stream_topics(unique_name)
-    create_stream_topics(client, topics, raw_partitions=4)
+    create_stream_topics(client, topics, raw_partitions=raw_partitions)
     app_id = unique_name("app")
     config = worker_config(
         kafka_config.bootstrap_servers,
@@ -83,7 +80,21 @@ def test_kill_9_then_restart_emits_every_group_exactly_once(
         groups={"timeout_s": 600},
         staleness={"max_staleness": 100},
         old_logits={"mode": "exact", "source": "seeded", "model": "tiny"},
+        **overrides,
     )
+    return client, topics, app_id, config
+
+
+@pytest.mark.parametrize("first_kill", ["first_output", "phase_committed"])
+def test_kill_9_then_restart_emits_every_group_exactly_once(
+    kafka_config: KafkaConfig, unique_name, tmp_path: Path, first_kill: str
+) -> None:
+    """Four workers in turn on one app id: w1 is killed -9 either as soon as anything is
+    visible downstream (mid-stream) or once all of phase 1 is committed; w2 is killed once
+    phase 1 is committed (it then holds the 18 half-assembled groups, unless w1 already
+    finished); phase 2 arrives; w3 is killed mid-stream; w4 finishes. Every group must come
+    out once, complete, and nothing may be dead-lettered as a duplicate."""
+    client, topics, app_id, config = crash_setup(kafka_config, unique_name, raw_partitions=4)
 
     started: list[WorkerProcess] = []
 
@@ -208,20 +219,8 @@ def test_rollstream_stream_restarts_a_crashed_worker_and_loses_nothing(
     after an unrecoverable transaction error) while it holds half-assembled groups; the
     supervisor starts it again, it recovers its table and offsets, and every group comes
     out once."""
-    client = kafka_config.client_config()
-    topics = stream_topics(unique_name)
-    create_stream_topics(client, topics, raw_partitions=2)
-    app_id = unique_name("app")
-    config = worker_config(
-        kafka_config.bootstrap_servers,
-        topics,
-        app_id,
-        run_id=RUN,
-        session_timeout_s=8.0,
-        groups={"timeout_s": 600},
-        staleness={"max_staleness": 100},
-        old_logits={"mode": "exact", "source": "seeded", "model": "tiny"},
-        restart={"backoff_s": 0.5},
+    client, topics, app_id, config = crash_setup(
+        kafka_config, unique_name, raw_partitions=2, restart={"backoff_s": 0.5}
     )
     groups = 8
 
