@@ -111,9 +111,10 @@ class EmbeddedKafka:
     def bootstrap_servers(self) -> str:
         return f"127.0.0.1:{self.ports().broker}"
 
-    def _write_properties(self) -> None:
+    def properties(self) -> dict[str, str]:
+        """The broker's ``server.properties``: one KRaft node on 127.0.0.1."""
         ports = self.ports()
-        props = {
+        return {
             "process.roles": "broker,controller",
             "node.id": "1",
             "controller.quorum.bootstrap.servers": f"127.0.0.1:{ports.controller}",
@@ -139,6 +140,9 @@ class EmbeddedKafka:
             "replica.fetch.max.bytes": str(16 * 1024 * 1024),
             "auto.create.topics.enable": "false",
         }
+
+    def _write_properties(self) -> None:
+        props = self.properties()
         self.properties_file.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
 
     # -- lifecycle ---------------------------------------------------------------------

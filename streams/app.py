@@ -1,7 +1,7 @@
 """The stream worker: ``faust -A streams.app worker`` (or ``rollstream stream``).
 
 Reads top to bottom: configuration, the app, its topics and table, the services the
-agent uses, then the agent and the timer. The decisions live in plain modules
+agent uses, then the agent and the timers. The decisions live in plain modules
 (``streams.processor``, ``.oldlogits``, ``.snapshots``, ``.staleness``); this file only
 wires them to Kafka. Configuration comes from ``$ROLLSTREAM_CONFIG`` (the ``[streams]``
 and ``[weights]`` sections, plus Kafka and S3).
@@ -13,6 +13,8 @@ loop, so heartbeats and commits go on — and emit the ``ScoredGroup``. A timer 
 *ticks* to the partitions holding overdue groups (the internal ticks topic is
 co-partitioned with raw), so timeouts close groups inside the same per-partition
 transactions as everything else (``streams.txn`` explains the exactly-once argument).
+A second timer sweeps for records Faust fetched but never handed to the agent
+(``streams.gaps``).
 
 Scaling out: start more workers with the same ``app_id``. Faust's assignor gives each
 worker whole partitions of raw, ticks and the table changelog together (a group never
@@ -46,8 +48,9 @@ from schemas.topics import (
     ROLLOUTS_STALE,
     TopicSpec,
 )
+from streams.broker import broker_credentials, broker_urls
 from streams.config import load_stream_config
-from streams.gaps import GapGuard
+from streams.gaps import GAP_SWEEP_INTERVAL_S, GapGuard
 from streams.metrics import StreamMetrics
 from streams.oldlogits import OldLogitEngine, parse_tiny_spec
 from streams.processor import Message, Processor, Step
@@ -101,7 +104,8 @@ torch.set_num_threads(CONFIG.old_logits.torch_threads)
 
 app = faust.App(
     CONFIG.app_id,
-    broker=";".join(f"kafka://{s}" for s in KAFKA["bootstrap.servers"].split(",")),
+    broker=broker_urls(SHARED.kafka),
+    broker_credentials=broker_credentials(SHARED.kafka),
     store="memory://",
     processing_guarantee=CONFIG.processing_guarantee,
     broker_commit_interval=CONFIG.commit_interval_s,
@@ -199,14 +203,15 @@ async def assemble(stream: faust.StreamT) -> None:
             event.value,
             tuple(_headers(message.headers)),
         )
-        if not await gaps.admit(msg):
-            continue  # records before it were skipped upstream; they are being re-read
-        try:
-            step = await _step(msg)
-        except Exception as err:  # a bug must not kill the worker: dead-letter the input
-            log.exception("processing %s-%d@%d failed", msg.topic, msg.partition, msg.offset)
-            step = processor.failed(msg, err)
-        await writer.apply(step)
+        with gaps.busy():
+            if not await gaps.admit(msg):
+                continue  # records before it were skipped upstream; they are being re-read
+            try:
+                step = await _step(msg)
+            except Exception as err:  # a bug must not kill the worker: dead-letter the input
+                log.exception("processing %s-%d@%d failed", msg.topic, msg.partition, msg.offset)
+                step = processor.failed(msg, err)
+            await writer.apply(step, commit=gaps.rereading(msg))
 
 
 async def _versions_caught_up(timeout_s: float = 60.0) -> None:
@@ -245,6 +250,23 @@ async def tick() -> None:
     for partition in processor.due_partitions(_now_ms()) & mine:
         _ticks.produce(CONFIG.ticks_topic, value=b"", partition=partition)
     _ticks.poll(0)
+
+
+@app.timer(interval=GAP_SWEEP_INTERVAL_S)
+async def sweep_gaps() -> None:
+    """Seek back partitions whose consumer moved past records the agent never got: a
+    hole at a partition's end, which no later record reveals (see ``streams.gaps``)."""
+    if app.rebalancing or app.in_recovery:
+        return
+
+    async def position(partition: int) -> int | None:
+        return await app.consumer.position(TP(TOPICS.raw, partition))
+
+    mine = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == TOPICS.raw}
+    try:
+        await gaps.sweep(sorted(mine), position)
+    except Exception:  # revoked mid-sweep, broker gone: the next sweep tries again
+        log.warning("gap sweep failed", exc_info=True)
 
 
 # --- startup: version tracking, weight following, metrics ---------------------------------

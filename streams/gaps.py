@@ -13,17 +13,33 @@ offset is past ``watermark + 1`` means records were skipped: the guard checks wi
 side consumer (``read_committed``) whether a record really exists before it — a real hole
 — or the log legitimately jumps (transaction markers, retention), and for a real hole
 seeks the Faust consumer back to ``watermark + 1`` and drops the record (it will be
-redelivered in order). Faust's committed offsets thereby become a hint: a commit past the
-watermark is corrected on the next start.
+redelivered in order). Faust's committed offsets thereby become a hint.
+
+A hole at the *end* of a partition has no later record to reveal it: a worker that
+dropped a record with the guard (which Faust then acknowledges, so the commit moves past
+the hole) and was killed before re-reading, leaves its successor starting at the end of
+the partition with the table's watermark behind it; nothing arrives, the groups stay half
+assembled (seen in CI: a kill -9 test lost every group of one partition). ``sweep``,
+run on a timer, closes that case: once the agent has been idle for ``stall_after_s``,
+every record the consumer has handed to Faust has reached the agent, so a partition
+whose consumer position is past the watermark + 1 has a hole; when a read_committed
+consumer finds a record in it (not just a transaction marker), the partition is sought
+back to the watermark + 1.
+
+Records re-read after a seek lie below the offset Faust has committed. Faust commits a
+transaction only when newly acknowledged offsets move forward, so their effects would
+sit in an open transaction until a later record came; ``rereading`` tells the agent to
+commit them at once (``streams.txn.EffectWriter.apply``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from streams.groups import offset_key
@@ -33,6 +49,12 @@ log = logging.getLogger(__name__)
 
 RESEEK_AFTER_S = 2.0
 """Seek again if records keep arriving past the hole this long after the last seek."""
+
+STALL_AFTER_S = 10.0
+"""``sweep`` acts after the agent has been idle this long."""
+
+GAP_SWEEP_INTERVAL_S = 2.5
+"""How often the worker runs ``sweep``."""
 
 
 class GapGuard:
@@ -45,39 +67,41 @@ class GapGuard:
         topic: str,
         seek: Callable[[int, int], Awaitable[None]],
         start_group: str | None = None,
+        stall_after_s: float = STALL_AFTER_S,
     ) -> None:
         """``start_group``: a consumer group whose committed offset, when there is one, is
         where a partition without a watermark starts (``first_start = "committed"``)."""
         self.table = table
         self.start_group = start_group
+        self.stall_after_s = stall_after_s
         self.client_config = dict(client_config)
         self.topic = topic
         self.seek = seek
         self._log_start: dict[int, int] = {}
         self._next_real: dict[tuple[int, int], int | None] = {}
         self._sought: dict[int, tuple[int, float]] = {}
+        self._reread_until: dict[int, int] = {}  # partition -> first offset not re-read
+        self._busy = 0
+        self._idle_since = time.monotonic()
+        self._checked: dict[int, tuple[int, int]] = {}  # (expected, position) found sound
         self._side: Any = None
+        self._side_lock = asyncio.Lock()  # admit and sweep share the side consumer
 
     async def admit(self, msg: Message) -> bool:
         """True: process ``msg`` (replays included; the processor skips those). False:
         drop it, records before it are missing and are being fetched again."""
         if msg.topic != self.topic:
             return True
-        raw = self.table.get(offset_key(msg.topic, msg.partition))
-        if raw is not None:
-            expected = int(raw) + 1
-        else:
-            expected = await self._start_of(msg.partition)
+        expected = await self._expected(msg.partition)
         if msg.offset <= expected:
             return True
         key = (msg.partition, expected)
         if key not in self._next_real:
-            self._next_real[key] = await asyncio.to_thread(
-                self._first_offset_from, msg.partition, expected
-            )
+            self._next_real[key] = await self._real_from(msg.partition, expected)
         real = self._next_real[key]
         if real is not None and real >= msg.offset:
             return True  # nothing between: a legitimate jump
+        self._mark_reread(msg.partition, msg.offset + 1)  # Faust acknowledges what it drops
         last = self._sought.get(msg.partition)
         now = time.monotonic()
         if last is None or last[0] != expected or now - last[1] > RESEEK_AFTER_S:
@@ -92,10 +116,75 @@ class GapGuard:
             self._sought[msg.partition] = (expected, now)
         return False
 
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Wrap the agent's handling of one event. ``sweep`` acts only once the agent has
+        been idle for ``stall_after_s``: records waiting in Faust's buffer behind a long
+        step (old logits on a CPU) are then known not to be waiting any more."""
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
+            self._idle_since = time.monotonic()
+
+    async def sweep(
+        self, partitions: Iterable[int], position: Callable[[int], Awaitable[int | None]]
+    ) -> list[int]:
+        """Seek back each of ``partitions`` (ours, assigned) whose consumer ``position`` is
+        past records the table never applied, once the agent has been idle for
+        ``stall_after_s`` (so they are not on their way); returns the partitions sought."""
+        if self._busy or time.monotonic() - self._idle_since < self.stall_after_s:
+            return []
+        sought = []
+        for partition in partitions:
+            expected = await self._expected(partition)
+            at = await position(partition)
+            if at is None or at <= expected or self._checked.get(partition) == (expected, at):
+                continue
+            real = await self._real_from(partition, expected)
+            if real is None or real >= at:  # only markers in between, or nothing readable
+                self._checked[partition] = (expected, at)
+                continue
+            log.warning(
+                "%s-%d: consumer at %d, the table has applied up to %d, and the agent has "
+                "been idle for %.0fs; seeking back",
+                self.topic,
+                partition,
+                at,
+                expected - 1,
+                time.monotonic() - self._idle_since,
+            )
+            await self.seek(partition, expected)
+            self._sought[partition] = (expected, time.monotonic())
+            self._mark_reread(partition, at)
+            sought.append(partition)
+        if sought:
+            self._idle_since = time.monotonic()  # give the re-fetched records time to come
+        return sought
+
+    def rereading(self, msg: Message) -> bool:
+        """``msg`` comes again after a seek back, from below where Faust's consumer had
+        been (and may have committed): Faust, which commits a transaction only when
+        newly acknowledged offsets move forward, will not commit this one's effects by
+        itself, so the caller commits them (``EffectWriter.apply(commit=True)``)."""
+        return msg.topic == self.topic and msg.offset < self._reread_until.get(msg.partition, 0)
+
+    def _mark_reread(self, partition: int, until: int) -> None:
+        self._reread_until[partition] = max(self._reread_until.get(partition, 0), until)
+
+    async def _expected(self, partition: int) -> int:
+        """The next offset the table needs from ``partition``."""
+        raw = self.table.get(offset_key(self.topic, partition))
+        if raw is not None:
+            return int(raw) + 1
+        return await self._start_of(partition)
+
     async def _start_of(self, partition: int) -> int:
         """First offset of a partition this app never applied anything from."""
         if partition not in self._log_start:
-            start = await asyncio.to_thread(self._low_watermark, partition)
+            async with self._side_lock:
+                start = await asyncio.to_thread(self._low_watermark, partition)
             if self.start_group is not None:
                 committed = await asyncio.to_thread(self._committed_offset, partition)
                 if committed is not None:
@@ -127,6 +216,7 @@ class GapGuard:
                     "enable.auto.commit": False,
                     "isolation.level": "read_committed",
                     "auto.offset.reset": "earliest",
+                    "enable.partition.eof": True,
                 }
             )
         return self._side
@@ -139,9 +229,14 @@ class GapGuard:
         )
         return low
 
+    async def _real_from(self, partition: int, offset: int) -> int | None:
+        async with self._side_lock:
+            return await asyncio.to_thread(self._first_offset_from, partition, offset)
+
     def _first_offset_from(self, partition: int, offset: int) -> int | None:
-        """Offset of the first committed record at or after ``offset`` (None: none seen)."""
-        from confluent_kafka import TopicPartition
+        """Offset of the first committed record at or after ``offset`` (None: the
+        partition ends, for a read_committed reader, before one)."""
+        from confluent_kafka import KafkaError, TopicPartition
 
         consumer = self._consumer()
         consumer.assign([TopicPartition(self.topic, partition, offset)])
@@ -149,8 +244,12 @@ class GapGuard:
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 msg = consumer.poll(0.5)
-                if msg is not None and msg.error() is None:
+                if msg is None or msg.partition() != partition or msg.offset() < offset:
+                    continue  # nothing yet, or left over from an earlier assignment
+                if msg.error() is None:
                     return msg.offset()
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    return None
             return None
         finally:
             consumer.unassign()

@@ -294,6 +294,41 @@ def committed_offsets(client_config: Mapping[str, str], group: str, topic: str) 
         consumer.close()
 
 
+def applied_offsets(client_config: Mapping[str, str], app_id: str, topic: str) -> dict[int, int]:
+    """The last offset per partition of ``topic`` whose effects the stream app's table
+    holds (its committed changelog's watermarks, ``streams.groups.offset_key``): what the
+    app has really applied, where Faust's committed offsets are only a hint
+    (``streams.gaps``)."""
+    from confluent_kafka import Consumer, KafkaException
+
+    from rollstream.topic_reader import read_range, reader_config, whole_topic
+    from streams.groups import offset_key
+
+    changelog = f"{app_id}-groups-changelog"
+    keys = {offset_key(topic, p): p for p in end_offsets(client_config, topic)}
+    applied: dict[int, int] = {}
+    consumer = Consumer(reader_config(client_config, "applied"))
+    try:
+        try:
+            plan = whole_topic(consumer, changelog)
+        except KafkaException:
+            return applied  # the app has not created its changelog yet
+        for msg in read_range(consumer, changelog, plan):
+            partition = keys.get(msg.key())
+            if partition is not None and msg.value() is not None:
+                applied[partition] = int(msg.value())
+    finally:
+        consumer.close()
+    return applied
+
+
+def all_applied(client_config: Mapping[str, str], app_id: str, topic: str) -> bool:
+    """Every record of ``topic`` so far has been applied by the stream app."""
+    ends = end_offsets(client_config, topic)
+    done = applied_offsets(client_config, app_id, topic)
+    return all(done.get(p, -1) >= end - 1 for p, end in ends.items() if end > 0)
+
+
 def end_offsets(client_config: Mapping[str, str], topic: str) -> dict[int, int]:
     from confluent_kafka import Consumer, TopicPartition
 
@@ -340,13 +375,15 @@ def worker_config(
     run_id: str,
     s3: Any = None,
     weights: Mapping[str, Any] | None = None,
+    kafka: Mapping[str, Any] | None = None,
     **streams: Any,
 ) -> dict[str, Any]:
     """A whole config file (as a dict) for ``WorkerProcess``; ``streams`` are
-    ``[streams]`` keys, ``s3`` an ``S3Config`` (its secret written out)."""
+    ``[streams]`` keys, ``s3`` an ``S3Config`` (its secret written out), ``kafka`` more
+    ``[kafka]`` keys (security settings)."""
     config: dict[str, Any] = {
         "run_id": run_id,
-        "kafka": {"bootstrap_servers": bootstrap_servers},
+        "kafka": {"bootstrap_servers": bootstrap_servers, **(kafka or {})},
         "streams": {"app_id": app_id, "topics": dict(topics), "commit_interval_s": 0.5, **streams},
         "weights": dict(weights or {}),
     }

@@ -44,6 +44,8 @@ import logging
 from collections.abc import Awaitable
 from typing import Any
 
+from aiokafka.structs import TopicPartition
+
 from streams.processor import Step
 
 log = logging.getLogger(__name__)
@@ -72,9 +74,17 @@ class EffectWriter:
         group = self.app.assignor.group_for_topic(topic)
         return f"{self.app.conf.id}-{group}-{partition}"
 
-    async def apply(self, step: Step) -> bool:
+    async def apply(self, step: Step, *, commit: bool = False) -> bool:
         """Produce everything ``step`` holds and update the table. False if the source
-        partition is no longer ours (revoked mid-step): its new owner replays it."""
+        partition is no longer ours (revoked mid-step): its new owner replays it.
+
+        ``commit``: commit the partition's transaction now, with the step's source offset
+        + 1 as the consumer offset, instead of leaving that to Faust's commit timer. For a
+        record re-read after a gap (``GapGuard.rereading``): Faust has already committed
+        past it and commits again only when a later record is acknowledged, so at the
+        end of a partition the step's outputs would stay in an open transaction, unseen
+        by read_committed readers. The offset moves the group's committed offset back to
+        what the table has really applied."""
         if step.skipped:
             return True
         records = self._records(step)
@@ -112,6 +122,12 @@ class EffectWriter:
                 log.exception("transactional send failed for %s; step dropped", tid)
                 return False
             self._update_memory(step)
+        if commit:
+            source = TopicPartition(msg.topic, msg.partition)  # what aiokafka's commit takes
+            try:
+                await self.app.consumer.transactions.commit({source: msg.offset + 1})
+            except Exception:  # Faust's commit timer or the next re-read commits it
+                log.exception("committing re-read %s-%d@%d", msg.topic, msg.partition, msg.offset)
         return True
 
     def _records(self, step: Step) -> list[tuple[str, bytes | None, bytes | None, int | None, Any]]:

@@ -327,6 +327,11 @@ def test_gap_guard_seeks_back_over_records_faust_skipped() -> None:
     assert admit(0, 12) and admit(0, 13) and admit(0, 14)  # replays and the next record
     assert not admit(0, 19) and seeks == [(0, 14)]  # 14..18 skipped upstream: seek back
     assert not admit(0, 20) and seeks == [(0, 14)]  # still buffered past the hole: no re-seek
+    # Faust acknowledged 19 and 20 when they were dropped: 14..20 come again from below
+    # its committed offset, and their transactions must be committed by the agent.
+    reread = [o for o in range(12, 24) if guard.rereading(Message(RAW, 0, o, b"k", b"v"))]
+    assert reread == list(range(12, 21))
+    assert not guard.rereading(Message(RAW, 1, 0, b"k", b"v"))
     table[offset_key(RAW, 0)] = b"19"
     real[20] = 25  # a legitimate jump (e.g. transaction markers): 20..24 hold no records
     assert admit(0, 25) and seeks == [(0, 14)]

@@ -1,0 +1,115 @@
+"""``GapGuard.sweep`` on the real broker: a hole at the end of a partition (the consumer
+already past records the table never applied, and no later record to reveal it) is
+sought back; a partition still receiving records, or one whose only gap is a
+transaction marker, is left alone.
+
+The situation comes from CI: a worker dropped a record with the guard, Faust committed
+past the hole, the worker was killed before re-reading, and its successor started at the
+end of the partition with the table's watermark behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+
+from confluent_kafka import Producer
+
+from infra.topics import ensure_topics
+from rollstream.config import KafkaConfig
+from schemas.topics import TopicSpec
+from streams.gaps import GapGuard
+from streams.groups import offset_key
+from streams.processor import Message
+
+
+def _produce(kafka: KafkaConfig, topic: str, counts: dict[int, int]) -> None:
+    producer = Producer({**kafka.client_config(), "enable.idempotence": True})
+    for partition, count in counts.items():
+        for i in range(count):
+            producer.produce(topic, value=b"%d" % i, key=b"g", partition=partition)
+    assert producer.flush(30) == 0
+
+
+class Recorder:
+    """The seeks a guard asks for, and the consumer positions it is shown."""
+
+    def __init__(self, positions: dict[int, int]) -> None:
+        self.positions = positions
+        self.seeks: list[tuple[int, int]] = []
+
+    async def seek(self, partition: int, offset: int) -> None:
+        self.seeks.append((partition, offset))
+
+    async def position(self, partition: int) -> int | None:
+        return self.positions.get(partition)
+
+
+def test_sweep_seeks_back_a_hole_at_the_end_of_a_partition(
+    kafka_config: KafkaConfig, unique_name: Callable[[str], str]
+) -> None:
+    topic = unique_name("raw")
+    ensure_topics(kafka_config.client_config(), [TopicSpec(topic, 3)])
+    _produce(kafka_config, topic, {0: 10, 1: 3, 2: 5})
+    # p0: applied up to 3, consumer at the end (10): 4..9 were never applied.
+    # p1: applied up to 2, consumer at 3: caught up. p2: nothing applied, consumer at 0.
+    table = {offset_key(topic, 0): b"3", offset_key(topic, 1): b"2"}
+    seen = Recorder({0: 10, 1: 3, 2: 0})
+    guard = GapGuard(table, kafka_config.client_config(), topic, seen.seek, stall_after_s=0)
+
+    assert asyncio.run(guard.sweep([0, 1, 2], seen.position)) == [0]
+    assert seen.seeks == [(0, 4)]
+
+
+def test_sweep_waits_until_the_agent_has_been_idle_for_the_stall_time(
+    kafka_config: KafkaConfig, unique_name: Callable[[str], str]
+) -> None:
+    """Records behind a long step are still on their way: no seek while the agent works,
+    nor until it has been idle for ``stall_after_s``."""
+    topic = unique_name("raw")
+    ensure_topics(kafka_config.client_config(), [TopicSpec(topic, 1)])
+    _produce(kafka_config, topic, {0: 10})
+    table = {offset_key(topic, 0): b"3"}
+    seen = Recorder({0: 10})
+    guard = GapGuard(table, kafka_config.client_config(), topic, seen.seek, stall_after_s=0.5)
+
+    async def scenario() -> list[list[int]]:
+        swept = [await guard.sweep([0], seen.position)]  # just started
+        await asyncio.sleep(0.6)
+        with guard.busy():  # the agent handles an event (of this partition or another)
+            assert await guard.admit(Message(topic, 0, 4, b"g", b"4"))
+            swept.append(await guard.sweep([0], seen.position))
+        await asyncio.sleep(0.3)
+        swept.append(await guard.sweep([0], seen.position))  # idle 0.3 s: too soon
+        await asyncio.sleep(0.3)
+        swept.append(await guard.sweep([0], seen.position))  # idle 0.6 s: a hole
+        return swept
+
+    assert asyncio.run(scenario()) == [[], [], [], [0]]
+    assert seen.seeks == [(0, 4)]
+
+
+def test_sweep_leaves_a_jump_over_a_transaction_marker_alone(
+    kafka_config: KafkaConfig, unique_name: Callable[[str], str]
+) -> None:
+    topic = unique_name("raw")
+    ensure_topics(kafka_config.client_config(), [TopicSpec(topic, 1)])
+    producer = Producer(
+        {**kafka_config.client_config(), "transactional.id": f"t-{uuid.uuid4().hex[:8]}"}
+    )
+    producer.init_transactions(30)
+    producer.begin_transaction()
+    for i in range(3):
+        producer.produce(topic, value=b"%d" % i, key=b"g", partition=0)
+    producer.commit_transaction(30)
+    # Records 0..2 applied; offset 3 is the commit marker; the consumer is at 4.
+    table = {offset_key(topic, 0): b"2"}
+    seen = Recorder({0: 4})
+    guard = GapGuard(table, kafka_config.client_config(), topic, seen.seek, stall_after_s=0)
+
+    async def twice() -> list[list[int]]:
+        return [await guard.sweep([0], seen.position) for _ in range(2)]
+
+    assert asyncio.run(twice()) == [[], []]
+    assert seen.seeks == []
