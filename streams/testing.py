@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -294,18 +294,25 @@ def committed_offsets(client_config: Mapping[str, str], group: str, topic: str) 
         consumer.close()
 
 
-def applied_offsets(client_config: Mapping[str, str], app_id: str, topic: str) -> dict[int, int]:
-    """The last offset per partition of ``topic`` whose effects the stream app's table
-    holds (its committed changelog's watermarks, ``streams.groups.offset_key``): what the
-    app has really applied, where Faust's committed offsets are only a hint
-    (``streams.gaps``)."""
+def applied_offsets(
+    client_config: Mapping[str, str],
+    app_id: str,
+    topic: str,
+    partitions: Iterable[int] | None = None,
+) -> dict[int, int]:
+    """The last offset per partition of ``topic`` (all of them, or ``partitions``) whose
+    effects the stream app's table holds (its committed changelog's watermarks,
+    ``streams.groups.offset_key``): what the app has really applied, where Faust's
+    committed offsets are only a hint (``streams.gaps``)."""
     from confluent_kafka import Consumer, KafkaException
 
     from rollstream.topic_reader import read_range, reader_config, whole_topic
     from streams.groups import offset_key
 
     changelog = f"{app_id}-groups-changelog"
-    keys = {offset_key(topic, p): p for p in end_offsets(client_config, topic)}
+    if partitions is None:
+        partitions = end_offsets(client_config, topic)
+    keys = {offset_key(topic, p): p for p in partitions}
     applied: dict[int, int] = {}
     consumer = Consumer(reader_config(client_config, "applied"))
     try:
@@ -325,7 +332,7 @@ def applied_offsets(client_config: Mapping[str, str], app_id: str, topic: str) -
 def all_applied(client_config: Mapping[str, str], app_id: str, topic: str) -> bool:
     """Every record of ``topic`` so far has been applied by the stream app."""
     ends = end_offsets(client_config, topic)
-    done = applied_offsets(client_config, app_id, topic)
+    done = applied_offsets(client_config, app_id, topic, ends)
     return all(done.get(p, -1) >= end - 1 for p, end in ends.items() if end > 0)
 
 

@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,23 @@ def crash_setup(
     return client, topics, app_id, config
 
 
+def assert_every_group_once(
+    msgs: list, dead: list, groups: int, explain: Callable[[set[str]], str] | None = None
+) -> None:
+    """Nothing dead-lettered (replays were recognised, not taken for duplicates), and each
+    of ``groups`` groups scored exactly once, complete, with exact old logits.
+    ``explain(missing)`` describes groups missing from the output."""
+    assert [DeadLetter.from_headers(m.headers()) for m in dead] == []
+    counts = Counter(decode_group(m.value()).group_id for m in msgs)
+    expected = Counter({f"grp-{g:02d}": 1 for g in range(groups)})
+    missing = set(expected) - set(counts)
+    assert counts == expected, explain(missing) if explain is not None else missing
+    for m in msgs:
+        group = decode_group(m.value())
+        assert group.complete and [s.sample_index for s in group.samples] == [0, 1, 2, 3]
+        assert all(s.old_logits_status == "exact" for s in group.samples)
+
+
 @pytest.mark.parametrize("first_kill", ["first_output", "phase_committed"])
 def test_kill_9_then_restart_emits_every_group_exactly_once(
     kafka_config: KafkaConfig, unique_name, tmp_path: Path, first_kill: str
@@ -159,15 +177,9 @@ def test_kill_9_then_restart_emits_every_group_exactly_once(
         for w in started:
             w.kill()  # a no-op for those already killed; never leave a worker behind
 
-    letters = [DeadLetter.from_headers(m.headers()) for m in dead]
-    assert letters == []  # replays were recognised, not dead-lettered as duplicates
-    counts = Counter(decode_group(m.value()).group_id for m in msgs)
-    expected = Counter({f"grp-{g:02d}": 1 for g in range(GROUPS)})
-    assert counts == expected, diagnose(client, topics, app_id, set(expected) - set(counts))
-    for m in msgs:
-        group = decode_group(m.value())
-        assert group.complete and [s.sample_index for s in group.samples] == [0, 1, 2, 3]
-        assert all(s.old_logits_status == "exact" for s in group.samples)
+    assert_every_group_once(
+        msgs, dead, GROUPS, lambda missing: diagnose(client, topics, app_id, missing)
+    )
 
 
 def test_a_commit_past_the_table_at_the_end_of_a_partition_is_repaired(
@@ -214,12 +226,7 @@ def test_a_commit_past_the_table_at_the_end_of_a_partition_is_repaired(
         second.kill()
 
     assert "seeking back" in second.log()
-    assert [DeadLetter.from_headers(m.headers()) for m in dead] == []
-    counts = Counter(decode_group(m.value()).group_id for m in msgs)
-    assert counts == Counter({f"grp-{g:02d}": 1 for g in range(groups)})
-    for m in msgs:
-        group = decode_group(m.value())
-        assert group.complete and [s.sample_index for s in group.samples] == [0, 1, 2, 3]
+    assert_every_group_once(msgs, dead, groups)
 
 
 def diagnose(client: dict, topics: dict, app_id: str, missing: set[str]) -> str:
@@ -305,9 +312,4 @@ def test_rollstream_stream_restarts_a_crashed_worker_and_loses_nothing(
         supervised.kill()
 
     assert "restart 1 of 5" in supervised.log()
-    assert [DeadLetter.from_headers(m.headers()) for m in dead] == []
-    counts = Counter(decode_group(m.value()).group_id for m in msgs)
-    assert counts == Counter({f"grp-{g:02d}": 1 for g in range(groups)})
-    for m in msgs:
-        group = decode_group(m.value())
-        assert group.complete and [s.sample_index for s in group.samples] == [0, 1, 2, 3]
+    assert_every_group_once(msgs, dead, groups)
