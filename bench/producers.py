@@ -45,9 +45,9 @@ def _median(values: list[float]) -> float:
 def bench_engine(model: str, repeats: int, new_tokens: int, threads: int) -> None:
     import httpx
 
+    from core.config import default_cache_dir
     from producers.client import EngineClient
     from producers.engine import Engine, SamplingParams, load_model
-    from rollstream.config import default_cache_dir
 
     loaded = load_model(model, cache_dir=default_cache_dir())
     engine = Engine(loaded.model, model_path=loaded.model_path, seed=0)  # in-process
@@ -146,11 +146,11 @@ def _prompt(model: str, tokenizer) -> list[int]:
 
 
 def bench_publish(model: str, groups: int, bootstrap: str | None, threads: int) -> None:
+    from core.config import KafkaConfig, default_cache_dir
     from infra.kafka import EmbeddedKafka
     from infra.topics import ensure_topics
     from producers.config import EngineConfig
     from producers.engine import engine_from_config
-    from rollstream.config import KafkaConfig, default_cache_dir
     from schemas.topics import TopicSpec
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-producers-"))
@@ -176,6 +176,7 @@ def bench_publish(model: str, groups: int, bootstrap: str | None, threads: int) 
 
 
 def _publish_run(engine, model, groups, client_config, topic, workdir, fsync: bool) -> None:
+    from core.config import default_cache_dir
     from producers.backends import LocalBackend
     from producers.config import RolloutConfig
     from producers.ledger import Ledger
@@ -183,7 +184,6 @@ def _publish_run(engine, model, groups, client_config, topic, workdir, fsync: bo
     from producers.publish import GroupPublisher
     from producers.tasks import TaskContext, make_task
     from producers.worker import RolloutWorker
-    from rollstream.config import default_cache_dir
 
     task_name = "copy-first-digit-twice" if model == "tiny-llama" else "arithmetic"
     task = make_task(task_name, {}, TaskContext(default_cache_dir(), engine.tokenizer))

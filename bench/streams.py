@@ -11,7 +11,7 @@ Run from the repository root: ``python -m bench.streams [--bootstrap host:port]`
    outputs), so worker start-up and snapshot building are not counted; every group in
    between was consumed, validated, stored, scored and emitted. The baseline runs the
    same forward passes (same batches: per group, per version, ``max_batch_sequences``)
-   in process with ``rollstream.logprobs.response_logprobs``, nothing else. Target:
+   in process with ``core.logprobs.response_logprobs``, nothing else. Target:
    stream / bare ≥ 0.7.
 2. **Pipeline overhead.** Small records, old logits off: records/s through
    validate → filter → group → emit (exactly-once, table changelog), against a plain
@@ -34,12 +34,12 @@ from pathlib import Path
 
 import torch
 
-from rollstream.logprobs import response_logprobs
+from core.logprobs import response_logprobs
 from schemas.group import decode_group
 from schemas.trajectory import Trajectory
 from streams.oldlogits import build_model, parse_tiny_spec, plan_batches, segment_units
 from streams.snapshots import SeededSource
-from streams.testing import (
+from tests.support.streams import (
     WorkerProcess,
     create_stream_topics,
     keyed,
@@ -346,8 +346,8 @@ def main() -> None:
         broker = None
         bootstrap = args.bootstrap
         if bootstrap is None:
+            from core.config import KafkaConfig, default_cache_dir
             from infra.kafka import EmbeddedKafka
-            from rollstream.config import KafkaConfig, default_cache_dir
 
             broker = EmbeddedKafka(KafkaConfig(), workdir / "kafka", default_cache_dir())
             bootstrap = broker.start()

@@ -39,8 +39,8 @@ from consumers.config import ModelConfig, TrainerConfig
 from consumers.engine import TrainEngine, load_model
 from consumers.losses import LossInputs, compute_loss
 from consumers.step import StepRunner
-from consumers.synthetic import synthetic_groups
 from schemas.trajectory import Trajectory
+from tests.support.synthetic import synthetic_groups
 
 TARGET_RATIO = 0.8
 TARGET_PUBLISH_FRACTION = 0.10
@@ -145,11 +145,12 @@ def throughput(
 def publish_cost(
     model_config: ModelConfig, args: argparse.Namespace, batches: list[list[Trajectory]]
 ) -> dict[str, float]:
-    from consumers.config import PublishConfig, RetryConfig
+    from consumers.config import PublishConfig
     from consumers.publish import Publisher
-    from infra.s3 import SeaweedServer, ensure_bucket, make_s3_client
-    from rollstream.weights.store import WeightStore
-    from rollstream.weights.writer import DeltaWriter
+    from core.config import RetryConfig
+    from infra.s3 import SeaweedServer, ensure_bucket
+    from weights.store import WeightStore, make_s3_client
+    from weights.writer import DeltaWriter
 
     config = TrainerConfig.model_validate(
         {"model": model_config.model_dump(), "engine": {"lr": 1e-5}}
@@ -173,7 +174,7 @@ def publish_cost(
                 sizes.append(publisher.last.announcement.bytes)
         finally:
             server.stop()
-    from rollstream.weights import format as fmt
+    from weights import format as fmt
 
     dense = fmt.dense_bytes(engine.state_dict())  # tied tensors counted once
     skip = min(args.warmup, len(step_times) - 1)

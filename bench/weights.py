@@ -33,14 +33,14 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from infra.s3 import SeaweedServer, ensure_bucket, make_s3_client
-from rollstream.config import default_cache_dir
-from rollstream.models import smollm2_checkpoint
-from rollstream.weights import format as fmt
-from rollstream.weights.follower import WeightFollower
-from rollstream.weights.mirror import mirror_once
-from rollstream.weights.store import WeightStore
-from rollstream.weights.writer import DeltaWriter
+from core.config import default_cache_dir
+from core.models import smollm2_checkpoint
+from infra.s3 import SeaweedServer, ensure_bucket
+from weights import format as fmt
+from weights.follower import WeightFollower
+from weights.mirror import mirror_once
+from weights.store import WeightStore, make_s3_client
+from weights.writer import DeltaWriter
 
 LEARNING_RATES = (1e-6, 1e-5)
 TARGETS = {1e-6: 0.01, 1e-5: 0.03}

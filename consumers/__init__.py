@@ -6,7 +6,7 @@ Modules, in reading order:
 - ``loss_config``, ``losses``, ``ewma``: the loss family of design.md §3 and the PPO-EWMA
   proximal weights.
 - ``batching``: micro-batches of whole groups (group count, token budget, max wait) and
-  the response log-prob layout shared with the stream (``rollstream.logprobs``).
+  the response log-prob layout shared with the stream (``core.logprobs``).
 - ``engine``: the DeepSpeed engine around a transformers causal LM (ZeRO, bf16,
   accumulation, clipping, checkpoints).
 - ``step``: one optimiser step, with the per-record anchor (exact ``logp_old`` or the
@@ -14,7 +14,7 @@ Modules, in reading order:
 - ``metrics``: per-step metrics to JSONL, Prometheus and a progress line.
 - ``source``: reading ``rollouts.scored`` (consumer group, seeks, DLQ, commits).
 - ``checkpoint``: checkpoints carrying Kafka offsets, and the training ledger.
-- ``publish``: versions through ``rollstream.weights`` with retries.
+- ``publish``: versions through ``weights`` with retries.
 - ``trainer``: the driver loop. ``cli``: the commands. ``synthetic``: hand-made scored
   groups for tests and benchmarks.
 """

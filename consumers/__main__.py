@@ -1,6 +1,9 @@
-"""``python -m consumers``: the trainer role (see ``consumers.cli``)."""
+"""``python -m consumers [--config FILE] [train options]``: the trainer role
+(``rollstream train``)."""
 
-from consumers.cli import main
+import sys
+
+from core.process import exec_role_command
 
 if __name__ == "__main__":
-    main()
+    exec_role_command("train", sys.argv[1:])

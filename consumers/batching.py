@@ -11,7 +11,7 @@ Three pieces, none of them touching Kafka:
   partition never stalls training). Groups are never split.
 - ``pack`` and ``response_logprobs``: response-aligned ``[B, T]`` tensors (``T`` the
   longest response, a response mask) and ``logp_new`` computed by
-  ``rollstream.logprobs.response_logprobs_tensor``, the function the stream's old-logit
+  ``core.logprobs.response_logprobs_tensor``, the function the stream's old-logit
   service uses for ``logp_old``: same right-padded layout, position ids, float32
   log-softmax and temperature, so ``s = exp(logp_new - logp_old)`` carries no layout noise.
 """
@@ -156,7 +156,7 @@ class PackedBatch:
     """A micro-batch as response-aligned ``[B, T]`` tensors (``T`` = longest response):
     response_mask, logp_infer, logp_old (0 where absent); ``[B]``: old_exact (the record's
     ``logp_old`` is exact), advantages. ``pairs`` are the (prompt_ids, response_ids) rows
-    handed to ``rollstream.logprobs`` in the same order."""
+    handed to ``core.logprobs`` in the same order."""
 
     pairs: tuple[tuple[np.ndarray, np.ndarray], ...]
     response_mask: torch.Tensor
@@ -219,10 +219,10 @@ def response_logprobs(
     model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0, pad_id: int = 0
 ) -> torch.Tensor:
     """``[B, T]`` float32 log-probs of the response tokens under ``model`` (0 outside the
-    response mask), through ``rollstream.logprobs.response_logprobs_tensor``: the very
+    response mask), through ``core.logprobs.response_logprobs_tensor``: the very
     function (layout, dtype path, temperature) the stream uses for ``logp_old``. Carries
     the gradient when called with grad enabled."""
-    from rollstream.logprobs import response_logprobs_tensor
+    from core.logprobs import response_logprobs_tensor
 
     logp, _mask = response_logprobs_tensor(
         model, batch.pairs, temperature=temperature, pad_id=pad_id

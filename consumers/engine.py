@@ -25,7 +25,7 @@ import torch
 
 from consumers.config import EngineConfig, ModelConfig
 from consumers.op_cache import extensions_root, op_build_guard
-from rollstream.config import merge_tables
+from core.config import merge_tables
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +77,14 @@ def world_size() -> int:
 def load_model(config: ModelConfig, cache_dir: Path | None = None) -> torch.nn.Module:
     """The fp32 causal LM named by ``config`` (DeepSpeed casts it for bf16 training)."""
     if config.source == "tiny":
-        from rollstream.models import build_tiny_llama
+        from core.models import build_tiny_llama
 
         return build_tiny_llama(seed=config.tiny_seed)
     from transformers import AutoModelForCausalLM
 
     if config.source == "smollm2":
-        from rollstream.config import default_cache_dir
-        from rollstream.models import smollm2_checkpoint
+        from core.config import default_cache_dir
+        from core.models import smollm2_checkpoint
 
         path = smollm2_checkpoint(cache_dir or default_cache_dir())
     else:

@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, field_validator
 
-from rollstream.strict import StrictModel
+from core.config import StrictModel
 
 Aggregation = Literal["token_mean", "seq_mean", "seq_mean_token_sum"]
 Bounds = tuple[float, float]

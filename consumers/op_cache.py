@@ -37,7 +37,7 @@ def extensions_root(cache_dir: Path | None = None) -> Path:
     if configured:
         return Path(configured)
     if cache_dir is None:
-        from rollstream.config import default_cache_dir
+        from core.config import default_cache_dir
 
         cache_dir = default_cache_dir()
     root = cache_dir / "torch_extensions"

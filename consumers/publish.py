@@ -1,4 +1,4 @@
-"""Publishing policy versions from the trainer through ``rollstream.weights``.
+"""Publishing policy versions from the trainer through ``weights``.
 
 Version number = optimiser step count: the weights after step ``n`` are version ``n``
 (version 0 = the initial weights, published at start when the store has none).
@@ -31,14 +31,15 @@ from boto3.exceptions import Boto3Error
 from botocore.exceptions import BotoCoreError, ClientError
 from confluent_kafka import KafkaException
 
-from consumers.config import PublishConfig, RetryConfig
-from consumers.retry import retrying
-from rollstream.weights import format as fmt
-from rollstream.weights.announce import Announcer
-from rollstream.weights.errors import VersionTaken
-from rollstream.weights.manifest import parse_manifest, sha256_hex
-from rollstream.weights.writer import DeltaWriter, PublishResult
+from consumers.config import PublishConfig
+from core.config import RetryConfig
+from core.retry import retrying
 from schemas.control import VersionAnnouncement
+from weights import format as fmt
+from weights.announce import Announcer
+from weights.errors import VersionTaken
+from weights.manifest import parse_manifest, sha256_hex
+from weights.writer import DeltaWriter, PublishResult
 
 log = logging.getLogger(__name__)
 

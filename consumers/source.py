@@ -35,8 +35,9 @@ from confluent_kafka import (
 
 from consumers.batching import BatchAssembler, ConsumedGroup, MicroBatch, check_trainable
 from consumers.batching import TopicPartition as TP
-from consumers.config import BatchConfig, RetryConfig, TopicsConfig
-from consumers.retry import retrying
+from consumers.config import BatchConfig, TopicsConfig
+from core.config import RetryConfig
+from core.retry import retrying
 from schemas.codec import DecodeError
 from schemas.control import DeadLetter
 from schemas.group import decode_group

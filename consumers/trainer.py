@@ -37,8 +37,7 @@ from consumers.batching import TopicPartition, merge_offsets
 from consumers.checkpoint import CheckpointManager, TrainerState, TrainingLedger
 from consumers.config import CheckpointConfig, TrainerConfig
 from consumers.metrics import MetricsSink, data_metrics
-from rollstream.config import S3Config
-from rollstream.weights.config import WeightsConfig
+from core.config import S3Config, WeightsConfig
 from schemas.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -182,9 +181,9 @@ class Trainer:
         self.publisher = None
         if self.settings.s3 is not None and (cfg.publish.every or cfg.publish.initial):
             from consumers.publish import Publisher
-            from rollstream.weights.announce import Announcer
-            from rollstream.weights.store import WeightStore
-            from rollstream.weights.writer import DeltaWriter
+            from weights.announce import Announcer
+            from weights.store import WeightStore
+            from weights.writer import DeltaWriter
 
             store = WeightStore.from_config(self.settings.s3, self.settings.run_id)
             writer = DeltaWriter.from_config(store, self.settings.weights)
@@ -201,7 +200,7 @@ class Trainer:
     def _ensure_topics(self) -> None:
         from confluent_kafka import KafkaException
 
-        from consumers.retry import retrying
+        from core.retry import retrying
         from infra.topics import ensure_topics
         from schemas.topics import POLICY_VERSIONS, ROLLOUTS_DLQ, ROLLOUTS_SCORED
 

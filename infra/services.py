@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
+from core.config import SharedConfig
 from infra.kafka import EmbeddedKafka
-from infra.s3 import SeaweedServer, ensure_bucket, make_s3_client
+from infra.s3 import SeaweedServer, ensure_bucket
 from infra.topics import TopicReport, ensure_topics
-from rollstream.config import RollstreamConfig
+from weights.store import make_s3_client
 
 
 @dataclass(frozen=True)
@@ -38,10 +40,13 @@ class UpReport:
     seconds: float
 
 
-class Services:
-    """Kafka + S3 for one ``RollstreamConfig``."""
+ConfigT = TypeVar("ConfigT", bound=SharedConfig)
 
-    def __init__(self, config: RollstreamConfig) -> None:
+
+class Services(Generic[ConfigT]):
+    """Kafka + S3 for one ``SharedConfig``."""
+
+    def __init__(self, config: ConfigT) -> None:
         self.config = config
         self.kafka = (
             EmbeddedKafka(config.kafka, config.state_dir / "kafka", config.cache_dir)
@@ -54,7 +59,7 @@ class Services:
             else None
         )
 
-    def resolved(self) -> RollstreamConfig:
+    def resolved(self) -> ConfigT:
         """The config with embedded addresses (and embedded S3 credentials) filled in."""
         update: dict[str, object] = {}
         if self.kafka is not None:
@@ -106,7 +111,7 @@ class Services:
         config = self.resolved()
         return [self._kafka_status(config), self._s3_status(config)]
 
-    def _kafka_status(self, config: RollstreamConfig) -> ServiceStatus:
+    def _kafka_status(self, config: SharedConfig) -> ServiceStatus:
         address = config.kafka.bootstrap_servers or ""
         if self.kafka is not None and not self.kafka.process.running():
             return ServiceStatus("kafka", "embedded", address, False, "not running")
@@ -122,7 +127,7 @@ class Services:
         mode = "embedded" if self.kafka is not None else "external"
         return ServiceStatus("kafka", mode, address, healthy, detail)
 
-    def _s3_status(self, config: RollstreamConfig) -> ServiceStatus:
+    def _s3_status(self, config: SharedConfig) -> ServiceStatus:
         address = f"{config.s3.endpoint_url or 'AWS'} bucket={config.s3.bucket}"
         if self.s3 is not None and not self.s3.process.running():
             return ServiceStatus("s3", "embedded", address, False, "not running")

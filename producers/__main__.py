@@ -1,22 +1,14 @@
-"""``python -m producers [--config FILE] [produce options]`` runs the rollout worker;
-``python -m producers serve ...`` runs the engine server."""
+"""``python -m producers [--config FILE] [produce options]`` runs the rollout worker
+(``rollstream produce``); ``python -m producers serve ...`` runs the engine server
+(``rollstream serve``)."""
 
 import sys
 
-from producers.cli import cli
-
-
-def _with_default_command(args: list[str]) -> list[str]:
-    """Insert ``produce`` when no command is named (after a leading ``--config FILE``)."""
-    if {"produce", "serve", "-h", "--help"} & set(args):
-        return args
-    head: list[str] = []
-    if args[:1] == ["--config"]:
-        head, args = args[:2], args[2:]
-    elif args[:1] and args[0].startswith("--config="):
-        head, args = args[:1], args[1:]
-    return [*head, "produce", *args]
-
+from core.process import exec_role_command
 
 if __name__ == "__main__":
-    cli.main(args=_with_default_command(sys.argv[1:]), prog_name="python -m producers")
+    args = sys.argv[1:]
+    named = next((a for a in args if a in ("produce", "serve")), None)
+    if named is not None:
+        args.remove(named)
+    exec_role_command(named or "produce", args)

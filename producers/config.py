@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from rollstream.strict import StrictModel
+from core.config import StrictModel
 
 VersionPolicy = Literal["finish", "interrupt", "abort"]
 

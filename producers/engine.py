@@ -842,13 +842,13 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32", cache_dir: P
     """The model named by an ``EngineConfig.model`` string (see its description)."""
     torch_dtype = getattr(torch, dtype)
     if spec == "tiny-llama":
+        from core.models import build_tiny_llama
         from producers.tasks import TinyTokenizer
-        from rollstream.models import build_tiny_llama
 
         model = build_tiny_llama(seed=seed).to(torch_dtype)
         return LoadedModel(model, spec, TinyTokenizer(), None)
     if spec == "smollm2-135m-instruct":
-        from rollstream.models import smollm2_checkpoint
+        from core.models import smollm2_checkpoint
 
         path = smollm2_checkpoint(cache_dir)
     else:

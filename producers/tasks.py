@@ -34,13 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from rollstream.models import BOS_ID, DIGIT0_ID, EOS_ID, PAD_ID, PLUS_ID, SEP_ID, TINY_VOCAB
+from core.models import BOS_ID, DIGIT0_ID, EOS_ID, PAD_ID, PLUS_ID, SEP_ID, TINY_VOCAB
 
 # --- the tiny vocabulary ------------------------------------------------------------------
 
 
 class TinyTokenizer:
-    """Tokenizer of the tiny model's 16-token vocabulary (``rollstream.models.TINY_VOCAB``).
+    """Tokenizer of the tiny model's 16-token vocabulary (``core.models.TINY_VOCAB``).
 
     Text is digits and ``+``; the special tokens are written ``<pad> <bos> <eos> <sep>``.
     The model's vocabulary has 16 ids for these 15 names; the unnamed id decodes as ``<15>``.
@@ -312,7 +312,7 @@ def _hf_tokenizer(context: TaskContext, tokenizer: str | None) -> Any:
     from transformers import AutoTokenizer
 
     if tokenizer is None or tokenizer == "smollm2-135m-instruct":
-        from rollstream.models import smollm2_checkpoint
+        from core.models import smollm2_checkpoint
 
         tokenizer = str(smollm2_checkpoint(context.cache_dir))
     return AutoTokenizer.from_pretrained(tokenizer)

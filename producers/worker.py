@@ -795,9 +795,9 @@ def _start_follower(
     config: Any, worker: RolloutWorker, stop: threading.Event
 ) -> tuple[threading.Thread, _WatchedListener]:
     """A ``WeightFollower`` thread feeding verified versions to ``worker.submit_version``."""
-    from rollstream.weights.announce import AnnouncementListener
-    from rollstream.weights.follower import Snapshot, WeightFollower
-    from rollstream.weights.store import WeightStore
+    from weights.announce import AnnouncementListener
+    from weights.follower import Snapshot, WeightFollower
+    from weights.store import WeightStore
 
     def on_version(snapshot: Snapshot) -> None:
         worker.submit_version(snapshot.version, snapshot.state)

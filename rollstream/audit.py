@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from core.topic_reader import read_range, reader_config, whole_topic
 from rollstream.config import RollstreamConfig
-from rollstream.topic_reader import read_range, reader_config, whole_topic
 
 if TYPE_CHECKING:
     from confluent_kafka import Message

@@ -122,15 +122,15 @@ def topics_ensure(config: RollstreamConfig) -> None:
 
 def _register_role_commands() -> None:
     """Sub-commands that live with their role; importing them does not import torch."""
-    from consumers.cli import train
-    from producers.cli import produce, serve
     from rollstream.audit import audit_command
     from rollstream.inspect_group import inspect_group
+    from rollstream.produce_cli import produce, serve
     from rollstream.replay import replay
     from rollstream.report import report
+    from rollstream.stream_cli import stream
+    from rollstream.train_cli import train
     from rollstream.up import up
-    from rollstream.weights.cli import weights
-    from streams.cli import stream
+    from rollstream.weights_cli import weights
 
     for command in (weights, serve, produce, stream, train, up):
         main.add_command(command)

@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import click
 
+from core.topic_reader import ReadStalled, read_range, reader_config, topic_partitions
 from rollstream.config import RollstreamConfig
-from rollstream.topic_reader import ReadStalled, read_range, reader_config, topic_partitions
 
 if TYPE_CHECKING:  # the schemas import pyarrow: imported when used, so --help stays instant
     from schemas.control import DeadLetter, StaleRecord, VersionAnnouncement

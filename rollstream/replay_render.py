@@ -74,7 +74,7 @@ class Renderer:
         if choice == "auto":
             if task != "arithmetic" or self.options.cache_dir is None:
                 return None
-            from rollstream.models import SMOLLM2_DIRNAME
+            from core.models import SMOLLM2_DIRNAME
 
             directory = Path(self.options.cache_dir) / "models" / SMOLLM2_DIRNAME
             if not (directory / "config.json").exists():

@@ -30,7 +30,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from rollstream.config import RollstreamConfig, S3Config
+from core.config import S3Config
+from rollstream.config import RollstreamConfig
 from rollstream.replay import ReadBounds, ReplayRecord, read_records
 from schemas.group import decode_group
 from schemas.trajectory import NO_VERSION, OldLogitsStatus, Trajectory
@@ -102,8 +103,8 @@ def old_logit_engine(config: RollstreamConfig, run_id: str) -> OldLogitEngine:
         kwargs = parse_tiny_spec(old.model) if old.model.startswith("tiny") else {}
         source: Any = SeededSource(old.seed_base, **kwargs)
     else:
-        from rollstream.weights.follower import WeightFollower
-        from rollstream.weights.store import WeightStore
+        from weights.follower import WeightFollower
+        from weights.store import WeightStore
 
         store = WeightStore.from_config(resolved_s3(config), run_id)
         source = FollowerSource(
@@ -295,10 +296,10 @@ def load_policy(
         reference = load_model(trainer.model, config.cache_dir).to(dtype).eval()
     description = f"initial {trainer.model.source} weights"
     if options.weights_version is not None:
-        from rollstream.logprobs import params_for
-        from rollstream.weights.follower import WeightFollower
-        from rollstream.weights.store import WeightStore
+        from core.logprobs import params_for
         from streams.snapshots import FollowerSource
+        from weights.follower import WeightFollower
+        from weights.store import WeightStore
 
         store = WeightStore.from_config(resolved_s3(config), options.run_id)
         source = FollowerSource(

@@ -21,7 +21,6 @@ streams' ``max_staleness`` to 0, and the producers' admission credit
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import sys
@@ -35,9 +34,10 @@ from types import FrameType
 from typing import Any
 
 import click
-from pydantic import BaseModel, SecretStr
+from pydantic import BaseModel
 
-from rollstream.config import RollstreamConfig, UpConfig, merge_tables
+from core.config import merge_tables, to_toml
+from rollstream.config import RollstreamConfig, UpConfig
 
 ROLE_ORDER = ("streams", "trainer", "engine", "producer")
 STOP_ORDER = ("producer", "engine", "streams", "trainer")
@@ -57,7 +57,7 @@ class Ports:
 
     @classmethod
     def free(cls) -> Ports:
-        from infra.process import free_port
+        from core.process import free_port
 
         return cls(free_port(), free_port(), free_port(), free_port())
 
@@ -152,41 +152,6 @@ def build_config(
     merged["up"] = up.model_dump()
     merged["trainer"]["max_steps"] = up.max_steps  # [up] max_steps (or --max-steps) decides
     return RollstreamConfig.model_validate(merged)
-
-
-def _toml_key(key: str) -> str:
-    bare = key.replace("_", "").replace("-", "").isalnum() and key.isascii()
-    return key if bare else json.dumps(key)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, str | Path):
-        return json.dumps(str(value))
-    if isinstance(value, SecretStr):
-        return json.dumps(value.get_secret_value())
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} to TOML")
-
-
-def to_toml(data: Mapping[str, Any], prefix: str = "") -> str:
-    """TOML text of a nested dict; ``None`` values are left out (TOML has no null)."""
-    scalars = [(k, v) for k, v in data.items() if v is not None and not isinstance(v, Mapping)]
-    tables = [(k, v) for k, v in data.items() if isinstance(v, Mapping)]
-    lines = [f"[{prefix}]"] if prefix and scalars else []
-    lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars]
-    text = "\n".join(lines) + ("\n\n" if lines else "")
-    for key, table in tables:
-        text += to_toml(table, f"{prefix}.{_toml_key(key)}" if prefix else _toml_key(key))
-    return text
 
 
 def write_config(config: RollstreamConfig, path: Path) -> None:
@@ -381,7 +346,7 @@ def _http_ok(url: str) -> Callable[[], bool]:
 
 
 def _port_probe(port: int) -> Callable[[], bool]:
-    from infra.process import port_open
+    from core.process import port_open
 
     return lambda: port_open(port)
 
@@ -390,7 +355,7 @@ def role_specs(
     config_path: Path, config: RollstreamConfig, ports: Ports
 ) -> list[Any]:  # list[RoleSpec]
     """The four roles as a user would start them, one command each."""
-    from rollstream.launcher import RoleSpec
+    from core.process import RoleSpec
 
     rs = [sys.executable, "-m", "rollstream", "--config", str(config_path)]
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -419,8 +384,8 @@ def _core_plan(pin: bool) -> dict[str, frozenset[int]]:
 
 def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> UpResult:
     """Bring everything up, supervise until done or signalled, tear everything down."""
+    from core.process import Launcher, LaunchError
     from infra.services import Services
-    from rollstream.launcher import Launcher, LaunchError
 
     started = time.monotonic()
     stop = _StopFlag()
@@ -506,7 +471,7 @@ def start_groups_at_end(config: RollstreamConfig) -> dict[str, int]:
     """
     from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-    from rollstream.topic_reader import committed_offsets, topic_partitions
+    from core.topic_reader import committed_offsets, topic_partitions
 
     done: dict[str, int] = {}
     groups = {config.trainer.topics.group_id: config.trainer.topics.scored}

@@ -1,10 +1,11 @@
-"""The stream worker: ``faust -A streams.app worker`` (or ``rollstream stream``).
+"""The stream worker's Faust app: ``build_app`` wires it, ``run_worker`` runs it
+(``rollstream stream``).
 
 Reads top to bottom: configuration, the app, its topics and table, the services the
 agent uses, then the agent and the timers. The decisions live in plain modules
 (``streams.processor``, ``.oldlogits``, ``.snapshots``, ``.staleness``); this file only
-wires them to Kafka. Configuration comes from ``$ROLLSTREAM_CONFIG`` (the ``[streams]``
-and ``[weights]`` sections, plus Kafka and S3).
+wires them to Kafka. Configuration is passed in: the ``[streams]`` section and the shared
+sections (Kafka, S3, weights).
 
 Per message on ``rollouts.raw`` (keyed by group id): decode, validate, staleness check,
 add to the group's table entry; when the group is complete (or every sample is
@@ -28,9 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import faust
 import torch
@@ -38,8 +41,8 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 from faust.types import TP
 
+from core.config import SharedConfig
 from infra.topics import ensure_topics
-from rollstream.weights.announce import AnnouncementListener
 from schemas.topics import (
     POLICY_VERSIONS,
     ROLLOUTS_DLQ,
@@ -49,7 +52,7 @@ from schemas.topics import (
     TopicSpec,
 )
 from streams.broker import broker_credentials, broker_urls
-from streams.config import load_stream_config
+from streams.config import StreamsConfig
 from streams.gaps import GAP_SWEEP_INTERVAL_S, GapGuard
 from streams.metrics import StreamMetrics
 from streams.oldlogits import OldLogitEngine, parse_tiny_spec
@@ -58,250 +61,271 @@ from streams.snapshots import FollowerFeed, FollowerSource, SeededSource, Snapsh
 from streams.staleness import StalenessPolicy, VersionTracker
 from streams.txn import EffectWriter, check_faust_internals
 from streams.versions import VersionReader
+from weights.announce import AnnouncementListener
 
 log = logging.getLogger("streams")
 
-# --- configuration ----------------------------------------------------------------------
-
-SHARED, CONFIG, WEIGHTS = load_stream_config()
-RUN_ID = SHARED.run_id
-KAFKA = SHARED.kafka.client_config()
-TOPICS = CONFIG.topics
-
-
-def _prepare_topics() -> int:
+def prepare_topics(kafka: dict[str, str], config: StreamsConfig) -> int:
     """Create missing topics; the ticks topic gets raw's partition count. Returns it."""
-    present = AdminClient(KAFKA).list_topics(timeout=30).topics
-    if TOPICS.raw in present:
-        partitions = len(present[TOPICS.raw].partitions)
+    present = AdminClient(kafka).list_topics(timeout=30).topics
+    if config.topics.raw in present:
+        partitions = len(present[config.topics.raw].partitions)
     else:
         partitions = ROLLOUTS_RAW.partitions
     renamed = [
-        TopicSpec(TOPICS.raw, partitions),
-        TopicSpec(TOPICS.scored, ROLLOUTS_SCORED.partitions, max_message_bytes=16 * 1024 * 1024),
+        TopicSpec(config.topics.raw, partitions),
         TopicSpec(
-            TOPICS.stale, ROLLOUTS_STALE.partitions, retention_ms=ROLLOUTS_STALE.retention_ms
+            config.topics.scored, ROLLOUTS_SCORED.partitions, max_message_bytes=16 * 1024 * 1024
         ),
-        TopicSpec(TOPICS.dlq, ROLLOUTS_DLQ.partitions, retention_ms=ROLLOUTS_DLQ.retention_ms),
         TopicSpec(
-            TOPICS.versions,
+            config.topics.stale,
+            ROLLOUTS_STALE.partitions,
+            retention_ms=ROLLOUTS_STALE.retention_ms,
+        ),
+        TopicSpec(
+            config.topics.dlq, ROLLOUTS_DLQ.partitions, retention_ms=ROLLOUTS_DLQ.retention_ms
+        ),
+        TopicSpec(
+            config.topics.versions,
             POLICY_VERSIONS.partitions,
             cleanup_policy="compact",
             max_message_bytes=POLICY_VERSIONS.max_message_bytes,
             extra_configs=POLICY_VERSIONS.extra_configs,
         ),
-        TopicSpec(CONFIG.ticks_topic, partitions, retention_ms=60 * 60 * 1000),
+        TopicSpec(config.ticks_topic, partitions, retention_ms=60 * 60 * 1000),
     ]
     missing = [spec for spec in renamed if spec.name not in present]
-    ensure_topics(KAFKA, missing, replication_factor=CONFIG.replication_factor)
+    ensure_topics(kafka, missing, replication_factor=config.replication_factor)
     return partitions
 
 
-RAW_PARTITIONS = _prepare_topics()
-torch.set_num_threads(CONFIG.old_logits.torch_threads)
+def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
+    """The Faust app of one stream worker, with its agent, timers and services wired.
 
-# --- the app ------------------------------------------------------------------------------
+    Creating it declares missing topics and opens Kafka clients; nothing happens at
+    import. ``run_worker`` starts it.
+    """
+    # --- configuration ----------------------------------------------------------------------
 
-app = faust.App(
-    CONFIG.app_id,
-    broker=broker_urls(SHARED.kafka),
-    broker_credentials=broker_credentials(SHARED.kafka),
-    store="memory://",
-    processing_guarantee=CONFIG.processing_guarantee,
-    broker_commit_interval=CONFIG.commit_interval_s,
-    broker_session_timeout=CONFIG.session_timeout_s,
-    topic_replication_factor=CONFIG.replication_factor,
-    topic_partitions=RAW_PARTITIONS,
-    table_standby_replicas=0,
-    producer_max_request_size=16 * 1024 * 1024,
-    web_enabled=False,
-)
-
-# --- topics and table ---------------------------------------------------------------------
-
-source = app.topic(TOPICS.raw, CONFIG.ticks_topic, key_serializer="raw", value_serializer="raw")
-groups = app.Table(
-    "groups",
-    partitions=RAW_PARTITIONS,
-    key_type=bytes,  # raw bytes in and out of the changelog (streams.groups)
-    value_type=bytes,
-    help="Group assembly state, samples and source watermarks (streams.groups).",
-)
-
-# --- services -----------------------------------------------------------------------------
-
-metrics = StreamMetrics()
-tracker = VersionTracker()
-policy = StalenessPolicy(CONFIG.staleness)
-executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="old-logits")
+    SHARED, CONFIG, WEIGHTS = shared, config, shared.weights
+    RUN_ID = SHARED.run_id
+    KAFKA = SHARED.kafka.client_config()
+    TOPICS = CONFIG.topics
 
 
-def _snapshot_source():
-    old = CONFIG.old_logits
-    if old.mode == "off":
-        return None
-    if old.source == "seeded":
-        model_kwargs = parse_tiny_spec(old.model) if old.model.startswith("tiny") else {}
-        return SeededSource(old.seed_base, **model_kwargs)
-    from rollstream.weights.follower import WeightFollower
-    from rollstream.weights.store import WeightStore
+    RAW_PARTITIONS = prepare_topics(KAFKA, CONFIG)
+    torch.set_num_threads(CONFIG.old_logits.torch_threads)
 
-    store = WeightStore.from_config(SHARED.s3, RUN_ID)
-    return FollowerSource(
-        store,
-        make_follower=lambda s: WeightFollower.from_config(s, WEIGHTS),
-        timeout_s=old.rebuild_timeout_s,
+    # --- the app ------------------------------------------------------------------------------
+
+    app = faust.App(
+        CONFIG.app_id,
+        broker=broker_urls(SHARED.kafka),
+        broker_credentials=broker_credentials(SHARED.kafka),
+        store="memory://",
+        processing_guarantee=CONFIG.processing_guarantee,
+        broker_commit_interval=CONFIG.commit_interval_s,
+        broker_session_timeout=CONFIG.session_timeout_s,
+        topic_replication_factor=CONFIG.replication_factor,
+        topic_partitions=RAW_PARTITIONS,
+        table_standby_replicas=0,
+        producer_max_request_size=16 * 1024 * 1024,
+        web_enabled=False,
     )
 
+    # --- topics and table ---------------------------------------------------------------------
 
-snapshot_source = _snapshot_source()
-snapshots = SnapshotStore(
-    snapshot_source,
-    budget_bytes=int(CONFIG.old_logits.snapshot_memory_mb * 1024 * 1024),
-    dtype=getattr(torch, CONFIG.old_logits.dtype),
-    metrics=metrics,
-)
-engine = OldLogitEngine(CONFIG.old_logits, snapshots, metrics=metrics)
-processor = Processor(CONFIG, RUN_ID, tracker, groups.data, metrics)
-writer = EffectWriter(app, groups, exactly_once=CONFIG.processing_guarantee == "exactly_once")
+    source = app.topic(TOPICS.raw, CONFIG.ticks_topic, key_serializer="raw", value_serializer="raw")
+    groups = app.Table(
+        "groups",
+        partitions=RAW_PARTITIONS,
+        key_type=bytes,  # raw bytes in and out of the changelog (streams.groups)
+        value_type=bytes,
+        help="Group assembly state, samples and source watermarks (streams.groups).",
+    )
 
+    # --- services -----------------------------------------------------------------------------
 
-def _on_new_version(version: int) -> None:
-    metrics.trainer_version.set(version)
-    snapshots.retain(policy.oldest_admitted(version))
-
-
-versions = VersionReader(KAFKA, TOPICS.versions, RUN_ID, tracker, on_version=_on_new_version)
+    metrics = StreamMetrics()
+    tracker = VersionTracker()
+    policy = StalenessPolicy(CONFIG.staleness)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="old-logits")
 
 
-async def _seek_raw(partition: int, offset: int) -> None:
-    await app.consumer.seek(TP(TOPICS.raw, partition), offset)
+    def _snapshot_source():
+        old = CONFIG.old_logits
+        if old.mode == "off":
+            return None
+        if old.source == "seeded":
+            model_kwargs = parse_tiny_spec(old.model) if old.model.startswith("tiny") else {}
+            return SeededSource(old.seed_base, **model_kwargs)
+        from weights.follower import WeightFollower
+        from weights.store import WeightStore
 
-
-gaps = GapGuard(
-    groups.data,
-    KAFKA,
-    TOPICS.raw,
-    _seek_raw,
-    start_group=CONFIG.start_group if CONFIG.first_start == "committed" else None,
-)
-
-# --- the agent ----------------------------------------------------------------------------
-
-
-@app.agent(source)
-async def assemble(stream: faust.StreamT) -> None:
-    """One message at a time: decide, compute old logits off-loop, apply atomically."""
-    await _versions_caught_up()
-    async for event in stream.events():
-        message = event.message
-        msg = Message(
-            message.topic,
-            message.partition,
-            message.offset,
-            event.key,
-            event.value,
-            tuple(_headers(message.headers)),
+        store = WeightStore.from_config(SHARED.s3, RUN_ID)
+        return FollowerSource(
+            store,
+            make_follower=lambda s: WeightFollower.from_config(s, WEIGHTS),
+            timeout_s=old.rebuild_timeout_s,
         )
-        with gaps.busy():
-            if not await gaps.admit(msg):
-                continue  # records before it were skipped upstream; they are being re-read
-            try:
-                step = await _step(msg)
-            except Exception as err:  # a bug must not kill the worker: dead-letter the input
-                log.exception("processing %s-%d@%d failed", msg.topic, msg.partition, msg.offset)
-                step = processor.failed(msg, err)
-            await writer.apply(step, commit=gaps.rereading(msg))
 
 
-async def _versions_caught_up(timeout_s: float = 60.0) -> None:
-    """Judge no record before the trainer's version is known (see streams.versions)."""
-    versions.start()
-    deadline = time.monotonic() + timeout_s
-    while not versions.caught_up.is_set():
-        if time.monotonic() > deadline:
-            log.warning("%s not read to its end after %.0fs; going on", TOPICS.versions, timeout_s)
-            return
-        await asyncio.sleep(0.05)
+    snapshot_source = _snapshot_source()
+    snapshots = SnapshotStore(
+        snapshot_source,
+        budget_bytes=int(CONFIG.old_logits.snapshot_memory_mb * 1024 * 1024),
+        dtype=getattr(torch, CONFIG.old_logits.dtype),
+        metrics=metrics,
+    )
+    engine = OldLogitEngine(CONFIG.old_logits, snapshots, metrics=metrics)
+    processor = Processor(CONFIG, RUN_ID, tracker, groups.data, metrics)
+    writer = EffectWriter(app, groups, exactly_once=CONFIG.processing_guarantee == "exactly_once")
 
 
-async def _step(msg: Message) -> Step:
-    now = _now_ms()
-    step = processor.handle(msg, now)
-    attached = {}
-    loop = asyncio.get_running_loop()
-    for closing in step.closings:
-        if closing.emit:
-            attached[closing.state.group_id] = await loop.run_in_executor(
-                executor, engine.attach, closing.samples
-            )
-    return processor.finish(step, attached, _now_ms())
+    def _on_new_version(version: int) -> None:
+        metrics.trainer_version.set(version)
+        snapshots.retain(policy.oldest_admitted(version))
 
 
-# --- timer: ticks for overdue groups ----------------------------------------------------
-
-_ticks = Producer({**KAFKA, "linger.ms": 0})
+    versions = VersionReader(KAFKA, TOPICS.versions, RUN_ID, tracker, on_version=_on_new_version)
 
 
-@app.timer(interval=CONFIG.groups.tick_interval_s)
-async def tick() -> None:
-    """Send a tick to each of our partitions that holds an overdue group or marker."""
-    mine = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == TOPICS.raw}
-    for partition in processor.due_partitions(_now_ms()) & mine:
-        _ticks.produce(CONFIG.ticks_topic, value=b"", partition=partition)
-    _ticks.poll(0)
+    async def _seek_raw(partition: int, offset: int) -> None:
+        await app.consumer.seek(TP(TOPICS.raw, partition), offset)
 
 
-@app.timer(interval=GAP_SWEEP_INTERVAL_S)
-async def sweep_gaps() -> None:
-    """Seek back partitions whose consumer moved past records the agent never got: a
-    hole at a partition's end, which no later record reveals (see ``streams.gaps``)."""
-    if app.rebalancing or app.in_recovery:
-        return
-
-    async def position(partition: int) -> int | None:
-        return await app.consumer.position(TP(TOPICS.raw, partition))
-
-    mine = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == TOPICS.raw}
-    try:
-        await gaps.sweep(sorted(mine), position)
-    except Exception:  # revoked mid-sweep, broker gone: the next sweep tries again
-        log.warning("gap sweep failed", exc_info=True)
-
-
-# --- startup: version tracking, weight following, metrics ---------------------------------
-
-
-@app.task
-async def start_services() -> None:
-    check_faust_internals(app.producer)
-    versions.start()
-    if snapshot_source is not None and CONFIG.old_logits.source == "s3":
-        _start_follower()
-    if CONFIG.metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        start_http_server(CONFIG.metrics_port, registry=metrics.registry)
-    log.info(
-        "streams: run %s, raw %s (%d partitions), old logits %s, guarantee %s",
-        RUN_ID,
+    gaps = GapGuard(
+        groups.data,
+        KAFKA,
         TOPICS.raw,
-        RAW_PARTITIONS,
-        CONFIG.old_logits.mode,
-        CONFIG.processing_guarantee,
+        _seek_raw,
+        start_group=CONFIG.start_group if CONFIG.first_start == "committed" else None,
     )
 
+    # --- the agent ----------------------------------------------------------------------------
 
-def _start_follower() -> None:
-    from rollstream.weights.follower import FollowerMetrics, WeightFollower
-    from rollstream.weights.store import WeightStore
 
-    store = WeightStore.from_config(SHARED.s3, RUN_ID)
-    follower = WeightFollower.from_config(
-        store, WEIGHTS, on_version=snapshots.on_snapshot, metrics=FollowerMetrics(metrics.registry)
-    )
-    listener = AnnouncementListener(KAFKA, RUN_ID, TOPICS.versions)
-    FollowerFeed(follower, listener, WEIGHTS.poll_interval_s).start()
+    @app.agent(source)
+    async def assemble(stream: faust.StreamT) -> None:
+        """One message at a time: decide, compute old logits off-loop, apply atomically."""
+        await _versions_caught_up()
+        async for event in stream.events():
+            message = event.message
+            msg = Message(
+                message.topic,
+                message.partition,
+                message.offset,
+                event.key,
+                event.value,
+                tuple(_headers(message.headers)),
+            )
+            with gaps.busy():
+                if not await gaps.admit(msg):
+                    continue  # records before it were skipped upstream; they are being re-read
+                try:
+                    step = await _step(msg)
+                except Exception as err:  # a bug must not kill the worker: dead-letter it
+                    log.exception(
+                        "processing %s-%d@%d failed", msg.topic, msg.partition, msg.offset
+                    )
+                    step = processor.failed(msg, err)
+                await writer.apply(step, commit=gaps.rereading(msg))
+
+
+    async def _versions_caught_up(timeout_s: float = 60.0) -> None:
+        """Judge no record before the trainer's version is known (see streams.versions)."""
+        versions.start()
+        deadline = time.monotonic() + timeout_s
+        while not versions.caught_up.is_set():
+            if time.monotonic() > deadline:
+                log.warning(
+                    "%s not read to its end after %.0fs; going on", TOPICS.versions, timeout_s
+                )
+                return
+            await asyncio.sleep(0.05)
+
+
+    async def _step(msg: Message) -> Step:
+        now = _now_ms()
+        step = processor.handle(msg, now)
+        attached = {}
+        loop = asyncio.get_running_loop()
+        for closing in step.closings:
+            if closing.emit:
+                attached[closing.state.group_id] = await loop.run_in_executor(
+                    executor, engine.attach, closing.samples
+                )
+        return processor.finish(step, attached, _now_ms())
+
+
+    # --- timer: ticks for overdue groups ----------------------------------------------------
+
+    _ticks = Producer({**KAFKA, "linger.ms": 0})
+
+
+    @app.timer(interval=CONFIG.groups.tick_interval_s)
+    async def tick() -> None:
+        """Send a tick to each of our partitions that holds an overdue group or marker."""
+        mine = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == TOPICS.raw}
+        for partition in processor.due_partitions(_now_ms()) & mine:
+            _ticks.produce(CONFIG.ticks_topic, value=b"", partition=partition)
+        _ticks.poll(0)
+
+
+    @app.timer(interval=GAP_SWEEP_INTERVAL_S)
+    async def sweep_gaps() -> None:
+        """Seek back partitions whose consumer moved past records the agent never got: a
+        hole at a partition's end, which no later record reveals (see ``streams.gaps``)."""
+        if app.rebalancing or app.in_recovery:
+            return
+
+        async def position(partition: int) -> int | None:
+            return await app.consumer.position(TP(TOPICS.raw, partition))
+
+        mine = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == TOPICS.raw}
+        try:
+            await gaps.sweep(sorted(mine), position)
+        except Exception:  # revoked mid-sweep, broker gone: the next sweep tries again
+            log.warning("gap sweep failed", exc_info=True)
+
+
+    # --- startup: version tracking, weight following, metrics ---------------------------------
+
+
+    @app.task
+    async def start_services() -> None:
+        check_faust_internals(app.producer)
+        versions.start()
+        if snapshot_source is not None and CONFIG.old_logits.source == "s3":
+            _start_follower()
+        if CONFIG.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(CONFIG.metrics_port, registry=metrics.registry)
+        log.info(
+            "streams: run %s, raw %s (%d partitions), old logits %s, guarantee %s",
+            RUN_ID,
+            TOPICS.raw,
+            RAW_PARTITIONS,
+            CONFIG.old_logits.mode,
+            CONFIG.processing_guarantee,
+        )
+
+
+    def _start_follower() -> None:
+        from weights.follower import FollowerMetrics, WeightFollower
+        from weights.store import WeightStore
+
+        store = WeightStore.from_config(SHARED.s3, RUN_ID)
+        follower = WeightFollower.from_config(
+            store,
+            WEIGHTS,
+            on_version=snapshots.on_snapshot,
+            metrics=FollowerMetrics(metrics.registry),
+        )
+        listener = AnnouncementListener(KAFKA, RUN_ID, TOPICS.versions)
+        FollowerFeed(follower, listener, WEIGHTS.poll_interval_s).start()
+    return app
 
 
 def _headers(headers: object) -> list[tuple[str, bytes]]:
@@ -315,5 +339,7 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-if __name__ == "__main__":
+def run_worker(app: faust.App, datadir: Path, loglevel: str = "info") -> None:
+    """Run ``app`` as a Faust worker in this process until it is stopped."""
+    sys.argv = [sys.argv[0], f"--datadir={datadir}", "worker", "--without-web", "-l", loglevel]
     app.main()

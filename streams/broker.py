@@ -14,7 +14,7 @@ import ssl
 import faust
 from faust.types.auth import CredentialsT
 
-from rollstream.config import KafkaConfig
+from core.config import KafkaConfig
 
 PASSWORD_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 """SASL mechanisms the worker supports: those that take a username and a password."""

@@ -3,28 +3,17 @@
 Light on purpose (pydantic only, no torch, no Faust): ``rollstream stream --help`` and
 config validation stay instant. Every field is described; unknown keys are errors.
 
-``load_stream_config`` reads the whole file with ``rollstream.config.load_config`` (which
-holds ``StreamsConfig`` as its ``streams`` section). At import time this module needs
-only ``rollstream.strict``, so ``rollstream.config`` can import it without a cycle.
+The whole file is read by ``rollstream.config.load_config``, which holds
+``StreamsConfig`` as its ``streams`` section and hands it to the worker.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
-from rollstream.strict import StrictModel
-from rollstream.supervisor import RestartConfig
-
-if TYPE_CHECKING:
-    from rollstream.config import RollstreamConfig
-    from rollstream.weights.config import WeightsConfig
-
-CONFIG_ENV = "ROLLSTREAM_CONFIG"
-"""Environment variable naming the TOML file a ``faust -A streams.app worker`` reads."""
+from core.config import RestartConfig, StrictModel
 
 
 class StreamTopics(StrictModel):
@@ -81,7 +70,7 @@ class OldLogitsConfig(StrictModel):
     model: str = Field(
         default="tiny",
         description="Architecture: 'tiny' or 'tiny:hidden_size=..,num_layers=..' "
-        "(rollstream.models.build_tiny_llama), 'smollm2', or a Hugging Face model directory.",
+        "(core.models.build_tiny_llama), 'smollm2', or a Hugging Face model directory.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="Dtype of the forward pass (must match the trainer's)."
@@ -189,7 +178,7 @@ class StreamsConfig(StrictModel):
     )
     restart: RestartConfig = Field(
         default_factory=RestartConfig,
-        description="`rollstream stream` starts a crashed worker again (rollstream.supervisor).",
+        description="`rollstream stream` starts a crashed worker again (core.process).",
     )
 
     @model_validator(mode="after")
@@ -207,19 +196,3 @@ class StreamsConfig(StrictModel):
     @property
     def ticks_topic(self) -> str:
         return self.topics.ticks or f"{self.app_id}-ticks"
-
-
-def load_stream_config(
-    path: Path | None = None,
-) -> tuple[RollstreamConfig, StreamsConfig, WeightsConfig]:
-    """The shared config, its ``[streams]`` section and its ``[weights]`` section.
-
-    ``path`` defaults to ``$ROLLSTREAM_CONFIG`` (none: defaults and environment only), so a
-    worker started with the ``faust`` CLI reads the same file as ``rollstream stream``.
-    """
-    from rollstream.config import load_config
-
-    if path is None and os.environ.get(CONFIG_ENV):
-        path = Path(os.environ[CONFIG_ENV])
-    config = load_config(path)
-    return config, config.streams, config.weights

@@ -15,7 +15,7 @@ Table layout (keys and values are bytes; the changelog is co-partitioned with
 
 ``build_scored_group`` turns the samples, once old logits are attached, into the
 ``ScoredGroup`` that goes to ``rollouts.scored``, with GRPO advantages from
-``rollstream.advantages``.
+``core.advantages``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from rollstream.advantages import group_advantages
+from core.advantages import group_advantages
 from schemas.group import SampleDiagnostics, ScoredGroup
 from schemas.trajectory import Trajectory
 

@@ -7,7 +7,7 @@ segment ``k`` come from one forward pass of ``prompt + response[:end_k]`` under 
 work units of a batch of trajectories are grouped by version, so each version's weights
 are fetched once and its units run as a few padded batches (at most
 ``max_batch_sequences`` rows and ``max_batch_tokens`` padded tokens each), in input
-order, through ``rollstream.logprobs.response_logprobs`` — the trainer's function.
+order, through ``core.logprobs.response_logprobs`` — the trainer's function.
 
 A trajectory gets ``logp_old`` only when *every* one of its versions is available; if one
 is not (never published, deleted from S3, refused), it is marked
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rollstream.logprobs import response_logprobs
+from core.logprobs import response_logprobs
 from schemas.trajectory import OldLogitsStatus, Trajectory
 from streams.config import OldLogitsConfig
 from streams.metrics import StreamMetrics
@@ -96,13 +96,13 @@ def build_model(spec: str, dtype: str = "float32", cache_dir: Path | None = None
     never used for old logits: every call supplies a version's state dict.
 
     ``spec``: ``tiny`` / ``tiny:hidden_size=128,num_layers=4`` (keyword arguments of
-    ``rollstream.models.build_tiny_llama``), ``smollm2``, or a model directory.
+    ``core.models.build_tiny_llama``), ``smollm2``, or a model directory.
     """
     import torch
 
     torch_dtype = getattr(torch, dtype)
     if spec == "tiny" or spec.startswith("tiny:"):
-        from rollstream.models import build_tiny_llama
+        from core.models import build_tiny_llama
 
         model = build_tiny_llama(**parse_tiny_spec(spec))
     else:
@@ -110,8 +110,8 @@ def build_model(spec: str, dtype: str = "float32", cache_dir: Path | None = None
 
         path = spec
         if spec == "smollm2":
-            from rollstream.config import default_cache_dir
-            from rollstream.models import smollm2_checkpoint
+            from core.config import default_cache_dir
+            from core.models import smollm2_checkpoint
 
             path = str(smollm2_checkpoint(cache_dir or default_cache_dir()))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)

@@ -32,8 +32,8 @@ from streams.metrics import StreamMetrics
 if TYPE_CHECKING:
     import torch
 
-    from rollstream.weights.follower import Snapshot
-    from rollstream.weights.store import WeightStore
+    from weights.follower import Snapshot
+    from weights.store import WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class SeededSource:
         self.model_kwargs = model_kwargs
 
     def load(self, version: int) -> StateDict:
-        from rollstream.models import build_tiny_llama
+        from core.models import build_tiny_llama
 
         if version < 0:
             raise VersionUnavailable(version, "negative version")
@@ -96,7 +96,7 @@ class SeededSource:
 class FollowerSource:
     """Rebuilds any version from a region's store with a fresh ``WeightFollower``: the
     version's base, then its deltas, each file's sha256 and the final state digest checked
-    (``rollstream.weights``). Refusals (missing, corrupt, deleted by retention) and S3
+    (``weights``). Refusals (missing, corrupt, deleted by retention) and S3
     errors that persist over ``max_attempts`` tries become ``VersionUnavailable``."""
 
     def __init__(
@@ -115,8 +115,8 @@ class FollowerSource:
     def load(self, version: int) -> StateDict:
         from botocore.exceptions import BotoCoreError, ClientError
 
-        from rollstream.weights.errors import WeightsError
-        from rollstream.weights.follower import WeightFollower
+        from weights.errors import WeightsError
+        from weights.follower import WeightFollower
 
         follower = (
             self.make_follower(self.store) if self.make_follower else WeightFollower(self.store)

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from core.config import KafkaConfig, S3Config, default_cache_dir
 from infra.kafka import EmbeddedKafka
-from infra.s3 import SeaweedServer, ensure_bucket, make_s3_client
-from rollstream.config import KafkaConfig, S3Config, default_cache_dir
+from infra.s3 import SeaweedServer, ensure_bucket
+from weights.store import make_s3_client
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import warnings
 import numpy as np
 import pytest
 
-from rollstream.advantages import group_advantages
+from core.advantages import group_advantages
 
 
 def test_grpo_sample_std() -> None:

@@ -4,7 +4,7 @@ One run of the whole pipeline (tiny model, ``copy-first-digit-twice``), with its
 embedded Kafka broker and SeaweedFS store in the test's temporary directory (the broker
 must be restarted, so the session's shared one cannot be used). The roles are the
 commands ``rollstream up`` starts (``rollstream.up.role_specs``), supervised with
-``rollstream.launcher``. While data flows: SIGKILL and restart the producer, the engine,
+``core.process``. While data flows: SIGKILL and restart the producer, the engine,
 the stream worker and the trainer (between two of its checkpoints), then stop and start
 the broker on the same data directory. Then drain: stop the producer (SIGTERM), start it
 once more to deliver ``GROUPS`` groups and stop by itself (``--groups``), wait until the
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import pytest
 
+from core.process import Launcher, RoleProcess
 from infra.services import Services
 from rollstream.audit import AuditReport, AuditSources, audit
 from rollstream.config import RollstreamConfig, UpConfig, load_config
-from rollstream.launcher import Launcher, RoleProcess
 from rollstream.up import STOP_ORDER, Ports, TrainerLog, build_config, role_specs, write_config
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from rollstream.config import KafkaConfig, load_config
+from core.config import KafkaConfig
+from rollstream.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.process import pid_alive
-from rollstream.config import KafkaConfig, S3Config
-from rollstream.up import to_toml
+from core.config import KafkaConfig, S3Config, to_toml
+from core.process import pid_alive
 
 pytestmark = pytest.mark.slow
 

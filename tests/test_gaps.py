@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from confluent_kafka import Producer
 
+from core.config import KafkaConfig
 from infra.topics import ensure_topics
-from rollstream.config import KafkaConfig
 from schemas.topics import TopicSpec
 from streams.gaps import GapGuard
 from streams.groups import offset_key

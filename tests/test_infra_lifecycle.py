@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Consumer, Producer
 
-from infra.process import pid_alive, port_open
-from infra.s3 import make_s3_client
+from core.config import KafkaConfig, S3Config
+from core.process import pid_alive, port_open
 from infra.services import Services
-from rollstream.config import KafkaConfig, RollstreamConfig, S3Config, load_config
+from rollstream.config import RollstreamConfig, load_config
+from weights.store import make_s3_client
 
 
 def _cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:

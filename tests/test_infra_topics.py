@@ -7,8 +7,8 @@ from collections.abc import Callable
 import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
+from core.config import KafkaConfig
 from infra.topics import TopicConflictError, ensure_topics
-from rollstream.config import KafkaConfig
 from schemas.topics import ALL_TOPICS, POLICY_VERSIONS, ROLLOUTS_RAW, TopicSpec
 
 

@@ -20,8 +20,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient
 
+from core.config import KafkaConfig
 from infra.topics import ensure_topics
-from rollstream.config import KafkaConfig
 from schemas.topics import TopicSpec
 
 FAUST_APP = textwrap.dedent(

@@ -1,4 +1,4 @@
-"""``rollstream.logprobs`` against direct transformers forward passes."""
+"""``core.logprobs`` against direct transformers forward passes."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from rollstream.logprobs import (
+from core.logprobs import (
     PADDED_BATCH_ATOL,
     batch_layout,
     response_logprobs,
     response_logprobs_tensor,
 )
-from rollstream.models import build_tiny_llama
+from core.models import build_tiny_llama
 
 torch.set_num_threads(1)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollstream.models import build_tiny_llama, smollm2_checkpoint, smollm2_gguf_path
+from core.models import build_tiny_llama, smollm2_checkpoint, smollm2_gguf_path
 
 
 def test_tiny_llama_is_deterministic_and_small() -> None:

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from core.models import BOS_ID, EOS_ID, SEP_ID, build_tiny_llama
 from producers.engine import (
     Engine,
     RequestError,
@@ -16,7 +17,6 @@ from producers.engine import (
     read_weights,
     save_weights,
 )
-from rollstream.models import BOS_ID, EOS_ID, SEP_ID, build_tiny_llama
 
 torch.set_num_threads(1)
 

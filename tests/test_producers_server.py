@@ -13,6 +13,7 @@ import pytest
 import torch
 from aiohttp import web
 
+from core.models import BOS_ID, SEP_ID, build_tiny_llama
 from producers.client import (
     EngineClient,
     EngineModelMismatch,
@@ -25,7 +26,6 @@ from producers.client import (
 from producers.engine import Engine, save_weights
 from producers.server import ServerThread
 from producers.tasks import TinyTokenizer
-from rollstream.models import BOS_ID, SEP_ID, build_tiny_llama
 
 torch.set_num_threads(1)
 

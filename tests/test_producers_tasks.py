@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from core.models import BOS_ID, DIGIT0_ID, EOS_ID, SEP_ID
 from producers.config import ProducersConfig, RolloutConfig, SamplingConfig, load_producers_config
 from producers.tasks import (
     TaskContext,
@@ -22,7 +23,6 @@ from producers.tasks import (
     score_arithmetic,
     score_digits,
 )
-from rollstream.models import BOS_ID, DIGIT0_ID, EOS_ID, SEP_ID
 
 TOK = TinyTokenizer()
 

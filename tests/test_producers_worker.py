@@ -19,6 +19,8 @@ import pytest
 import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+from core.config import default_cache_dir
+from core.models import build_tiny_llama
 from infra.topics import ensure_topics
 from producers.config import EngineConfig, ProducersConfig, RolloutConfig, SamplingConfig
 from producers.engine import Engine
@@ -26,8 +28,7 @@ from producers.ledger import Ledger, end_offsets, read_ledger, recover
 from producers.server import ServerThread
 from producers.tasks import TaskContext, make_task
 from producers.worker import ledger_dir, run_producer
-from rollstream.config import RollstreamConfig, default_cache_dir
-from rollstream.models import build_tiny_llama
+from rollstream.config import RollstreamConfig
 from schemas.codec import decode, encode, parse_headers, routing_headers
 from schemas.topics import TopicSpec
 from schemas.trajectory import Trajectory
@@ -240,11 +241,11 @@ def test_version_change_policies(kafka_config, unique_name, tmp_path, policy):
 
 
 def test_worker_follows_published_weights(kafka_config, s3_config, unique_name, tmp_path):
-    from rollstream.config import WeightsConfig
-    from rollstream.weights.announce import Announcer
-    from rollstream.weights.store import WeightStore
-    from rollstream.weights.writer import DeltaWriter
+    from core.config import WeightsConfig
     from schemas.topics import POLICY_VERSIONS
+    from weights.announce import Announcer
+    from weights.store import WeightStore
+    from weights.writer import DeltaWriter
 
     topic = make_topic(kafka_config, unique_name)
     client = kafka_config.client_config()
@@ -305,11 +306,11 @@ def test_an_engine_that_forgets_its_weights_gets_them_again(
 ):
     """A restarted engine serves its initial weights (v0) again: the worker tags what it
     generated that way honestly and reloads the version it had given the engine."""
-    from rollstream.config import WeightsConfig
-    from rollstream.weights.announce import Announcer
-    from rollstream.weights.store import WeightStore
-    from rollstream.weights.writer import DeltaWriter
+    from core.config import WeightsConfig
     from schemas.topics import POLICY_VERSIONS
+    from weights.announce import Announcer
+    from weights.store import WeightStore
+    from weights.writer import DeltaWriter
 
     topic = make_topic(kafka_config, unique_name)
     client = kafka_config.client_config()

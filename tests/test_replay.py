@@ -22,10 +22,11 @@ import pytest
 from click.testing import CliRunner, Result
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
+from support.streams import synthetic
 
+from core.config import KafkaConfig, S3Config, to_toml
 from infra.topics import ensure_topics
 from rollstream.cli import main
-from rollstream.config import KafkaConfig, S3Config
 from rollstream.replay_export import trajectories_from_export
 from schemas.codec import encode, routing_headers
 from schemas.control import DeadLetter, StaleRecord, VersionAnnouncement
@@ -33,7 +34,6 @@ from schemas.group import ScoredGroup, encode_group
 from schemas.topics import TopicSpec
 from schemas.trajectory import Trajectory
 from streams.groups import GroupState, SampleEntry, build_scored_group
-from streams.testing import synthetic, to_toml
 
 T0 = 1_750_000_000_000  # record timestamps (ms), fixed so time ranges are exact
 
@@ -417,7 +417,7 @@ def test_rerun_train_gives_the_loss_of_the_loss_function(
     from consumers.batching import pack, response_logprobs
     from consumers.loss_config import DecoupledLossConfig
     from consumers.losses import LossInputs, decoupled_loss
-    from rollstream.models import build_tiny_llama
+    from core.models import build_tiny_llama
 
     group = scored_group("gt", [2, 2, 3, 3], [1, 1, 0, 0])
     produce(client, topics["scored"], [(0, b"gt", encode_group(group), [], T0)])
@@ -456,9 +456,9 @@ def test_rerun_train_loads_a_stored_version(
     from consumers.batching import pack, response_logprobs
     from consumers.loss_config import DecoupledLossConfig
     from consumers.losses import LossInputs, decoupled_loss
-    from rollstream.models import build_tiny_llama
-    from rollstream.weights.store import WeightStore
-    from rollstream.weights.writer import DeltaWriter
+    from core.models import build_tiny_llama
+    from weights.store import WeightStore
+    from weights.writer import DeltaWriter
 
     writer = DeltaWriter(WeightStore.from_config(s3_config, "run"))
     for version, seed in ((0, 0), (1, 3)):

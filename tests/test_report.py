@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 from matplotlib.image import imread
 
+from core.config import to_toml
 from rollstream.cli import main
-from streams.testing import to_toml
 
 STEPS = [
     {

@@ -15,13 +15,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
-
-from infra.kafka import EmbeddedKafka
-from infra.process import free_port
-from rollstream.config import KafkaConfig
-from schemas.group import decode_group
-from streams.broker import broker_credentials, broker_urls
-from streams.testing import (
+from support.streams import (
     WorkerProcess,
     create_stream_topics,
     keyed,
@@ -31,6 +25,12 @@ from streams.testing import (
     synthetic,
     worker_config,
 )
+
+from core.config import KafkaConfig
+from core.process import free_port
+from infra.kafka import EmbeddedKafka
+from schemas.group import decode_group
+from streams.broker import broker_credentials, broker_urls
 
 USER, PASSWORD = "alice", "alice-secret"
 

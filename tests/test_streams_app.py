@@ -13,19 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from rollstream.config import KafkaConfig, S3Config
-from rollstream.logprobs import PADDED_BATCH_ATOL
-from rollstream.models import build_tiny_llama
-from rollstream.weights.announce import Announcer
-from rollstream.weights.store import WeightStore
-from rollstream.weights.writer import DeltaWriter
-from schemas.codec import encode
-from schemas.control import DeadLetter, StaleRecord, VersionAnnouncement
-from schemas.group import decode_group
-from schemas.trajectory import NO_VERSION, Trajectory
-from streams.staleness import VersionTracker
-from streams.testing import (
+from support.streams import (
     WorkerProcess,
     create_stream_topics,
     keyed,
@@ -35,8 +23,20 @@ from streams.testing import (
     synthetic,
     worker_config,
 )
-from streams.testing import produce as produce_records
+from support.streams import produce as produce_records
+
+from core.config import KafkaConfig, S3Config
+from core.logprobs import PADDED_BATCH_ATOL
+from core.models import build_tiny_llama
+from schemas.codec import encode
+from schemas.control import DeadLetter, StaleRecord, VersionAnnouncement
+from schemas.group import decode_group
+from schemas.trajectory import NO_VERSION, Trajectory
+from streams.staleness import VersionTracker
 from streams.versions import VersionReader
+from weights.announce import Announcer
+from weights.store import WeightStore
+from weights.writer import DeltaWriter
 
 RUN = "run-streams"
 pytestmark = pytest.mark.slow

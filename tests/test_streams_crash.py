@@ -16,11 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-from rollstream.config import KafkaConfig
-from schemas.control import DeadLetter
-from schemas.group import decode_group
-from streams.testing import (
+from support.streams import (
     WorkerProcess,
     all_applied,
     applied_offsets,
@@ -35,6 +31,10 @@ from streams.testing import (
     wait_until,
     worker_config,
 )
+
+from core.config import KafkaConfig
+from schemas.control import DeadLetter
+from schemas.group import decode_group
 
 RUN = "run-crash"
 

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from support.streams import synthetic
 
 from schemas.codec import MAGIC, encode
 from schemas.control import DeadLetter, StaleRecord
@@ -17,7 +18,6 @@ from streams.groups import GROUP_PREFIX, SAMPLE_PREFIX, GroupState, group_key
 from streams.oldlogits import OldLogitEngine
 from streams.processor import Message, Processor, Step
 from streams.staleness import StalenessPolicy, VersionTracker
-from streams.testing import synthetic
 
 RUN = "run"
 RAW = "rollouts.raw"
@@ -285,7 +285,7 @@ def test_config_rejects_unknown_keys_and_clashing_topics() -> None:
 def test_stream_command_checks_the_config(tmp_path, monkeypatch) -> None:
     from click.testing import CliRunner
 
-    from streams.cli import stream
+    from rollstream.stream_cli import stream
 
     good = tmp_path / "good.toml"
     good.write_text(

@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from support.streams import rollout
 
-from rollstream.config import S3Config
-from rollstream.logprobs import PADDED_BATCH_ATOL
-from rollstream.models import build_tiny_llama
-from rollstream.weights.store import WeightStore
-from rollstream.weights.writer import DeltaWriter
+from core.config import S3Config
+from core.logprobs import PADDED_BATCH_ATOL
+from core.models import build_tiny_llama
 from streams.config import OldLogitsConfig
 from streams.metrics import StreamMetrics
 from streams.oldlogits import OldLogitEngine, Unit, parse_tiny_spec, plan_batches, segment_units
@@ -21,7 +20,8 @@ from streams.snapshots import (
     SnapshotStore,
     VersionUnavailable,
 )
-from streams.testing import rollout
+from weights.store import WeightStore
+from weights.writer import DeltaWriter
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""The worker supervisor (``rollstream.supervisor``) on real child processes.
+"""The worker supervisor (``core.process``) on real child processes.
 
 Children are small Python programs that count their starts in a file, so each test sees
 exactly how many times the supervisor started them and with what outcome.
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from rollstream.supervisor import ChildSupervisor, RestartConfig
+from core.config import RestartConfig
+from core.process import ChildSupervisor
 
 FAST = RestartConfig(max_restarts=3, window_s=60.0, backoff_s=0.01, max_backoff_s=0.05)
 
@@ -86,7 +87,8 @@ def _supervisor_process(tmp_path: Path, argv: list[str]) -> subprocess.Popen[byt
     program = textwrap.dedent(
         f"""
         import sys
-        from rollstream.supervisor import ChildSupervisor, RestartConfig
+        from core.process import ChildSupervisor
+        from core.config import RestartConfig
         policy = RestartConfig(max_restarts=3, backoff_s=0.01)
         sys.exit(ChildSupervisor({argv!r}, policy).run())
         """

@@ -1,4 +1,4 @@
-"""The shared read-to-the-end loop (``rollstream.topic_reader``) on the real broker, with
+"""The shared read-to-the-end loop (``core.topic_reader``) on the real broker, with
 transactions in every state the stream worker leaves them: committed (the last offset is
 a commit marker), aborted (a killed worker) and open (a worker that hangs)."""
 
@@ -11,9 +11,9 @@ from collections.abc import Callable
 import pytest
 from confluent_kafka import Consumer, Producer
 
+from core.config import KafkaConfig
+from core.topic_reader import ReadStalled, read_range, reader_config, whole_topic
 from infra.topics import ensure_topics
-from rollstream.config import KafkaConfig
-from rollstream.topic_reader import ReadStalled, read_range, reader_config, whole_topic
 from schemas.topics import TopicSpec
 
 

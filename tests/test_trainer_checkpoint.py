@@ -8,6 +8,7 @@ from pathlib import Path
 import orjson
 import pytest
 import torch
+from support.synthetic import synthetic_groups
 
 from consumers.checkpoint import (
     LATEST_NAME,
@@ -19,7 +20,6 @@ from consumers.checkpoint import (
 from consumers.config import TrainerConfig
 from consumers.engine import TrainEngine, load_model
 from consumers.step import StepRunner
-from consumers.synthetic import synthetic_groups
 
 
 def build(config: TrainerConfig) -> tuple[TrainEngine, StepRunner]:

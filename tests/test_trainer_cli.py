@@ -11,8 +11,8 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from consumers.cli import apply_overrides, load_sections, main, train
 from rollstream.config import RollstreamConfig
+from rollstream.train_cli import apply_overrides, load_sections, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ base_every = 5
 
 def test_parsing_the_config_imports_no_torch() -> None:
     code = (
-        "import sys; from consumers.cli import load_sections; load_sections(None); "
+        "import sys; from rollstream.train_cli import load_sections; load_sections(None); "
         "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run(
@@ -59,26 +59,27 @@ def test_load_sections_and_overrides(tmp_path: Path) -> None:
 
 
 def test_python_m_consumers_dry_run(tmp_path: Path) -> None:
+    """``python -m consumers`` is a shim for ``rollstream train``: same options, same checks."""
     path = tmp_path / "rollstream.toml"
     path.write_text(TOML)
-    result = CliRunner().invoke(
-        main,
-        [
-            "--config",
-            str(path),
-            "--max-steps",
-            "3",
-            "--dry-run",
-            "--set",
-            "trainer.batch.max_groups=4",
-        ],
+    args = ["--config", str(path), "--max-steps", "3", "--dry-run"]
+    result = subprocess.run(
+        [sys.executable, "-m", "consumers", *args, "--set", "trainer.batch.max_groups=4"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
-    assert result.exit_code == 0, result.output
-    shown = orjson.loads(result.output)
+    assert result.returncode == 0, result.stderr
+    shown = orjson.loads(result.stdout)
     assert shown["max_steps"] == 3 and shown["batch"]["max_groups"] == 4
     assert shown["loss"]["type"] == "mu_grpo"
-    bad = CliRunner().invoke(main, ["--config", str(path), "--dry-run", "--set", "trainer.nope=1"])
-    assert bad.exit_code == 2 and "nope" in bad.output
+    bad = subprocess.run(
+        [sys.executable, "-m", "consumers", *args, "--set", "trainer.nope=1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "nope" in bad.stderr
 
 
 def test_train_command_under_the_rollstream_group() -> None:

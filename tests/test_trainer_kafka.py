@@ -28,21 +28,21 @@ import orjson
 import pytest
 import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
+from support.synthetic import scored_group, synthetic_groups
 
 from consumers.checkpoint import CheckpointManager, TrainingLedger
 from consumers.config import TrainerConfig
 from consumers.engine import TrainEngine, load_model
-from consumers.synthetic import scored_group, synthetic_groups
 from consumers.trainer import FAILPOINT_ENV, Trainer, TrainerSettings
-from infra.s3 import SeaweedServer, ensure_bucket, make_s3_client
+from core.config import KafkaConfig, S3Config
+from infra.s3 import SeaweedServer, ensure_bucket
 from infra.topics import ensure_topics
-from rollstream.config import KafkaConfig, S3Config
-from rollstream.weights.follower import WeightFollower
-from rollstream.weights.store import WeightStore
 from schemas.control import DeadLetter, VersionAnnouncement
 from schemas.group import encode_group
 from schemas.topics import POLICY_VERSIONS, ROLLOUTS_DLQ, ROLLOUTS_SCORED
 from schemas.trajectory import Trajectory
+from weights.follower import WeightFollower
+from weights.store import WeightStore, make_s3_client
 
 RUN = "trainer-test"
 REPO = Path(__file__).resolve().parents[1]
@@ -331,7 +331,7 @@ def test_kill_9_between_checkpoints_then_restart_trains_each_trajectory_once(
 
     store = WeightStore.from_config(s3_config, RUN)
     assert store.versions() == list(range(15))  # no gap, no version written twice
-    from rollstream.weights.manifest import Manifest
+    from weights.manifest import Manifest
 
     kinds = [Manifest.from_bytes(store.read_manifest(v)).kind for v in range(15)]
     # a base at 0, and again at 8: the first version after the restart of life 3 (the
@@ -390,7 +390,7 @@ def test_an_s3_outage_is_retried_without_a_version_gap(
 
         produce(kafka_config, topics["scored"], group_records(groups[:2]))
         thread = threading.Thread(target=run, daemon=True)
-        with caplog.at_level(logging.WARNING, logger="consumers.retry"):
+        with caplog.at_level(logging.WARNING, logger="core.retry"):
             thread.start()
             metrics = tmp_path / "metrics.jsonl"
             deadline = time.monotonic() + 120

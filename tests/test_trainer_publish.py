@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from consumers.config import PublishConfig, RetryConfig
+from consumers.config import PublishConfig
 from consumers.publish import Publisher
-from rollstream.config import S3Config
-from rollstream.models import build_tiny_llama
-from rollstream.weights.errors import VersionTaken
-from rollstream.weights.follower import WeightFollower
-from rollstream.weights.store import WeightStore
-from rollstream.weights.writer import DeltaWriter
+from core.config import RetryConfig, S3Config
+from core.models import build_tiny_llama
+from weights.errors import VersionTaken
+from weights.follower import WeightFollower
+from weights.store import WeightStore
+from weights.writer import DeltaWriter
 
 
 def state(seed: int) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """The trainer without Kafka: config, batching, layout, DeepSpeed steps, anchors, metrics.
 
 DeepSpeed runs on the CPU here (gloo, world size 1); every engine trains the tiny Llama
-on hand-made scored groups (``consumers.synthetic``).
+on hand-made scored groups (``support.synthetic``).
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
+from support.synthetic import synthetic_groups
 
 from consumers.batching import BatchAssembler, ConsumedGroup, pack, response_logprobs
 from consumers.config import TrainerConfig
 from consumers.engine import TrainEngine, deepspeed_config, load_model
 from consumers.metrics import MetricsSink, data_metrics, staleness_bucket
 from consumers.step import StepRunner
-from consumers.synthetic import synthetic_groups
-from rollstream.logprobs import response_logprobs as shared_logprobs
-from rollstream.models import build_tiny_llama
+from core.logprobs import response_logprobs as shared_logprobs
+from core.models import build_tiny_llama
 from schemas.trajectory import OldLogitsStatus
 
 

@@ -11,8 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from core.process import Launcher, RoleSpec
 from rollstream.config import load_config
-from rollstream.launcher import Launcher, RoleSpec
 from rollstream.up import Ports, TrainerLog, _StopFlag, _supervise
 
 

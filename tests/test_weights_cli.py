@@ -8,9 +8,9 @@ import safetensors.torch
 from click.testing import CliRunner
 from weights_support import same_bits, step, store_for, tiny_state
 
-from rollstream.config import S3Config
-from rollstream.weights.cli import weights
-from rollstream.weights.writer import DeltaWriter
+from core.config import S3Config
+from rollstream.weights_cli import weights
+from weights.writer import DeltaWriter
 
 
 def s3_table(config: S3Config) -> str:

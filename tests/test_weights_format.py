@@ -13,9 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollstream.weights import format as fmt
-from rollstream.weights.errors import FormatError, RefusalReason
-from rollstream.weights.manifest import (
+from weights import format as fmt
+from weights.errors import FormatError, RefusalReason
+from weights.manifest import (
     FileEntry,
     Manifest,
     generate_keypair,
@@ -186,7 +186,7 @@ def test_tied_tensors_are_stored_once_and_rejoined() -> None:
 
 def test_tiny_llama_bf16_step_round_trip() -> None:
     """A real model's tied state through one optimiser step, as the writer sees it."""
-    from rollstream.models import build_tiny_llama
+    from core.models import build_tiny_llama
 
     model = build_tiny_llama(seed=1)
     prev = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}

@@ -8,21 +8,21 @@ from pathlib import Path
 import pytest
 from weights_support import same_bits, step, store_for, tiny_state, wait_for
 
+from core.config import KafkaConfig, S3Config
 from infra.topics import ensure_topics
-from rollstream.config import KafkaConfig, S3Config
-from rollstream.weights.announce import AnnouncementListener, Announcer
-from rollstream.weights.errors import RefusalReason, VersionRefused
-from rollstream.weights.follower import WeightFollower
-from rollstream.weights.manifest import (
+from schemas.topics import TopicSpec
+from weights.announce import AnnouncementListener, Announcer
+from weights.errors import RefusalReason, VersionRefused
+from weights.follower import WeightFollower
+from weights.manifest import (
     MANIFEST_NAME,
     Manifest,
     generate_keypair,
     load_private_key,
     load_public_key,
 )
-from rollstream.weights.mirror import mirror_forever, mirror_once, versions_to_copy
-from rollstream.weights.writer import DeltaWriter
-from schemas.topics import TopicSpec
+from weights.mirror import mirror_forever, mirror_once, versions_to_copy
+from weights.writer import DeltaWriter
 
 
 def test_mirror_copies_complete_versions_manifest_bytes_unchanged(

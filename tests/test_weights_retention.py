@@ -7,13 +7,13 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from weights_support import same_bits, step, store_for, tiny_state
 
-from rollstream.config import S3Config
-from rollstream.weights.errors import WeightsError
-from rollstream.weights.follower import WeightFollower
-from rollstream.weights.manifest import Manifest
-from rollstream.weights.retention import collect_garbage, plan_gc
-from rollstream.weights.store import WeightStore
-from rollstream.weights.writer import DeltaWriter
+from core.config import S3Config
+from weights.errors import WeightsError
+from weights.follower import WeightFollower
+from weights.manifest import Manifest
+from weights.retention import collect_garbage, plan_gc
+from weights.store import WeightStore
+from weights.writer import DeltaWriter
 
 
 def publish(store: WeightStore, count: int, base_every: int) -> list[dict]:

@@ -16,23 +16,23 @@ import orjson
 import pytest
 from weights_support import same_bits, step, store_for, tiny_state, wait_for
 
+from core.config import KafkaConfig, S3Config
 from infra.topics import ensure_topics
-from rollstream.config import KafkaConfig, S3Config
-from rollstream.weights import format as fmt
-from rollstream.weights.announce import AnnouncementListener, Announcer
-from rollstream.weights.errors import RefusalReason, VersionRefused, VersionTaken
-from rollstream.weights.follower import Snapshot, WeightFollower
-from rollstream.weights.manifest import (
+from schemas.control import VersionAnnouncement
+from schemas.topics import TopicSpec
+from weights import format as fmt
+from weights.announce import AnnouncementListener, Announcer
+from weights.errors import RefusalReason, VersionRefused, VersionTaken
+from weights.follower import Snapshot, WeightFollower
+from weights.manifest import (
     MANIFEST_NAME,
     Manifest,
     generate_keypair,
     load_private_key,
     load_public_key,
 )
-from rollstream.weights.store import WeightStore
-from rollstream.weights.writer import DeltaWriter
-from schemas.control import VersionAnnouncement
-from schemas.topics import TopicSpec
+from weights.store import WeightStore
+from weights.writer import DeltaWriter
 
 
 def refusals(follower: WeightFollower, reason: RefusalReason) -> float:
@@ -201,7 +201,7 @@ def test_refuses_a_bad_hash(published, caplog: pytest.LogCaptureFixture) -> None
     body = bytearray(store.get_bytes(key))
     body[len(body) // 2] ^= 0x01
     overwrite(store, key, bytes(body))
-    with caplog.at_level(logging.WARNING, logger="rollstream.weights.follower"):
+    with caplog.at_level(logging.WARNING, logger="weights.follower"):
         expect_refusal(follower, RefusalReason.BAD_HASH)
     line = next(r.getMessage() for r in caplog.records if "refused" in r.getMessage())
     assert "refused v3" in line and "bad_hash" in line and "keeping v0" in line

@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import torch
 
-from rollstream.config import S3Config
-from rollstream.weights import format as fmt
-from rollstream.weights.store import WeightStore
+from core.config import S3Config
+from weights import format as fmt
+from weights.store import WeightStore
 
 
 def tiny_state(seed: int = 0) -> dict[str, torch.Tensor]:

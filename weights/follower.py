@@ -37,17 +37,17 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from rollstream.weights import format as fmt
-from rollstream.weights.announce import AnnouncementListener
-from rollstream.weights.config import WeightsConfig
-from rollstream.weights.errors import (
+from core.config import WeightsConfig
+from weights import format as fmt
+from weights.announce import AnnouncementListener
+from weights.errors import (
     FormatError,
     ObjectMissing,
     RefusalReason,
     VersionRefused,
     WeightsError,
 )
-from rollstream.weights.manifest import (
+from weights.manifest import (
     FileEntry,
     Manifest,
     load_public_key,
@@ -55,7 +55,7 @@ from rollstream.weights.manifest import (
     sha256_hex,
     verify_signature,
 )
-from rollstream.weights.store import WeightStore, sha256_file
+from weights.store import WeightStore, sha256_file
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import boto3
 from boto3.s3.transfer import TransferConfig
+from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
 
-from rollstream.config import S3Config
-from rollstream.weights.errors import ObjectMissing, VersionTaken
-from rollstream.weights.manifest import MANIFEST_NAME
+from core.config import S3Config
+from weights.errors import ObjectMissing, VersionTaken
+from weights.manifest import MANIFEST_NAME
 
 #: Parts of 8 MiB, eight in flight: measured fastest against SeaweedFS on loopback.
 DEFAULT_TRANSFER = TransferConfig(
@@ -68,6 +70,26 @@ def _error_code(err: ClientError) -> str:
     return str(err.response.get("Error", {}).get("Code", ""))
 
 
+def make_s3_client(config: S3Config) -> Any:
+    """A boto3 S3 client for one store: explicit keys if configured, else the AWS chain."""
+    kwargs: dict[str, Any] = {
+        "region_name": config.region_name,
+        "config": BotoConfig(
+            retries={"max_attempts": 5, "mode": "standard"},
+            s3={"addressing_style": "path"},
+            connect_timeout=5,
+            read_timeout=60,
+        ),
+    }
+    if config.endpoint_url:
+        kwargs["endpoint_url"] = config.endpoint_url
+    if config.access_key_id:
+        kwargs["aws_access_key_id"] = config.access_key_id
+        secret = config.secret_access_key
+        kwargs["aws_secret_access_key"] = secret.get_secret_value() if secret else None
+    return boto3.session.Session().client("s3", **kwargs)
+
+
 class WeightStore:
     """The versions of one run in one region (an S3 endpoint + bucket + prefix)."""
 
@@ -93,8 +115,6 @@ class WeightStore:
 
     @classmethod
     def from_config(cls, config: S3Config, run: str) -> WeightStore:
-        from infra.s3 import make_s3_client
-
         return cls(
             make_s3_client(config),
             config.bucket,

@@ -18,8 +18,8 @@ import click
 from pydantic import ValidationError
 
 from consumers.config import TrainerConfig
+from core.config import WeightsConfig
 from rollstream.config import RollstreamConfig, load_config
-from rollstream.weights.config import WeightsConfig
 
 
 def _parse_value(text: str) -> Any:
@@ -127,25 +127,3 @@ def _finish(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     sys.exit(run_trainer(config, trainer, weights))
-
-
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option(
-    "--config",
-    "config_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    envvar="ROLLSTREAM_CONFIG",
-    help="TOML config file (env: ROLLSTREAM_CONFIG); its [trainer] section configures this role.",
-)
-@click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
-@click.option("--max-steps", type=int, help="Stop after this many optimiser steps in total.")
-@click.option("--dry-run", is_flag=True, help="Print the merged trainer config and exit.")
-def main(
-    config_path: Path | None, assignments: tuple[str, ...], max_steps: int | None, dry_run: bool
-) -> None:
-    """The rollstream trainer: consume scored groups, optimise, publish versions."""
-    try:
-        config, trainer, weights = load_sections(config_path, assignments)
-    except ValidationError as err:
-        raise click.UsageError(f"invalid configuration:\n{err}") from err
-    _finish(config, trainer, weights, max_steps, dry_run)

@@ -19,7 +19,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from consumers.config import RetryConfig
+from core.config import RetryConfig
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from rollstream.weights.errors import FormatError, ObjectMissing, VersionTaken, WeightsError
-from rollstream.weights.manifest import Manifest, sha256_hex
-from rollstream.weights.store import WeightStore, sha256_file
+from weights.errors import FormatError, ObjectMissing, VersionTaken, WeightsError
+from weights.manifest import Manifest, sha256_hex
+from weights.store import WeightStore, sha256_file
 
 log = logging.getLogger(__name__)
 

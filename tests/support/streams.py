@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 
+from core.config import to_toml
 from schemas.trajectory import Trajectory
 
 
@@ -46,7 +46,7 @@ def rollout(
     sampled under ``states[version]``."""
     import torch
 
-    from rollstream.logprobs import params_for
+    from core.logprobs import params_for
 
     dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(seed)
@@ -140,37 +140,9 @@ def synthetic(
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def to_toml(values: Mapping[str, Any], _prefix: tuple[str, ...] = ()) -> str:
-    """A TOML document for nested dicts of strings, numbers and booleans."""
-    lines: list[str] = []
-    tables: list[tuple[str, Mapping[str, Any]]] = []
-    for key, value in values.items():
-        if isinstance(value, Mapping):
-            tables.append((key, value))
-        elif value is not None:
-            lines.append(f"{key} = {_toml_value(value)}")
-    text = ""
-    if _prefix and lines:
-        text += f"[{'.'.join(_prefix)}]\n"
-    text += "".join(line + "\n" for line in lines)
-    for key, table in tables:
-        text += to_toml(table, (*_prefix, key))
-    return text
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return orjson.dumps(value).decode()
-    raise TypeError(f"cannot write {type(value).__name__} to TOML")
-
-
 class WorkerProcess:
-    """A stream worker in a subprocess: ``python -m streams.app worker`` (or, supervised,
-    ``rollstream stream``) with a TOML config written to ``workdir``; its output goes to
+    """A stream worker in a subprocess: ``rollstream stream --no-supervisor`` (or,
+    supervised, ``rollstream stream``) with a TOML config written to ``workdir``; its output goes to
     ``workdir/<name>.log``."""
 
     def __init__(
@@ -198,8 +170,8 @@ class WorkerProcess:
                 argv = [sys.executable, "-m", "rollstream", "stream", "-l", loglevel]
                 argv.append(f"--datadir={self.workdir / 'data'}")
             else:
-                argv = [sys.executable, "-m", "streams.app", f"--datadir={self.workdir / 'data'}"]
-                argv += ["worker", "--without-web", "-l", loglevel]
+                argv = [sys.executable, "-m", "rollstream", "stream", "--no-supervisor"]
+                argv += [f"--datadir={self.workdir / 'data'}", "-l", loglevel]
             self.process = subprocess.Popen(
                 argv,
                 cwd=REPO_ROOT,
@@ -283,7 +255,7 @@ def committed_offsets(client_config: Mapping[str, str], group: str, topic: str) 
     retried while the group's coordinator moves or loads."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from rollstream.topic_reader import committed_offsets as group_committed
+    from core.topic_reader import committed_offsets as group_committed
 
     consumer = Consumer({**client_config, "group.id": group, "enable.auto.commit": False})
     try:
@@ -306,7 +278,7 @@ def applied_offsets(
     committed offsets are only a hint (``streams.gaps``)."""
     from confluent_kafka import Consumer, KafkaException
 
-    from rollstream.topic_reader import read_range, reader_config, whole_topic
+    from core.topic_reader import read_range, reader_config, whole_topic
     from streams.groups import offset_key
 
     changelog = f"{app_id}-groups-changelog"

@@ -114,26 +114,3 @@ def produce(
         f"({report.interrupted_samples} interrupted sample(s), "
         f"{report.groups_dropped} group(s) dropped at shutdown)"
     )
-
-
-@click.group("producers")
-@click.option(
-    "--config",
-    "config_path",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    envvar="ROLLSTREAM_CONFIG",
-    help="rollstream TOML config (env: ROLLSTREAM_CONFIG); ROLLSTREAM_* variables override it.",
-)
-@click.pass_context
-def cli(ctx: click.Context, config_path: Path | None) -> None:
-    """The producer role on its own (``python -m producers``)."""
-    from rollstream.config import load_config
-
-    try:
-        ctx.obj = load_config(config_path)
-    except ValidationError as err:
-        raise click.UsageError(f"invalid configuration:\n{err}") from err
-
-
-cli.add_command(serve)
-cli.add_command(produce)

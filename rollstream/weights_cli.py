@@ -19,8 +19,8 @@ from typing import Any
 import click
 import orjson
 
-from rollstream.config import RollstreamConfig, S3Config, load_config
-from rollstream.weights.config import WeightsConfig
+from core.config import S3Config, WeightsConfig
+from rollstream.config import RollstreamConfig, load_config
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class WeightsContext:
         return self.weights.region(region or self.region, home)
 
     def store(self, region: str | None = None) -> Any:
-        from rollstream.weights.store import WeightStore
+        from weights.store import WeightStore
 
         return WeightStore.from_config(self.s3(region), self.run)
 
@@ -97,7 +97,7 @@ def _fmt_bytes(n: int) -> str:
 @click.pass_obj
 def ls(ctx: WeightsContext) -> None:
     """List complete versions with kind, chain and size."""
-    from rollstream.weights.manifest import Manifest
+    from weights.manifest import Manifest
 
     store = ctx.store()
     versions = store.versions()
@@ -130,7 +130,7 @@ def show(ctx: WeightsContext, version: int) -> None:
 
 
 def _follower(ctx: WeightsContext) -> Any:
-    from rollstream.weights.follower import WeightFollower
+    from weights.follower import WeightFollower
 
     return WeightFollower.from_config(ctx.store(), ctx.weights)
 
@@ -149,8 +149,8 @@ def pull(ctx: WeightsContext, version: int | None, output: Path) -> None:
     """Rebuild a version (default: the latest), verified, into a safetensors file."""
     import safetensors.torch
 
-    from rollstream.weights.errors import VersionRefused
-    from rollstream.weights.format import base_payload
+    from weights.errors import VersionRefused
+    from weights.format import base_payload
 
     try:
         snapshot = _follower(ctx).sync(version)
@@ -169,7 +169,7 @@ def pull(ctx: WeightsContext, version: int | None, output: Path) -> None:
 def verify(ctx: WeightsContext, start: int | None) -> None:
     """Rebuild every stored version in order, checking every hash, signature and tensor
     checksum. Exits 1 if any version is refused."""
-    from rollstream.weights.errors import VersionRefused
+    from weights.errors import VersionRefused
 
     store = ctx.store()
     follower = _follower(ctx)
@@ -196,7 +196,7 @@ def verify(ctx: WeightsContext, start: int | None) -> None:
 @click.pass_obj
 def mirror(ctx: WeightsContext, src: str, dst: str, since: int | None, watch: bool) -> None:
     """Copy complete versions between regions (files first, manifest last)."""
-    from rollstream.weights.mirror import mirror_forever, mirror_once
+    from weights.mirror import mirror_forever, mirror_once
 
     source, target = ctx.store(src), ctx.store(dst)
     if watch:
@@ -223,7 +223,7 @@ def mirror(ctx: WeightsContext, src: str, dst: str, since: int | None, watch: bo
 @click.pass_obj
 def gc(ctx: WeightsContext, keep: int | None, dry_run: bool) -> None:
     """Delete versions outside the retention window (never what a kept one needs)."""
-    from rollstream.weights.retention import collect_garbage
+    from weights.retention import collect_garbage
 
     plan = collect_garbage(
         ctx.store(), keep or ctx.weights.keep_versions, ctx.weights.orphan_grace_s, dry_run
@@ -238,7 +238,7 @@ def gc(ctx: WeightsContext, keep: int | None, dry_run: bool) -> None:
 @click.argument("public_key", type=click.Path(dir_okay=False, path_type=Path))
 def keygen(private_key: Path, public_key: Path) -> None:
     """Create an ed25519 key pair for signing manifests (PEM files)."""
-    from rollstream.weights.manifest import generate_keypair, key_id
+    from weights.manifest import generate_keypair, key_id
 
     public = generate_keypair(private_key, public_key)
     click.echo(f"key {key_id(public)}: private {private_key}, public {public_key}")

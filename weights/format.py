@@ -40,8 +40,8 @@ import safetensors.torch
 import torch
 import zstandard
 
-from rollstream.weights.errors import FormatError, RefusalReason
-from rollstream.weights.manifest import TensorSpec
+from weights.errors import FormatError, RefusalReason
+from weights.manifest import TensorSpec
 
 StateDict = dict[str, torch.Tensor]
 

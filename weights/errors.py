@@ -27,7 +27,7 @@ class RefusalReason(StrEnum):
 
 
 class WeightsError(Exception):
-    """Base class of every error raised by ``rollstream.weights``."""
+    """Base class of every error raised by ``weights``."""
 
 
 class FormatError(WeightsError):

@@ -26,13 +26,13 @@ from confluent_kafka import KafkaException
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
-from rollstream.weights import format as fmt
-from rollstream.weights.announce import Announcer
-from rollstream.weights.config import WeightsConfig
-from rollstream.weights.errors import VersionTaken
-from rollstream.weights.manifest import FileEntry, Kind, Manifest, load_private_key, sha256_hex
-from rollstream.weights.store import WeightStore, new_file_name, sha256_file
+from core.config import WeightsConfig
 from schemas.control import VersionAnnouncement
+from weights import format as fmt
+from weights.announce import Announcer
+from weights.errors import VersionTaken
+from weights.manifest import FileEntry, Kind, Manifest, load_private_key, sha256_hex
+from weights.store import WeightStore, new_file_name, sha256_file
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from rollstream.weights.errors import ObjectMissing, WeightsError
-from rollstream.weights.manifest import MANIFEST_NAME, Manifest
-from rollstream.weights.store import StoredObject, WeightStore
+from weights.errors import ObjectMissing, WeightsError
+from weights.manifest import MANIFEST_NAME, Manifest
+from weights.store import StoredObject, WeightStore
 
 log = logging.getLogger(__name__)
 

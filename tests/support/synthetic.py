@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from rollstream.advantages import group_advantages
+from core.advantages import group_advantages
 from schemas.group import SampleDiagnostics, ScoredGroup
 from schemas.trajectory import OldLogitsStatus, Trajectory
 
@@ -47,7 +47,7 @@ def synthetic_groups(
             length = int(rng.integers(1, response_len + 1)) if vary_lengths else response_len
             responses.append(rng.integers(0, vocab_size, size=length, dtype=np.int32))
         if model is not None:
-            from rollstream.logprobs import response_logprobs
+            from core.logprobs import response_logprobs
 
             logps = response_logprobs(model, [(prompt, r) for r in responses])
         else:

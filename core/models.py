@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollstream.config import default_cache_dir
+from core.config import default_cache_dir
 
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM

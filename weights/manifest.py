@@ -26,7 +26,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from rollstream.weights.errors import FormatError, RefusalReason
+from weights.errors import FormatError, RefusalReason
 
 #: Bump when a reader of the previous format could misread a new manifest.
 FORMAT_VERSION = 1

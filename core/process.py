@@ -1,0 +1,482 @@
+"""Child processes, in one place: services, supervised roles, restarted workers.
+
+Three uses, each a section below:
+
+* ``ServiceProcess``: a long-running service (broker, object store) detached into its own
+  session with a pid file and a log file, so that ``rollstream infra up`` can exit and a
+  later ``rollstream infra down`` (another process) stops it by pid. The pid file also
+  records the command line, so a recycled pid is never mistaken for ours.
+* ``Launcher`` / ``RoleProcess``: ``rollstream up`` starts each role as the command a user
+  would run on its own machine, each in its own session with its output in
+  ``<log_dir>/<name>.log``; ``stop`` sends SIGTERM to the role's process group and
+  SIGKILL after a timeout.
+* ``ChildSupervisor``: runs a role's worker as a child and starts it again when it
+  crashes, within a crash-loop limit (``RestartConfig``) in the spirit of systemd's
+  ``StartLimitBurst``. A Faust worker that hits an error it cannot recover from in place
+  (the broker aborted its transaction while restarting, a fenced producer) crashes with
+  its event loop; a restart rebuilds the table from its changelog and resumes at the
+  committed offsets, so an aborted transaction's effects are redone exactly once. SIGTERM
+  and SIGINT are forwarded to the child (SIGHUP as SIGTERM), which stops cleanly and is
+  not restarted.
+
+Every child gets ``PR_SET_PDEATHSIG`` (``die_with_parent``), so none outlives a parent
+killed by SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+import orjson
+
+from core.config import RestartConfig
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """In a child before exec: have the kernel send ``signum`` when the parent dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+
+
+# --- services: detached, found again by pid file -------------------------------------------
+
+class ServiceError(RuntimeError):
+    """A service failed to start, answer or stop; the message points at its log."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    """Last lines of a log, for error messages."""
+    if not path.exists():
+        return f"(no log at {path})"
+    text = path.read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:])
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class ServiceProcess:
+    """One detached service: ``name`` labels logs; files live in ``run_dir``."""
+
+    name: str
+    run_dir: Path
+
+    @property
+    def pid_file(self) -> Path:
+        return self.run_dir / f"{self.name}.pid"
+
+    @property
+    def log_file(self) -> Path:
+        return self.run_dir / f"{self.name}.log"
+
+    def pid(self) -> int | None:
+        """Pid of our live process, or None (a stale pid file is removed)."""
+        if not self.pid_file.exists():
+            return None
+        record = orjson.loads(self.pid_file.read_bytes())
+        pid, marker = int(record["pid"]), str(record["marker"])
+        if marker and marker in _cmdline(pid):
+            return pid
+        self.pid_file.unlink(missing_ok=True)
+        return None
+
+    def running(self) -> bool:
+        return self.pid() is not None
+
+    def start(self, argv: Sequence[str], env: Mapping[str, str], marker: str) -> int:
+        """Start detached; ``marker`` is a string unique to this command line."""
+        if (pid := self.pid()) is not None:
+            return pid
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with self.log_file.open("ab") as log:
+            proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(env),
+                start_new_session=True,
+            )
+        # Until exec() completes, /proc shows the forked Python's command line; wait for
+        # ours so that running() (which checks the marker) never sees a stranger.
+        deadline = time.monotonic() + 10
+        while marker not in _cmdline(proc.pid) and time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise ServiceError(
+                    f"{self.name} exited at once; log {self.log_file}:\n{tail(self.log_file)}"
+                )
+            time.sleep(0.01)
+        self.pid_file.write_bytes(orjson.dumps({"pid": proc.pid, "marker": marker}))
+        return proc.pid
+
+    def wait_until(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
+        """Poll ``ready`` until true; fail early, with the log, if the process died."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running():
+                raise ServiceError(
+                    f"{self.name} exited while waiting for {what}; log {self.log_file}:\n"
+                    f"{tail(self.log_file)}"
+                )
+            with contextlib.suppress(Exception):
+                if ready():
+                    return
+            time.sleep(0.2)
+        raise ServiceError(
+            f"{self.name}: {what} not reached in {timeout:.0f}s; log {self.log_file}:\n"
+            f"{tail(self.log_file)}"
+        )
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """SIGTERM the process group, SIGKILL after ``timeout``. True if it was running."""
+        pid = self.pid()
+        if pid is None:
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and pid_alive(pid):
+            time.sleep(0.1)
+        if pid_alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            while pid_alive(pid):
+                time.sleep(0.05)
+        self.pid_file.unlink(missing_ok=True)
+        return True
+
+
+def pid_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# --- roles: started, watched and stopped by `rollstream up` ----------------------------
+
+
+
+
+class LaunchError(RuntimeError):
+    """A role did not start or did not become ready; the message holds its log tail."""
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """How to run one role: argv, extra environment, readiness probe, CPU pinning."""
+
+    name: str
+    argv: Sequence[str]
+    env: Mapping[str, str] = field(default_factory=dict)
+    ready: Callable[[], bool] | None = None  # None: ready once started
+    cpus: frozenset[int] | None = None  # os.sched_setaffinity of the role
+
+
+def _child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
+    """Runs in the child between fork and exec: die with the launcher, pin to cores."""
+
+    def setup() -> None:
+        die_with_parent(signal.SIGKILL)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
+class RoleProcess:
+    """One supervised role. Not thread-safe: one supervisor drives it."""
+
+    def __init__(self, spec: RoleSpec, log_dir: Path) -> None:
+        self.spec = spec
+        self.log_file = log_dir / f"{spec.name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self.started_at = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> int:
+        """Start the role (appending to its log); returns its pid."""
+        if self.running():
+            raise LaunchError(f"{self.name} is already running (pid {self.pid})")
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.spec.env}
+        with self.log_file.open("ab") as log:
+            log.write(f"--- start {self.starts + 1}: {' '.join(self.spec.argv)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                list(self.spec.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_child_setup(self.spec.cpus),  # before any thread starts
+            )
+        self.starts += 1
+        self.started_at = time.monotonic()
+        return self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def wait_ready(self, timeout_s: float, cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Poll the readiness probe; fail early, with the log tail, if the role exits.
+        Returns early (not ready) once ``cancelled()`` is true, e.g. after Ctrl-C."""
+        deadline = time.monotonic() + timeout_s
+        while not cancelled():
+            if not self.running():
+                raise LaunchError(
+                    f"{self.name} exited with code {self.returncode()} before it was ready; "
+                    f"log {self.log_file}:\n{tail(self.log_file)}"
+                )
+            probe = self.spec.ready
+            ok = False
+            if probe is None:
+                ok = True
+            else:
+                with contextlib.suppress(Exception):
+                    ok = bool(probe())
+            if ok:
+                return
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"{self.name} not ready after {timeout_s:.0f}s; log {self.log_file}:\n"
+                    f"{tail(self.log_file)}"
+                )
+            time.sleep(0.2)
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the role's whole process group (its children too)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signum)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.running():
+            self.signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout_s)
+        return self.kill() if self.running() else self._reap_group()
+
+    def kill(self) -> int | None:
+        """SIGKILL the process group at once (crash tests); returns the exit code."""
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGKILL)
+        code = self.proc.wait()
+        self._reap_group()
+        return code
+
+    def _reap_group(self) -> int | None:
+        """Kill what the role left in its group (a forked helper) and return its code."""
+        assert self.proc is not None
+        self.signal(signal.SIGKILL)  # the leader is gone: only stragglers receive it
+        return self.proc.poll()
+
+    def restart(self, timeout_s: float = 30.0) -> int:
+        self.stop(timeout_s)
+        return self.start()
+
+
+class Launcher:
+    """Roles started in order and stopped in reverse order (or a given order)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.roles: dict[str, RoleProcess] = {}
+
+    def add(self, spec: RoleSpec) -> RoleProcess:
+        if spec.name in self.roles:
+            raise ValueError(f"role {spec.name!r} added twice")
+        role = RoleProcess(spec, self.log_dir)
+        self.roles[spec.name] = role
+        return role
+
+    def start(self, name: str, ready_timeout_s: float) -> RoleProcess:
+        role = self.roles[name]
+        role.start()
+        role.wait_ready(ready_timeout_s)
+        return role
+
+    def exited(self) -> list[RoleProcess]:
+        """Roles that were started and are no longer running."""
+        return [r for r in self.roles.values() if r.proc is not None and not r.running()]
+
+    def pids(self) -> dict[str, int]:
+        return {name: r.pid for name, r in self.roles.items() if r.pid is not None}
+
+    def stop_all(self, order: Sequence[str] | None = None, timeout_s: float = 30.0) -> None:
+        """Stop every role, ``order`` first (the rest in reverse start order)."""
+        names = [n for n in order or [] if n in self.roles]
+        names += [n for n in reversed(self.roles) if n not in names]
+        for name in names:
+            self.roles[name].stop(timeout_s)
+
+    def leftovers(self) -> list[int]:
+        """Pids of started roles that still exist (should be empty after ``stop_all``)."""
+        return [r.pid for r in self.roles.values() if r.pid is not None and pid_alive(r.pid)]
+
+
+# --- a worker restarted when it crashes ----------------------------------------------------
+
+
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class ChildSupervisor:
+    """Starts ``argv``, restarts it after a crash within ``policy``, forwards stop signals."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        policy: RestartConfig,
+        *,
+        env: Mapping[str, str] | None = None,
+        name: str = "worker",
+    ) -> None:
+        self.argv = list(argv)
+        self.policy = policy
+        self.env = dict(os.environ if env is None else env)
+        self.name = name
+        self.restarts = 0  # in total, for the log and the tests
+        self._stopping = threading.Event()  # set by a stop signal; cuts a backoff short
+        self._child: subprocess.Popen[bytes] | None = None
+        self._stop_signal: int | None = None
+
+    def run(self) -> int:
+        """Run until the child exits cleanly, is told to stop, or crashes too often;
+        returns the exit code to leave with."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED_SIGNALS}
+        try:
+            return self._loop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _loop(self) -> int:
+        recent = 0  # crashes inside the current window
+        while True:
+            started = time.monotonic()
+            self._child = subprocess.Popen(self.argv, env=self.env, preexec_fn=die_with_parent)
+            code = self._wait_child()
+            ran_s = time.monotonic() - started
+            if self._stop_signal is not None or code == 0:
+                return code
+            recent = 1 if ran_s > self.policy.window_s else recent + 1
+            if recent > self.policy.max_restarts:
+                log.error(
+                    "%s exited with code %d after %.0f s; %d restarts within %.0f s: giving up",
+                    self.name,
+                    code,
+                    ran_s,
+                    recent - 1,
+                    self.policy.window_s,
+                )
+                return code
+            delay = min(self.policy.backoff_s * 2 ** (recent - 1), self.policy.max_backoff_s)
+            log.warning(
+                "%s exited with code %d after %.0f s: restart %d of %d in %.1f s "
+                "(it resumes from its committed offsets and changelog)",
+                self.name,
+                code,
+                ran_s,
+                recent,
+                self.policy.max_restarts,
+                delay,
+            )
+            if self._stopping.wait(delay):  # told to stop while waiting
+                return code
+            self.restarts += 1
+
+    def _wait_child(self) -> int:
+        assert self._child is not None
+        while True:
+            with contextlib.suppress(InterruptedError):
+                code = self._child.wait()
+                # a child killed by a signal reports -N; exit as a shell would
+                return code if code >= 0 else 128 - code
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        first = self._stop_signal is None
+        self._stop_signal = signum
+        self._stopping.set()
+        child = self._child
+        if first and child is not None and child.poll() is None:
+            forward = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(forward)
+
+
+# --- role shims: `python -m producers|streams|consumers` -----------------------------------
+
+
+def exec_role_command(command: str, args: Sequence[str]) -> None:
+    """Replace this process with ``python -m rollstream [--config F] <command> <args>``.
+
+    The role packages' ``__main__`` shims call this: the ``rollstream`` command is the one
+    CLI root, and a role package never imports the application above it. A leading
+    ``--config FILE`` (a root option) is moved in front of the command.
+    """
+    args = list(args)
+    head: list[str] = []
+    if args[:1] == ["--config"]:
+        head, args = args[:2], args[2:]
+    elif args[:1] and args[0].startswith("--config="):
+        head, args = args[:1], args[1:]
+    argv = [sys.executable, "-m", "rollstream", *head, command, *args]
+    os.execv(sys.executable, argv)

@@ -1,0 +1,1 @@
+"""Helpers the tests (and benchmarks) share: synthetic records, workers in subprocesses."""
