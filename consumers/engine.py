@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from consumers.build_lock import extensions_root, op_build_guard
 from consumers.config import EngineConfig, ModelConfig
-from consumers.op_cache import extensions_root, op_build_guard
 from core.config import merge_tables
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def init_distributed(config: EngineConfig) -> str:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not torch.distributed.is_initialized():
         backend = config.dist_backend or ("nccl" if accelerator == "cuda" else "gloo")
-        # deepspeed.comm compiles or re-checks its C++ op here; see op_cache for why
+        # deepspeed.comm compiles or re-checks its C++ op here; see build_lock for why
         # that happens under rollstream's build guard.
         with op_build_guard(extensions_root()):
             deepspeed.init_distributed(dist_backend=backend)

@@ -91,9 +91,9 @@ install() {
   install_model_files
   # DeepSpeed JIT-compiles its CPU comm op (about a minute, once; cached under
   # $CACHE/torch_extensions). Later runs only re-check it and clear a build lock that a
-  # killed trainer left behind (consumers/op_cache.py).
+  # killed trainer left behind (consumers/build_lock.py).
   log "building DeepSpeed's C++ ops (cached)"
-  "$VENV/bin/python" -m consumers.op_cache >/dev/null
+  "$VENV/bin/python" -m consumers.prebuild >/dev/null
 }
 
 cmd="${1:-run}"
@@ -111,7 +111,7 @@ case "$cmd" in
   test)
     install
     "$VENV/bin/ruff" check .
-    "$VENV/bin/lint-imports"
+    "$VENV/bin/lint-imports" --no-cache
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
   *)

@@ -25,14 +25,8 @@ from typing import Any
 import click
 
 from rollstream.config import RollstreamConfig
-from rollstream.replay import (
-    ReadBounds,
-    ReplayRecord,
-    kafka_client_config,
-    parse_time,
-    read_records,
-    topic_names,
-)
+from rollstream.records import ReadBounds, ReplayRecord, read_records
+from rollstream.replay import kafka_client_config, parse_time, topic_names
 
 
 def find_group(

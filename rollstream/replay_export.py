@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from rollstream.replay import ReplayRecord
+from rollstream.records import ReplayRecord
 
 if TYPE_CHECKING:
     import pyarrow as pa

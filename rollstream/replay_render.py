@@ -26,7 +26,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from rollstream.replay import ReplayRecord
+from rollstream.records import ReplayRecord
 from schemas.group import SampleDiagnostics, ScoredGroup
 from schemas.trajectory import Trajectory
 

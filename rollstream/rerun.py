@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from core.config import S3Config
 from rollstream.config import RollstreamConfig
-from rollstream.replay import ReadBounds, ReplayRecord, read_records
+from rollstream.records import ReplayRecord
 from schemas.group import decode_group
 from schemas.trajectory import NO_VERSION, OldLogitsStatus, Trajectory
+from weights.announce import AnnouncementListener
 
 if TYPE_CHECKING:
     import torch
@@ -69,15 +70,15 @@ def latest_announced(client_config: Mapping[str, str], topic: str, run_id: str) 
     if the topic cannot be read: the stream then admits everything, as it does itself)."""
     import click
 
-    version = NO_VERSION
+    listener = AnnouncementListener(client_config, run_id, topic)
     try:
-        for record in read_records(client_config, topic, ReadBounds(idle_timeout_s=10.0)):
-            ann = record.announcement
-            if ann is not None and ann.run == run_id:
-                version = max(version, ann.version)
-    except click.ClickException as err:
-        click.echo(f"no trainer version from {topic}: {err.format_message()}", err=True)
-    return version
+        newest = listener.latest(timeout_s=10.0)
+    except TimeoutError as err:
+        click.echo(f"no trainer version from {topic}: {err}", err=True)
+        return NO_VERSION
+    finally:
+        listener.close()
+    return NO_VERSION if newest is None else newest.version
 
 
 def resolved_s3(config: RollstreamConfig) -> S3Config:

@@ -8,11 +8,20 @@ keyed by run id, so a listener that starts late still finds each run's latest ve
 from __future__ import annotations
 
 import logging
-import uuid
+import time
 from collections.abc import Mapping
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
 
+from core.topic_reader import reader_config, whole_topic
 from schemas.control import VersionAnnouncement
 
 log = logging.getLogger(__name__)
@@ -62,51 +71,92 @@ class Announcer:
 
 
 class AnnouncementListener:
-    """Reads every announcement of one run from the start of the (compacted) topic.
+    """The one reader of ``policy.versions``: every announcement of one run, read from the
+    start of the (compacted) topic.
 
-    Each listener uses its own consumer group: every follower must see every
-    announcement, so there is nothing to share, and no offsets are committed.
+    It joins no consumer group and commits nothing (every follower must see every
+    announcement, so there is nothing to share). It remembers the end offsets the topic
+    had when it was first read, so ``caught_up`` says when everything announced before
+    it started has been seen. A topic that does not exist yet is looked up again on the
+    next call.
     """
 
     def __init__(
         self, client_config: Mapping[str, str], run: str, topic: str = DEFAULT_TOPIC
     ) -> None:
         self.run = run
-        self._consumer = Consumer(
-            {
-                **client_config,
-                "group.id": f"rollstream-weights-{run}-{uuid.uuid4().hex[:12]}",
-                "auto.offset.reset": "earliest",
-                "enable.auto.commit": False,
-                "enable.partition.eof": False,
-            }
-        )
-        self._consumer.subscribe([topic])
+        self.topic = topic
+        config = reader_config(client_config, f"versions-{run}")
+        self._consumer = Consumer({**config, "enable.partition.eof": False})
+        self._ends: dict[int, int] | None = None  # partition -> end offset seen at start
+        self._caught_up = False
 
     def next(self, timeout_s: float) -> VersionAnnouncement | None:
         """The newest announcement for the run among those that arrive within
         ``timeout_s`` (older ones in the same batch are skipped), or None."""
+        if self._ends is None and not self._assign():
+            time.sleep(timeout_s)
+            return None
         newest: VersionAnnouncement | None = None
         # ``poll`` returns at the first message; ``consume`` would wait for a full batch.
         first = self._consumer.poll(timeout_s)
         messages = [] if first is None else [first]
         while messages:
             for msg in messages:
-                if msg.error():
-                    log.warning("policy.versions consumer error: %s", msg.error())
-                    continue
-                if msg.key() != self.run.encode():
-                    continue
-                try:
-                    found = VersionAnnouncement.from_json(msg.value())
-                except ValueError as err:
-                    log.warning("ignoring a malformed announcement: %s", err)
-                    continue
-                if newest is None or found.version > newest.version:
+                found = self._announcement(msg)
+                if found is not None and (newest is None or found.version > newest.version):
                     newest = found
             # Drain what is already buffered without waiting again.
             messages = self._consumer.consume(num_messages=1000, timeout=0)
         return newest
+
+    @property
+    def caught_up(self) -> bool:
+        """True once every announcement made before the first read has been read."""
+        if not self._caught_up and self._ends is not None:
+            # position() skips compacted gaps and transaction markers
+            tps = [TopicPartition(self.topic, p) for p in self._ends]
+            positions = {tp.partition: tp.offset for tp in self._consumer.position(tps)}
+            self._caught_up = all(positions[p] >= end for p, end in self._ends.items())
+        return self._caught_up
+
+    def latest(self, timeout_s: float = 30.0) -> VersionAnnouncement | None:
+        """Read to the end offsets of the first read; the newest announcement, or None.
+        Raises ``TimeoutError`` if that end is not reached within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        newest: VersionAnnouncement | None = None
+        while True:
+            found = self.next(0.2)
+            if found is not None and (newest is None or found.version > newest.version):
+                newest = found
+            if self.caught_up:
+                return newest
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.topic} not read to its end in {timeout_s:.0f}s")
+
+    def _assign(self) -> bool:
+        """Assign every partition from the beginning; False while the topic is missing or
+        its leaders are not known yet (a topic created a moment ago)."""
+        try:
+            ends = whole_topic(self._consumer, self.topic)
+        except KafkaException as err:
+            log.info("%s not readable yet (%s); retrying", self.topic, err)
+            return False
+        self._ends = {p: high for p, (low, high) in ends.items() if high > low}
+        self._consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in ends])
+        return True
+
+    def _announcement(self, msg: Message) -> VersionAnnouncement | None:
+        if msg.error():
+            log.warning("%s consumer error: %s", self.topic, msg.error())
+            return None
+        if msg.key() != self.run.encode() or msg.value() is None:
+            return None
+        try:
+            return VersionAnnouncement.from_json(msg.value())
+        except ValueError as err:
+            log.warning("ignoring a malformed announcement: %s", err)
+            return None
 
     def close(self) -> None:
         self._consumer.close()

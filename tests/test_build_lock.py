@@ -1,4 +1,4 @@
-"""DeepSpeed's op build under rollstream's build guard (``consumers.op_cache``).
+"""DeepSpeed's op build under rollstream's build guard (``consumers.build_lock``).
 
 The failure this pins: a trainer killed while torch held its build baton left a ``lock``
 file behind, and every later trainer waited on it forever (a chaos-test kill -9 hung CI).
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from consumers.op_cache import GUARD_FILE, extensions_root, op_build_guard, stale_batons
+from consumers.build_lock import GUARD_FILE, extensions_root, op_build_guard, stale_batons
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def test_guard_removes_batons_that_dead_processes_left(
     built.touch()
 
     with (
-        caplog.at_level(logging.WARNING, logger="consumers.op_cache"),
+        caplog.at_level(logging.WARNING, logger="consumers.build_lock"),
         op_build_guard(tmp_path),
     ):
         assert stale_batons(tmp_path) == []
@@ -54,7 +54,7 @@ def test_guard_waits_for_a_live_holder_and_leaves_its_baton_alone(tmp_path: Path
             textwrap.dedent(
                 f"""
                 import pathlib, sys, time
-                from consumers.op_cache import op_build_guard
+                from consumers.build_lock import op_build_guard
                 root = pathlib.Path({str(tmp_path)!r})
                 baton = root / "op" / "lock"
                 with op_build_guard(root):
@@ -111,7 +111,7 @@ def test_deepspeed_starts_after_a_trainer_was_killed_holding_the_build_lock() ->
     baton.touch()
 
     done = subprocess.run(
-        [sys.executable, "-m", "consumers.op_cache"],
+        [sys.executable, "-m", "consumers.prebuild"],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -69,21 +69,3 @@ def op_build_guard(root: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)
-
-
-def main() -> None:
-    """Build (or check) the ops a trainer loads, so the first trainer starts fast:
-    ``python -m consumers.op_cache`` (run by ``infra/dev.sh install``)."""
-    import torch
-
-    from consumers.config import EngineConfig
-    from consumers.engine import init_distributed
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    accelerator = init_distributed(EngineConfig())
-    torch.distributed.destroy_process_group()
-    print(f"DeepSpeed ops ready for {accelerator} under {extensions_root()}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,24 @@
+"""``python -m consumers.prebuild``: build (or check) the DeepSpeed ops a trainer loads,
+once, so the first trainer starts fast (run by ``infra/dev.sh install``)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from consumers.build_lock import extensions_root
+from consumers.config import EngineConfig
+from consumers.engine import init_distributed
+
+
+def main() -> None:
+    """Initialise ``deepspeed.comm`` once under the build lock, then tear it down."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    accelerator = init_distributed(EngineConfig())
+    torch.distributed.destroy_process_group()
+    print(f"DeepSpeed ops ready for {accelerator} under {extensions_root()}")
+
+
+if __name__ == "__main__":
+    main()
