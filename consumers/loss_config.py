@@ -1,4 +1,4 @@
-"""Typed configuration of the trainer's loss family (design.md §3).
+"""Typed configuration of the trainer's loss family.
 
 No torch here: the trainer parses and validates its loss section before importing anything
 heavy. A loss is chosen by its ``type`` field (a pydantic discriminated union):
@@ -12,7 +12,7 @@ heavy. A loss is chosen by its ``type`` field (a pydantic discriminated union):
                (truncate) or MIS (mask) at token, sequence or geometric-mean level, plus a
                catastrophic-token veto; the staleness ``s = exp(logp_new - logp_old)``
                clipped by PPO with its own ε_low/ε_high.
-``mu_grpo``    Mu-GRPO (seed 001): a relaxed clip interval (e.g. [0, 5]) on the ratio plus
+``mu_grpo``    Mu-GRPO: a relaxed clip interval (e.g. [0, 5]) on the ratio plus
                the negative-advantage veto (NAV) with a configurable trigger rule.
 ``ppo_ewma``   the decoupled loss with ``logp_prox`` (log-probs under an EWMA of past
                weights, see ``consumers.ewma``) in place of the missing ``logp_old``, plus
@@ -124,7 +124,7 @@ class _DecoupledFields(_LossBase):
         default=(1.0 / 1.002, 1.002),
         description=(
             "[low, high] for level=geometric (geometric mean of d); anchors use tight values "
-            "around [1/1.002, 1.002] (1.001-1.004 in seed 000). MIS keeps a sequence inside "
+            "around [1/1.002, 1.002] (1.001-1.004 are typical). MIS keeps a sequence inside "
             "the interval; TIS truncates the weight at high."
         ),
     )
@@ -185,7 +185,7 @@ class PpoEwmaLossConfig(_DecoupledFields):
         description=(
             "EWMA decay of the proximal weights: W' = beta*W + 1, "
             "theta_prox <- (beta*W/W')*theta_prox + theta/W'. 0 makes theta_prox the "
-            "current weights; larger values remember longer (seed 000 shows 0.4-0.75)."
+            "current weights; larger values remember longer (0.4-0.75 are typical)."
         ),
     )
     reset_below: float | None = Field(
@@ -195,8 +195,8 @@ class PpoEwmaLossConfig(_DecoupledFields):
         description=(
             "Automatic reset: when the train-infer kept fraction of a step "
             "(metric train_infer/kept_frac) is strictly below this value, the trainer resets "
-            "theta_prox to the current weights. None disables. The default is our choice; "
-            "seed 000 does not publish its value."
+            "theta_prox to the current weights. None disables. The default is our "
+            "choice."
         ),
     )
 
@@ -209,7 +209,7 @@ class NavConfig(StrictModel):
     trigger: Literal["ratio_above", "logp_below"] = Field(
         default="ratio_above",
         description=(
-            "Trigger rule. ratio_above (default reading of seed 001): the first response token "
+            "Trigger rule. ratio_above (Mu-GRPO's rule): the first response token "
             "whose ratio (the same ratio the surrogate clips, without gradient) is strictly "
             "greater than kappa. logp_below (our alternative): the first response token that "
             "the sampler drew with logp_infer strictly below logp_threshold."
@@ -218,8 +218,7 @@ class NavConfig(StrictModel):
     kappa: float = Field(
         default=2.0,
         gt=0.0,
-        description="Ratio threshold for trigger=ratio_above. The value is our choice; the "
-        "paper's is not public in our sources.",
+        description="Ratio threshold for trigger=ratio_above. The value is our choice.",
     )
     logp_threshold: float = Field(
         default=-9.21,
@@ -230,7 +229,7 @@ class NavConfig(StrictModel):
         default=False,
         description=(
             "False (default): drop only the tokens strictly after the trigger, the trigger "
-            "token keeps its gradient (seed 001's 'non-trigger suffix'). True: drop it too."
+            "token keeps its gradient (Mu-GRPO's 'non-trigger suffix'). True: drop it too."
         ),
     )
 
@@ -243,14 +242,14 @@ class MuGrpoLossConfig(_LossBase):
         default="total",
         description=(
             "Which ratio is clipped and tested by NAV. total: r = exp(logp_new - logp_infer) "
-            "as in the paper. staleness: s = exp(logp_new - logp_old), needs logp_old."
+            "(Mu-GRPO's choice). staleness: s = exp(logp_new - logp_old), needs logp_old."
         ),
     )
     clip_bounds: Bounds = Field(
         default=(0.0, 5.0),
         description=(
             "Relaxed clip interval [low, high] on the ratio itself (not 1 ± eps); "
-            "seed 001 uses [0, 5]. Surrogate: -min(ratio*A, clip(ratio, low, high)*A)."
+            "Mu-GRPO uses [0, 5]. Surrogate: -min(ratio*A, clip(ratio, low, high)*A)."
         ),
     )
     nav: NavConfig | None = Field(

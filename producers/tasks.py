@@ -4,11 +4,11 @@ A task is a prompt source plus a reward function (``Task``). The registry maps n
 factories; ``make_task(name, options, context)`` builds one. Built in:
 
 - ``copy-first-digit-twice`` and ``reverse-3-digits``: synthetic tasks for the tiny model
-  of design §6 (vocab PAD BOS EOS SEP ``+`` 0-9). Prompt ``BOS d1 d2 d3 SEP``; the target
+  (``core.models``: vocab PAD BOS EOS SEP ``+`` 0-9). Prompt ``BOS d1 d2 d3 SEP``; the target
   is the answer digits followed by EOS. Reward is partial credit: the share of target
   positions (EOS included) the response gets right, so 1.0 means an exact answer that
   stops where it should. A randomly initialised model learns the first in ~100 GRPO steps
-  on one core (design §6).
+  on one core.
 - ``arithmetic``: word problems with integer answers for SmolLM2-135M-Instruct, generated
   from templates with a seeded RNG (no dataset download), checked exactly. The model is
   asked to end with ``Answer: <number>``; ``format_ok`` tells whether it did.
@@ -34,46 +34,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from core.models import BOS_ID, DIGIT0_ID, EOS_ID, PAD_ID, PLUS_ID, SEP_ID, TINY_VOCAB
+from core.models import (
+    BOS_ID,
+    DIGIT0_ID,
+    EOS_ID,
+    PAD_ID,
+    SEP_ID,
+    SMOLLM2,
+    TINY_VOCAB,
+    TinyTokenizer,
+    load_tokenizer,
+)
 
 # --- the tiny vocabulary ------------------------------------------------------------------
-
-
-class TinyTokenizer:
-    """Tokenizer of the tiny model's 16-token vocabulary (``core.models.TINY_VOCAB``).
-
-    Text is digits and ``+``; the special tokens are written ``<pad> <bos> <eos> <sep>``.
-    The model's vocabulary has 16 ids for these 15 names; the unnamed id decodes as ``<15>``.
-    """
-
-    vocab: tuple[str, ...] = TINY_VOCAB
-    pad_token_id, bos_token_id, eos_token_id, sep_token_id, plus_token_id = (
-        PAD_ID,
-        BOS_ID,
-        EOS_ID,
-        SEP_ID,
-        PLUS_ID,
-    )
-    _SPECIAL = re.compile(r"<pad>|<bos>|<eos>|<sep>|[0-9+]|\s+|.", re.S)
-
-    def encode(self, text: str) -> list[int]:
-        ids = []
-        for piece in self._SPECIAL.findall(text):
-            if piece.isspace():
-                continue
-            if piece not in self.vocab:
-                raise ValueError(f"{piece!r} is not in the tiny vocabulary {self.vocab}")
-            ids.append(self.vocab.index(piece))
-        return ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        out = []
-        for token in ids:
-            if not 0 <= token < len(self.vocab):  # the model's 16th id has no name
-                out.append(f"<{token}>")
-            elif not (skip_special_tokens and token < PLUS_ID):
-                out.append(self.vocab[token])
-        return "".join(out)
 
 
 def digits_to_ids(digits: Sequence[int]) -> list[int]:
@@ -307,21 +280,18 @@ class ArithmeticTask:
 
 
 def _hf_tokenizer(context: TaskContext, tokenizer: str | None) -> Any:
+    """The engine's tokenizer when none is named, else that of the model spec ``tokenizer``
+    (``core.models.load_tokenizer``); SmolLM2's when neither exists."""
     if tokenizer is None and context.tokenizer is not None:
         return context.tokenizer
-    from transformers import AutoTokenizer
-
-    if tokenizer is None or tokenizer == "smollm2-135m-instruct":
-        from core.models import smollm2_checkpoint
-
-        tokenizer = str(smollm2_checkpoint(context.cache_dir))
-    return AutoTokenizer.from_pretrained(tokenizer)
+    return load_tokenizer(tokenizer or SMOLLM2, context.cache_dir)
 
 
 @register_task("arithmetic")
 def arithmetic(context: TaskContext, tokenizer: str | None = None, **kw: Any) -> ArithmeticTask:
-    """Options: ``tokenizer`` (a checkpoint directory; default SmolLM2-135M-Instruct),
-    ``max_new_tokens``, ``stop_token_ids``."""
+    """Options: ``tokenizer`` (a model spec whose tokenizer to use, see ``core.models``;
+    default: the engine's, else SmolLM2-135M-Instruct's), ``max_new_tokens``,
+    ``stop_token_ids``."""
     return ArithmeticTask(_hf_tokenizer(context, tokenizer), **kw)
 
 
@@ -401,14 +371,14 @@ def file_task(
     **kw: Any,
 ) -> FileTask:
     """Options: ``path`` (.jsonl or .parquet), ``reward`` (dotted path), ``tokenizer``
-    ('tiny', a checkpoint directory, or none for the engine's), ``max_new_tokens``,
+    (a model spec whose tokenizer to use: 'tiny', 'smollm2-135m-instruct', a checkpoint
+    directory; none: the engine's), ``max_new_tokens``,
     ``stop_token_ids``, ``chat`` (apply the chat template), ``name``."""
     examples = read_examples(Path(path))
     if not examples:
         raise ValueError(f"{path} holds no examples")
-    if tokenizer == "tiny":
-        tok: Any = TinyTokenizer()
-    elif tokenizer is None and context.tokenizer is None:
+    tok: Any
+    if tokenizer is None and context.tokenizer is None:
         tok = None
     else:
         tok = _hf_tokenizer(context, tokenizer)

@@ -5,8 +5,8 @@ the stale verdict from its headers, then the payload. A trajectory shows its run
 sample, segments (``v3×4`` = four tokens from version 3), reward and old-logit status, the
 prompt and response decoded when a tokenizer is known, and a table per response token:
 id, text, version, ``logp_infer``, ``logp_old``, ``log d = logp_old - logp_infer`` and the
-discrepancy ratio ``d = exp(log d)`` (design.md §1; rows with ``d`` outside [0.5, 2] are
-highlighted). A scored group shows its advantages and per-sample diagnostics first.
+discrepancy ratio ``d = exp(log d)`` (rows with ``d`` outside [0.5, 2]
+are highlighted). A scored group shows its advantages and per-sample diagnostics first.
 
 Tokenizers (``--tokenizer``): ``auto`` picks one from the record's task
 (``producers.tasks``): the tiny vocabulary for the digit tasks, SmolLM2's for

@@ -78,8 +78,8 @@ class Ports:
 def role_defaults(up: UpConfig, run_id: str, run_dir: Path, ports: Ports) -> dict[str, Any]:
     """Role sections derived from ``[up]``: what ``up`` sets unless the file says otherwise.
 
-    The tiny profile follows design §6 (16 prompts x 8 samples per step, fp32 everywhere so
-    engine, old-logit service and trainer share numerics) except AdamW lr 3e-3 instead of
+    The tiny profile: 16 prompts x 8 samples per step, fp32 everywhere so
+    engine, old-logit service and trainer share numerics, AdamW lr 3e-3 rather than
     1e-3: the pipeline trains on data up to two versions old, and 3e-3 reached a 10-step
     mean reward of ~0.77 in 100 steps here where 1e-3 was at ~0.16 after 60.
     """

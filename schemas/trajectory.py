@@ -44,7 +44,7 @@ class FinishReason(StrEnum):
 
 
 class OldLogitsStatus(StrEnum):
-    """Whether ``logp_old`` is attached, and how it was obtained (design.md §1)."""
+    """Whether ``logp_old`` is attached, and how it was obtained."""
 
     MISSING = "missing"  # not computed (yet)
     EXACT = "exact"  # training-side numerics at the record's own version(s)

@@ -55,7 +55,7 @@ from streams.broker import broker_credentials, broker_urls
 from streams.config import StreamsConfig
 from streams.gaps import GAP_SWEEP_INTERVAL_S, GapGuard
 from streams.metrics import StreamMetrics
-from streams.oldlogits import OldLogitEngine, parse_tiny_spec
+from streams.oldlogits import OldLogitEngine
 from streams.processor import Message, Processor, Step
 from streams.snapshots import FollowerFeed, FollowerSource, SeededSource, SnapshotStore
 from streams.staleness import StalenessPolicy, VersionTracker
@@ -157,8 +157,7 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
         if old.mode == "off":
             return None
         if old.source == "seeded":
-            model_kwargs = parse_tiny_spec(old.model) if old.model.startswith("tiny") else {}
-            return SeededSource(old.seed_base, **model_kwargs)
+            return SeededSource(old.model, old.seed_base)
         from weights.follower import WeightFollower
         from weights.store import WeightStore
 
@@ -177,7 +176,9 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
         dtype=getattr(torch, CONFIG.old_logits.dtype),
         metrics=metrics,
     )
-    engine = OldLogitEngine(CONFIG.old_logits, snapshots, metrics=metrics)
+    engine = OldLogitEngine(
+        CONFIG.old_logits, snapshots, metrics=metrics, cache_dir=SHARED.cache_dir
+    )
     processor = Processor(CONFIG, RUN_ID, tracker, groups.data, metrics)
     writer = EffectWriter(app, groups, exactly_once=CONFIG.processing_guarantee == "exactly_once")
 

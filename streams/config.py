@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from core.config import RestartConfig, StrictModel
+from core.models import MODEL_SPEC_HELP, parse_model_spec
 
 
 class StreamTopics(StrictModel):
@@ -37,7 +38,7 @@ class StreamTopics(StrictModel):
 
 
 class StalenessConfig(StrictModel):
-    """Which records are fresh enough to train on (design.md §1, seed 001 for staged).
+    """Which records are fresh enough to train on (``window``, or Mu-GRPO's ``staged``).
 
     ``window``: staleness = trainer version - oldest segment version; a record is stale
     when it exceeds ``max_staleness``. ``staged`` (Mu-GRPO): versions form stages of
@@ -69,8 +70,8 @@ class OldLogitsConfig(StrictModel):
     )
     model: str = Field(
         default="tiny",
-        description="Architecture: 'tiny' or 'tiny:hidden_size=..,num_layers=..' "
-        "(core.models.build_tiny_llama), 'smollm2', or a Hugging Face model directory.",
+        description=MODEL_SPEC_HELP + " The architecture the versions' weights run "
+        "through: the same spec as [producers.engine] model and [trainer.model] spec.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="Dtype of the forward pass (must match the trainer's)."
@@ -81,7 +82,8 @@ class OldLogitsConfig(StrictModel):
     source: Literal["s3", "seeded"] = Field(
         default="s3",
         description="Where versions come from: s3 (WeightFollower on the run's store) or "
-        "seeded (version v = build_tiny_llama(seed=seed_base+v); tests and benchmarks only).",
+        "seeded (version v = the tiny model of `model` initialised with its seed + "
+        "seed_base + v; tests and benchmarks only).",
     )
     seed_base: int = Field(default=0, description="seeded source: seed of version 0.")
     max_batch_sequences: int = Field(
@@ -97,6 +99,18 @@ class OldLogitsConfig(StrictModel):
     rebuild_timeout_s: float = Field(
         default=60.0, gt=0, description="Give up rebuilding a version from S3 after this long."
     )
+
+    @field_validator("model")
+    @classmethod
+    def _canonical_model(cls, value: str) -> str:
+        return parse_model_spec(value, check_path=False).name
+
+    @model_validator(mode="after")
+    def _seeded_needs_tiny(self) -> OldLogitsConfig:
+        tiny = parse_model_spec(self.model, check_path=False).is_tiny
+        if self.mode == "exact" and self.source == "seeded" and not tiny:
+            raise ValueError(f"source = 'seeded' builds tiny models; model is {self.model!r}")
+        return self
 
 
 class GroupsConfig(StrictModel):
@@ -134,7 +148,7 @@ class ValidationConfig(StrictModel):
 
 
 class StreamsConfig(StrictModel):
-    """The stream processors (issue 5): one Faust app, any number of workers."""
+    """The stream processors: one Faust app, any number of workers."""
 
     app_id: str = Field(
         default="rollstream-streams",

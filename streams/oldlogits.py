@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core.logprobs import response_logprobs
+from core.models import load_model
 from schemas.trajectory import OldLogitsStatus, Trajectory
 from streams.config import OldLogitsConfig
 from streams.metrics import StreamMetrics
@@ -91,46 +92,6 @@ def plan_batches(
     return batches
 
 
-def build_model(spec: str, dtype: str = "float32", cache_dir: Path | None = None) -> Any:
-    """The architecture the trainer uses, in eval mode and ``dtype``. Its own weights are
-    never used for old logits: every call supplies a version's state dict.
-
-    ``spec``: ``tiny`` / ``tiny:hidden_size=128,num_layers=4`` (keyword arguments of
-    ``core.models.build_tiny_llama``), ``smollm2``, or a model directory.
-    """
-    import torch
-
-    torch_dtype = getattr(torch, dtype)
-    if spec == "tiny" or spec.startswith("tiny:"):
-        from core.models import build_tiny_llama
-
-        model = build_tiny_llama(**parse_tiny_spec(spec))
-    else:
-        from transformers import AutoModelForCausalLM
-
-        path = spec
-        if spec == "smollm2":
-            from core.config import default_cache_dir
-            from core.models import smollm2_checkpoint
-
-            path = str(smollm2_checkpoint(cache_dir or default_cache_dir()))
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-    return model.to(torch_dtype).eval()
-
-
-def parse_tiny_spec(spec: str) -> dict[str, Any]:
-    """Keyword arguments of ``tiny:key=value,...`` (integers; ``true``/``false`` booleans)."""
-    kwargs: dict[str, Any] = {}
-    _, _, rest = spec.partition(":")
-    for item in filter(None, rest.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"model spec {spec!r}: expected key=value, got {item!r}")
-        lowered = value.strip().lower()
-        kwargs[key.strip()] = lowered == "true" if lowered in ("true", "false") else int(value)
-    return kwargs
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class OldLogits:
     """What ``compute`` found for one trajectory."""
@@ -149,8 +110,10 @@ class OldLogitEngine:
         snapshots: SnapshotStore | None,
         model: Any = None,
         metrics: StreamMetrics | None = None,
+        cache_dir: Path | None = None,
     ) -> None:
         self.config = config
+        self.cache_dir = cache_dir
         self.snapshots = snapshots
         self.metrics = metrics if metrics is not None else StreamMetrics()
         self._model = model
@@ -158,8 +121,12 @@ class OldLogitEngine:
 
     @property
     def model(self) -> Any:
+        """The module the versions' weights run through: ``config.model`` loaded by
+        ``core.models.load_model`` (the trainer's and the engine's loader) in
+        ``config.dtype``. Its own weights are never used: every forward pass supplies a
+        version's state dict."""
         if self._model is None:
-            self._model = build_model(self.config.model, self.config.dtype)
+            self._model = load_model(self.config.model, self.config.dtype, cache_dir=self.cache_dir)
         return self._model
 
     @property

@@ -27,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from core.models import ModelSpec, build_tiny_llama, parse_model_spec
 from streams.metrics import StreamMetrics
 
 if TYPE_CHECKING:
@@ -75,19 +76,22 @@ class InMemorySource:
 
 
 class SeededSource:
-    """Version ``v`` is ``build_tiny_llama(seed=seed_base + v, **model_kwargs)``.
+    """Version ``v`` is the tiny model of ``spec`` (a ``core.models`` model spec) initialised
+    with seed ``spec seed + seed_base + v``: with ``seed_base`` 0, version 0 is the spec's
+    own model, the trainer's initial weights.
 
     For benchmarks and tests that need many distinct versions without a trainer; every
     version exists. Not for training runs.
     """
 
-    def __init__(self, seed_base: int = 0, **model_kwargs: Any) -> None:
-        self.seed_base = seed_base
-        self.model_kwargs = model_kwargs
+    def __init__(self, spec: str | ModelSpec = "tiny", seed_base: int = 0) -> None:
+        parsed = parse_model_spec(spec)
+        if not parsed.is_tiny:
+            raise ValueError(f"the seeded source builds tiny models only, not {parsed.name!r}")
+        self.model_kwargs = parsed.tiny_kwargs
+        self.seed_base = seed_base + self.model_kwargs.pop("seed", 0)
 
     def load(self, version: int) -> StateDict:
-        from core.models import build_tiny_llama
-
         if version < 0:
             raise VersionUnavailable(version, "negative version")
         return build_tiny_llama(seed=self.seed_base + version, **self.model_kwargs).state_dict()

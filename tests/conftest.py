@@ -5,6 +5,12 @@ the cache under the user's home) and stopped at the end. To reuse services that 
 run, set ``ROLLSTREAM_TEST_BOOTSTRAP`` (host:port) and/or ``ROLLSTREAM_TEST_S3_ENDPOINT``
 (with ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` for it). Tests get fresh buckets
 and uniquely named topics, so they never see each other's data.
+
+Tiers (markers given here, at collection): ``system`` for end-to-end tests (``slow``:
+whole pipelines, chaos, kill -9), ``integration`` for tests on the real broker or S3 (a
+service fixture, or a module that marks itself), ``unit`` for the rest, which need no
+service. The whole suite runs the tiers in that order, unit first; ``pytest -m unit``
+runs only the quick tier.
 """
 
 from __future__ import annotations
@@ -20,6 +26,29 @@ from core.config import KafkaConfig, S3Config, default_cache_dir
 from infra.kafka import EmbeddedKafka
 from infra.s3 import SeaweedServer, ensure_bucket
 from weights.store import make_s3_client
+
+
+SERVICE_FIXTURES = frozenset(
+    {"kafka_config", "s3_config", "second_s3_config", "seaweed_region_a", "seaweed_region_b"}
+)
+TIER_ORDER = {"unit": 0, "integration": 1, "system": 2}
+
+
+def tier(item: pytest.Item) -> str:
+    """The tier of one test: system, integration or unit (see the module doc)."""
+    if item.get_closest_marker("slow") or item.get_closest_marker("system"):
+        return "system"
+    uses_services = SERVICE_FIXTURES & set(getattr(item, "fixturenames", ()))
+    if uses_services or item.get_closest_marker("integration"):
+        return "integration"
+    return "unit"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with its tier and run the tiers in order, quickest first."""
+    for item in items:
+        item.add_marker(tier(item))
+    items.sort(key=lambda item: TIER_ORDER[tier(item)])
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The shared models: the tiny Llama of design §6 and the converted SmolLM2 checkpoint."""
+"""The shared models: the tiny Llama and the converted SmolLM2 checkpoint."""
 
 from __future__ import annotations
 

@@ -285,7 +285,7 @@ def test_config_rejects_unknown_keys_and_clashing_topics() -> None:
 def test_stream_command_checks_the_config(tmp_path, monkeypatch) -> None:
     from click.testing import CliRunner
 
-    from rollstream.stream_cli import stream
+    from rollstream.cli import main
 
     good = tmp_path / "good.toml"
     good.write_text(
@@ -294,13 +294,13 @@ def test_stream_command_checks_the_config(tmp_path, monkeypatch) -> None:
         "[weights]\npoll_interval_s = 1.0\n"
     )
     monkeypatch.setenv("ROLLSTREAM_CONFIG", str(good))
-    result = CliRunner().invoke(stream, ["--check"])
+    result = CliRunner().invoke(main, ["stream", "--check"])
     assert result.exit_code == 0, result.output
     assert '"mode": "staged"' in result.output
     bad = tmp_path / "bad.toml"
     bad.write_text("[streams]\nunknown_key = 1\n")
     monkeypatch.setenv("ROLLSTREAM_CONFIG", str(bad))
-    result = CliRunner().invoke(stream, ["--check"])
+    result = CliRunner().invoke(main, ["stream", "--check"])
     assert result.exit_code != 0 and "unknown_key" in result.output
 
 
