@@ -1,4 +1,4 @@
-"""Producer benchmarks: ``python -m bench.producers [--model tiny-llama] [--repeats 15]``.
+"""Producer benchmarks: ``python -m bench.producers [--model tiny] [--repeats 15]``.
 
 1. **Engine server vs in-process.** Tokens/s of the same model (same weights, sampling,
    log-probs on, EOS ignored so every call makes ``--new-tokens`` tokens) called
@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from core.models import load_model, load_tokenizer, parse_model_spec
+
 
 def _median(values: list[float]) -> float:
     return statistics.median(values)
@@ -47,11 +49,12 @@ def bench_engine(model: str, repeats: int, new_tokens: int, threads: int) -> Non
 
     from core.config import default_cache_dir
     from producers.client import EngineClient
-    from producers.engine import Engine, SamplingParams, load_model
+    from producers.engine import Engine, SamplingParams
 
-    loaded = load_model(model, cache_dir=default_cache_dir())
-    engine = Engine(loaded.model, model_path=loaded.model_path, seed=0)  # in-process
-    prompt = _prompt(model, loaded.tokenizer)
+    spec = parse_model_spec(model)
+    loaded = load_model(spec, cache_dir=default_cache_dir())
+    engine = Engine(loaded, model_path=spec.name, seed=0)  # in-process
+    prompt = _prompt(model, load_tokenizer(spec, default_cache_dir()))
     new_tokens = min(new_tokens, engine.context_length - len(prompt))
     params = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
     wire = {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True}
@@ -135,7 +138,7 @@ async def _with_client(url: str, body) -> None:
 
 
 def _prompt(model: str, tokenizer) -> list[int]:
-    if model == "tiny-llama":
+    if parse_model_spec(model).is_tiny:
         return [1, 6, 7, 8, 3]  # BOS 1 2 3 SEP
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": "Tom has 12 apples and gets 7 more. How many now?"}],
@@ -185,7 +188,8 @@ def _publish_run(engine, model, groups, client_config, topic, workdir, fsync: bo
     from producers.tasks import TaskContext, make_task
     from producers.worker import RolloutWorker
 
-    task_name = "copy-first-digit-twice" if model == "tiny-llama" else "arithmetic"
+    tiny = parse_model_spec(model).is_tiny
+    task_name = "copy-first-digit-twice" if tiny else "arithmetic"
     task = make_task(task_name, {}, TaskContext(default_cache_dir(), engine.tokenizer))
     metrics = ProducerMetrics()
     ledger = Ledger(workdir / f"ledger-{fsync}", fsync=fsync).open()
@@ -265,7 +269,7 @@ def _timed_sync(fn, sink: list[float]):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--model", default="tiny", help="Model spec (core.models).")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--groups", type=int, default=40)

@@ -35,9 +35,10 @@ from pathlib import Path
 import torch
 
 from core.logprobs import response_logprobs
+from core.models import load_model, parse_model_spec
 from schemas.group import decode_group
 from schemas.trajectory import Trajectory
-from streams.oldlogits import build_model, parse_tiny_spec, plan_batches, segment_units
+from streams.oldlogits import plan_batches, segment_units
 from streams.snapshots import SeededSource
 from tests.support.streams import (
     WorkerProcess,
@@ -121,7 +122,7 @@ def run_oldlogits(args: argparse.Namespace, bootstrap: str, workdir: Path) -> tu
     client = {"bootstrap.servers": bootstrap}
     topics = stream_topics(lambda base: f"bench-{base}-{uuid.uuid4().hex[:6]}")
     create_stream_topics(client, topics, raw_partitions=4)
-    vocab = parse_tiny_spec(args.model).get("vocab_size", 16)
+    vocab = parse_model_spec(args.model).tiny_kwargs.get("vocab_size", 16)
     versions = 4
     old = {
         "mode": "exact",
@@ -142,8 +143,8 @@ def run_oldlogits(args: argparse.Namespace, bootstrap: str, workdir: Path) -> tu
         metrics_port=port,
     )
     worker = WorkerProcess(config, workdir / "oldlogits").start(loglevel="warn")
-    model = build_model(args.model)
-    source = SeededSource(0, **parse_tiny_spec(args.model))
+    model = load_model(args.model)
+    source = SeededSource(args.model)
     states = {v: source.load(v) for v in range(versions + 1)}
     max_tokens = 16_384
     stream_rates: list[float] = []
@@ -335,7 +336,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--response", type=int, default=192)
-    parser.add_argument("--model", default=BENCH_MODEL)
+    parser.add_argument("--model", default=BENCH_MODEL, help="A tiny model spec (core.models).")
     parser.add_argument("--records", type=int, default=4000, help="records per pipeline round")
     parser.add_argument("--skip", choices=["oldlogits", "pipeline"], action="append", default=[])
     args = parser.parse_args()

@@ -1,6 +1,7 @@
 """Trainer benchmark: DeepSpeed trainer step vs a plain torch loop, and publish cost.
 
-Run from the repository root: ``python -m bench.trainer [--model smollm2|tiny]``.
+Run from the repository root: ``python -m bench.trainer [--model SPEC]`` (a model spec of
+``core.models``; default ``smollm2-135m-instruct``, ``tiny`` for the tiny model).
 
 1. **Tokens/s.** The trainer's step (``consumers.step.StepRunner`` on a DeepSpeed
    ``TrainEngine``: shared log-prob layout, GRPO loss, backward, clip, AdamW) against a
@@ -36,9 +37,10 @@ import torch
 
 from consumers.batching import pack, response_logprobs
 from consumers.config import ModelConfig, TrainerConfig
-from consumers.engine import TrainEngine, load_model
+from consumers.engine import TrainEngine
 from consumers.losses import LossInputs, compute_loss
 from consumers.step import StepRunner
+from core.models import SMOLLM2, load_model
 from schemas.trajectory import Trajectory
 from tests.support.synthetic import synthetic_groups
 
@@ -71,7 +73,7 @@ class PlainLoop:
 
     def __init__(self, model_config: ModelConfig, config: TrainerConfig, bf16: bool) -> None:
         torch.manual_seed(config.engine.seed)
-        self.model = load_model(model_config).train()
+        self.model = load_model(model_config.spec).train()
         self.config = config
         self.bf16 = bf16
         self.optimizer = torch.optim.AdamW(
@@ -121,7 +123,7 @@ def throughput(
             }
         )
         torch.manual_seed(config.engine.seed)
-        engine = TrainEngine(load_model(model_config), config.engine)
+        engine = TrainEngine(load_model(model_config.spec), config.engine)
         runner = StepRunner(engine, config, pad_id=0)
         plain = PlainLoop(model_config, config, bf16)
         ds_times, plain_times, ratios = [], [], []
@@ -155,7 +157,7 @@ def publish_cost(
     config = TrainerConfig.model_validate(
         {"model": model_config.model_dump(), "engine": {"lr": 1e-5}}
     )
-    engine = TrainEngine(load_model(model_config), config.engine)
+    engine = TrainEngine(load_model(model_config.spec), config.engine)
     runner = StepRunner(engine, config, pad_id=0)
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as scratch:
         server = SeaweedServer(Path(scratch) / "s3")
@@ -192,7 +194,7 @@ def publish_cost(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    parser.add_argument("--model", default=SMOLLM2, help="Model spec (core.models).")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--seqs", type=int, default=8, help="sequences per batch")
@@ -208,8 +210,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model_config = ModelConfig(source=args.model)
-    probe = load_model(model_config)
+    model_config = ModelConfig(spec=args.model)
+    probe = load_model(model_config.spec)
     n_params = sum(p.numel() for p in probe.parameters())
     batches = make_batches(
         probe.config, args.warmup + args.steps, args.seqs, args.prompt_len, args.response_len

@@ -34,7 +34,7 @@ import safetensors.torch
 import torch
 
 from core.config import default_cache_dir
-from core.models import smollm2_checkpoint
+from core.models import SMOLLM2, load_model, load_tokenizer, smollm2_checkpoint
 from infra.s3 import SeaweedServer, ensure_bucket
 from weights import format as fmt
 from weights.follower import WeightFollower
@@ -60,12 +60,10 @@ def median_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def one_adamw_step(checkpoint: Path, lr: float) -> tuple[fmt.StateDict, fmt.StateDict]:
+def one_adamw_step(cache_dir: Path, lr: float) -> tuple[fmt.StateDict, fmt.StateDict]:
     """bf16 weights before and after one AdamW step on fp32 master weights."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    tokenizer = load_tokenizer(SMOLLM2, cache_dir)
+    model = load_model(SMOLLM2, "float32", cache_dir=cache_dir)
     ids = tokenizer(TEXT * 8, return_tensors="pt").input_ids[:, :128].repeat(4, 1)
     before = fmt.cast_state(model.state_dict(), torch.bfloat16)
     before = {k: v.clone() if v.dtype == torch.float32 else v for k, v in before.items()}
@@ -98,7 +96,7 @@ def main() -> None:
     pairs: dict[float, tuple[fmt.StateDict, fmt.StateDict]] = {}
     print("\ndelta size after one AdamW step (bf16 copy of fp32 master weights)")
     for lr in LEARNING_RATES:
-        before, after = one_adamw_step(checkpoint, lr)
+        before, after = one_adamw_step(args.cache_dir, lr)
         prev, _ = fmt.split_aliases(before)
         curr, _ = fmt.split_aliases(after)
         pairs[lr] = (before, after)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from consumers.build_lock import extensions_root, op_build_guard
-from consumers.config import EngineConfig, ModelConfig
+from consumers.config import EngineConfig
 from core.config import merge_tables
 
 log = logging.getLogger(__name__)
@@ -72,25 +72,6 @@ def rank() -> int:
 
 def world_size() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
-def load_model(config: ModelConfig, cache_dir: Path | None = None) -> torch.nn.Module:
-    """The fp32 causal LM named by ``config`` (DeepSpeed casts it for bf16 training)."""
-    if config.source == "tiny":
-        from core.models import build_tiny_llama
-
-        return build_tiny_llama(seed=config.tiny_seed)
-    from transformers import AutoModelForCausalLM
-
-    if config.source == "smollm2":
-        from core.config import default_cache_dir
-        from core.models import smollm2_checkpoint
-
-        path = smollm2_checkpoint(cache_dir or default_cache_dir())
-    else:
-        assert config.path is not None
-        path = config.path
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
 
 
 def deepspeed_config(config: EngineConfig) -> dict[str, Any]:

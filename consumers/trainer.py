@@ -38,6 +38,7 @@ from consumers.checkpoint import CheckpointManager, TrainerState, TrainingLedger
 from consumers.config import CheckpointConfig, TrainerConfig
 from consumers.metrics import MetricsSink, data_metrics
 from core.config import S3Config, WeightsConfig
+from core.models import load_model
 from schemas.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -108,12 +109,13 @@ class Trainer:
         """Engine, loss runner, checkpoints, Kafka, publisher, sinks (heavy imports here)."""
         import torch
 
-        from consumers.engine import TrainEngine, load_model, world_size
+        from consumers.engine import TrainEngine, world_size
         from consumers.step import StepRunner
 
         cfg = self.config
         torch.manual_seed(cfg.engine.seed)
-        model = load_model(cfg.model, self.settings.cache_dir)
+        # float32 master weights; DeepSpeed casts the module for bf16 training
+        model = load_model(cfg.model.spec, "float32", cache_dir=self.settings.cache_dir)
         model_cfg = model.config
         self.vocab_size = int(model_cfg.vocab_size)
         self.max_length = int(cfg.model.max_length or model_cfg.max_position_embeddings)

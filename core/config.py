@@ -11,11 +11,18 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    EnvSettingsSource,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
 
 
 class StrictModel(BaseModel):
@@ -228,6 +235,46 @@ class SharedConfig(BaseSettings):
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     s3: S3Config = Field(default_factory=S3Config)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
+
+
+SettingsT = TypeVar("SettingsT", bound=BaseSettings)
+
+
+class WellKnownEnvSource(PydanticBaseSettingsSource):
+    """Standard variables that users of Kafka and S3 tools already set:
+    ``KAFKA_BOOTSTRAP_SERVERS`` and ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # the whole mapping comes from __call__
+
+    def __call__(self) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        if servers := os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+            found["kafka"] = {"bootstrap_servers": servers}
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            found["s3"] = {"endpoint_url": endpoint}
+        return found
+
+
+def settings_from_sources(
+    model: type[SettingsT], path: Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> SettingsT:
+    """``model`` built by pydantic-settings from its sources, earlier ones winning:
+    explicit ``overrides`` (e.g. ``--set``), ``ROLLSTREAM_*`` variables (nested with
+    ``__``), the well-known Kafka/S3 variables, the TOML file at ``path``, the defaults.
+    Nested tables merge key by key across sources."""
+    init = dict(overrides or {})
+    sources: list[PydanticBaseSettingsSource] = [
+        InitSettingsSource(model, init_kwargs=init),
+        EnvSettingsSource(model),
+        WellKnownEnvSource(model),
+    ]
+    if path is not None:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        sources.append(TomlConfigSettingsSource(model, toml_file=Path(path)))
+    return model(_build_sources=(tuple(sources), init))
 
 
 def merge_tables(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

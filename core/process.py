@@ -465,18 +465,27 @@ class ChildSupervisor:
 # --- role shims: `python -m producers|streams|consumers` -----------------------------------
 
 
+ROOT_OPTIONS = ("--config", "--state-dir", "--set")
+
+
 def exec_role_command(command: str, args: Sequence[str]) -> None:
     """Replace this process with ``python -m rollstream [--config F] <command> <args>``.
 
     The role packages' ``__main__`` shims call this: the ``rollstream`` command is the one
-    CLI root, and a role package never imports the application above it. A leading
-    ``--config FILE`` (a root option) is moved in front of the command.
+    CLI root, and a role package never imports the application above it. The root's
+    options (``--config FILE``, ``--state-dir DIR``, ``--set KEY=VALUE``) are moved in
+    front of the command.
     """
-    args = list(args)
     head: list[str] = []
-    if args[:1] == ["--config"]:
-        head, args = args[:2], args[2:]
-    elif args[:1] and args[0].startswith("--config="):
-        head, args = args[:1], args[1:]
-    argv = [sys.executable, "-m", "rollstream", *head, command, *args]
+    rest: list[str] = []
+    pending = list(args)
+    while pending:
+        arg = pending.pop(0)
+        if arg in ROOT_OPTIONS and pending:
+            head += [arg, pending.pop(0)]
+        elif arg.split("=", 1)[0] in ROOT_OPTIONS:
+            head.append(arg)
+        else:
+            rest.append(arg)
+    argv = [sys.executable, "-m", "rollstream", *head, command, *rest]
     os.execv(sys.executable, argv)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -67,14 +67,55 @@ def topic_partitions(consumer: Consumer, topic: str) -> list[int]:
     return sorted(meta.partitions)
 
 
-def whole_topic(consumer: Consumer, topic: str) -> dict[int, tuple[int, int]]:
-    """``partition -> (low, high)`` watermarks: every record the topic holds now."""
+def whole_topic(
+    consumer: Consumer, topic: str, partitions: Iterable[int] | None = None
+) -> dict[int, tuple[int, int]]:
+    """``partition -> (low, high)`` watermarks of ``partitions`` (default: all): every
+    record the topic holds now."""
     from confluent_kafka import TopicPartition
 
+    wanted = topic_partitions(consumer, topic) if partitions is None else partitions
     return {
-        p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
-        for p in topic_partitions(consumer, topic)
+        p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30) for p in wanted
     }
+
+
+_TRANSIENT = frozenset(
+    {"NOT_LEADER_FOR_PARTITION", "LEADER_NOT_AVAILABLE", "UNKNOWN_TOPIC_OR_PART", "_TRANSPORT"}
+)
+
+
+def end_offsets(
+    client_config: Mapping[str, str], topic: str, timeout: float = 10.0
+) -> dict[int, int]:
+    """High watermark of every partition of ``topic``, with a consumer of its own
+    (transient errors such as a leader election on a fresh topic are retried until
+    ``timeout``; a missing topic is a ``RuntimeError`` that says how to create it)."""
+    from confluent_kafka import Consumer, KafkaException
+
+    consumer = Consumer(reader_config(client_config, "end-offsets"))
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                metadata = consumer.list_topics(topic, timeout=timeout)
+                info = metadata.topics.get(topic)
+                if info is None or info.error is not None:
+                    error = info.error if info is not None else "missing"
+                    raise RuntimeError(
+                        f"topic {topic!r} not found ({error}): create it first "
+                        "(rollstream infra up / rollstream topics ensure)"
+                    )
+                ends = whole_topic(consumer, topic, sorted(info.partitions))
+                return {p: high for p, (_low, high) in ends.items()}
+            except KafkaException as exc:
+                if not exc.args[0].retriable() and exc.args[0].name() not in _TRANSIENT:
+                    raise
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    finally:
+        consumer.close()
 
 
 def committed_offsets(

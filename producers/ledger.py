@@ -40,6 +40,8 @@ from typing import Any
 
 import orjson
 
+from core.topic_reader import end_offsets
+
 logger = logging.getLogger(__name__)
 
 LEDGER_NAME = "ledger.jsonl"
@@ -220,47 +222,6 @@ def read_ledger(path: Path) -> LedgerState:
 
 
 # --- Kafka side ---------------------------------------------------------------------------
-
-
-def end_offsets(
-    client_config: Mapping[str, str], topic: str, timeout: float = 10.0
-) -> dict[int, int]:
-    """High watermark of every partition of ``topic`` (transient errors such as a leader
-    election on a fresh topic are retried until ``timeout``)."""
-    from confluent_kafka import Consumer, KafkaException, TopicPartition
-
-    consumer = Consumer(
-        {**client_config, "group.id": "rollstream-ledger-probe", "enable.auto.commit": False}
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            try:
-                metadata = consumer.list_topics(topic, timeout=timeout)
-                info = metadata.topics.get(topic)
-                if info is None or info.error is not None:
-                    error = info.error if info is not None else "missing"
-                    raise RuntimeError(
-                        f"topic {topic!r} not found ({error}): create it first "
-                        "(rollstream infra up / rollstream topics ensure)"
-                    )
-                return {
-                    p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)[1]
-                    for p in sorted(info.partitions)
-                }
-            except KafkaException as exc:
-                if not exc.args[0].retriable() and exc.args[0].name() not in _TRANSIENT:
-                    raise
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-    finally:
-        consumer.close()
-
-
-_TRANSIENT = frozenset(
-    {"NOT_LEADER_FOR_PARTITION", "LEADER_NOT_AVAILABLE", "UNKNOWN_TOPIC_OR_PART", "_TRANSPORT"}
-)
 
 
 @dataclass(frozen=True)

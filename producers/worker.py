@@ -676,9 +676,10 @@ async def run_producer(
     """
     import signal
 
+    from core.topic_reader import end_offsets
     from producers.backends import HttpBackend, LocalBackend
     from producers.client import EngineClient
-    from producers.ledger import Ledger, end_offsets, recover
+    from producers.ledger import Ledger, recover
     from producers.tasks import TaskContext, make_task
 
     rollout = producers.rollout

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 from pydantic import ValidationError
 
-from rollstream.config import RollstreamConfig, load_config
+from rollstream.config import RollstreamConfig, load_config, parse_assignments
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -28,10 +28,28 @@ from rollstream.config import RollstreamConfig, load_config
     type=click.Path(file_okay=False, path_type=Path),
     help="Data and logs of embedded services (default ~/.local/state/rollstream).",
 )
+@click.option(
+    "--set",
+    "assignments",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override one value for any command, e.g. --set trainer.engine.lr=1e-4 (repeatable; "
+    "wins over the file and the environment).",
+)
 @click.pass_context
-def main(ctx: click.Context, config_path: Path | None, state_dir: Path | None) -> None:
+def main(
+    ctx: click.Context,
+    config_path: Path | None,
+    state_dir: Path | None,
+    assignments: tuple[str, ...],
+) -> None:
     """rollstream: asynchronous RL for LLMs over Apache Kafka."""
-    overrides = {"state_dir": state_dir} if state_dir else {}
+    try:
+        overrides = parse_assignments(assignments)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--set") from err
+    if state_dir:
+        overrides["state_dir"] = state_dir
     try:
         ctx.obj = load_config(config_path, **overrides)
     except ValidationError as err:

@@ -1,26 +1,25 @@
-"""Typed configuration shared by every role.
+"""The whole configuration (``RollstreamConfig``): the shared sections of ``core.config``
+plus each role's own section and ``[up]``. Pydantic only, no torch, so every entry point
+validates its configuration before importing anything heavy. Unknown keys are errors.
 
-One light module (pydantic only, no torch) so that every entry point can parse and
-validate its configuration before importing anything heavy. Unknown keys are errors.
-
-Sources, later ones winning: defaults < TOML file (``--config``) < environment
-(``ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS=...``, nested with ``__``). A few widely used
-variables are honoured too: ``KAFKA_BOOTSTRAP_SERVERS`` and ``AWS_ENDPOINT_URL_S3`` /
-``AWS_ENDPOINT_URL``. S3 credentials come from the standard AWS chain unless the store
-is the embedded one.
+Sources, earlier ones winning (``load_config``): explicit overrides (``--set``, ``--state-dir``),
+``ROLLSTREAM_*`` variables (``ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS=...``, nested with ``__``),
+the widely used ``KAFKA_BOOTSTRAP_SERVERS`` and ``AWS_ENDPOINT_URL_S3`` /
+``AWS_ENDPOINT_URL``, the TOML file (``--config``), the defaults. S3 credentials come from
+the standard AWS chain unless the store is the embedded one.
 """
 
 from __future__ import annotations
 
-import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from consumers.config import TrainerConfig
-from core.config import SharedConfig, StrictModel, merge_tables
+from core.config import SharedConfig, StrictModel, settings_from_sources
+from core.models import MODEL_SPEC_HELP, parse_model_spec
 from producers.config import ProducersConfig
 from streams.config import StreamsConfig
 
@@ -40,19 +39,20 @@ class UpConfig(StrictModel):
         description="Async mode: how many versions generation may run ahead of training "
         "(producers' admission credit and the streams' staleness filter).",
     )
-    model: Literal["tiny", "smollm2-135m"] = Field(
+    model: str = Field(
         default="tiny",
-        description="tiny: the ~132k-parameter Llama built from a config; smollm2-135m: "
-        "SmolLM2-135M-Instruct from the cached GGUF.",
+        description=MODEL_SPEC_HELP + " Given unchanged to all three roles ([producers.engine] "
+        "model, [streams.old_logits] model, [trainer.model] spec). A tiny spec runs the tiny "
+        "profile (float32 everywhere); any other model the language-model profile (bf16).",
     )
     task: str | None = Field(
         default=None,
-        description="Task name; empty: copy-first-digit-twice (tiny) or arithmetic (smollm2).",
+        description="Task name; empty: copy-first-digit-twice (tiny) or arithmetic (others).",
     )
     groups_per_step: int | None = Field(
         default=None,
         ge=1,
-        description="GRPO groups per optimiser step; empty: 16 (tiny) or 4 (smollm2).",
+        description="GRPO groups per optimiser step; empty: 16 (tiny) or 4 (others).",
     )
     max_steps: int = Field(default=150, ge=1, description="Stop after this many trainer steps.")
     stop_timeout_s: float = Field(
@@ -69,6 +69,11 @@ class UpConfig(StrictModel):
         description="Pin roles to CPU cores (os.sched_setaffinity): trainer and streams on "
         "the last core, engine and producer on the others, as if on separate devices.",
     )
+
+    @field_validator("model")
+    @classmethod
+    def _canonical_model(cls, value: str) -> str:
+        return parse_model_spec(value, check_path=False).name
 
 
 class RollstreamConfig(SharedConfig):
@@ -89,29 +94,33 @@ class RollstreamConfig(SharedConfig):
     )
 
 
-def _well_known_env() -> dict[str, Any]:
-    """Standard variables that users of Kafka and S3 tools already set."""
-    found: dict[str, Any] = {}
-    if servers := os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
-        found.setdefault("kafka", {})["bootstrap_servers"] = servers
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint:
-        found.setdefault("s3", {})["endpoint_url"] = endpoint
-    return found
-
-
 def load_config(path: Path | None = None, **overrides: Any) -> RollstreamConfig:
-    """Build the config from an optional TOML file, the environment and explicit overrides.
+    """The whole config from its sources (``core.config.settings_from_sources``): explicit
+    ``overrides`` > ``ROLLSTREAM_*`` variables > ``KAFKA_BOOTSTRAP_SERVERS`` /
+    ``AWS_ENDPOINT_URL[_S3]`` > the TOML file > defaults."""
+    return settings_from_sources(RollstreamConfig, path, overrides)
 
-    ``ROLLSTREAM_*`` variables win over the file (pydantic-settings gives init values
-    priority, so they are merged in here by hand), explicit ``overrides`` win over both.
-    """
-    values: dict[str, Any] = {}
-    if path is not None:
-        with Path(path).open("rb") as fh:
-            values = tomllib.load(fh)
-    values = merge_tables(values, _well_known_env())
-    env_only = RollstreamConfig.model_validate({}).model_dump(exclude_unset=True)
-    values = merge_tables(values, env_only)
-    values = merge_tables(values, overrides)
-    return RollstreamConfig.model_validate(values)
+
+def parse_assignments(assignments: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """Nested overrides from ``a.b.c=value`` assignments (``--set``); the right-hand side
+    is read as a TOML value, else as a string. ``ValueError`` names a malformed one."""
+    data: dict[str, Any] = {}
+    for assignment in assignments:
+        key, sep, value = assignment.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"expected KEY=VALUE, got {assignment!r}")
+        node = data
+        *parents, leaf = key.strip().split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{key}: {part} is not a table")
+        node[leaf] = _toml_value(value.strip())
+    return data
+
+
+def _toml_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text

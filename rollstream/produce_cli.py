@@ -58,7 +58,10 @@ def _set(values: dict) -> dict:
 @_CONFIG_OPTION
 @click.option("--host", help="Address to bind (default from [engine], 127.0.0.1).")
 @click.option("--port", type=int, help="Port (default from [engine], 30000; 0 = free).")
-@click.option("--model", help="'tiny-llama', 'smollm2-135m-instruct' or a checkpoint directory.")
+@click.option(
+    "--model",
+    help="Model spec: tiny, tiny:key=value,..., smollm2-135m-instruct or a checkpoint directory.",
+)
 @click.pass_obj
 def serve(
     config: Any,

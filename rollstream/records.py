@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import click
 
-from core.topic_reader import ReadStalled, read_range, reader_config, topic_partitions
+from core.topic_reader import ReadStalled, read_range, reader_config, topic_partitions, whole_topic
 
 if TYPE_CHECKING:  # the schemas import pyarrow: imported when used, so --help stays instant
     from schemas.control import DeadLetter, StaleRecord, VersionAnnouncement
@@ -278,7 +278,7 @@ class RecordFilter:
 
 def plan_partitions(consumer: Any, topic: str, bounds: ReadBounds) -> dict[int, tuple[int, int]]:
     """``partition -> (start, end)`` offsets to read, ``end`` exclusive."""
-    from confluent_kafka import KafkaException, TopicPartition
+    from confluent_kafka import KafkaException
 
     try:
         existing = topic_partitions(consumer, topic)
@@ -290,8 +290,7 @@ def plan_partitions(consumer: Any, topic: str, bounds: ReadBounds) -> dict[int, 
     if unknown:
         raise click.ClickException(f"{topic} has partitions {existing}, not {unknown}")
     plan: dict[int, tuple[int, int]] = {}
-    for p in wanted:
-        low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+    for p, (low, high) in whole_topic(consumer, topic, wanted).items():
         if p in starts:
             start = starts[p]
         elif bounds.from_offset is not None:

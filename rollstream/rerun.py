@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from core.config import S3Config
+from core.models import load_model
 from rollstream.config import RollstreamConfig
 from rollstream.records import ReplayRecord
 from schemas.group import decode_group
@@ -94,15 +95,14 @@ def old_logit_engine(config: RollstreamConfig, run_id: str) -> OldLogitEngine:
     """The engine the stream worker builds (``streams.app``), for this config."""
     import torch
 
-    from streams.oldlogits import OldLogitEngine, parse_tiny_spec
+    from streams.oldlogits import OldLogitEngine
     from streams.snapshots import FollowerSource, SeededSource, SnapshotStore
 
     old = config.streams.old_logits
     if old.mode == "off":
         return OldLogitEngine(old, None)
     if old.source == "seeded":
-        kwargs = parse_tiny_spec(old.model) if old.model.startswith("tiny") else {}
-        source: Any = SeededSource(old.seed_base, **kwargs)
+        source: Any = SeededSource(old.model, old.seed_base)
     else:
         from weights.follower import WeightFollower
         from weights.store import WeightStore
@@ -118,7 +118,7 @@ def old_logit_engine(config: RollstreamConfig, run_id: str) -> OldLogitEngine:
         budget_bytes=int(old.snapshot_memory_mb * 1024 * 1024),
         dtype=getattr(torch, old.dtype),
     )
-    return OldLogitEngine(old, snapshots)
+    return OldLogitEngine(old, snapshots, cache_dir=config.cache_dir)
 
 
 def rerun_stream(
@@ -288,14 +288,13 @@ def load_policy(
     """``[trainer.model]`` at initialisation, or with a stored version's weights."""
     import torch
 
-    from consumers.engine import load_model
-
     dtype = getattr(torch, options.dtype or ("bfloat16" if trainer.engine.bf16 else "float32"))
-    model = load_model(trainer.model, config.cache_dir)
+    # float32 first, cast after any stored weights are loaded: the trainer's order
+    model = load_model(trainer.model.spec, "float32", cache_dir=config.cache_dir)
     reference = None
     if trainer.loss.kl_coef > 0:
-        reference = load_model(trainer.model, config.cache_dir).to(dtype).eval()
-    description = f"initial {trainer.model.source} weights"
+        reference = load_model(trainer.model.spec, dtype, cache_dir=config.cache_dir)
+    description = f"initial {trainer.model.spec} weights"
     if options.weights_version is not None:
         from core.logprobs import params_for
         from streams.snapshots import FollowerSource

@@ -2,58 +2,21 @@
 
 Thin on purpose: the config is parsed and validated (``--dry-run`` prints it) before
 torch or DeepSpeed are imported. The trainer section is ``[trainer]`` in the rollstream
-TOML (``consumers.config.TrainerConfig``); ``--set trainer.engine.lr=1e-4`` overrides one
-value (the right-hand side is read as a TOML value, else as a string).
+TOML (``consumers.config.TrainerConfig``); ``rollstream --set trainer.engine.lr=1e-4 train``
+overrides one value, as for every role.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-import tomllib
-from pathlib import Path
-from typing import Any
 
 import click
 from pydantic import ValidationError
 
 from consumers.config import TrainerConfig
 from core.config import WeightsConfig
-from rollstream.config import RollstreamConfig, load_config
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def apply_overrides(data: dict[str, Any], assignments: tuple[str, ...]) -> dict[str, Any]:
-    """``data`` with each ``a.b.c=value`` assignment applied (nested dicts created)."""
-    for assignment in assignments:
-        key, sep, value = assignment.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"expected KEY=VALUE, got {assignment!r}", param_hint="--set")
-        node = data
-        *parents, leaf = key.strip().split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise click.BadParameter(f"{key}: {part} is not a table", param_hint="--set")
-        node[leaf] = _parse_value(value.strip())
-    return data
-
-
-def load_sections(
-    path: Path | None, assignments: tuple[str, ...] = ()
-) -> tuple[RollstreamConfig, TrainerConfig, WeightsConfig]:
-    """The shared config with its trainer and weights sections.
-
-    Precedence: the TOML file < ``ROLLSTREAM_*`` variables < ``--set`` assignments.
-    """
-    config = load_config(path, **apply_overrides({}, assignments))
-    return config, config.trainer, config.weights
+from rollstream.config import RollstreamConfig
 
 
 def run_trainer(config: RollstreamConfig, trainer: TrainerConfig, weights: WeightsConfig) -> int:
@@ -83,47 +46,24 @@ def run_trainer(config: RollstreamConfig, trainer: TrainerConfig, weights: Weigh
     return 0
 
 
-_SET_HELP = "Override one value, e.g. --set trainer.engine.lr=1e-4 (repeatable)."
-
-
 @click.command("train")
-@click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE", help=_SET_HELP)
 @click.option("--max-steps", type=int, help="Stop after this many optimiser steps in total.")
 @click.option("--dry-run", is_flag=True, help="Print the merged trainer config and exit.")
-@click.pass_context
-def train(
-    ctx: click.Context, assignments: tuple[str, ...], max_steps: int | None, dry_run: bool
-) -> None:
+@click.pass_obj
+def train(config: RollstreamConfig, max_steps: int | None, dry_run: bool) -> None:
     """Train on rollouts.scored and publish versions (the trainer role)."""
-    config: RollstreamConfig = ctx.obj
-    trainer, weights = config.trainer, config.weights
-    if assignments:
-        data = apply_overrides({"trainer": trainer.model_dump(mode="json")}, assignments)
-        trainer = _validated(data["trainer"])
-    _finish(config, trainer, weights, max_steps, dry_run)
-
-
-def _validated(raw: dict[str, Any]) -> TrainerConfig:
-    try:
-        return TrainerConfig.model_validate(raw)
-    except ValidationError as err:
-        raise click.UsageError(f"invalid trainer configuration:\n{err}") from err
-
-
-def _finish(
-    config: RollstreamConfig,
-    trainer: TrainerConfig,
-    weights: WeightsConfig,
-    max_steps: int | None,
-    dry_run: bool,
-) -> None:
+    trainer = config.trainer
     if max_steps is not None:
-        trainer = trainer.model_copy(update={"max_steps": max_steps})
-        trainer = _validated(trainer.model_dump(mode="json"))
+        try:
+            trainer = TrainerConfig.model_validate(
+                {**trainer.model_dump(mode="json"), "max_steps": max_steps}
+            )
+        except ValidationError as err:
+            raise click.UsageError(f"invalid trainer configuration:\n{err}") from err
     if dry_run:
         click.echo(trainer.model_dump_json(indent=2))
         return
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    sys.exit(run_trainer(config, trainer, weights))
+    sys.exit(run_trainer(config, trainer, config.weights))

@@ -37,6 +37,7 @@ import click
 from pydantic import BaseModel
 
 from core.config import merge_tables, to_toml
+from core.models import parse_model_spec
 from rollstream.config import RollstreamConfig, UpConfig
 
 ROLE_ORDER = ("streams", "trainer", "engine", "producer")
@@ -78,12 +79,15 @@ class Ports:
 def role_defaults(up: UpConfig, run_id: str, run_dir: Path, ports: Ports) -> dict[str, Any]:
     """Role sections derived from ``[up]``: what ``up`` sets unless the file says otherwise.
 
-    The tiny profile: 16 prompts x 8 samples per step, fp32 everywhere so
-    engine, old-logit service and trainer share numerics, AdamW lr 3e-3 rather than
-    1e-3: the pipeline trains on data up to two versions old, and 3e-3 reached a 10-step
-    mean reward of ~0.77 in 100 steps here where 1e-3 was at ~0.16 after 60.
+    The model spec ``up.model`` goes unchanged to the engine, the old-logit service and
+    the trainer, which all load it with ``core.models.load_model``: one spec, one loader,
+    the same weights and numerics in every role. A tiny spec runs the tiny profile: 16
+    prompts x 8 samples per step, fp32 everywhere, AdamW lr 3e-3 rather than 1e-3: the
+    pipeline trains on data up to two versions old, and 3e-3 reached a 10-step mean reward
+    of ~0.77 in 100 steps here where 1e-3 was at ~0.16 after 60. Any other model runs the
+    language-model profile: 4 prompts x 4 samples, bf16, lr 1e-5.
     """
-    tiny = up.model == "tiny"
+    tiny = parse_model_spec(up.model, check_path=False).is_tiny
     groups = up.groups_per_step or (16 if tiny else 4)
     window = 0 if up.sync else up.staleness_window
     dtype = "float32" if tiny else "bfloat16"
@@ -92,7 +96,7 @@ def role_defaults(up: UpConfig, run_id: str, run_dir: Path, ports: Ports) -> dic
         "weights": {"poll_interval_s": 0.5},
         "producers": {
             "engine": {
-                "model": "tiny-llama" if tiny else "smollm2-135m-instruct",
+                "model": up.model,
                 "dtype": dtype,
                 "port": ports.engine,
                 "torch_threads": 1,
@@ -111,7 +115,7 @@ def role_defaults(up: UpConfig, run_id: str, run_dir: Path, ports: Ports) -> dic
         "streams": {
             "app_id": f"rollstream-streams-{run_id}",
             "staleness": {"max_staleness": window},
-            "old_logits": {"model": "tiny" if tiny else "smollm2", "dtype": dtype},
+            "old_logits": {"model": up.model, "dtype": dtype},
             "groups": {"timeout_s": 60.0},
             "metrics_port": ports.streams_metrics,
             "first_start": "committed",  # a new run starts at the end of rollouts.raw
@@ -122,7 +126,7 @@ def role_defaults(up: UpConfig, run_id: str, run_dir: Path, ports: Ports) -> dic
             "ledger_file": str(run_dir / "ledger.jsonl"),  # for `rollstream audit`
             "prometheus_port": ports.trainer_metrics,
             "progress": False,
-            "model": {"source": "tiny" if tiny else "smollm2"},
+            "model": {"spec": up.model},
             "engine": {"bf16": not tiny, "lr": 3e-3 if tiny else 1e-5, "zero_stage": 0},
             "loss": {"type": "decoupled"},
             # sync: a step waits for all of its groups; async: never wait long for stragglers
@@ -471,7 +475,7 @@ def start_groups_at_end(config: RollstreamConfig) -> dict[str, int]:
     """
     from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-    from core.topic_reader import committed_offsets, topic_partitions
+    from core.topic_reader import committed_offsets, topic_partitions, whole_topic
 
     done: dict[str, int] = {}
     groups = {config.trainer.topics.group_id: config.trainer.topics.scored}
@@ -493,8 +497,8 @@ def start_groups_at_end(config: RollstreamConfig) -> dict[str, int]:
             if any(tp.offset >= 0 for tp in committed_offsets(consumer, parts)):
                 continue  # a resumed run: keep its offsets
             ends = [
-                TopicPartition(topic, tp.partition, consumer.get_watermark_offsets(tp)[1])
-                for tp in parts
+                TopicPartition(topic, p, high)
+                for p, (_low, high) in whole_topic(consumer, topic, partitions).items()
             ]
             consumer.commit(offsets=ends, asynchronous=False)
             done[group] = len(ends)
@@ -562,7 +566,11 @@ def _default_run_id(config: RollstreamConfig) -> str:
 @click.command("up")
 @click.option("--sync", "sync", flag_value=True, default=None, help="Synchronous baseline.")
 @click.option("--async", "sync", flag_value=False, help="Asynchronous pipeline (default).")
-@click.option("--model", type=click.Choice(["tiny", "smollm2-135m"]), help="Model profile.")
+@click.option(
+    "--model",
+    help="Model spec for every role: tiny, tiny:key=value,..., smollm2-135m-instruct or a "
+    "checkpoint directory.",
+)
 @click.option("--task", help="Task (default: copy-first-digit-twice / arithmetic).")
 @click.option("--max-steps", type=int, help="Trainer steps, then stop (default [up] 150).")
 @click.option("--staleness-window", type=int, help="Async: versions generation may lead.")

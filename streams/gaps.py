@@ -42,6 +42,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from core.topic_reader import committed_offsets, whole_topic
 from streams.groups import offset_key
 from streams.processor import Message
 
@@ -200,7 +201,7 @@ class GapGuard:
             {**self.client_config, "group.id": self.start_group, "enable.auto.commit": False}
         )
         try:
-            (found,) = consumer.committed([TopicPartition(self.topic, partition)], timeout=30)
+            (found,) = committed_offsets(consumer, [TopicPartition(self.topic, partition)])
         finally:
             consumer.close()
         return found.offset if found.offset >= 0 else None
@@ -222,11 +223,7 @@ class GapGuard:
         return self._side
 
     def _low_watermark(self, partition: int) -> int:
-        from confluent_kafka import TopicPartition
-
-        low, _high = self._consumer().get_watermark_offsets(
-            TopicPartition(self.topic, partition), timeout=30
-        )
+        low, _high = whole_topic(self._consumer(), self.topic, [partition])[partition]
         return low
 
     async def _real_from(self, partition: int, offset: int) -> int | None:

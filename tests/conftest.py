@@ -27,7 +27,6 @@ from infra.kafka import EmbeddedKafka
 from infra.s3 import SeaweedServer, ensure_bucket
 from weights.store import make_s3_client
 
-
 SERVICE_FIXTURES = frozenset(
     {"kafka_config", "s3_config", "second_s3_config", "seaweed_region_a", "seaweed_region_b"}
 )

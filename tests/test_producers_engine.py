@@ -34,7 +34,7 @@ def recompute(model, prompt: list[int], response: list[int], temperature: float 
 
 @pytest.fixture()
 def engine():
-    engine = Engine(build_tiny_llama(seed=0), model_path="tiny-llama", seed=1).start()
+    engine = Engine(build_tiny_llama(seed=0), model_path="tiny", seed=1).start()
     yield engine
     engine.shutdown()
 
@@ -86,7 +86,7 @@ def test_stop_tokens_length_and_finish_reasons(engine):
     assert stopped.output_ids == [first]
     assert stopped.finish_reason == {"type": "stop", "matched": first}
     # EOS stops unless ignore_eos; here the model's greedy first token plays EOS.
-    eos_engine = Engine(engine.model, model_path="tiny-llama", eos_token_ids=[first])
+    eos_engine = Engine(engine.model, model_path="tiny", eos_token_ids=[first])
     assert eos_engine.eos_token_ids == (first,)
     by_eos = eos_engine.generate([PROMPTS[0]], SamplingParams(temperature=0.0))[0]
     assert by_eos.finish_reason == {"type": "stop", "matched": first}
@@ -144,7 +144,7 @@ def test_abort_all_reaches_running_and_queued_requests(engine):
         assert len(result.output_ids) < 60
     # Queued requests that never started finish at once, without tokens.
     engine.shutdown()
-    idle = Engine(engine.model, model_path="tiny-llama")  # no scheduler thread: stays queued
+    idle = Engine(engine.model, model_path="tiny")  # no scheduler thread: stays queued
     waiting = idle.submit(PROMPTS[1], params)
     idle.abort(abort_all=True)
     assert waiting.result(timeout=5).output_ids == []

@@ -35,9 +35,7 @@ LONG = {"max_new_tokens": 50, "ignore_eos": True}
 
 @pytest.fixture()
 def server():
-    engine = Engine(
-        build_tiny_llama(seed=0), model_path="tiny-llama", tokenizer=TinyTokenizer(), seed=0
-    )
+    engine = Engine(build_tiny_llama(seed=0), model_path="tiny", tokenizer=TinyTokenizer(), seed=0)
     with ServerThread(engine) as srv:
         yield srv
 
@@ -84,7 +82,7 @@ def test_generate_speaks_sglang(server):
 def test_model_info_health_and_server_info(server):
     info = httpx.get(server.url + "/get_model_info").json()
     assert info == {
-        "model_path": "tiny-llama",
+        "model_path": "tiny",
         "tokenizer_path": None,
         "is_generation": True,
         "preferred_sampling_params": None,
@@ -99,7 +97,7 @@ def test_model_info_health_and_server_info(server):
 def test_client_round_trip_and_log_probs(server):
     async def go():
         async with EngineClient(server.url) as client:
-            info = await client.check_model("tiny-llama")
+            info = await client.check_model("tiny")
             outs = await client.generate(
                 [PROMPT, PROMPT],
                 {"temperature": 1.0, "max_new_tokens": 12, "ignore_eos": True},
@@ -235,11 +233,11 @@ def test_model_mismatch_is_a_clear_error(server):
         async with EngineClient(server.url) as client:
             await client.check_model("smollm2-135m-instruct")
 
-    with pytest.raises(EngineModelMismatch, match=r"serves model 'tiny-llama'.*expects"):
+    with pytest.raises(EngineModelMismatch, match=r"serves model 'tiny'.*expects"):
         run(go())
     assert same_model("smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct")
     assert same_model("/models/ckpt/", "/mnt/other/ckpt")
-    assert not same_model("tiny-llama", "smollm2-135m-instruct")
+    assert not same_model("tiny", "smollm2-135m-instruct")
 
 
 def _free_port() -> int:
@@ -411,7 +409,7 @@ def test_serve_command_runs_until_sigterm(tmp_path):
     from pathlib import Path
 
     settings = tmp_path / "producers.toml"
-    settings.write_text('[engine]\nmodel = "tiny-llama"\nport = 0\ntorch_threads = 1\n')
+    settings.write_text('[engine]\nmodel = "tiny"\nport = 0\ntorch_threads = 1\n')
     repo = Path(__file__).resolve().parents[1]
     process = subprocess.Popen(
         [sys.executable, "-m", "producers", "serve", "--producers-config", str(settings)],
@@ -424,7 +422,7 @@ def test_serve_command_runs_until_sigterm(tmp_path):
         line = process.stdout.readline()
         assert "serves SGLang v0.5.3's API at http://127.0.0.1:" in line, line
         url = line.rsplit(" at ", 1)[1].strip()
-        assert httpx.get(url + "/get_model_info").json()["model_path"] == "tiny-llama"
+        assert httpx.get(url + "/get_model_info").json()["model_path"] == "tiny"
         reply = httpx.post(url + "/generate", json={"input_ids": PROMPT, "return_logprob": True})
         assert reply.status_code == 200 and reply.json()["meta_info"]["output_token_logprobs"]
         process.send_signal(signal.SIGTERM)

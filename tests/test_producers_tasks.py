@@ -243,7 +243,7 @@ def test_producers_config_rejects_unknown_keys_and_parses_toml(tmp_path):
         textwrap.dedent(
             """
             [engine]
-            model = "tiny-llama"
+            model = "tiny"
             port = 0
             [rollout]
             group_size = 4

@@ -21,10 +21,11 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from core.config import default_cache_dir
 from core.models import build_tiny_llama
+from core.topic_reader import end_offsets
 from infra.topics import ensure_topics
 from producers.config import EngineConfig, ProducersConfig, RolloutConfig, SamplingConfig
 from producers.engine import Engine
-from producers.ledger import Ledger, end_offsets, read_ledger, recover
+from producers.ledger import Ledger, read_ledger, recover
 from producers.server import ServerThread
 from producers.tasks import TaskContext, make_task
 from producers.worker import ledger_dir, run_producer
@@ -147,7 +148,7 @@ def test_worker_delivers_exactly_n_groups_over_http(kafka_config, unique_name, t
     topic = make_topic(kafka_config, unique_name)
     config = rs_config(kafka_config, tmp_path)
     groups, size = 6, 4
-    engine = Engine(build_tiny_llama(seed=0), model_path="tiny-llama", seed=0)
+    engine = Engine(build_tiny_llama(seed=0), model_path="tiny", seed=0)
     with ServerThread(engine) as server:
         settings = ProducersConfig(
             rollout=rollout(topic, engine_url=server.url, groups=groups, max_inflight_groups=3)
@@ -428,7 +429,7 @@ def test_admission_waits_while_weights_lag_the_announced_version(
     announced = [3]  # the weight store is down: v3 announced, the worker still at v0
 
     async def scenario():
-        engine = Engine(build_tiny_llama(seed=0), model_path="tiny-llama", seed=0)
+        engine = Engine(build_tiny_llama(seed=0), model_path="tiny", seed=0)
         backend = LocalBackend(engine)
         with Ledger(tmp_path / "ledger") as ledger:
             publisher = GroupPublisher(kafka_config.client_config(), topic, ledger)
@@ -466,7 +467,7 @@ def test_admission_waits_while_weights_lag_the_announced_version(
 def test_worker_rides_out_an_engine_outage(kafka_config, unique_name, tmp_path):
     topic = make_topic(kafka_config, unique_name)
     config = rs_config(kafka_config, tmp_path)
-    engine = Engine(build_tiny_llama(seed=0), model_path="tiny-llama", seed=0)
+    engine = Engine(build_tiny_llama(seed=0), model_path="tiny", seed=0)
     servers = [ServerThread(engine).start()]
     port = servers[0].port
     settings = ProducersConfig(
@@ -587,7 +588,7 @@ def _spawn(kafka_config, tmp_path: Path, run_id: str, topic: str, groups: int):
         textwrap.dedent(
             f"""
             [engine]
-            model = "tiny-llama"
+            model = "tiny"
             torch_threads = 1
             step_delay_ms = 2
             [rollout]

@@ -22,7 +22,6 @@ from support.streams import (
     applied_offsets,
     committed_offsets,
     create_stream_topics,
-    end_offsets,
     keyed,
     produce,
     read_topic,
@@ -33,6 +32,7 @@ from support.streams import (
 )
 
 from core.config import KafkaConfig
+from core.topic_reader import end_offsets
 from schemas.control import DeadLetter
 from schemas.group import decode_group
 

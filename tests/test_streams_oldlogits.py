@@ -12,7 +12,7 @@ from core.logprobs import PADDED_BATCH_ATOL
 from core.models import build_tiny_llama
 from streams.config import OldLogitsConfig
 from streams.metrics import StreamMetrics
-from streams.oldlogits import OldLogitEngine, Unit, parse_tiny_spec, plan_batches, segment_units
+from streams.oldlogits import OldLogitEngine, Unit, plan_batches, segment_units
 from streams.snapshots import (
     FollowerSource,
     InMemorySource,
@@ -141,16 +141,6 @@ def test_segment_units_cover_the_response(states, model) -> None:
     assert segment_units([traj]) == [Unit(0, 3, 0, 2), Unit(0, 4, 2, 3), Unit(0, 5, 3, 6)]
 
 
-def test_parse_tiny_spec() -> None:
-    assert parse_tiny_spec("tiny") == {}
-    assert parse_tiny_spec("tiny:hidden_size=128,tie_word_embeddings=false") == {
-        "hidden_size": 128,
-        "tie_word_embeddings": False,
-    }
-    with pytest.raises(ValueError):
-        parse_tiny_spec("tiny:oops")
-
-
 # --- snapshot store ---------------------------------------------------------------------
 
 
@@ -205,15 +195,17 @@ def test_store_converts_dtype_and_keeps_ties(states) -> None:
 
 
 def test_seeded_source_is_deterministic() -> None:
-    source = SeededSource(seed_base=7, hidden_size=32)
+    source = SeededSource("tiny:hidden_size=32,seed=2", seed_base=5)  # seed 2 + 5 + v
     a, b = source.load(2), source.load(2)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert torch.equal(
-        a["model.norm.weight"],
-        build_tiny_llama(seed=9, hidden_size=32).state_dict()["model.norm.weight"],
+        a["model.embed_tokens.weight"],
+        build_tiny_llama(seed=9, hidden_size=32).state_dict()["model.embed_tokens.weight"],
     )
     with pytest.raises(VersionUnavailable):
         source.load(-1)
+    with pytest.raises(ValueError, match="tiny models only"):
+        SeededSource("smollm2-135m-instruct")
 
 
 @pytest.mark.slow

@@ -18,13 +18,14 @@ from consumers.checkpoint import (
     tag_for,
 )
 from consumers.config import TrainerConfig
-from consumers.engine import TrainEngine, load_model
+from consumers.engine import TrainEngine
 from consumers.step import StepRunner
+from core.models import load_model
 
 
 def build(config: TrainerConfig) -> tuple[TrainEngine, StepRunner]:
     engine = TrainEngine(
-        load_model(config.model),
+        load_model(config.model.spec),
         config.engine,
         frozen_copies=StepRunner.frozen_copies_needed(config),
     )

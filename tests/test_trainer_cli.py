@@ -6,13 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import click
 import orjson
 import pytest
 from click.testing import CliRunner
 
-from rollstream.config import RollstreamConfig
-from rollstream.train_cli import apply_overrides, load_sections, train
+from rollstream.cli import main
+from rollstream.config import load_config, parse_assignments
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,7 +33,8 @@ base_every = 5
 
 def test_parsing_the_config_imports_no_torch() -> None:
     code = (
-        "import sys; from rollstream.train_cli import load_sections; load_sections(None); "
+        "import sys; from rollstream.cli import main; from rollstream.config import load_config; "
+        "load_config(None); "
         "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run(
@@ -46,16 +46,19 @@ def test_parsing_the_config_imports_no_torch() -> None:
 def test_load_sections_and_overrides(tmp_path: Path) -> None:
     path = tmp_path / "rollstream.toml"
     path.write_text(TOML)
-    config, trainer, weights = load_sections(
-        path, ("trainer.engine.lr=0.25", "trainer.progress=false")
+    config = load_config(
+        path, **parse_assignments(("trainer.engine.lr=0.25", "trainer.progress=false"))
     )
+    trainer, weights = config.trainer, config.weights
     assert config.run_id == "cli-run" and config.kafka.bootstrap_servers == "127.0.0.1:9"
     assert trainer.max_steps == 7 and trainer.engine.zero_stage == 2
     assert trainer.engine.lr == 0.25 and trainer.progress is False
     assert trainer.loss.type == "mu_grpo" and trainer.loss.clip_bounds == (0.0, 4.0)
     assert weights.base_every == 5
-    with pytest.raises(click.BadParameter):
-        apply_overrides({}, ("no-equals-sign",))
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_assignments(("no-equals-sign",))
+    with pytest.raises(ValueError, match="not a table"):
+        parse_assignments(("trainer=1", "trainer.engine.lr=2"))
 
 
 def test_python_m_consumers_dry_run(tmp_path: Path) -> None:
@@ -82,13 +85,12 @@ def test_python_m_consumers_dry_run(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "nope" in bad.stderr
 
 
-def test_train_command_under_the_rollstream_group() -> None:
-    @click.group()
-    @click.pass_context
-    def group(ctx: click.Context) -> None:
-        ctx.obj = RollstreamConfig()
-
-    group.add_command(train)
-    result = CliRunner().invoke(group, ["train", "--dry-run", "--set", "trainer.engine.lr=0.5"])
+def test_set_applies_to_every_command_from_the_root() -> None:
+    result = CliRunner().invoke(main, ["--set", "trainer.engine.lr=0.5", "train", "--dry-run"])
     assert result.exit_code == 0, result.output
     assert orjson.loads(result.output)["engine"]["lr"] == 0.5
+    result = CliRunner().invoke(main, ["--set", "streams.app_id=other", "stream", "--check"])
+    assert result.exit_code == 0, result.output
+    assert orjson.loads(result.output)["app_id"] == "other"
+    bad = CliRunner().invoke(main, ["--set", "no-equals", "train", "--dry-run"])
+    assert bad.exit_code == 2 and "KEY=VALUE" in bad.output

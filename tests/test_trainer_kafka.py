@@ -32,9 +32,10 @@ from support.synthetic import scored_group, synthetic_groups
 
 from consumers.checkpoint import CheckpointManager, TrainingLedger
 from consumers.config import TrainerConfig
-from consumers.engine import TrainEngine, load_model
+from consumers.engine import TrainEngine
 from consumers.trainer import FAILPOINT_ENV, Trainer, TrainerSettings
 from core.config import KafkaConfig, S3Config
+from core.models import load_model
 from infra.s3 import SeaweedServer, ensure_bucket
 from infra.topics import ensure_topics
 from schemas.control import DeadLetter, VersionAnnouncement
@@ -133,7 +134,7 @@ def ids_of(groups: list[list[Trajectory]]) -> list[str]:
 
 
 def restored_weights(config: TrainerConfig) -> dict[str, torch.Tensor]:
-    engine = TrainEngine(load_model(config.model), config.engine)
+    engine = TrainEngine(load_model(config.model.spec), config.engine)
     assert CheckpointManager(config.checkpoint).load(engine) is not None
     return engine.state_dict()
 

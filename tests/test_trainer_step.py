@@ -16,11 +16,11 @@ from support.synthetic import synthetic_groups
 
 from consumers.batching import BatchAssembler, ConsumedGroup, pack, response_logprobs
 from consumers.config import TrainerConfig
-from consumers.engine import TrainEngine, deepspeed_config, load_model
+from consumers.engine import TrainEngine, deepspeed_config
 from consumers.metrics import MetricsSink, data_metrics, staleness_bucket
 from consumers.step import StepRunner
 from core.logprobs import response_logprobs as shared_logprobs
-from core.models import build_tiny_llama
+from core.models import build_tiny_llama, load_model
 from schemas.trajectory import OldLogitsStatus
 
 
@@ -30,7 +30,7 @@ def make_config(**sections: object) -> TrainerConfig:
 
 
 def make_runner(config: TrainerConfig) -> tuple[TrainEngine, StepRunner]:
-    model = load_model(config.model)
+    model = load_model(config.model.spec)
     engine = TrainEngine(
         model, config.engine, frozen_copies=StepRunner.frozen_copies_needed(config)
     )

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from core.config import to_toml
+from core.topic_reader import end_offsets
 from schemas.trajectory import Trajectory
 
 
@@ -306,17 +307,6 @@ def all_applied(client_config: Mapping[str, str], app_id: str, topic: str) -> bo
     ends = end_offsets(client_config, topic)
     done = applied_offsets(client_config, app_id, topic, ends)
     return all(done.get(p, -1) >= end - 1 for p, end in ends.items() if end > 0)
-
-
-def end_offsets(client_config: Mapping[str, str], topic: str) -> dict[int, int]:
-    from confluent_kafka import Consumer, TopicPartition
-
-    consumer = Consumer({**client_config, "group.id": f"ends-{uuid.uuid4().hex[:8]}"})
-    try:
-        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
-        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p))[1] for p in partitions}
-    finally:
-        consumer.close()
 
 
 def wait_until(predicate: Any, timeout: float, what: str, check: Any = None) -> None:
