@@ -184,7 +184,7 @@ def _publish_run(engine, model, groups, client_config, topic, workdir, fsync: bo
     from producers.config import RolloutConfig
     from producers.ledger import Ledger
     from producers.metrics import ProducerMetrics
-    from producers.publish import GroupPublisher
+    from producers.group_publisher import GroupPublisher
     from producers.tasks import TaskContext, make_task
     from producers.worker import RolloutWorker
 

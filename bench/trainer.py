@@ -148,7 +148,7 @@ def publish_cost(
     model_config: ModelConfig, args: argparse.Namespace, batches: list[list[Trajectory]]
 ) -> dict[str, float]:
     from consumers.config import PublishConfig
-    from consumers.publish import Publisher
+    from consumers.weight_publisher import Publisher
     from core.config import RetryConfig
     from infra.s3 import SeaweedServer, ensure_bucket
     from weights.store import WeightStore, make_s3_client

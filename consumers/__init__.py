@@ -14,7 +14,9 @@ Modules, in reading order:
 - ``metrics``: per-step metrics to JSONL, Prometheus and a progress line.
 - ``source``: reading ``rollouts.scored`` (consumer group, seeks, DLQ, commits).
 - ``checkpoint``: checkpoints carrying Kafka offsets, and the training ledger.
-- ``publish``: versions through ``weights`` with retries.
-- ``trainer``: the driver loop. ``cli``: the commands. ``synthetic``: hand-made scored
-  groups for tests and benchmarks.
+- ``weight_publisher``: versions through ``weights`` with retries.
+- ``trainer``: the driver loop. ``build_lock`` / ``prebuild``: DeepSpeed's C++ ops, built
+  once and safe against a kill -9 while loading them.
+- ``__main__``: ``python -m consumers`` runs ``rollstream train``
+  (``rollstream.train_cli``).
 """

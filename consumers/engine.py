@@ -26,6 +26,7 @@ import torch
 from consumers.build_lock import extensions_root, op_build_guard
 from consumers.config import EngineConfig
 from core.config import merge_tables
+from core.models import cast_parameters
 
 log = logging.getLogger(__name__)
 
@@ -196,10 +197,12 @@ class TrainEngine:
 
     def frozen_copy(self) -> torch.nn.Module:
         """A no-grad, eval-mode copy of the initial weights in the engine's dtype and
-        device (for a KL reference or the EWMA proximal policy)."""
+        device (for a KL reference or the EWMA proximal policy). Parameters are cast the
+        way DeepSpeed casts the trained module (buffers kept), so the copy's numerics match
+        it."""
         if not self._templates:
             raise RuntimeError("TrainEngine was built with fewer frozen_copies")
-        model = self._templates.pop().to(device=self.device, dtype=self.dtype)
+        model = cast_parameters(self._templates.pop(), self.dtype).to(self.device)
         model.eval()
         model.requires_grad_(False)
         return model

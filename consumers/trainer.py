@@ -182,7 +182,7 @@ class Trainer:
         )
         self.publisher = None
         if self.settings.s3 is not None and (cfg.publish.every or cfg.publish.initial):
-            from consumers.publish import Publisher
+            from consumers.weight_publisher import Publisher
             from weights.announce import Announcer
             from weights.store import WeightStore
             from weights.writer import DeltaWriter

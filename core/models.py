@@ -4,7 +4,10 @@ Engine, old-logit service and trainer must run the *same* model in the same dtyp
 staleness ratio ``exp(logp_new - logp_old)`` picks up numerical noise. So every role
 names its model with the same string (``[producers.engine] model``,
 ``[streams.old_logits] model``, ``[trainer.model] spec``), parsed by ``parse_model_spec``
-alone, and builds it with ``load_model`` alone.
+alone, and builds it with ``load_model`` alone (the engine's tokenizer comes from
+``load_tokenizer``). ``load_model`` casts parameters only (``cast_parameters``), as
+DeepSpeed casts the trainer's module for bf16, so the rotary buffers stay float32 in every
+role and a bf16 forward pass is bit-identical in all three.
 
 Model spec grammar:
 
@@ -352,21 +355,38 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return found
 
 
+def cast_parameters(model: Any, dtype: str | torch.dtype) -> Any:
+    """Cast ``model``'s floating-point parameters to ``dtype`` in place and return it.
+
+    Buffers keep their dtype: the rotary frequencies stay float32. This is what DeepSpeed's
+    bf16 cast does to the trainer's module (parameters only), so a module cast here runs
+    the same numerics as the trainer's; ``module.to(dtype)`` would round the rotary
+    frequencies to bf16 as well and give different log-probs. Tied parameters stay tied.
+    """
+    target = torch_dtype(dtype)
+    for param in model.parameters():
+        if param.is_floating_point() and param.dtype != target:
+            param.data = param.data.to(target)
+    return model
+
+
 def load_model(
     spec: str | ModelSpec,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     cache_dir: Path | None = None,
 ) -> Any:
-    """The causal LM named by ``spec``, in eval mode, in ``dtype``, on ``device``.
+    """The causal LM named by ``spec``, in eval mode, parameters in ``dtype``, on ``device``.
 
     The one loader of every role: the engine, the old-logit service and the trainer (which
     loads float32 and lets DeepSpeed cast for bf16) all call it, so the same spec and
-    dtype give the same weights and the same numerics everywhere. The tiny model is built
-    in float32 and then cast; a checkpoint is read by ``from_pretrained`` in ``dtype``.
-    Either way the final ``.to(dtype)`` casts floating-point buffers too (the rotary
-    frequencies), as DeepSpeed's bf16 cast does.
+    dtype give the same weights and the same numerics everywhere. The model is built (tiny)
+    or read (``from_pretrained``) in float32, then its parameters are cast to ``dtype`` by
+    ``cast_parameters``, exactly as the trainer's float32 model is cast by DeepSpeed
+    (float32 buffers kept). A bf16 checkpoint thus takes float32 memory while it loads.
     """
+    import torch
+
     parsed = parse_model_spec(spec)
     target = torch_dtype(dtype)
     directory = model_directory(parsed, cache_dir)
@@ -375,8 +395,8 @@ def load_model(
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=target)
-    return model.to(device=device, dtype=target).eval()
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    return cast_parameters(model, target).to(device).eval()
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

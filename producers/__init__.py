@@ -9,9 +9,10 @@ Modules, in reading order:
 - ``client``: ``EngineClient`` for that API (ours or a real SGLang), responses checked.
 - ``tasks``: prompt sources and reward functions (a registry users extend).
 - ``backends``: in-process or HTTP engine, one interface for the worker.
-- ``ledger``, ``publish``: idempotent Kafka publishing, groups counted only when all G
+- ``ledger``, ``group_publisher``: idempotent Kafka publishing, groups counted only when all G
   records are acknowledged, a crash-safe ledger and its recovery.
 - ``worker``: the rollout worker (admission control, version-change policies).
 - ``metrics``: Prometheus metrics and the terminal progress line.
-- ``cli``: ``serve`` and ``produce`` (``python -m producers``).
+- ``__main__``: ``python -m producers`` runs ``rollstream produce`` (or ``serve``); the
+  commands themselves are ``rollstream.produce_cli``.
 """

@@ -56,7 +56,7 @@ from producers.backends import Backend
 from producers.client import EngineError, EngineUnavailable, GenerateOutput
 from producers.config import ProducersConfig, RolloutConfig
 from producers.metrics import ProducerMetrics, Progress
-from producers.publish import GroupPublisher
+from producers.group_publisher import GroupPublisher
 from producers.tasks import Prompt, Task
 from schemas.trajectory import NO_VERSION, Trajectory
 from schemas.validation import ValidationLimits, validate

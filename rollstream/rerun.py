@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from core.config import S3Config
-from core.models import load_model
+from core.models import cast_parameters, load_model
 from rollstream.config import RollstreamConfig
 from rollstream.records import ReplayRecord
 from schemas.group import decode_group
@@ -310,7 +310,7 @@ def load_policy(
             for name, param in model.named_parameters():
                 param.copy_(params[name])
         description = f"version {options.weights_version} of run {options.run_id}"
-    model = model.to(dtype).eval()
+    model = cast_parameters(model, dtype).eval()  # as DeepSpeed casts the trainer's
     cfg = model.config
     pad = trainer.model.pad_token_id
     if pad is None:

@@ -422,7 +422,7 @@ def test_admission_waits_while_weights_lag_the_announced_version(
     kafka_config, unique_name, tmp_path, caplog
 ):
     from producers.backends import LocalBackend
-    from producers.publish import GroupPublisher
+    from producers.group_publisher import GroupPublisher
     from producers.worker import RolloutWorker
 
     topic = make_topic(kafka_config, unique_name)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from consumers.config import PublishConfig
-from consumers.publish import Publisher
+from consumers.weight_publisher import Publisher
 from core.config import RetryConfig, S3Config
 from core.models import build_tiny_llama
 from weights.errors import VersionTaken
