@@ -49,7 +49,7 @@ def bench_engine(model: str, repeats: int, new_tokens: int, threads: int) -> Non
 
     from core.config import default_cache_dir
     from producers.client import EngineClient
-    from producers.engine import Engine, SamplingParams
+    from producers.inference_engine import Engine, SamplingParams
 
     spec = parse_model_spec(model)
     loaded = load_model(spec, cache_dir=default_cache_dir())
@@ -153,7 +153,7 @@ def bench_publish(model: str, groups: int, bootstrap: str | None, threads: int) 
     from infra.kafka import EmbeddedKafka
     from infra.topics import ensure_topics
     from producers.config import EngineConfig
-    from producers.engine import engine_from_config
+    from producers.inference_engine import engine_from_config
     from schemas.topics import TopicSpec
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-producers-"))
@@ -182,9 +182,9 @@ def _publish_run(engine, model, groups, client_config, topic, workdir, fsync: bo
     from core.config import default_cache_dir
     from producers.backends import LocalBackend
     from producers.config import RolloutConfig
+    from producers.group_publisher import GroupPublisher
     from producers.ledger import Ledger
     from producers.metrics import ProducerMetrics
-    from producers.group_publisher import GroupPublisher
     from producers.tasks import TaskContext, make_task
     from producers.worker import RolloutWorker
 

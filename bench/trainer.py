@@ -37,9 +37,9 @@ import torch
 
 from consumers.batching import pack, response_logprobs
 from consumers.config import ModelConfig, TrainerConfig
-from consumers.engine import TrainEngine
 from consumers.losses import LossInputs, compute_loss
 from consumers.step import StepRunner
+from consumers.train_engine import TrainEngine
 from core.models import SMOLLM2, load_model
 from schemas.trajectory import Trajectory
 from tests.support.synthetic import synthetic_groups

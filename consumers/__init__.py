@@ -7,7 +7,7 @@ Modules, in reading order:
   proximal weights.
 - ``batching``: micro-batches of whole groups (group count, token budget, max wait) and
   the response log-prob layout shared with the stream (``core.logprobs``).
-- ``engine``: the DeepSpeed engine around a transformers causal LM (ZeRO, bf16,
+- ``train_engine``: the DeepSpeed engine around a transformers causal LM (ZeRO, bf16,
   accumulation, clipping, checkpoints).
 - ``step``: one optimiser step, with the per-record anchor (exact ``logp_old`` or the
   approximate route for records without it).

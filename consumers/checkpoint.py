@@ -41,7 +41,7 @@ import orjson
 
 from consumers.batching import TopicPartition
 from consumers.config import CheckpointConfig
-from consumers.engine import TrainEngine, barrier, rank
+from consumers.train_engine import TrainEngine, barrier, rank
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import torch
 
 from consumers.build_lock import extensions_root
 from consumers.config import EngineConfig
-from consumers.engine import init_distributed
+from consumers.train_engine import init_distributed
 
 
 def main() -> None:

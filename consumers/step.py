@@ -32,9 +32,9 @@ import torch
 
 from consumers.batching import PackedBatch, pack, response_logprobs
 from consumers.config import TrainerConfig
-from consumers.engine import TrainEngine
 from consumers.ewma import EwmaProximal
 from consumers.losses import LossInputs, compute_loss, k3
+from consumers.train_engine import TrainEngine
 from schemas.trajectory import OldLogitsStatus, Trajectory
 
 #: Metrics summed over micro-batches (the others are response-token-weighted means).

@@ -109,8 +109,8 @@ class Trainer:
         """Engine, loss runner, checkpoints, Kafka, publisher, sinks (heavy imports here)."""
         import torch
 
-        from consumers.engine import TrainEngine, world_size
         from consumers.step import StepRunner
+        from consumers.train_engine import TrainEngine, world_size
 
         cfg = self.config
         torch.manual_seed(cfg.engine.seed)

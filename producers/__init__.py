@@ -3,7 +3,7 @@
 Modules, in reading order:
 
 - ``config``: ``ProducersConfig`` (``[engine]``, ``[rollout]``), pydantic only.
-- ``engine``: the CPU inference engine (torch + transformers): batched, abortable,
+- ``inference_engine``: the CPU inference engine (torch + transformers): batched, abortable,
   hot-swappable weights, SGLang's log-prob numerics.
 - ``server``: the engine behind the subset of SGLang's native HTTP API that RL needs.
 - ``client``: ``EngineClient`` for that API (ours or a real SGLang), responses checked.

@@ -45,7 +45,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from producers.engine import Engine, RequestError, SamplingParams
+from producers.inference_engine import Engine, RequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -42,7 +42,6 @@ from core.models import (
     SEP_ID,
     SMOLLM2,
     TINY_VOCAB,
-    TinyTokenizer,
     load_tokenizer,
 )
 
@@ -397,7 +396,6 @@ __all__ = [
     "Prompt",
     "Task",
     "TaskContext",
-    "TinyTokenizer",
     "available_tasks",
     "load_object",
     "make_task",

@@ -55,8 +55,8 @@ from typing import Any
 from producers.backends import Backend
 from producers.client import EngineError, EngineUnavailable, GenerateOutput
 from producers.config import ProducersConfig, RolloutConfig
-from producers.metrics import ProducerMetrics, Progress
 from producers.group_publisher import GroupPublisher
+from producers.metrics import ProducerMetrics, Progress
 from producers.tasks import Prompt, Task
 from schemas.trajectory import NO_VERSION, Trajectory
 from schemas.validation import ValidationLimits, validate
@@ -704,7 +704,7 @@ async def run_producer(
         weights = Path(config.state_dir) / "producers" / config.run_id / producer_id / "weights"
         backend = HttpBackend(client, weights)
     else:
-        from producers.engine import engine_from_config
+        from producers.inference_engine import engine_from_config
 
         engine = await asyncio.to_thread(engine_from_config, producers.engine, config.cache_dir)
         engine.weight_version = str(rollout.initial_version)

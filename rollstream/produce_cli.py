@@ -74,7 +74,7 @@ def serve(
     /update_weights_from_disk, /get_model_info, /health)."""
     section = _section(config, producers_config, {"host": host, "port": port, "model": model}, {})
     _logging()
-    from producers.engine import engine_from_config
+    from producers.inference_engine import engine_from_config
     from producers.server import SGLANG_RELEASE
     from producers.server import serve as run_server
 

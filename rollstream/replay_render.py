@@ -65,7 +65,7 @@ class Renderer:
         return self._tokenizers[key]
 
     def _load_tokenizer(self, choice: str, task: str) -> Any:
-        from producers.tasks import TinyTokenizer
+        from core.models import TinyTokenizer
 
         if choice == "none":
             return None

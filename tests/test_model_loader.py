@@ -1,8 +1,8 @@
 """One model spec, one loader: every role builds the same model with the same numerics.
 
-The engine (``producers.engine.engine_from_config``), the old-logit service
+The engine (``producers.inference_engine.engine_from_config``), the old-logit service
 (``streams.oldlogits.OldLogitEngine``) and the trainer (``core.models.load_model`` in
-float32 as ``consumers.trainer`` does, wrapped by ``consumers.engine.TrainEngine``) each
+float32 as ``consumers.trainer`` does, wrapped by ``consumers.train_engine.TrainEngine``) each
 build their model through their own code from the same spec; with the same weights and
 dtype their log-probs of the same tokens must be bit-identical. No Kafka or S3.
 """
@@ -19,7 +19,7 @@ from support.synthetic import synthetic_groups
 from consumers.batching import pack
 from consumers.batching import response_logprobs as trainer_logprobs
 from consumers.config import TrainerConfig
-from consumers.engine import TrainEngine
+from consumers.train_engine import TrainEngine
 from core.logprobs import response_logprobs_tensor
 from core.models import (
     MODEL_ALIASES,
@@ -33,7 +33,7 @@ from core.models import (
     parse_model_spec,
 )
 from producers.config import EngineConfig
-from producers.engine import engine_from_config
+from producers.inference_engine import engine_from_config
 from rollstream.config import UpConfig
 from rollstream.up import Ports, role_defaults
 from schemas.trajectory import Trajectory

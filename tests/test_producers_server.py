@@ -13,7 +13,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from core.models import BOS_ID, SEP_ID, build_tiny_llama
+from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
 from producers.client import (
     EngineClient,
     EngineModelMismatch,
@@ -23,9 +23,8 @@ from producers.client import (
     parse_generate_response,
     same_model,
 )
-from producers.engine import Engine, save_weights
+from producers.inference_engine import Engine, save_weights
 from producers.server import ServerThread
-from producers.tasks import TinyTokenizer
 
 torch.set_num_threads(1)
 

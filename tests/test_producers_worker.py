@@ -24,7 +24,7 @@ from core.models import build_tiny_llama
 from core.topic_reader import end_offsets
 from infra.topics import ensure_topics
 from producers.config import EngineConfig, ProducersConfig, RolloutConfig, SamplingConfig
-from producers.engine import Engine
+from producers.inference_engine import Engine
 from producers.ledger import Ledger, read_ledger, recover
 from producers.server import ServerThread
 from producers.tasks import TaskContext, make_task

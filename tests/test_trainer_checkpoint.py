@@ -18,8 +18,8 @@ from consumers.checkpoint import (
     tag_for,
 )
 from consumers.config import TrainerConfig
-from consumers.engine import TrainEngine
 from consumers.step import StepRunner
+from consumers.train_engine import TrainEngine
 from core.models import load_model
 
 

@@ -32,7 +32,7 @@ from support.synthetic import scored_group, synthetic_groups
 
 from consumers.checkpoint import CheckpointManager, TrainingLedger
 from consumers.config import TrainerConfig
-from consumers.engine import TrainEngine
+from consumers.train_engine import TrainEngine
 from consumers.trainer import FAILPOINT_ENV, Trainer, TrainerSettings
 from core.config import KafkaConfig, S3Config
 from core.models import load_model

@@ -16,9 +16,9 @@ from support.synthetic import synthetic_groups
 
 from consumers.batching import BatchAssembler, ConsumedGroup, pack, response_logprobs
 from consumers.config import TrainerConfig
-from consumers.engine import TrainEngine, deepspeed_config
 from consumers.metrics import MetricsSink, data_metrics, staleness_bucket
 from consumers.step import StepRunner
+from consumers.train_engine import TrainEngine, deepspeed_config
 from core.logprobs import response_logprobs as shared_logprobs
 from core.models import build_tiny_llama, load_model
 from schemas.trajectory import OldLogitsStatus

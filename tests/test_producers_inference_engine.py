@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from core.models import BOS_ID, EOS_ID, SEP_ID, build_tiny_llama
-from producers.engine import (
+from producers.inference_engine import (
     Engine,
     RequestError,
     SamplingParams,
