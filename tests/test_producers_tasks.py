@@ -11,11 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from core.models import BOS_ID, DIGIT0_ID, EOS_ID, SEP_ID
+from core.models import BOS_ID, DIGIT0_ID, EOS_ID, SEP_ID, TinyTokenizer
 from producers.config import ProducersConfig, RolloutConfig, SamplingConfig, load_producers_config
 from producers.tasks import (
     TaskContext,
-    TinyTokenizer,
     available_tasks,
     make_task,
     make_word_problem,
