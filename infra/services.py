@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from core.config import SharedConfig
+from core.process import ServiceError
 from infra.kafka import EmbeddedKafka
 from infra.s3 import SeaweedServer, ensure_bucket
 from infra.topics import TopicReport, ensure_topics
@@ -80,6 +81,7 @@ class Services(Generic[ConfigT]):
     def up(self) -> UpReport:
         """Start embedded services, wait for them, declare topics and the bucket."""
         started = time.monotonic()
+        self._require_external_reachable(self.resolved())  # before anything starts
         # Launch both before waiting on either: the JVM's start-up overlaps SeaweedFS's.
         for service in (self.kafka, self.s3):
             if service is not None:
@@ -97,6 +99,20 @@ class Services(Generic[ConfigT]):
             topics=topics,
             seconds=time.monotonic() - started,
         )
+
+    def _require_external_reachable(self, config: SharedConfig) -> None:
+        """An external broker that does not answer is a clear error within seconds, not
+        a long retry behind a screen of client errors (a config naming an address where
+        nothing listens)."""
+        if self.kafka is not None:
+            return
+        status = self._kafka_status(config)
+        if not status.healthy:
+            raise ServiceError(
+                f"kafka at {status.address} is configured as external "
+                f"(kafka.bootstrap_servers is set) and does not answer ({status.detail}): "
+                "start it, or leave kafka.bootstrap_servers empty to run the embedded broker"
+            )
 
     def down(self) -> list[str]:
         """Stop embedded services (data is kept); names of those that were running."""
@@ -118,7 +134,10 @@ class Services(Generic[ConfigT]):
         try:
             from confluent_kafka.admin import AdminClient
 
-            admin = AdminClient(config.kafka.client_config() | {"socket.timeout.ms": "3000"})
+            admin = AdminClient(
+                config.kafka.client_config()
+                | {"socket.timeout.ms": "3000", "log_level": "0"}  # the error is reported once
+            )
             metadata = admin.list_topics(timeout=5)
             detail = f"{len(metadata.brokers)} broker(s), {len(metadata.topics)} topic(s)"
             healthy = True

@@ -171,6 +171,7 @@ class TopicView:
     topic: str
     ids: Counter[str] = field(default_factory=Counter)
     reasons: dict[str, str] = field(default_factory=dict)  # id -> DLQ reason / "stale:<n>"
+    positions: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (partition, offset)
     records: int = 0
     unidentified: int = 0  # records of unknown run whose ids could not be read
 
@@ -197,9 +198,69 @@ def read_ids(
             reason = f"stale:{StaleRecord.from_json(headers[STALE_HEADER]).staleness}"
         for tid in ids:
             view.ids[tid] += 1
+            view.positions[tid] = (msg.partition(), msg.offset())
             if reason is not None:
                 view.reasons[tid] = reason
     return view
+
+
+# --- how far the stream and the trainer got ----------------------------------------------
+
+
+@dataclass
+class Progress:
+    """Where the stream and the trainer stand, to tell records in flight from lost ones.
+
+    A raw record the stream has not applied yet (past its table's watermark) or whose
+    group is still open in its table is in flight in the stream; a scored group past the
+    trainer's committed offset is in flight in the trainer. Anything else without an
+    outcome is lost."""
+
+    stream_applied: dict[int, int] = field(default_factory=dict)  # raw partition -> offset
+    open_group_ids: set[str] = field(default_factory=set)
+    trainer_committed: dict[int, int] = field(default_factory=dict)  # scored partition -> next
+
+    def in_stream(self, position: tuple[int, int], tid: str) -> bool:
+        partition, offset = position
+        return offset > self.stream_applied.get(partition, -1) or tid in self.open_group_ids
+
+    def in_trainer(self, position: tuple[int, int]) -> bool:
+        partition, offset = position
+        return offset >= self.trainer_committed.get(partition, 0)
+
+
+def read_progress(
+    client_config: Mapping[str, str],
+    app_id: str,
+    raw: str,
+    trainer_group: str,
+    scored: str,
+    timeout_s: float = 60.0,
+) -> Progress:
+    """The stream's applied watermarks and open groups (its table's changelog) and the
+    trainer group's committed offsets on ``scored``."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from core.topic_reader import committed_offsets, topic_partitions
+    from streams.table_view import read_table
+
+    table = read_table(client_config, app_id, timeout_s)
+    consumer = Consumer(reader_config(client_config, "audit-progress"))
+    try:
+        raw_partitions = topic_partitions(consumer, raw)
+        parts = [TopicPartition(scored, p) for p in topic_partitions(consumer, scored)]
+    finally:
+        consumer.close()
+    trainer = Consumer({**client_config, "group.id": trainer_group, "enable.auto.commit": False})
+    try:
+        committed = {tp.partition: tp.offset for tp in committed_offsets(trainer, parts)}
+    finally:
+        trainer.close()
+    return Progress(
+        stream_applied=table.applied(raw, raw_partitions),
+        open_group_ids={s.trajectory_id for g in table.open_groups() for s in g.samples},
+        trainer_committed={p: o for p, o in committed.items() if o >= 0},
+    )
 
 
 # --- the verdict -------------------------------------------------------------------------
@@ -216,6 +277,7 @@ class AuditReport:
     dlq: TopicView
     scored: TopicView | None = None
     raw: TopicView | None = None
+    progress: Progress | None = None
 
     @property
     def delivered(self) -> set[str]:
@@ -228,8 +290,9 @@ class AuditReport:
 
     @property
     def missing(self) -> set[str]:
-        """Delivered, yet neither trained, stale nor dead-lettered: lost."""
-        return self.delivered - self.accounted
+        """Delivered, yet neither trained, stale nor dead-lettered, nor in flight: lost.
+        Without the raw and scored views (``--quick``) records in flight count too."""
+        return self.delivered - self.accounted - self.unprocessed - self.untrained
 
     @property
     def trained_twice(self) -> dict[str, int]:
@@ -251,15 +314,24 @@ class AuditReport:
 
     @property
     def unprocessed(self) -> set[str]:
-        """In raw without an outcome from the stream yet (needs the raw and scored views)."""
-        if self.raw is None or self.scored is None:
+        """In flight in the stream: in raw without an outcome, and either past what the
+        stream's table has applied or in a group it is still assembling (needs the raw and
+        scored views)."""
+        if self.raw is None or self.scored is None or self.progress is None:
             return set()
-        return set(self.raw.ids) - set(self.scored.ids) - set(self.stale.ids) - set(self.dlq.ids)
+        waiting = set(self.raw.ids) - set(self.scored.ids) - self.accounted
+        positions, progress = self.raw.positions, self.progress
+        return {tid for tid in waiting if progress.in_stream(positions[tid], tid)}
 
     @property
     def untrained(self) -> set[str]:
-        """Scored for the trainer but not (yet) in its ledger."""
-        return set() if self.scored is None else set(self.scored.ids) - set(self.trained)
+        """In flight in the trainer: scored past the trainer's committed offsets, not yet
+        trained, filtered or dead-lettered."""
+        if self.scored is None or self.progress is None:
+            return set()
+        waiting = set(self.scored.ids) - self.accounted
+        positions, progress = self.scored.positions, self.progress
+        return {tid for tid in waiting if progress.in_trainer(positions[tid])}
 
     def dlq_reasons(self) -> Counter[str]:
         return Counter(self.dlq.reasons.get(tid, "?") for tid in self.dlq.ids)
@@ -332,6 +404,8 @@ class AuditSources:
     scored: str
     stale: str
     dlqs: tuple[str, ...]  # the stream's and the trainer's (often one topic)
+    stream_app_id: str
+    trainer_group: str
 
     @classmethod
     def from_config(cls, config: RollstreamConfig) -> AuditSources:
@@ -349,6 +423,8 @@ class AuditSources:
             scored=topics.scored,
             stale=topics.stale,
             dlqs=tuple(dict.fromkeys((topics.dlq, config.trainer.topics.dlq))),
+            stream_app_id=config.streams.app_id,
+            trainer_group=config.trainer.topics.group_id,
         )
 
 
@@ -374,6 +450,14 @@ def audit(sources: AuditSources, *, diagnose: bool = True, timeout_s: float = 60
         dlq=dlq,
     )
     if diagnose or produced.pending:
+        report.progress = read_progress(
+            client,
+            sources.stream_app_id,
+            sources.raw,
+            sources.trainer_group,
+            sources.scored,
+            timeout_s,
+        )
         report.raw = read_ids(client, sources.raw, run, timeout_s)
         report.scored = read_ids(client, sources.scored, run, timeout_s)
         produced.settle_pending(report.raw.ids)
@@ -391,7 +475,11 @@ def audit(sources: AuditSources, *, diagnose: bool = True, timeout_s: float = 60
     type=click.Path(file_okay=False, path_type=Path),
     help="Directory of the producer ledgers (default: <state_dir>/producers/<run_id>).",
 )
-@click.option("--quick", is_flag=True, help="Skip reading raw and scored (diagnosis).")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="Skip reading raw, scored and the stream's table: records in flight count as missing.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @click.option("--timeout", "timeout_s", default=60.0, show_default=True, help="Read timeout (s).")
 @click.pass_obj
@@ -404,8 +492,9 @@ def audit_command(
     timeout_s: float,
 ) -> None:
     """Reconcile the producers' delivery ledgers with the trainer's ledger and the stale and
-    dead-letter topics of one run (best run once producers stopped and the trainer caught up:
-    records still in flight show as missing). Exit 1 on any discrepancy."""
+    dead-letter topics of one run. Records still in flight (not yet applied by the stream,
+    in a group it is assembling, or scored past the trainer's committed offsets) are listed
+    as unprocessed / untrained, not as missing. Exit 1 on any discrepancy."""
     from dataclasses import replace
 
     from infra.services import Services

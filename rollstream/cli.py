@@ -84,10 +84,13 @@ def infra_fetch(config: RollstreamConfig) -> None:
 @click.pass_obj
 def infra_up(config: RollstreamConfig) -> None:
     """Start the embedded broker and S3 store (if not configured externally), declare topics."""
+    from core.process import ServiceError
     from infra.services import Services
 
-    services = Services(config)
-    report = services.up()
+    try:
+        report = Services(config).up()
+    except ServiceError as err:
+        raise click.ClickException(str(err)) from err
     click.echo(f"kafka  {report.bootstrap_servers}")
     click.echo(f"s3     {report.s3_endpoint}  bucket={report.bucket}")
     if report.topics.created:

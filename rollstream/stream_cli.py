@@ -60,9 +60,10 @@ def stream(
     datadir = datadir or config.state_dir / "streams" / streams.app_id
     datadir.parent.mkdir(parents=True, exist_ok=True)  # Faust creates only the last level
     if in_process:
+        from infra.services import Services
         from streams.app import build_app, run_worker
 
-        run_worker(build_app(config, streams), datadir, loglevel)
+        run_worker(build_app(Services(config).resolved(), streams), datadir, loglevel)
         return
     root = ctx.find_root()
     worker = [sys.executable, "-m", "rollstream"]

@@ -3,7 +3,9 @@
 1. Derive the role sections from ``[up]`` (model, task, sync or async, staleness window,
    groups per step) under whatever the config file sets explicitly, with free ports.
 2. Start embedded Kafka and S3 unless the config points to external ones; declare topics.
-3. Write the merged, resolved config to ``<run_dir>/rollstream.toml``.
+3. Write the merged config to ``<run_dir>/rollstream.toml`` (mode 0600: it can hold
+   credentials). Embedded services stay embedded in it: each role finds them through the
+   state dir, so the file also serves ``infra up``, ``audit`` and ``replay`` after the run.
 4. Start the commands a user would run on separate machines, each with
    ``--config <run_dir>/rollstream.toml`` and its log in ``<run_dir>/logs``:
    ``rollstream stream``, ``rollstream train``, ``rollstream serve``, then
@@ -159,9 +161,14 @@ def build_config(
 
 
 def write_config(config: RollstreamConfig, path: Path) -> None:
-    """Write ``config`` as TOML and prove it reads back identical (every role reads it)."""
+    """Write ``config`` as TOML and prove it reads back identical (every role reads it).
+
+    The file can hold credentials (SASL, S3), so only its owner may read it (0600)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(to_toml(config.model_dump(mode="python")))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as fh:
+        fh.write(to_toml(config.model_dump(mode="python")))
     with path.open("rb") as fh:
         again = RollstreamConfig.model_validate(tomllib.load(fh))
     if again != config:
@@ -413,10 +420,13 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
             f"kafka {report.bootstrap_servers}  s3 {report.s3_endpoint}  ({report.seconds:.1f}s)",
             err=True,
         )
-        config = services.resolved()
-        start_groups_at_end(config)
+        # The run's file keeps embedded services embedded (no address, no embedded
+        # credentials): every role resolves them from the state dir, and
+        # `rollstream --config <run_dir>/rollstream.toml infra up` starts them again later.
         config_path = run_dir / "rollstream.toml"
         write_config(config, config_path)
+        config = services.resolved()
+        start_groups_at_end(config)
         specs = role_specs(config_path, config, ports)
         for spec in specs:
             launcher.add(spec)

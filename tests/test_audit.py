@@ -10,6 +10,7 @@ from consumers.checkpoint import TrainingLedger
 from producers.ledger import Ledger
 from rollstream.audit import (
     AuditReport,
+    Progress,
     TopicView,
     read_producer_ledgers,
     read_trainer_ledger,
@@ -79,3 +80,47 @@ def test_report_reconciles_and_names_each_violation(tmp_path: Path) -> None:
     assert report.trained_twice == {"a-1": 2}
     assert report.unproduced == {"zz-0"}
     assert len(problems) == 3 and "f-0" in problems[0]
+
+
+def _positioned(topic: str, positions: dict[str, tuple[int, int]]) -> TopicView:
+    view = TopicView(topic, Counter(list(positions)))
+    view.positions = dict(positions)
+    return view
+
+
+def test_records_in_flight_are_told_from_lost_ones(tmp_path: Path) -> None:
+    """After a run stops, a record the stream has not applied yet, one in a group it is
+    still assembling, and a scored group past the trainer's committed offset are in flight;
+    a record the stream applied without any outcome, or a scored group below the trainer's
+    committed offset that was never trained, is lost."""
+    with Ledger(tmp_path / "p0", fsync=False) as ledger:
+        for group in ("t", "u", "v", "w", "x", "y"):
+            ledger.pending(group, _ids(group, 1))
+            ledger.delivered(group, _ids(group, 1), [(0, 0)])
+    produced = read_producer_ledgers(tmp_path)
+    ledger = TrainingLedger(tmp_path / "trainer.jsonl", fsync=False)
+    ledger.append([(1, ["t-0"])])
+    raw = _positioned(
+        "raw",
+        {"t-0": (0, 1), "u-0": (0, 2), "v-0": (0, 3), "w-0": (0, 9), "x-0": (1, 4), "y-0": (0, 5)},
+    )
+    scored = _positioned("scored", {"t-0": (0, 0), "u-0": (0, 1), "v-0": (0, 2)})
+    report = AuditReport(
+        run_id="r",
+        produced=produced,
+        trained=read_trainer_ledger(tmp_path / "trainer.jsonl"),
+        stale=_view("stale", []),
+        dlq=_view("dlq", []),
+        scored=scored,
+        raw=raw,
+        progress=Progress(
+            stream_applied={0: 5, 1: 4},  # w-0 at raw offset 9 not applied yet
+            open_group_ids={"x-0"},  # applied, waiting for its group's other samples
+            trainer_committed={0: 2},  # scored offsets 0 and 1 are behind the trainer
+        ),
+    )
+    assert report.untrained == {"v-0"}
+    assert report.unprocessed == {"w-0", "x-0"}
+    assert report.missing == {"u-0", "y-0"}  # scored and skipped; applied without an outcome
+    assert len(report.problems()) == 1 and "u-0" in report.problems()[0]
+    assert report.counts()["untrained"] == 1 and report.counts()["unprocessed"] == 2

@@ -274,32 +274,14 @@ def applied_offsets(
     partitions: Iterable[int] | None = None,
 ) -> dict[int, int]:
     """The last offset per partition of ``topic`` (all of them, or ``partitions``) whose
-    effects the stream app's table holds (its committed changelog's watermarks,
-    ``streams.groups.offset_key``): what the app has really applied, where Faust's
-    committed offsets are only a hint (``streams.gaps``)."""
-    from confluent_kafka import Consumer, KafkaException
+    effects the stream app's table holds (its committed changelog's watermarks): what the
+    app has really applied, where Faust's committed offsets are only a hint
+    (``streams.gaps``)."""
+    from streams.table_view import read_table
 
-    from core.topic_reader import read_range, reader_config, whole_topic
-    from streams.groups import offset_key
-
-    changelog = f"{app_id}-groups-changelog"
     if partitions is None:
         partitions = end_offsets(client_config, topic)
-    keys = {offset_key(topic, p): p for p in partitions}
-    applied: dict[int, int] = {}
-    consumer = Consumer(reader_config(client_config, "applied"))
-    try:
-        try:
-            plan = whole_topic(consumer, changelog)
-        except KafkaException:
-            return applied  # the app has not created its changelog yet
-        for msg in read_range(consumer, changelog, plan):
-            partition = keys.get(msg.key())
-            if partition is not None and msg.value() is not None:
-                applied[partition] = int(msg.value())
-    finally:
-        consumer.close()
-    return applied
+    return read_table(client_config, app_id).applied(topic, list(partitions))
 
 
 def all_applied(client_config: Mapping[str, str], app_id: str, topic: str) -> bool:
