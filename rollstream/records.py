@@ -296,7 +296,7 @@ def plan_partitions(consumer: Any, topic: str, bounds: ReadBounds) -> dict[int, 
         elif bounds.from_offset is not None:
             start = bounds.from_offset
         elif bounds.last is not None:
-            start = high - bounds.last
+            start = high - bounds.last  # a first guess: markers take offsets (see read_records)
         elif bounds.from_ms is not None:
             start = _offset_at(consumer, topic, p, bounds.from_ms, high)
         else:
@@ -335,7 +335,11 @@ def read_records(
     consumer = Consumer(reader_config(client_config, "replay"))
     try:
         plan = plan_partitions(consumer, topic, bounds)
-        for msg in read_range(consumer, topic, plan, bounds.idle_timeout_s):
+        if bounds.last is not None:
+            messages = _last_records(client_config, topic, plan, bounds)
+        else:
+            messages = read_range(consumer, topic, plan, bounds.idle_timeout_s)
+        for msg in messages:
             _ts_type, ts = msg.timestamp()
             if _in_time_range(ts, bounds) and (keys is None or msg.key() in keys):
                 p, offset = msg.partition(), msg.offset()
@@ -345,6 +349,43 @@ def read_records(
         log.warning("%s; stopping", stalled)
     finally:
         consumer.close()  # no commit: enable.auto.commit is off and nothing was stored
+
+
+def _last_records(
+    client_config: Mapping[str, str],
+    topic: str,
+    plan: Mapping[int, tuple[int, int]],
+    bounds: ReadBounds,
+) -> Iterator[Any]:
+    """The last ``bounds.last`` records before each partition's planned end.
+
+    Transaction markers take offsets but are never delivered, so ``end - N`` can hold fewer
+    than N records: the window is doubled until it holds N or reaches the log start."""
+    from confluent_kafka import Consumer
+
+    assert bounds.last is not None
+    wanted = bounds.last
+    for partition, (start, end) in sorted(plan.items()):
+        window = max(1, end - start)
+        while True:
+            consumer = Consumer(reader_config(client_config, "replay"))
+            try:
+                low = consumer.get_watermark_offsets(_tp(topic, partition), timeout=30)[0]
+                first = max(low, end - window)
+                chunk = {partition: (first, end)}
+                found = list(read_range(consumer, topic, chunk, bounds.idle_timeout_s))
+            finally:
+                consumer.close()
+            if len(found) >= wanted or first <= low:
+                break
+            window *= 2
+        yield from found[-wanted:] if wanted else []
+
+
+def _tp(topic: str, partition: int) -> Any:
+    from confluent_kafka import TopicPartition
+
+    return TopicPartition(topic, partition)
 
 
 def _in_time_range(ts: int, bounds: ReadBounds) -> bool:

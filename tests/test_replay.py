@@ -400,6 +400,32 @@ def test_replay_of_a_missing_topic_or_partition_is_a_clear_error(
     assert f"{topics['raw']} has partitions [0, 1], not [7]" in result.output
 
 
+def test_last_counts_records_not_transaction_markers(
+    tmp_path: Path,
+    kafka_config: KafkaConfig,
+    topics: dict[str, str],
+    raw_records: list[Trajectory],
+) -> None:
+    """On a topic written in transactions every commit marker takes an offset: ``--last N``
+    still selects the last N records of each partition."""
+    import uuid
+
+    client = kafka_config.client_config()
+    producer = Producer({**client, "transactional.id": f"t-{uuid.uuid4().hex[:8]}"})
+    producer.init_transactions(30)
+    for i in range(6):  # 6 records, 6 markers: offsets 0, 2, 4, ... hold the records
+        producer.begin_transaction()
+        traj = raw_records[i % len(raw_records)]
+        producer.produce(topics["scored"], value=encode(traj), key=traj.group_id.encode())
+        producer.commit_transaction(30)
+    config = write_config(tmp_path, kafka_config, topics)
+    out = tmp_path / "last.parquet"
+    for n, offsets in ((1, [10]), (5, [2, 4, 6, 8, 10]), (9, [0, 2, 4, 6, 8, 10])):
+        result = run_cli(config, "replay", "scored", "-q", "--parquet", str(out), "--last", str(n))
+        assert f"{len(offsets)} record(s) selected" in result.output
+        assert sorted(o for _p, o in exported(out)) == offsets
+
+
 # --- re-running ---------------------------------------------------------------------------------
 
 
