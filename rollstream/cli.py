@@ -6,6 +6,7 @@ Thin by design: each command parses the config, then imports what it needs, so
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def main(
         raise click.BadParameter(str(err), param_hint="--set") from err
     if state_dir:
         overrides["state_dir"] = state_dir
+    ctx.meta["rollstream.sources"] = (config_path, overrides)  # `up` may load them again
     try:
         ctx.obj = load_config(config_path, **overrides)
     except ValidationError as err:
@@ -57,10 +59,18 @@ def main(
 
 
 @main.command("config")
+@click.option(
+    "--role",
+    type=click.Choice(["producers", "engine", "producer", "streams", "stream", "trainer"]),
+    help="Only what this role runs with: the shared sections and its own.",
+)
 @click.pass_obj
-def show_config(config: RollstreamConfig) -> None:
-    """Print the merged configuration (file + environment) as JSON."""
-    click.echo(config.model_dump_json(indent=2))
+def show_config(config: RollstreamConfig, role: str | None) -> None:
+    """Print the effective configuration (profile, file, environment, --set) as JSON."""
+    if role is None:
+        click.echo(config.model_dump_json(indent=2))
+    else:
+        click.echo(json.dumps(config.role_section(role), indent=2))
 
 
 @main.group()

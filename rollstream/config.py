@@ -15,45 +15,20 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from consumers.config import TrainerConfig
-from core.config import SharedConfig, StrictModel, settings_from_sources
-from core.models import MODEL_SPEC_HELP, parse_model_spec
+from core.config import SharedConfig, StrictModel, merge_tables, settings_from_sources
 from producers.config import ProducersConfig
+from rollstream.profiles import ProfileConfig, profile_sections
 from streams.config import StreamsConfig
 
 
 class UpConfig(StrictModel):
-    """``rollstream up``: the whole pipeline on one machine. The role sections are derived
-    from these keys, under whatever the role sections of the file set explicitly."""
+    """``rollstream up``: the whole pipeline on one machine. What the roles learn with comes
+    from ``[profile]`` (``rollstream.profiles``); this section only says how long ``up``
+    runs and how it treats its processes."""
 
-    sync: bool = Field(
-        default=False,
-        description="Synchronous baseline: staleness window 0, generation waits for each "
-        "update (same code as async, only the derived config differs).",
-    )
-    staleness_window: int = Field(
-        default=2,
-        ge=0,
-        description="Async mode: how many versions generation may run ahead of training "
-        "(producers' admission credit and the streams' staleness filter).",
-    )
-    model: str = Field(
-        default="tiny",
-        description=MODEL_SPEC_HELP + " Given unchanged to all three roles ([producers.engine] "
-        "model, [streams.old_logits] model, [trainer.model] spec). A tiny spec runs the tiny "
-        "profile (float32 everywhere); any other model the language-model profile (bf16).",
-    )
-    task: str | None = Field(
-        default=None,
-        description="Task name; empty: copy-first-digit-twice (tiny) or arithmetic (others).",
-    )
-    groups_per_step: int | None = Field(
-        default=None,
-        ge=1,
-        description="GRPO groups per optimiser step; empty: 16 (tiny) or 4 (others).",
-    )
     max_steps: int = Field(default=150, ge=1, description="Stop after this many trainer steps.")
     stop_timeout_s: float = Field(
         default=30.0, gt=0, description="SIGTERM grace per role before SIGKILL."
@@ -70,11 +45,6 @@ class UpConfig(StrictModel):
         "the last core, engine and producer on the others, as if on separate devices.",
     )
 
-    @field_validator("model")
-    @classmethod
-    def _canonical_model(cls, value: str) -> str:
-        return parse_model_spec(value, check_path=False).name
-
 
 class RollstreamConfig(SharedConfig):
     """The whole configuration: one file for every role (the shared sections, then each
@@ -89,16 +59,39 @@ class RollstreamConfig(SharedConfig):
     trainer: TrainerConfig = Field(
         default_factory=TrainerConfig, description="[trainer]: the DeepSpeed trainer."
     )
+    profile: ProfileConfig = Field(
+        default_factory=ProfileConfig,
+        description="[profile]: the settings every role derives (model, dtypes, lr, loss, "
+        "batch, admission credit), under what the file sets explicitly.",
+    )
     up: UpConfig = Field(
         default_factory=UpConfig, description="[up]: `rollstream up` (all roles on one machine)."
     )
+
+    def role_section(self, role: str) -> dict[str, Any]:
+        """The effective settings one role runs with: the shared sections and its own."""
+        own = {"engine": "producers", "producer": "producers", "stream": "streams"}.get(
+            role, role
+        )
+        if own not in ("producers", "streams", "trainer"):
+            raise ValueError(f"unknown role {role!r}: producers, streams or trainer")
+        shared = ("run_id", "state_dir", "cache_dir", "kafka", "s3", "weights", "profile")
+        return self.model_dump(mode="json", include={*shared, own})
 
 
 def load_config(path: Path | None = None, **overrides: Any) -> RollstreamConfig:
     """The whole config from its sources (``core.config.settings_from_sources``): explicit
     ``overrides`` > ``ROLLSTREAM_*`` variables > ``KAFKA_BOOTSTRAP_SERVERS`` /
-    ``AWS_ENDPOINT_URL[_S3]`` > the TOML file > defaults."""
-    return settings_from_sources(RollstreamConfig, path, overrides)
+    ``AWS_ENDPOINT_URL[_S3]`` > the TOML file > the ``[profile]``'s settings > defaults."""
+    return with_profile(settings_from_sources(RollstreamConfig, path, overrides))
+
+
+def with_profile(config: RollstreamConfig) -> RollstreamConfig:
+    """``config`` with its profile's role settings under the values set explicitly."""
+    explicit = config.model_dump(exclude_unset=True)
+    return RollstreamConfig.model_validate(
+        merge_tables(profile_sections(config.profile), explicit)
+    )
 
 
 def parse_assignments(assignments: tuple[str, ...] | list[str]) -> dict[str, Any]:

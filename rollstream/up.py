@@ -1,7 +1,8 @@
 """``rollstream up``: the whole pipeline on one machine, as separate processes.
 
-1. Derive the role sections from ``[up]`` (model, task, sync or async, staleness window,
-   groups per step) under whatever the config file sets explicitly, with free ports.
+1. Take the loaded config (its ``[profile]``'s settings under whatever the file sets,
+   as every role gets them; ``--model``, ``--sync`` ... change the profile) and add what
+   ``up`` itself needs: free ports, files in the run dir, per-run group ids.
 2. Start embedded Kafka and S3 unless the config points to external ones; declare topics.
 3. Write the merged config to ``<run_dir>/rollstream.toml`` (mode 0600: it can hold
    credentials). Embedded services stay embedded in it: each role finds them through the
@@ -15,9 +16,10 @@
    every role is stopped (SIGTERM, SIGKILL after a timeout) and embedded services that
    this command started are stopped too.
 
-Sync and async differ only in config: sync sets the producers' staleness window and the
-streams' ``max_staleness`` to 0, and the producers' admission credit
-(``groups_per_version``) lets generation start one step's groups per published version.
+Sync and async differ only in config (``[profile] sync``): sync sets the producers'
+staleness window and the streams' ``max_staleness`` to 0, and the producers' admission
+credit (``groups_per_version``) lets generation start one step's groups per published
+version.
 """
 
 from __future__ import annotations
@@ -36,10 +38,9 @@ from types import FrameType
 from typing import Any
 
 import click
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from core.config import merge_tables, to_toml
-from core.models import parse_model_spec
 from rollstream.config import RollstreamConfig, UpConfig
 
 ROLE_ORDER = ("streams", "trainer", "engine", "producer")
@@ -78,37 +79,15 @@ class Ports:
         return cls(*(int(port) for port in found))  # type: ignore[arg-type]
 
 
-def role_defaults(up: UpConfig, run_id: str, run_dir: Path, ports: Ports) -> dict[str, Any]:
-    """Role sections derived from ``[up]``: what ``up`` sets unless the file says otherwise.
-
-    The model spec ``up.model`` goes unchanged to the engine, the old-logit service and
-    the trainer, which all load it with ``core.models.load_model``: one spec, one loader,
-    the same weights and numerics in every role. A tiny spec runs the tiny profile: 16
-    prompts x 8 samples per step, fp32 everywhere, AdamW lr 3e-3 rather than 1e-3: the
-    pipeline trains on data up to two versions old, and 3e-3 reached a 10-step mean reward
-    of ~0.77 in 100 steps here where 1e-3 was at ~0.16 after 60. Any other model runs the
-    language-model profile: 4 prompts x 4 samples, bf16, lr 1e-5.
-    """
-    tiny = parse_model_spec(up.model, check_path=False).is_tiny
-    groups = up.groups_per_step or (16 if tiny else 4)
-    window = 0 if up.sync else up.staleness_window
-    dtype = "float32" if tiny else "bfloat16"
+def up_sections(up: UpConfig, run_id: str, run_dir: Path, ports: Ports) -> dict[str, Any]:
+    """What ``up`` itself sets unless the file says otherwise: ports, files in the run
+    dir, per-run group ids, quiet roles. What the roles learn with comes from the
+    ``[profile]`` (``rollstream.profiles``), already in the loaded config."""
     return {
         "run_id": run_id,
-        "weights": {"poll_interval_s": 0.5},
         "producers": {
-            "engine": {
-                "model": up.model,
-                "dtype": dtype,
-                "port": ports.engine,
-                "torch_threads": 1,
-            },
+            "engine": {"port": ports.engine},
             "rollout": {
-                "task": up.task or ("copy-first-digit-twice" if tiny else "arithmetic"),
-                "group_size": 8 if tiny else 4,
-                "staleness_window": window,
-                "groups_per_version": groups,
-                "max_inflight_groups": min(groups, 8),
                 "producer_id": f"{run_id}-producer-0",
                 "metrics_port": ports.producer_metrics,
                 "progress": False,
@@ -116,9 +95,6 @@ def role_defaults(up: UpConfig, run_id: str, run_dir: Path, ports: Ports) -> dic
         },
         "streams": {
             "app_id": f"rollstream-streams-{run_id}",
-            "staleness": {"max_staleness": window},
-            "old_logits": {"model": up.model, "dtype": dtype},
-            "groups": {"timeout_s": 60.0},
             "metrics_port": ports.streams_metrics,
             "first_start": "committed",  # a new run starts at the end of rollouts.raw
         },
@@ -128,11 +104,6 @@ def role_defaults(up: UpConfig, run_id: str, run_dir: Path, ports: Ports) -> dic
             "ledger_file": str(run_dir / "ledger.jsonl"),  # for `rollstream audit`
             "prometheus_port": ports.trainer_metrics,
             "progress": False,
-            "model": {"spec": up.model},
-            "engine": {"bf16": not tiny, "lr": 3e-3 if tiny else 1e-5, "zero_stage": 0},
-            "loss": {"type": "decoupled"},
-            # sync: a step waits for all of its groups; async: never wait long for stragglers
-            "batch": {"max_groups": groups, "max_wait_s": 120.0 if up.sync else 5.0},
             "checkpoint": {"every": 50, "dir": str(run_dir / "checkpoints")},
             "topics": {
                 "group_id": f"rollstream-trainer-{run_id}",
@@ -150,11 +121,12 @@ def explicit_values(config: BaseModel) -> dict[str, Any]:
 def build_config(
     base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path, ports: Ports
 ) -> RollstreamConfig:
-    """``role_defaults`` under the explicit values of ``base``; ``up`` replaces ``[up]``."""
+    """``up_sections`` under the explicit values of ``base`` (its profile's settings
+    included); ``up`` replaces ``[up]``."""
     explicit = explicit_values(base)
     explicit.pop("up", None)
     explicit.pop("run_id", None)
-    merged = merge_tables(role_defaults(up, run_id, run_dir, ports), explicit)
+    merged = merge_tables(up_sections(up, run_id, run_dir, ports), explicit)
     merged["up"] = up.model_dump()
     merged["trainer"]["max_steps"] = up.max_steps  # [up] max_steps (or --max-steps) decides
     return RollstreamConfig.model_validate(merged)
@@ -301,7 +273,7 @@ class Dashboard:
     def table(self, alive: Mapping[str, str]) -> Any:
         from rich.table import Table
 
-        mode = "sync" if self.config.up.sync else "async"
+        mode = "sync" if self.config.profile.sync else "async"
         table = Table(
             title=f"rollstream up: run {self.config.run_id} ({mode}), "
             f"{time.monotonic() - self.started:.0f}s",
@@ -573,13 +545,16 @@ def _default_run_id(config: RollstreamConfig) -> str:
     return "up-" + time.strftime("%Y%m%d-%H%M%S")
 
 
+PROFILE_OPTIONS = ("sync", "model", "task", "staleness_window", "groups_per_step")
+
+
 @click.command("up")
 @click.option("--sync", "sync", flag_value=True, default=None, help="Synchronous baseline.")
 @click.option("--async", "sync", flag_value=False, help="Asynchronous pipeline (default).")
 @click.option(
     "--model",
-    help="Model spec for every role: tiny, tiny:key=value,..., smollm2-135m-instruct or a "
-    "checkpoint directory.",
+    help="Model spec for every role ([profile] model): tiny, tiny:key=value,..., "
+    "smollm2-135m-instruct or a checkpoint directory.",
 )
 @click.option("--task", help="Task (default: copy-first-digit-twice / arithmetic).")
 @click.option("--max-steps", type=int, help="Trainer steps, then stop (default [up] 150).")
@@ -593,12 +568,22 @@ def _default_run_id(config: RollstreamConfig) -> str:
 )
 @click.option("--pin-cores/--no-pin-cores", default=None, help="Pin roles to CPU cores.")
 @click.option("--restarts", type=int, help="Start a crashed role again this many times.")
-@click.pass_obj
-def up(config: RollstreamConfig, run_id: str | None, run_dir: Path | None, **options: Any) -> None:
+@click.pass_context
+def up(ctx: click.Context, run_id: str | None, run_dir: Path | None, **options: Any) -> None:
     """Run producers, streams and trainer as separate processes on this machine, with
     embedded Kafka and S3 unless configured otherwise, until the trainer's max_steps."""
-    updates = {k: v for k, v in options.items() if v is not None}
-    up_config = UpConfig.model_validate({**config.up.model_dump(), **updates})
+    from rollstream.config import load_config
+
+    config: RollstreamConfig = ctx.obj
+    given = {k: v for k, v in options.items() if v is not None}
+    profile = {k: given.pop(k) for k in PROFILE_OPTIONS if k in given}
+    if profile:  # the profile changes what every role derives: load the sources again
+        path, overrides = ctx.meta["rollstream.sources"]
+        try:
+            config = load_config(path, **merge_tables(overrides, {"profile": profile}))
+        except ValidationError as err:
+            raise click.UsageError(f"invalid configuration:\n{err}") from err
+    up_config = UpConfig.model_validate({**config.up.model_dump(), **given})
     run_id = run_id or _default_run_id(config)
     run_dir = (run_dir or config.state_dir / "runs" / run_id).absolute()
     result = run_up(config, up_config, run_id, run_dir)

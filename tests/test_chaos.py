@@ -52,6 +52,7 @@ def _config(tmp_path: Path) -> tuple[RollstreamConfig, Ports]:
         None,
         run_id=RUN,
         state_dir=str(tmp_path / "state"),
+        profile={"groups_per_step": GROUPS_PER_STEP, "staleness_window": 2},
         producers={"rollout": {"mark_interval_s": 5.0, "seed": 7}},
         streams={
             # a killed worker's partitions move on after this; a group closes (partial) this
@@ -65,7 +66,7 @@ def _config(tmp_path: Path) -> tuple[RollstreamConfig, Ports]:
             "checkpoint": {"every": CHECKPOINT_EVERY, "dir": str(run_dir / "checkpoints")},
         },
     )
-    up = UpConfig(max_steps=100_000, groups_per_step=GROUPS_PER_STEP, staleness_window=2)
+    up = UpConfig(max_steps=100_000)
     ports = Ports.free()
     return build_config(base, up, RUN, run_dir, ports), ports
 

@@ -34,8 +34,8 @@ from core.models import (
 )
 from producers.config import EngineConfig
 from producers.inference_engine import engine_from_config
-from rollstream.config import UpConfig
-from rollstream.up import Ports, role_defaults
+from rollstream.config import load_config
+from rollstream.profiles import ProfileConfig
 from schemas.trajectory import Trajectory
 from streams.config import OldLogitsConfig
 from streams.oldlogits import OldLogitEngine
@@ -248,7 +248,7 @@ def test_every_section_takes_the_same_spec_and_stores_it_canonical() -> None:
     assert TrainerConfig.model_validate({"model": "smollm2-135m"}).model.spec == SMOLLM2
     nested = TrainerConfig.model_validate({"model": {"spec": "tiny:seed=1", "temperature": 0.5}})
     assert nested.model.spec == "tiny:seed=1" and nested.model.temperature == 0.5
-    assert UpConfig(model="tiny-llama").model == "tiny"
+    assert ProfileConfig(model="tiny-llama").model == "tiny"
     # a checkpoint is checked when loaded, not when a config naming it is read
     assert EngineConfig(model="./elsewhere/ckpt/").model == "elsewhere/ckpt"  # normalised
 
@@ -260,7 +260,7 @@ def test_every_section_takes_the_same_spec_and_stores_it_canonical() -> None:
         lambda: OldLogitsConfig(model="tiny:oops"),
         lambda: TrainerConfig.model_validate({"model": "smollm2:x"}),
         lambda: TrainerConfig.model_validate({"model": {"source": "tiny"}}),  # the old key
-        lambda: UpConfig(model="smollm3"),
+        lambda: ProfileConfig(model="smollm3"),
         lambda: OldLogitsConfig(source="seeded", model=SMOLLM2),
     ],
 )
@@ -270,11 +270,9 @@ def test_sections_refuse_bad_specs(build) -> None:
 
 
 @pytest.mark.parametrize(("model", "dtype"), [("tiny:seed=2", "float32"), ("smollm2", "bfloat16")])
-def test_up_gives_every_role_the_same_spec(model: str, dtype: str, tmp_path: Path) -> None:
-    sections = role_defaults(UpConfig(model=model), "run", tmp_path, Ports(1, 2, 3, 4))
-    engine = EngineConfig(**sections["producers"]["engine"])
-    old = OldLogitsConfig(**sections["streams"]["old_logits"])
-    trainer = TrainerConfig.model_validate(sections["trainer"])
+def test_the_profile_gives_every_role_the_same_spec(model: str, dtype: str) -> None:
+    config = load_config(None, profile={"model": model})
+    engine, old, trainer = config.producers.engine, config.streams.old_logits, config.trainer
     canonical = parse_model_spec(model).name
     assert engine.model == old.model == trainer.model.spec == canonical
     assert engine.dtype == old.dtype == dtype
