@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -163,18 +163,21 @@ class WeightsConfig(StrictModel):
         description="Other S3 stores by region name (the home store is the [s3] section).",
     )
 
-    @model_validator(mode="after")
-    def _region_names_match(self) -> WeightsConfig:
-        for key, region in self.regions.items():
-            if region.name not in (key, "local"):
+    @field_validator("regions")
+    @classmethod
+    def _regions_are_named_by_their_key(cls, regions: dict[str, S3Config]) -> dict[str, S3Config]:
+        """``[weights.regions.eu]`` is the region ``eu``: its ``name`` may be left out."""
+        named = {}
+        for key, region in regions.items():
+            if "name" in region.model_fields_set and region.name != key:
                 raise ValueError(f"region {key!r} has a different name {region.name!r}")
-        return self
+            named[key] = region if region.name == key else region.model_copy(update={"name": key})
+        return named
 
     def region(self, name: str, home: S3Config) -> S3Config:
         """The store named ``name``: a configured region or the home store."""
         if name in self.regions:
-            found = self.regions[name]
-            return found if found.name == name else found.model_copy(update={"name": name})
+            return self.regions[name]
         if name == home.name:
             return home
         known = sorted({home.name, *self.regions})

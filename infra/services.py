@@ -47,11 +47,12 @@ ConfigT = TypeVar("ConfigT", bound=SharedConfig)
 class Services(Generic[ConfigT]):
     """Kafka + S3 for one ``SharedConfig``."""
 
-    def __init__(self, config: ConfigT) -> None:
+    def __init__(self, config: ConfigT, s3_only: bool = False) -> None:
         self.config = config
+        self.s3_only = s3_only  # a region's store: no broker, no topics
         self.kafka = (
             EmbeddedKafka(config.kafka, config.state_dir / "kafka", config.cache_dir)
-            if config.kafka.embedded
+            if config.kafka.embedded and not s3_only
             else None
         )
         self.s3 = (
@@ -81,7 +82,8 @@ class Services(Generic[ConfigT]):
     def up(self) -> UpReport:
         """Start embedded services, wait for them, declare topics and the bucket."""
         started = time.monotonic()
-        self._require_external_reachable(self.resolved())  # before anything starts
+        if not self.s3_only:
+            self._require_external_reachable(self.resolved())  # before anything starts
         # Launch both before waiting on either: the JVM's start-up overlaps SeaweedFS's.
         for service in (self.kafka, self.s3):
             if service is not None:
@@ -90,10 +92,12 @@ class Services(Generic[ConfigT]):
             if service is not None:
                 service.wait_ready()
         config = self.resolved()
-        topics = ensure_topics(config.kafka.client_config())
+        topics = TopicReport((), ())
+        if not self.s3_only:
+            topics = ensure_topics(config.kafka.client_config())
         ensure_bucket(make_s3_client(config.s3), config.s3.bucket)
         return UpReport(
-            bootstrap_servers=config.kafka.bootstrap_servers or "",
+            bootstrap_servers="" if self.s3_only else config.kafka.bootstrap_servers or "",
             s3_endpoint=config.s3.endpoint_url or "(AWS default endpoint)",
             bucket=config.s3.bucket,
             topics=topics,

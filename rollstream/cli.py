@@ -91,17 +91,23 @@ def infra_fetch(config: RollstreamConfig) -> None:
 
 
 @infra.command("up")
+@click.option(
+    "--s3-only",
+    is_flag=True,
+    help="Only the S3 store (a region's store, in its own --state-dir): no broker, no topics.",
+)
 @click.pass_obj
-def infra_up(config: RollstreamConfig) -> None:
+def infra_up(config: RollstreamConfig, s3_only: bool) -> None:
     """Start the embedded broker and S3 store (if not configured externally), declare topics."""
     from core.process import ServiceError
     from infra.services import Services
 
     try:
-        report = Services(config).up()
+        report = Services(config, s3_only=s3_only).up()
     except ServiceError as err:
         raise click.ClickException(str(err)) from err
-    click.echo(f"kafka  {report.bootstrap_servers}")
+    if not s3_only:
+        click.echo(f"kafka  {report.bootstrap_servers}")
     click.echo(f"s3     {report.s3_endpoint}  bucket={report.bucket}")
     if report.topics.created:
         click.echo(f"topics created: {', '.join(report.topics.created)}")

@@ -93,6 +93,12 @@ def serve(
 @click.option("--engine-url", help="Engine speaking SGLang's API; default: in-process.")
 @click.option("--task", help="Task name (see producers.tasks).")
 @click.option("--topic", help="Topic to publish to (default rollouts.raw).")
+@click.option(
+    "--region",
+    help="Follow weights from this region's store ([weights.regions.<name>], or the home "
+    "[s3] by its name) and tag records with it: one config file serves every machine.",
+)
+@click.option("--producer-id", help="This producer's id (its ledger; default: the host name).")
 @click.pass_obj
 def produce(
     config: Any,
@@ -101,15 +107,29 @@ def produce(
     engine_url: str | None,
     task: str | None,
     topic: str | None,
+    region: str | None,
+    producer_id: str | None,
 ) -> None:
     """Generate GRPO groups with the engine and publish them to Kafka."""
-    overrides = {"groups": groups, "engine_url": engine_url, "task": task, "topic": topic}
+    overrides = {
+        "groups": groups,
+        "engine_url": engine_url,
+        "task": task,
+        "topic": topic,
+        "producer_id": producer_id,
+    }
     section = _section(config, producers_config, {}, overrides)
     _logging()
     from infra.services import Services
     from producers.worker import run_producer
 
     resolved = Services(config).resolved()
+    if region is not None:
+        try:
+            store = resolved.weights.region(region, resolved.s3)
+        except KeyError as err:
+            raise click.UsageError(str(err.args[0])) from err
+        resolved = resolved.model_copy(update={"s3": store})
     report = asyncio.run(run_producer(resolved, section))
     click.echo(
         f"delivered {report.groups_delivered} group(s), {report.trajectories_delivered} "

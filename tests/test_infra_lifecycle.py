@@ -145,3 +145,22 @@ def test_unreachable_external_cluster_is_reported(tmp_path: Path) -> None:
     statuses = Services(config).status()
     assert [s.healthy for s in statuses] == [False, False]
     assert all("unreachable" in s.detail for s in statuses)
+
+
+@pytest.mark.integration
+def test_a_regions_store_alone(tmp_path: Path) -> None:
+    """``infra up --s3-only`` starts a region's store in its own state dir: no broker, no
+    topics; the store keeps a bucket its followers can read."""
+    state = tmp_path / "eu"
+    up = _cli(state, "up", "--s3-only")
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "kafka" not in up.stdout and "s3     http://127.0.0.1:" in up.stdout
+        assert not (state / "kafka").exists()
+        config = load_config(None, state_dir=str(state))
+        store = Services(config, s3_only=True).resolved().s3
+        make_s3_client(store).head_bucket(Bucket=store.bucket)
+    finally:
+        down = _cli(state, "down")
+    assert down.stdout.strip() == "stopped: s3"
+    assert not [pid for pid in _pids(state) if pid_alive(pid)]
