@@ -10,6 +10,7 @@ broker is embedded or a managed cluster in another region.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -18,6 +19,7 @@ from core.process import ServiceError
 from infra.kafka import EmbeddedKafka
 from infra.s3 import SeaweedServer, ensure_bucket
 from infra.topics import TopicReport, ensure_topics
+from schemas.topics import ALL_TOPICS, TopicSpec
 from weights.store import make_s3_client
 
 
@@ -79,8 +81,9 @@ class Services(Generic[ConfigT]):
             )
         return self.config.model_copy(update=update)
 
-    def up(self) -> UpReport:
-        """Start embedded services, wait for them, declare topics and the bucket."""
+    def up(self, topics: Sequence[TopicSpec] = ALL_TOPICS) -> UpReport:
+        """Start embedded services, wait for them, declare ``topics`` (the run's names)
+        and the bucket."""
         started = time.monotonic()
         if not self.s3_only:
             self._require_external_reachable(self.resolved())  # before anything starts
@@ -92,15 +95,15 @@ class Services(Generic[ConfigT]):
             if service is not None:
                 service.wait_ready()
         config = self.resolved()
-        topics = TopicReport((), ())
+        declared = TopicReport((), ())
         if not self.s3_only:
-            topics = ensure_topics(config.kafka.client_config())
+            declared = ensure_topics(config.kafka.client_config(), topics)
         ensure_bucket(make_s3_client(config.s3), config.s3.bucket)
         return UpReport(
             bootstrap_servers="" if self.s3_only else config.kafka.bootstrap_servers or "",
             s3_endpoint=config.s3.endpoint_url or "(AWS default endpoint)",
             bucket=config.s3.bucket,
-            topics=topics,
+            topics=declared,
             seconds=time.monotonic() - started,
         )
 

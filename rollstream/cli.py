@@ -103,7 +103,7 @@ def infra_up(config: RollstreamConfig, s3_only: bool) -> None:
     from infra.services import Services
 
     try:
-        report = Services(config, s3_only=s3_only).up()
+        report = Services(config, s3_only=s3_only).up(config.topic_specs())
     except ServiceError as err:
         raise click.ClickException(str(err)) from err
     if not s3_only:
@@ -142,7 +142,7 @@ def infra_status(config: RollstreamConfig) -> None:
 
 @main.group()
 def topics() -> None:
-    """Kafka topics declared in schemas/topics.py."""
+    """Kafka topics declared in schemas/topics.py, by the names the config gives."""
 
 
 @topics.command("ensure")
@@ -152,7 +152,7 @@ def topics_ensure(config: RollstreamConfig) -> None:
     from infra.services import Services
     from infra.topics import ensure_topics
 
-    report = ensure_topics(Services(config).resolved().kafka.client_config())
+    report = ensure_topics(Services(config).resolved().kafka.client_config(), config.topic_specs())
     click.echo(f"created: {', '.join(report.created) or '-'}")
     click.echo(f"present: {', '.join(report.existing) or '-'}")
 

@@ -11,6 +11,7 @@ the standard AWS chain unless the store is the embedded one.
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,14 @@ from consumers.config import TrainerConfig
 from core.config import SharedConfig, StrictModel, merge_tables, settings_from_sources
 from producers.config import ProducersConfig
 from rollstream.profiles import ProfileConfig, profile_sections
+from schemas.topics import (
+    POLICY_VERSIONS,
+    ROLLOUTS_DLQ,
+    ROLLOUTS_RAW,
+    ROLLOUTS_SCORED,
+    ROLLOUTS_STALE,
+    TopicSpec,
+)
 from streams.config import StreamsConfig
 
 
@@ -67,6 +76,23 @@ class RollstreamConfig(SharedConfig):
     up: UpConfig = Field(
         default_factory=UpConfig, description="[up]: `rollstream up` (all roles on one machine)."
     )
+
+    def topic_specs(self) -> list[TopicSpec]:
+        """Every topic of this run under the names its sections give (tests and shared
+        clusters rename them), with the partitions and configs of ``schemas.topics``."""
+        names = [
+            (ROLLOUTS_RAW, {self.producers.rollout.topic, self.streams.topics.raw}),
+            (ROLLOUTS_SCORED, {self.streams.topics.scored, self.trainer.topics.scored}),
+            (ROLLOUTS_STALE, {self.streams.topics.stale}),
+            (ROLLOUTS_DLQ, {self.streams.topics.dlq, self.trainer.topics.dlq}),
+            (
+                POLICY_VERSIONS,
+                {self.weights.topic, self.streams.topics.versions, self.trainer.topics.versions},
+            ),
+        ]
+        return [
+            dataclasses.replace(spec, name=name) for spec, given in names for name in sorted(given)
+        ]
 
     def role_section(self, role: str) -> dict[str, Any]:
         """The effective settings one role runs with: the shared sections and its own."""

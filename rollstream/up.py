@@ -387,7 +387,7 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
     reason, finished = "interrupted", False
     try:
         click.echo(f"run {run_id}: {run_dir}", err=True)
-        report = services.up()
+        report = services.up(config.topic_specs())
         click.echo(
             f"kafka {report.bootstrap_servers}  s3 {report.s3_endpoint}  ({report.seconds:.1f}s)",
             err=True,

@@ -81,3 +81,22 @@ def test_sasl_ssl_settings_pass_through_to_clients() -> None:
 def test_embedded_kafka_has_no_client_config_until_resolved() -> None:
     with pytest.raises(ValueError, match="no bootstrap servers"):
         KafkaConfig().client_config()
+
+
+def test_topic_specs_use_the_names_the_sections_give() -> None:
+    """``infra up`` and ``topics ensure`` declare the run's topics by their configured
+    names, with the partitions and configs of ``schemas.topics``."""
+    from rollstream.config import load_config
+
+    config = load_config(
+        None,
+        producers={"rollout": {"topic": "raw-x"}},
+        streams={"topics": {"raw": "raw-x", "scored": "scored-x"}},
+        trainer={"topics": {"scored": "scored-y"}},
+        weights={"topic": "versions-x"},
+    )
+    specs = {spec.name: spec for spec in config.topic_specs()}
+    assert specs["raw-x"].partitions == 8
+    assert specs["scored-x"].partitions == specs["scored-y"].partitions == 4
+    assert specs["versions-x"].cleanup_policy == "compact"
+    assert "policy.versions" in specs and "rollouts.stale" in specs and "rollouts.raw" not in specs
