@@ -57,6 +57,13 @@ STALL_AFTER_S = 10.0
 GAP_SWEEP_INTERVAL_S = 2.5
 """How often the worker runs ``sweep``."""
 
+LOOKUP_TIMEOUT_S = 10.0
+"""How long the side consumer looks for a record before the answer is "unknown"."""
+
+UNKNOWN = "unknown"
+"""``_real_from``'s answer when the side consumer saw neither a record nor the
+partition's end in time (a slow broker): never cached, asked again next time."""
+
 
 class GapGuard:
     """Admits a raw record only if every record before it has been applied."""
@@ -69,12 +76,14 @@ class GapGuard:
         seek: Callable[[int, int], Awaitable[None]],
         start_group: str | None = None,
         stall_after_s: float = STALL_AFTER_S,
+        lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
     ) -> None:
         """``start_group``: a consumer group whose committed offset, when there is one, is
         where a partition without a watermark starts (``first_start = "committed"``)."""
         self.table = table
         self.start_group = start_group
         self.stall_after_s = stall_after_s
+        self.lookup_timeout_s = lookup_timeout_s
         self.client_config = dict(client_config)
         self.topic = topic
         self.seek = seek
@@ -97,11 +106,15 @@ class GapGuard:
         if msg.offset <= expected:
             return True
         key = (msg.partition, expected)
-        if key not in self._next_real:
-            self._next_real[key] = await self._real_from(msg.partition, expected)
-        real = self._next_real[key]
-        if real is not None and real >= msg.offset:
+        real = self._next_real.get(key, UNKNOWN)
+        if real == UNKNOWN:
+            real = await self._real_from(msg.partition, expected)
+            if real != UNKNOWN:  # a timeout is asked again when the record comes back
+                self._next_real[key] = real
+        if isinstance(real, int) and real >= msg.offset:
             return True  # nothing between: a legitimate jump
+        # A real hole, or unknown (slow broker): drop it and re-read from the watermark,
+        # which is safe either way (the records come again and are judged again).
         self._mark_reread(msg.partition, msg.offset + 1)  # Faust acknowledges what it drops
         last = self._sought.get(msg.partition)
         now = time.monotonic()
@@ -144,6 +157,9 @@ class GapGuard:
             if at is None or at <= expected or self._checked.get(partition) == (expected, at):
                 continue
             real = await self._real_from(partition, expected)
+            if real == UNKNOWN:
+                log.info("%s-%d: no answer from the broker; next sweep", self.topic, partition)
+                continue  # not cached: the next sweep asks again
             if real is None or real >= at:  # only markers in between, or nothing readable
                 self._checked[partition] = (expected, at)
                 continue
@@ -226,27 +242,28 @@ class GapGuard:
         low, _high = whole_topic(self._consumer(), self.topic, [partition])[partition]
         return low
 
-    async def _real_from(self, partition: int, offset: int) -> int | None:
+    async def _real_from(self, partition: int, offset: int) -> int | str | None:
         async with self._side_lock:
             return await asyncio.to_thread(self._first_offset_from, partition, offset)
 
-    def _first_offset_from(self, partition: int, offset: int) -> int | None:
+    def _first_offset_from(self, partition: int, offset: int) -> int | str | None:
         """Offset of the first committed record at or after ``offset`` (None: the
-        partition ends, for a read_committed reader, before one)."""
+        partition ends, for a read_committed reader, before one; ``UNKNOWN``: neither
+        seen within ``lookup_timeout_s``)."""
         from confluent_kafka import KafkaError, TopicPartition
 
         consumer = self._consumer()
         consumer.assign([TopicPartition(self.topic, partition, offset)])
         try:
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + self.lookup_timeout_s
             while time.monotonic() < deadline:
-                msg = consumer.poll(0.5)
+                msg = consumer.poll(min(0.5, self.lookup_timeout_s))
                 if msg is None or msg.partition() != partition or msg.offset() < offset:
                     continue  # nothing yet, or left over from an earlier assignment
                 if msg.error() is None:
                     return msg.offset()
                 if msg.error().code() == KafkaError._PARTITION_EOF:
                     return None
-            return None
+            return UNKNOWN  # a slow broker is not the end of the partition
         finally:
             consumer.unassign()
