@@ -211,7 +211,7 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
         KAFKA,
         TOPICS.raw,
         _seek_raw,
-        start_group=CONFIG.start_group if CONFIG.first_start == "committed" else None,
+        start_topic=CONFIG.start_topic if CONFIG.first_start == "committed" else None,
     )
 
     # --- the agent ----------------------------------------------------------------------------

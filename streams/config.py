@@ -184,11 +184,12 @@ class StreamsConfig(StrictModel):
         default="earliest",
         description=(
             "Where a raw partition this app never applied anything from starts. earliest: "
-            "the log start (everything in the topic). committed: the offset committed for "
-            "the marker group '<app_id>-start' when there is one (else the log start); "
-            "`rollstream up` commits the topic's end there (and for the app's own group) "
-            "before a new run's first worker starts, so earlier runs are not re-read. A "
-            "separate group because Faust may commit its own past records it skipped."
+            "the log start (everything in the topic). committed: the offset recorded for it "
+            "in the compacted control topic '<app_id>-start' when there is one (else the log "
+            "start); `rollstream up` records the topic's end there (and commits it for the "
+            "app's own group) before a new run's first worker starts, so earlier runs are "
+            "not re-read. A topic, not a marker consumer group: a group nobody consumes "
+            "with would show as lagging for ever in Kafka's consumer-group tooling."
         ),
     )
     session_timeout_s: float = Field(
@@ -212,8 +213,8 @@ class StreamsConfig(StrictModel):
         return self
 
     @property
-    def start_group(self) -> str:
-        """Marker consumer group holding where a new app starts (``first_start``)."""
+    def start_topic(self) -> str:
+        """Compacted control topic holding where a new app starts (``first_start``)."""
         return f"{self.app_id}-start"
 
     @property

@@ -42,9 +42,10 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from core.topic_reader import committed_offsets, whole_topic
+from core.topic_reader import whole_topic
 from streams.groups import offset_key
 from streams.processor import Message
+from streams.start import read_start_offsets
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +75,16 @@ class GapGuard:
         client_config: Mapping[str, str],
         topic: str,
         seek: Callable[[int, int], Awaitable[None]],
-        start_group: str | None = None,
+        start_topic: str | None = None,
         stall_after_s: float = STALL_AFTER_S,
         lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
     ) -> None:
-        """``start_group``: a consumer group whose committed offset, when there is one, is
-        where a partition without a watermark starts (``first_start = "committed"``)."""
+        """``start_topic``: the control topic whose recorded offset, when there is one, is
+        where a partition without a watermark starts (``first_start = "committed"``,
+        ``streams.start``)."""
         self.table = table
-        self.start_group = start_group
+        self.start_topic = start_topic
+        self._start_offsets: dict[int, int] | None = None
         self.stall_after_s = stall_after_s
         self.lookup_timeout_s = lookup_timeout_s
         self.client_config = dict(client_config)
@@ -202,25 +205,22 @@ class GapGuard:
         if partition not in self._log_start:
             async with self._side_lock:
                 start = await asyncio.to_thread(self._low_watermark, partition)
-            if self.start_group is not None:
-                committed = await asyncio.to_thread(self._committed_offset, partition)
+            if self.start_topic is not None:
+                committed = await asyncio.to_thread(self._start_offset, partition)
                 if committed is not None:
                     start = max(start, committed)
             self._log_start[partition] = start
         return self._log_start[partition]
 
-    def _committed_offset(self, partition: int) -> int | None:
-        """``start_group``'s committed offset of the partition (None: it has none)."""
-        from confluent_kafka import Consumer, TopicPartition
-
-        consumer = Consumer(
-            {**self.client_config, "group.id": self.start_group, "enable.auto.commit": False}
-        )
-        try:
-            (found,) = committed_offsets(consumer, [TopicPartition(self.topic, partition)])
-        finally:
-            consumer.close()
-        return found.offset if found.offset >= 0 else None
+    def _start_offset(self, partition: int) -> int | None:
+        """The start offset ``start_topic`` records for the partition (None: none). Read
+        once: ``rollstream up`` writes it before the run's first worker starts."""
+        if self._start_offsets is None:
+            assert self.start_topic is not None
+            self._start_offsets = read_start_offsets(
+                self.client_config, self.start_topic, self.topic
+            )
+        return self._start_offsets.get(partition)
 
     def _consumer(self) -> Any:
         if self._side is None:

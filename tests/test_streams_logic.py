@@ -357,11 +357,11 @@ def test_gap_guard_seeks_back_over_records_faust_skipped() -> None:
     assert admit(0, 99, topic="ticks")  # only the raw topic is guarded
 
     # first_start = "committed": a partition without a watermark starts at the app's
-    # committed offset (a new run's end of topic), not at the log start.
-    fresh = GapGuard({}, {}, RAW, seek, start_group="rollstream-streams-run-2")
+    # recorded start offset (a new run's end of topic), not at the log start.
+    fresh = GapGuard({}, {}, RAW, seek, start_topic="rollstream-streams-run-2-start")
     fresh._first_offset_from = lambda partition, offset: offset  # type: ignore[method-assign]
     fresh._low_watermark = lambda partition: 0  # type: ignore[method-assign]
-    fresh._committed_offset = lambda partition: {0: 500}.get(partition)  # type: ignore[method-assign]
+    fresh._start_offset = lambda partition: {0: 500}.get(partition)  # type: ignore[method-assign]
 
     def admit_fresh(partition: int, offset: int) -> bool:
         return asyncio.run(fresh.admit(Message(RAW, partition, offset, b"k", b"v")))
