@@ -83,7 +83,10 @@ def prepare_topics(kafka: dict[str, str], config: StreamsConfig) -> int:
             retention_ms=ROLLOUTS_STALE.retention_ms,
         ),
         TopicSpec(
-            config.topics.dlq, ROLLOUTS_DLQ.partitions, retention_ms=ROLLOUTS_DLQ.retention_ms
+            config.topics.dlq,
+            ROLLOUTS_DLQ.partitions,
+            retention_ms=ROLLOUTS_DLQ.retention_ms,
+            max_message_bytes=ROLLOUTS_DLQ.max_message_bytes,
         ),
         TopicSpec(
             config.topics.versions,
