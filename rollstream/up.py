@@ -445,29 +445,31 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
 
 def start_groups_at_end(config: RollstreamConfig) -> dict[str, int]:
     """Commit the current end offsets for this run's trainer and stream groups if they
-    have none yet.
+    have none yet, and record the raw topic's end as the stream's start.
 
     Each run's trainer and stream app use their own consumer groups, which would otherwise
     start at the beginning of the shared topics and wade through earlier runs' records
     (the stream worker would dead-letter them as ``foreign_run``). With
     ``streams.first_start = "committed"`` (``up``'s default) the stream worker's gap guard
-    starts from the marker group ``<app_id>-start``, which only this function writes;
-    it runs before any producer of the run starts, so nothing of the run is skipped.
-    Returns partitions committed per group.
+    starts from the offsets recorded in the compacted control topic ``<app_id>-start``
+    (``streams.start``), which only this function writes, and only when it holds none
+    for the raw topic yet; it runs before any producer of the run starts, so nothing of
+    the run is skipped. No marker consumer group is left behind to show as lagging.
+    Returns partitions committed (or recorded) per group (or control topic).
     """
     from confluent_kafka import Consumer, KafkaException, TopicPartition
 
     from core.topic_reader import committed_offsets, topic_partitions, whole_topic
+    from streams.start import read_start_offsets, write_start_offsets
 
     done: dict[str, int] = {}
+    kafka = config.kafka.client_config()
+    streams = config.streams
     groups = {config.trainer.topics.group_id: config.trainer.topics.scored}
-    if config.streams.first_start == "committed":
-        groups[config.streams.app_id] = config.streams.topics.raw
-        groups[config.streams.start_group] = config.streams.topics.raw
+    if streams.first_start == "committed":
+        groups[streams.app_id] = streams.topics.raw
     for group, topic in groups.items():
-        consumer = Consumer(
-            {**config.kafka.client_config(), "group.id": group, "enable.auto.commit": False}
-        )
+        consumer = Consumer({**kafka, "group.id": group, "enable.auto.commit": False})
         try:
             try:
                 partitions = topic_partitions(consumer, topic)
@@ -478,11 +480,19 @@ def start_groups_at_end(config: RollstreamConfig) -> dict[str, int]:
             parts = [TopicPartition(topic, p) for p in partitions]
             if any(tp.offset >= 0 for tp in committed_offsets(consumer, parts)):
                 continue  # a resumed run: keep its offsets
-            ends = [
-                TopicPartition(topic, p, high)
-                for p, (_low, high) in whole_topic(consumer, topic, partitions).items()
-            ]
-            consumer.commit(offsets=ends, asynchronous=False)
+            ends = whole_topic(consumer, topic, partitions)
+            if group == streams.app_id and not read_start_offsets(
+                kafka, streams.start_topic, topic
+            ):  # recorded before the commit: a retry after a crash keeps the first record
+                offsets = {p: high for p, (_low, high) in ends.items()}
+                write_start_offsets(
+                    kafka, streams.start_topic, topic, offsets, streams.replication_factor
+                )
+                done[streams.start_topic] = len(offsets)
+            consumer.commit(
+                offsets=[TopicPartition(topic, p, high) for p, (_low, high) in ends.items()],
+                asynchronous=False,
+            )
             done[group] = len(ends)
         finally:
             consumer.close()

@@ -460,6 +460,35 @@ def routing_headers(traj: Trajectory) -> list[tuple[str, bytes]]:
     return [(key, str(values[name]).encode()) for name, key in _HEADER_KEYS.items()]
 
 
+def header_disagreements(traj: Trajectory, headers: KafkaHeaders) -> list[str]:
+    """Each routing header of ``headers`` that contradicts ``traj`` (the record's body),
+    as ``"rs-run-id='a', body 'b'"``; a routing header that appears twice or is not UTF-8
+    counts too. Empty: every routing header present agrees with the body.
+
+    A header left out is not a disagreement (headers are a convenience for filtering
+    without decoding); one that is there must tell the truth, since tools route on it.
+    """
+    expected = dict(routing_headers(traj))
+    seen: set[str] = set()
+    problems: list[str] = []
+    pairs = headers.items() if isinstance(headers, Mapping) else (headers or ())
+    for key, raw in pairs:
+        if key not in expected:
+            continue
+        if key in seen:
+            problems.append(f"{key} appears more than once")
+            continue
+        seen.add(key)
+        try:
+            text = (raw or b"").decode()
+        except UnicodeDecodeError:
+            problems.append(f"{key}={raw!r} is not UTF-8")
+            continue
+        if text != expected[key].decode():
+            problems.append(f"{key}={text!r}, body {expected[key].decode()!r}")
+    return problems
+
+
 def parse_headers(headers: KafkaHeaders) -> RoutingHeaders:
     """The routing headers of a message; other headers are ignored.
 

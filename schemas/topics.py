@@ -1,5 +1,10 @@
 """Every Kafka topic rollstream uses, declared in one place.
 
+Sizes: ``rollouts.raw`` takes messages up to 8 MiB, twice the stream's record limit
+(``schemas.codec.MAX_RECORD_BYTES``, 4 MiB): a record between the two reaches the stream
+and is dead-lettered as ``oversize`` with its bytes, instead of being refused by the
+broker where nobody sees it. ``rollouts.dlq`` is larger than every topic it receives from.
+
 Partitioning: ``rollouts.raw`` is keyed by group id so all samples of a GRPO group land
 in one partition (one stream worker assembles the group); ``policy.versions`` is
 compacted and keyed by run id, so its latest value per run is the current version.
@@ -39,7 +44,14 @@ class TopicSpec:
 ROLLOUTS_RAW = TopicSpec("rollouts.raw", partitions=8)
 ROLLOUTS_SCORED = TopicSpec("rollouts.scored", partitions=4, max_message_bytes=16 * MIB)
 ROLLOUTS_STALE = TopicSpec("rollouts.stale", partitions=4, retention_ms=30 * DAY_MS)
-ROLLOUTS_DLQ = TopicSpec("rollouts.dlq", partitions=1, retention_ms=30 * DAY_MS)
+ROLLOUTS_DLQ = TopicSpec(
+    "rollouts.dlq",
+    partitions=1,
+    retention_ms=30 * DAY_MS,
+    # Whatever reached raw (8 MiB) or scored (16 MiB) must fit here with its original
+    # bytes and the rs-dead-letter header, or dead-lettering it would fail.
+    max_message_bytes=ROLLOUTS_SCORED.max_message_bytes + 1 * MIB,
+)
 POLICY_VERSIONS = TopicSpec(
     "policy.versions",
     partitions=1,

@@ -55,9 +55,13 @@ class ValidationLimits:
     ``max_version`` is typically the trainer's current version + 1 (no record can come
     from the future); ``min_version`` the oldest version the run still accepts.
     ``logprob_epsilon`` tolerates the tiny positive log-probs float rounding produces.
+    ``vocab_size`` and ``max_total_tokens`` (prompt + response) come from the model the
+    record will be run through: an id outside its vocabulary or a sequence longer than its
+    context cannot be scored and would fail the whole group's forward pass.
     """
 
     vocab_size: int | None = None
+    max_total_tokens: int | None = None
     max_prompt_tokens: int = 32_768
     max_response_tokens: int = 32_768
     max_record_bytes: int = MAX_RECORD_BYTES
@@ -209,6 +213,17 @@ def _check_tokens(
         _add(defects, Reason.BAD_FIELD, "prompt_ids", "prompt_ids is empty")
     if response is not None and len(response) == 0:
         _add(defects, Reason.EMPTY_RESPONSE, "response_ids", "response_ids is empty")
+    total = limits.max_total_tokens
+    if prompt is not None and response is not None and total is not None:
+        n_prompt, n_response = len(prompt), len(response)
+        if n_prompt + n_response > total:
+            _add(
+                defects,
+                Reason.TOO_LONG,
+                "response_ids",
+                f"prompt_ids + response_ids = {n_prompt} + {n_response} tokens, "
+                f"the model's context is {total}",
+            )
     for name, ids, limit in (
         ("prompt_ids", prompt, limits.max_prompt_tokens),
         ("response_ids", response, limits.max_response_tokens),

@@ -55,7 +55,7 @@ from streams.broker import broker_credentials, broker_urls
 from streams.config import StreamsConfig
 from streams.gaps import GAP_SWEEP_INTERVAL_S, GapGuard
 from streams.metrics import StreamMetrics
-from streams.oldlogits import OldLogitEngine
+from streams.oldlogits import OldLogitEngine, model_limits
 from streams.processor import Message, Processor, Step
 from streams.snapshots import FollowerFeed, FollowerSource, SeededSource, SnapshotStore
 from streams.staleness import StalenessPolicy, VersionTracker
@@ -83,7 +83,10 @@ def prepare_topics(kafka: dict[str, str], config: StreamsConfig) -> int:
             retention_ms=ROLLOUTS_STALE.retention_ms,
         ),
         TopicSpec(
-            config.topics.dlq, ROLLOUTS_DLQ.partitions, retention_ms=ROLLOUTS_DLQ.retention_ms
+            config.topics.dlq,
+            ROLLOUTS_DLQ.partitions,
+            retention_ms=ROLLOUTS_DLQ.retention_ms,
+            max_message_bytes=ROLLOUTS_DLQ.max_message_bytes,
         ),
         TopicSpec(
             config.topics.versions,
@@ -179,7 +182,18 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
     engine = OldLogitEngine(
         CONFIG.old_logits, snapshots, metrics=metrics, cache_dir=SHARED.cache_dir
     )
-    processor = Processor(CONFIG, RUN_ID, tracker, groups.data, metrics)
+    vocab_size = context = None
+    if CONFIG.old_logits.mode == "exact":  # records must fit the model they are run through
+        vocab_size, context = model_limits(CONFIG.old_logits.model, SHARED.cache_dir)
+    processor = Processor(
+        CONFIG,
+        RUN_ID,
+        tracker,
+        groups.data,
+        metrics,
+        model_vocab_size=vocab_size,
+        model_context=context,
+    )
     writer = EffectWriter(app, groups, exactly_once=CONFIG.processing_guarantee == "exactly_once")
 
 
@@ -200,7 +214,7 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
         KAFKA,
         TOPICS.raw,
         _seek_raw,
-        start_group=CONFIG.start_group if CONFIG.first_start == "committed" else None,
+        start_topic=CONFIG.start_topic if CONFIG.first_start == "committed" else None,
     )
 
     # --- the agent ----------------------------------------------------------------------------
@@ -247,16 +261,23 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
 
 
     async def _step(msg: Message) -> Step:
+        """A group whose old logits fail is failed alone (every sample dead-lettered by
+        ``Processor.finish``); the other groups closed by the same message go on."""
         now = _now_ms()
         step = processor.handle(msg, now)
-        attached = {}
+        attached, failed = {}, {}
         loop = asyncio.get_running_loop()
         for closing in step.closings:
             if closing.emit:
-                attached[closing.state.group_id] = await loop.run_in_executor(
-                    executor, engine.attach, closing.samples
-                )
-        return processor.finish(step, attached, _now_ms())
+                group_id = closing.state.group_id
+                try:
+                    attached[group_id] = await loop.run_in_executor(
+                        executor, engine.attach, closing.samples
+                    )
+                except Exception as err:
+                    log.exception("old logits of group %s failed", group_id)
+                    failed[group_id] = f"old logits: {type(err).__name__}: {err}"
+        return processor.finish(step, attached, _now_ms(), failed)
 
 
     # --- timer: ticks for overdue groups ----------------------------------------------------

@@ -40,11 +40,13 @@ class StreamTopics(StrictModel):
 class StalenessConfig(StrictModel):
     """Which records are fresh enough to train on (``window``, or Mu-GRPO's ``staged``).
 
-    ``window``: staleness = trainer version - oldest segment version; a record is stale
-    when it exceeds ``max_staleness``. ``staged`` (Mu-GRPO): versions form stages of
-    ``stage_versions``; a record is admitted while its oldest version's stage is at most
-    ``stages_admitted`` stages behind the trainer's, however many versions that is, so a
-    stage's data stays usable for all the optimisation steps of the stage.
+    ``window``: staleness = newest announced version - oldest segment version (floored at
+    0); a record is stale when it exceeds ``max_staleness``. ``staged`` (Mu-GRPO):
+    versions form stages of ``stage_versions``; a record is admitted while its oldest
+    version's stage is at most ``stages_admitted`` stages behind the trainer's, however
+    many versions that is, so a stage's data stays usable for all the optimisation steps
+    of the stage. Staleness is always measured against one clock, the newest version
+    announced on ``policy.versions``, and judged again when a group is emitted.
     """
 
     mode: Literal["window", "staged"] = Field(
@@ -58,6 +60,13 @@ class StalenessConfig(StrictModel):
     )
     stages_admitted: int = Field(
         default=0, ge=0, description="staged mode: how many earlier stages are still admitted."
+    )
+    future_allowance: int = Field(
+        default=1,
+        ge=0,
+        description="How many versions a record may be ahead of the newest announced "
+        "version (its announcement still on its way); further ahead: dead-lettered as "
+        "future_version. Such records count as staleness 0.",
     )
 
 
@@ -175,11 +184,12 @@ class StreamsConfig(StrictModel):
         default="earliest",
         description=(
             "Where a raw partition this app never applied anything from starts. earliest: "
-            "the log start (everything in the topic). committed: the offset committed for "
-            "the marker group '<app_id>-start' when there is one (else the log start); "
-            "`rollstream up` commits the topic's end there (and for the app's own group) "
-            "before a new run's first worker starts, so earlier runs are not re-read. A "
-            "separate group because Faust may commit its own past records it skipped."
+            "the log start (everything in the topic). committed: the offset recorded for it "
+            "in the compacted control topic '<app_id>-start' when there is one (else the log "
+            "start); `rollstream up` records the topic's end there (and commits it for the "
+            "app's own group) before a new run's first worker starts, so earlier runs are "
+            "not re-read. A topic, not a marker consumer group: a group nobody consumes "
+            "with would show as lagging for ever in Kafka's consumer-group tooling."
         ),
     )
     session_timeout_s: float = Field(
@@ -203,8 +213,8 @@ class StreamsConfig(StrictModel):
         return self
 
     @property
-    def start_group(self) -> str:
-        """Marker consumer group holding where a new app starts (``first_start``)."""
+    def start_topic(self) -> str:
+        """Compacted control topic holding where a new app starts (``first_start``)."""
         return f"{self.app_id}-start"
 
     @property

@@ -42,9 +42,10 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from core.topic_reader import committed_offsets, whole_topic
+from core.topic_reader import whole_topic
 from streams.groups import offset_key
 from streams.processor import Message
+from streams.start import read_start_offsets
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,13 @@ STALL_AFTER_S = 10.0
 GAP_SWEEP_INTERVAL_S = 2.5
 """How often the worker runs ``sweep``."""
 
+LOOKUP_TIMEOUT_S = 10.0
+"""How long the side consumer looks for a record before the answer is "unknown"."""
+
+UNKNOWN = "unknown"
+"""``_real_from``'s answer when the side consumer saw neither a record nor the
+partition's end in time (a slow broker): never cached, asked again next time."""
+
 
 class GapGuard:
     """Admits a raw record only if every record before it has been applied."""
@@ -67,14 +75,18 @@ class GapGuard:
         client_config: Mapping[str, str],
         topic: str,
         seek: Callable[[int, int], Awaitable[None]],
-        start_group: str | None = None,
+        start_topic: str | None = None,
         stall_after_s: float = STALL_AFTER_S,
+        lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
     ) -> None:
-        """``start_group``: a consumer group whose committed offset, when there is one, is
-        where a partition without a watermark starts (``first_start = "committed"``)."""
+        """``start_topic``: the control topic whose recorded offset, when there is one, is
+        where a partition without a watermark starts (``first_start = "committed"``,
+        ``streams.start``)."""
         self.table = table
-        self.start_group = start_group
+        self.start_topic = start_topic
+        self._start_offsets: dict[int, int] | None = None
         self.stall_after_s = stall_after_s
+        self.lookup_timeout_s = lookup_timeout_s
         self.client_config = dict(client_config)
         self.topic = topic
         self.seek = seek
@@ -97,11 +109,15 @@ class GapGuard:
         if msg.offset <= expected:
             return True
         key = (msg.partition, expected)
-        if key not in self._next_real:
-            self._next_real[key] = await self._real_from(msg.partition, expected)
-        real = self._next_real[key]
-        if real is not None and real >= msg.offset:
+        real = self._next_real.get(key, UNKNOWN)
+        if real == UNKNOWN:
+            real = await self._real_from(msg.partition, expected)
+            if real != UNKNOWN:  # a timeout is asked again when the record comes back
+                self._next_real[key] = real
+        if isinstance(real, int) and real >= msg.offset:
             return True  # nothing between: a legitimate jump
+        # A real hole, or unknown (slow broker): drop it and re-read from the watermark,
+        # which is safe either way (the records come again and are judged again).
         self._mark_reread(msg.partition, msg.offset + 1)  # Faust acknowledges what it drops
         last = self._sought.get(msg.partition)
         now = time.monotonic()
@@ -144,6 +160,9 @@ class GapGuard:
             if at is None or at <= expected or self._checked.get(partition) == (expected, at):
                 continue
             real = await self._real_from(partition, expected)
+            if real == UNKNOWN:
+                log.info("%s-%d: no answer from the broker; next sweep", self.topic, partition)
+                continue  # not cached: the next sweep asks again
             if real is None or real >= at:  # only markers in between, or nothing readable
                 self._checked[partition] = (expected, at)
                 continue
@@ -186,25 +205,22 @@ class GapGuard:
         if partition not in self._log_start:
             async with self._side_lock:
                 start = await asyncio.to_thread(self._low_watermark, partition)
-            if self.start_group is not None:
-                committed = await asyncio.to_thread(self._committed_offset, partition)
+            if self.start_topic is not None:
+                committed = await asyncio.to_thread(self._start_offset, partition)
                 if committed is not None:
                     start = max(start, committed)
             self._log_start[partition] = start
         return self._log_start[partition]
 
-    def _committed_offset(self, partition: int) -> int | None:
-        """``start_group``'s committed offset of the partition (None: it has none)."""
-        from confluent_kafka import Consumer, TopicPartition
-
-        consumer = Consumer(
-            {**self.client_config, "group.id": self.start_group, "enable.auto.commit": False}
-        )
-        try:
-            (found,) = committed_offsets(consumer, [TopicPartition(self.topic, partition)])
-        finally:
-            consumer.close()
-        return found.offset if found.offset >= 0 else None
+    def _start_offset(self, partition: int) -> int | None:
+        """The start offset ``start_topic`` records for the partition (None: none). Read
+        once: ``rollstream up`` writes it before the run's first worker starts."""
+        if self._start_offsets is None:
+            assert self.start_topic is not None
+            self._start_offsets = read_start_offsets(
+                self.client_config, self.start_topic, self.topic
+            )
+        return self._start_offsets.get(partition)
 
     def _consumer(self) -> Any:
         if self._side is None:
@@ -226,27 +242,28 @@ class GapGuard:
         low, _high = whole_topic(self._consumer(), self.topic, [partition])[partition]
         return low
 
-    async def _real_from(self, partition: int, offset: int) -> int | None:
+    async def _real_from(self, partition: int, offset: int) -> int | str | None:
         async with self._side_lock:
             return await asyncio.to_thread(self._first_offset_from, partition, offset)
 
-    def _first_offset_from(self, partition: int, offset: int) -> int | None:
+    def _first_offset_from(self, partition: int, offset: int) -> int | str | None:
         """Offset of the first committed record at or after ``offset`` (None: the
-        partition ends, for a read_committed reader, before one)."""
+        partition ends, for a read_committed reader, before one; ``UNKNOWN``: neither
+        seen within ``lookup_timeout_s``)."""
         from confluent_kafka import KafkaError, TopicPartition
 
         consumer = self._consumer()
         consumer.assign([TopicPartition(self.topic, partition, offset)])
         try:
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + self.lookup_timeout_s
             while time.monotonic() < deadline:
-                msg = consumer.poll(0.5)
+                msg = consumer.poll(min(0.5, self.lookup_timeout_s))
                 if msg is None or msg.partition() != partition or msg.offset() < offset:
                     continue  # nothing yet, or left over from an earlier assignment
                 if msg.error() is None:
                     return msg.offset()
                 if msg.error().code() == KafkaError._PARTITION_EOF:
                     return None
-            return None
+            return UNKNOWN  # a slow broker is not the end of the partition
         finally:
             consumer.unassign()

@@ -8,6 +8,12 @@ metric                                             meaning
 ``rollstream_streams_dlq_total{reason}``           records dead-lettered, by reason code
 ``rollstream_streams_stale_total``                 records routed to the stale topic
 ``rollstream_streams_groups_total{outcome}``       groups closed: complete / partial / dropped
+                                                   / failed
+``rollstream_streams_group_failures_total``        groups whose closing raised (every sample
+                                                   dead-lettered as ``group_failed``)
+``rollstream_streams_processing_errors_total{t}``  messages whose processing raised
+``rollstream_streams_stale_at_close_total``        samples admitted on arrival that were stale
+                                                   when their group closed
 ``rollstream_streams_group_latency_seconds``       first sample seen → group emitted (histogram)
 ``rollstream_streams_oldlogit_tokens_total``       response tokens given exact ``logp_old``
 ``rollstream_streams_oldlogit_seconds_total``      forward-pass seconds spent on them; the
@@ -47,6 +53,18 @@ class StreamMetrics:
         self.dlq = Counter(_PREFIX + "dlq", "Records dead-lettered.", ["reason"], registry=r)
         self.stale = Counter(_PREFIX + "stale", "Records routed as stale.", registry=r)
         self.groups = Counter(_PREFIX + "groups", "Groups closed.", ["outcome"], registry=r)
+        self.group_failures = Counter(
+            _PREFIX + "group_failures", "Groups whose closing raised.", registry=r
+        )
+        self.processing_errors = Counter(
+            _PREFIX + "processing_errors",
+            "Messages whose processing raised.",
+            ["topic"],
+            registry=r,
+        )
+        self.stale_at_close = Counter(
+            _PREFIX + "stale_at_close", "Samples stale when their group closed.", registry=r
+        )
         self.group_latency = Histogram(
             _PREFIX + "group_latency_seconds",
             "First sample seen to group emitted.",

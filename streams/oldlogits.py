@@ -21,6 +21,8 @@ on the event loop. It is not reentrant (one module, parameters swapped per call)
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import json
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from core.logprobs import response_logprobs
-from core.models import load_model
+from core.models import build_tiny_llama, load_model, model_directory, parse_model_spec
 from schemas.trajectory import OldLogitsStatus, Trajectory
 from streams.config import OldLogitsConfig
 from streams.metrics import StreamMetrics
@@ -38,6 +40,25 @@ from streams.snapshots import SnapshotStore
 
 if TYPE_CHECKING:
     import torch
+
+
+def model_limits(spec: str, cache_dir: Path | None = None) -> tuple[int, int]:
+    """``(vocab_size, context_length)`` of the model ``spec`` names, without loading its
+    weights: the tiny model's from its spec and ``build_tiny_llama``'s defaults, a
+    checkpoint's from its ``config.json``. A record with a token id outside the vocabulary
+    or more tokens than the context cannot be scored by the old-logit pass."""
+    parsed = parse_model_spec(spec)
+    if parsed.is_tiny:
+        defaults = {
+            name: p.default for name, p in inspect.signature(build_tiny_llama).parameters.items()
+        }
+        options = {**defaults, **parsed.tiny_kwargs}
+        return int(options["vocab_size"]), int(options["max_positions"])
+    directory = model_directory(parsed, cache_dir)
+    assert directory is not None
+    config = json.loads((directory / "config.json").read_text())
+    config = config.get("text_config", config)  # multimodal checkpoints nest the LM's
+    return int(config["vocab_size"]), int(config.get("max_position_embeddings", 1 << 30))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

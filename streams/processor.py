@@ -11,12 +11,17 @@ every write goes to a different key, except the group state, which is written on
 A raw record goes through, in order:
 
 1. **replay check**: at or below the partition's watermark → already applied, skip;
-2. **decode + validate** (``schemas.codec``, ``schemas.validation``) → DLQ with the codec's
-   or the validator's reason code, the original bytes and headers, and the source
+2. **decode + validate** (``schemas.codec``, ``schemas.validation``, with the vocabulary
+   and context length of the model the old-logit pass runs) → DLQ with the codec's or
+   the validator's reason code, the original bytes and headers, and the source
    topic/partition/offset (``schemas.control.DeadLetter``);
 3. **routing checks**: another run's record (``foreign_run``), a Kafka key that is not
-   the group id (``key_mismatch``: the group could be split across partitions);
-4. **staleness** (``StalenessPolicy``) → ``rollouts.stale`` with ``StaleRecord``;
+   the group id (``key_mismatch``: the group could be split across partitions), a
+   routing header (``rs-run-id``, ``rs-group-id``, ...) that contradicts the body
+   (``header_mismatch``);
+4. **versions** (``StalenessPolicy``, against the newest announced version): a version
+   never published (ahead by more than ``future_allowance``) → DLQ ``future_version``;
+   too stale → ``rollouts.stale`` with ``StaleRecord``;
 5. **assembly**: the sample joins its group's table entry; a duplicate
    (``duplicate_sample``), a taken sample index (``duplicate_sample_index``), a group size
    that disagrees (``group_size_mismatch``) or a sample of an already closed group
@@ -26,10 +31,18 @@ A raw record goes through, in order:
 A tick (the internal ``ticks`` topic, same partitioning) closes the partition's groups
 older than ``timeout_s`` and forgets closed-group markers past ``emitted_retention_s``.
 
-Closing: all ``group_size`` samples → emitted complete. Fewer (timeout, or some dropped)
-→ ``partial_policy="emit"`` emits them flagged partial if at least
+Closing: every sample is judged again against the version at that moment (staleness is
+recorded as of emission; ``ScoredGroup.trainer_version_seen`` is that version), and a
+sample that has become stale waiting for its group goes to ``rollouts.stale`` as if it
+had arrived stale. Then: all ``group_size`` samples → emitted complete. Fewer (timeout,
+or some dropped) → ``partial_policy="emit"`` emits them flagged partial if at least
 ``min_partial_samples`` are present; otherwise each goes to the DLQ as
 ``incomplete_group``.
+
+A group whose closing fails (reading its samples, the old-logit forward pass, building
+the scored group) is closed as ``failed``: every one of its samples goes to the DLQ as
+``group_failed`` with the error and its original bytes, once (the closed marker stops
+ticks from trying again), and ``groups_total{outcome="failed"}`` counts it.
 """
 
 from __future__ import annotations
@@ -38,10 +51,10 @@ import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 
-from schemas.codec import DecodeError, decode, routing_headers
+from schemas.codec import DecodeError, decode, header_disagreements, routing_headers
 from schemas.control import DEAD_LETTER_HEADER, STALE_HEADER, DeadLetter, StaleRecord
 from schemas.group import encode_group
-from schemas.trajectory import Trajectory
+from schemas.trajectory import NO_VERSION, Trajectory
 from schemas.validation import ValidationLimits, validate
 from streams.config import StreamsConfig
 from streams.groups import (
@@ -85,13 +98,20 @@ class Send:
 
 @dataclasses.dataclass(slots=True)
 class Closing:
-    """A group to close. ``emit``: it becomes a ScoredGroup (old logits needed first)."""
+    """A group to close. ``emit``: it becomes a ScoredGroup (old logits needed first);
+    otherwise each of ``raw`` is dead-lettered with ``reason``. ``version``: the trainer
+    version the samples were judged against at closing (the emitted group's
+    ``trainer_version_seen``)."""
 
     state: GroupState
     samples: list[Trajectory]
     raw: list[bytes]  # the samples' original record bytes, same order
     emit: bool
-    outcome: str  # complete | partial | dropped
+    outcome: str  # complete | partial | dropped | failed
+    version: int = NO_VERSION
+    reason: str = "incomplete_group"
+    detail: str = ""
+    offsets: list[int] = dataclasses.field(default_factory=list)  # source offsets, same order
 
 
 @dataclasses.dataclass(slots=True)
@@ -121,6 +141,9 @@ class DeadLetterReason:
     LATE_SAMPLE = "late_sample"
     INCOMPLETE_GROUP = "incomplete_group"
     PROCESSING_ERROR = "processing_error"
+    HEADER_MISMATCH = "header_mismatch"
+    FUTURE_VERSION = "future_version"
+    GROUP_FAILED = "group_failed"
 
 
 class Processor:
@@ -133,7 +156,12 @@ class Processor:
         tracker: VersionTracker,
         table: Mapping[bytes, bytes],
         metrics: StreamMetrics | None = None,
+        *,
+        model_vocab_size: int | None = None,
+        model_context: int | None = None,
     ) -> None:
+        """``model_vocab_size``/``model_context``: of the model old logits are computed
+        with (``streams.oldlogits.model_limits``); a record outside them is invalid."""
         self.config = config
         self.run_id = run_id
         self.tracker = tracker
@@ -141,8 +169,10 @@ class Processor:
         self.metrics = metrics if metrics is not None else StreamMetrics()
         self.policy = StalenessPolicy(config.staleness)
         v = config.validation
+        vocab = [n for n in (v.vocab_size, model_vocab_size) if n is not None]
         self.limits = ValidationLimits(
-            vocab_size=v.vocab_size,
+            vocab_size=min(vocab) if vocab else None,
+            max_total_tokens=model_context,
             max_prompt_tokens=v.max_prompt_tokens,
             max_response_tokens=v.max_response_tokens,
             max_record_bytes=v.max_record_bytes,
@@ -166,49 +196,41 @@ class Processor:
             self._record(step, now_ms)
         return step
 
-    def finish(self, step: Step, attached: Mapping[str, list[Trajectory]], now_ms: int) -> Step:
+    def finish(
+        self,
+        step: Step,
+        attached: Mapping[str, list[Trajectory]],
+        now_ms: int,
+        failed: Mapping[str, str] | None = None,
+    ) -> Step:
         """Add the closings' outputs (``attached``: emitted groups' samples with old logits,
-        by group id) and the watermark write. Returns ``step``."""
+        by group id; ``failed``: why an emitted group's old logits could not be had, by
+        group id) and the watermark write. Returns ``step``."""
         if step.skipped:
             return step
+        failed = failed or {}
         for closing in step.closings:
             state = closing.state
             if closing.emit:
-                group = build_scored_group(
-                    self.run_id,
-                    state,
-                    attached[state.group_id],
-                    trainer_version=self.tracker.version,
-                    now_ms=now_ms,
-                    normalize_std=self.config.groups.normalize_std,
-                    eps=self.config.groups.eps,
-                )
-                self._send(
-                    step,
-                    self.topics.scored,
-                    state.group_id.encode(),
-                    encode_group(group),
-                    (
-                        ("rs-run-id", self.run_id.encode()),
-                        ("rs-group-id", state.group_id.encode()),
-                        ("rs-complete", b"1" if group.complete else b"0"),
-                    ),
-                )
-                latency = max(0, now_ms - state.first_seen_ms) / 1000
-                self.metrics.group_latency.observe(latency)
-            else:
-                offsets = {s.trajectory_id: s.offset for s in state.samples}
-                for traj, raw in zip(closing.samples, closing.raw, strict=True):
-                    self._dead_letter(
-                        step,
-                        DeadLetterReason.INCOMPLETE_GROUP,
-                        f"group {state.group_id} closed with {len(state.samples)} of "
-                        f"{state.group_size} samples",
-                        key=state.group_id.encode(),
-                        value=raw,
-                        headers=tuple(routing_headers(traj)),
-                        source=(self.topics.raw, state.partition, offsets[traj.trajectory_id]),
-                    )
+                why = failed.get(state.group_id)
+                sends = None
+                if why is None:
+                    try:
+                        sends = self._scored(closing, attached[state.group_id], now_ms)
+                    except Exception as err:  # a bug: the group fails, the worker goes on
+                        log.exception("building group %s failed", state.group_id)
+                        why = f"{type(err).__name__}: {err}"
+                if sends is not None:
+                    step.sends.extend(sends)
+                    self.metrics.records_out.labels(topic=self.topics.scored).inc()
+                    latency = max(0, now_ms - state.first_seen_ms) / 1000
+                    self.metrics.group_latency.observe(latency)
+                else:
+                    closing.emit, closing.outcome = False, "failed"
+                    closing.reason = DeadLetterReason.GROUP_FAILED
+                    closing.detail = f"group {state.group_id} failed to close: {why}"
+            if not closing.emit:
+                self._dead_letter_closing(step, closing)
             self.metrics.groups.labels(outcome=closing.outcome).inc()
             for entry in state.samples:
                 step.writes.append((sample_key(state.group_id, entry.trajectory_id), None))
@@ -220,10 +242,15 @@ class Processor:
         return step
 
     def failed(self, msg: Message, error: BaseException) -> Step:
-        """The step for a message whose processing raised (a bug, not bad input): the
-        message goes to the DLQ as ``processing_error`` and the worker moves on."""
+        """The step for a message whose processing raised (a bug, not bad input): a raw
+        record goes to the DLQ as ``processing_error`` and the worker moves on (a tick,
+        which has no bytes of its own, is only counted: the groups it would have closed
+        are closed, or failed, by ``_close`` itself)."""
         step = Step(msg)
-        self._reject(step, DeadLetterReason.PROCESSING_ERROR, f"{type(error).__name__}: {error}")
+        self.metrics.processing_errors.labels(topic=msg.topic).inc()
+        if msg.topic != self.ticks_topic:
+            detail = f"{type(error).__name__}: {error}"
+            self._reject(step, DeadLetterReason.PROCESSING_ERROR, detail)
         step.writes.append((offset_key(msg.topic, msg.partition), str(msg.offset).encode()))
         return step
 
@@ -267,8 +294,18 @@ class Processor:
                 f"key {msg.key!r} is not the group id {traj.group_id!r}",
             )
             return
+        disagreements = header_disagreements(traj, msg.headers)
+        if disagreements:
+            detail = "routing headers contradict the body: " + "; ".join(disagreements)
+            self._reject(step, DeadLetterReason.HEADER_MISMATCH, detail)
+            self._drop_from_group(step, traj, now_ms)
+            return
         trainer = self.tracker.version
-        verdict = self.policy.judge(traj.min_version, trainer)
+        verdict = self.policy.judge(traj.min_version, trainer, traj.max_version)
+        if verdict.future:
+            self._reject(step, DeadLetterReason.FUTURE_VERSION, self._future_detail(traj, trainer))
+            self._drop_from_group(step, traj, now_ms)
+            return
         if not verdict.admitted:
             stale = StaleRecord(traj.trajectory_id, verdict.staleness, trainer, verdict.limit)
             self._send(
@@ -345,17 +382,58 @@ class Processor:
         self, step: Step, state: GroupState, fresh: Mapping[str, tuple[Trajectory, bytes]]
     ) -> None:
         """Queue ``state``'s group for closing; its samples come from the table (or
-        ``fresh``, for the one arriving in this step)."""
+        ``fresh``, for the one arriving in this step). Each sample is judged again at the
+        version of this moment: one that has become stale goes to the stale topic now,
+        and the group closes with the rest, as if it had arrived stale."""
+        sends, writes = len(step.sends), len(step.writes)
+        try:
+            closing = self._closing(step, state, fresh)
+        except Exception as err:  # a bug: fail the group rather than the whole step
+            log.exception("closing group %s failed", state.group_id)
+            del step.sends[sends:], step.writes[writes:]  # nothing of the attempt remains
+            closing = self._failed_closing(state, fresh, err)
+        step.closings.append(closing)
+
+    def _closing(
+        self, step: Step, state: GroupState, fresh: Mapping[str, tuple[Trajectory, bytes]]
+    ) -> Closing:
+        version = self.tracker.version
         samples: list[Trajectory] = []
         raws: list[bytes] = []
+        kept: list[SampleEntry] = []
         for entry in state.samples:
             if entry.trajectory_id in fresh:
                 traj, raw = fresh[entry.trajectory_id]
             else:
                 raw = self.table[sample_key(state.group_id, entry.trajectory_id)]
                 traj = decode(raw)  # validated on arrival
-            samples.append(traj)
-            raws.append(raw)
+            verdict = self.policy.judge(traj.min_version, version, traj.max_version)
+            if verdict.admitted:
+                samples.append(traj)
+                raws.append(raw)
+                kept.append(dataclasses.replace(entry, staleness=verdict.staleness))
+                continue
+            step.writes.append((sample_key(state.group_id, entry.trajectory_id), None))
+            source = (self.topics.raw, state.partition, entry.offset)
+            headers = tuple(routing_headers(traj))
+            if verdict.future:  # arrived before any version was known
+                self._dead_letter(
+                    step,
+                    DeadLetterReason.FUTURE_VERSION,
+                    self._future_detail(traj, version),
+                    key=state.group_id.encode(),
+                    value=raw,
+                    headers=headers,
+                    source=source,
+                )
+                continue
+            stale = StaleRecord(traj.trajectory_id, verdict.staleness, version, verdict.limit)
+            self._send(
+                step, self.topics.stale, state.group_id.encode(), raw, (*headers, stale.header())
+            )
+            self.metrics.stale.inc()
+            self.metrics.stale_at_close.inc()
+        state = dataclasses.replace(state, samples=tuple(kept))
         groups = self.config.groups
         n = len(samples)
         if n == state.group_size:
@@ -364,7 +442,91 @@ class Processor:
             outcome, emit = "partial", True
         else:
             outcome, emit = "dropped", False
-        step.closings.append(Closing(state, samples, raws, emit, outcome))
+        return Closing(
+            state,
+            samples,
+            raws,
+            emit,
+            outcome,
+            version=version,
+            detail=f"group {state.group_id} closed with {n} of {state.group_size} samples",
+            offsets=[e.offset for e in kept],
+        )
+
+    def _failed_closing(
+        self,
+        state: GroupState,
+        fresh: Mapping[str, tuple[Trajectory, bytes]],
+        error: BaseException,
+    ) -> Closing:
+        """Every sample of a group whose closing raised, to be dead-lettered: the bytes
+        as they arrived (from the table, or ``fresh``)."""
+        raws: list[bytes] = []
+        offsets: list[int] = []
+        for entry in state.samples:
+            if entry.trajectory_id in fresh:
+                raw = fresh[entry.trajectory_id][1]
+            else:
+                raw = self.table.get(sample_key(state.group_id, entry.trajectory_id), b"")
+            raws.append(raw)
+            offsets.append(entry.offset)
+        return Closing(
+            state,
+            [],
+            raws,
+            False,
+            "failed",
+            version=self.tracker.version,
+            reason=DeadLetterReason.GROUP_FAILED,
+            detail=f"group {state.group_id} failed to close: {type(error).__name__}: {error}",
+            offsets=offsets,
+        )
+
+    def _scored(self, closing: Closing, samples: list[Trajectory], now_ms: int) -> list[Send]:
+        """The scored-topic message of an emitted group."""
+        state = closing.state
+        group = build_scored_group(
+            self.run_id,
+            state,
+            samples,
+            trainer_version=closing.version,
+            now_ms=now_ms,
+            normalize_std=self.config.groups.normalize_std,
+            eps=self.config.groups.eps,
+        )
+        headers = (
+            ("rs-run-id", self.run_id.encode()),
+            ("rs-group-id", state.group_id.encode()),
+            ("rs-complete", b"1" if group.complete else b"0"),
+        )
+        return [Send(self.topics.scored, state.group_id.encode(), encode_group(group), headers)]
+
+    def _dead_letter_closing(self, step: Step, closing: Closing) -> None:
+        """Each sample of a group that is not emitted, with its original bytes."""
+        state = closing.state
+        if closing.outcome == "failed":
+            self.metrics.group_failures.inc()
+        for raw, offset in zip(closing.raw, closing.offsets, strict=True):
+            try:
+                headers: Headers = tuple(routing_headers(decode(raw)))
+            except DecodeError:
+                headers = ()
+            self._dead_letter(
+                step,
+                closing.reason,
+                closing.detail,
+                key=state.group_id.encode(),
+                value=raw,
+                headers=headers,
+                source=(self.topics.raw, state.partition, offset),
+            )
+
+    def _future_detail(self, traj: Trajectory, version: int) -> str:
+        allowance = self.config.staleness.future_allowance
+        return (
+            f"segment_versions reach {traj.max_version}, the newest announced version is "
+            f"{version} (allowance {allowance}): a version never published"
+        )
 
     def _load_group(self, group_id: str, partition: int, now_ms: int) -> GroupState:
         raw = self.table.get(group_key(group_id))
@@ -413,5 +575,14 @@ class Processor:
 
 def _strip(headers: Headers) -> Headers:
     """The original headers minus an earlier dead-letter or stale header (a replayed
-    record would otherwise carry two)."""
-    return tuple((k, v) for k, v in headers if k not in (DEAD_LETTER_HEADER, STALE_HEADER))
+    record would otherwise carry two), each key once (the first): readers of the DLQ and
+    stale topics parse the headers as a mapping, and a record that repeats a header must
+    stay readable there."""
+    seen: set[str] = set()
+    kept = []
+    for key, value in headers:
+        if key in (DEAD_LETTER_HEADER, STALE_HEADER) or key in seen:
+            continue
+        seen.add(key)
+        kept.append((key, value))
+    return tuple(kept)

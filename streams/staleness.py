@@ -43,21 +43,27 @@ class VersionTracker:
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """``admitted`` or not; ``staleness`` in versions (``NO_VERSION`` when the trainer
-    version is unknown); ``limit`` the most versions of lag admitted at this trainer
-    version (for ``StaleRecord.max_staleness``)."""
+    """``admitted`` or not; ``staleness`` in versions, never negative (0 also while the
+    trainer version is unknown); ``limit`` the most versions of lag admitted at this
+    trainer version (for ``StaleRecord.max_staleness``); ``future``: the record claims a
+    version beyond the newest announced one plus the allowance (never admitted)."""
 
     admitted: bool
     staleness: int
     limit: int
+    future: bool = False
 
 
 class StalenessPolicy:
-    """Applies ``StalenessConfig`` to a record's oldest segment version.
+    """Applies ``StalenessConfig`` to a record's segment versions.
 
-    A record is always admitted while no trainer version is known (nothing to compare
-    with), and a record from a version the stream has not heard of yet (negative
-    staleness: the announcement is still on its way) counts as fresh.
+    One clock: the newest version announced on ``policy.versions`` (``VersionTracker``).
+    Staleness = that version - the record's oldest segment version, floored at 0: a
+    record may come from a version up to ``future_allowance`` versions *ahead* of the
+    clock (its announcement is still on its way to the stream) and then counts as fresh
+    (staleness 0). A record whose newest segment version is further ahead claims a
+    version that was never published: ``future``. While no version is known (nothing
+    announced yet) nothing can be compared: every record is admitted with staleness 0.
     """
 
     def __init__(self, config: StalenessConfig) -> None:
@@ -71,11 +77,18 @@ class StalenessPolicy:
         oldest_stage = max(0, stage - self.config.stages_admitted)
         return trainer_version - oldest_stage * self.config.stage_versions
 
-    def judge(self, min_version: int, trainer_version: int) -> Verdict:
+    def judge(
+        self, min_version: int, trainer_version: int, max_version: int | None = None
+    ) -> Verdict:
+        """The verdict on a record whose segment versions span ``[min_version,
+        max_version]`` (``max_version`` defaults to ``min_version``) at ``trainer_version``."""
         if trainer_version == NO_VERSION:
-            return Verdict(True, NO_VERSION, self.config.max_staleness)
-        staleness = trainer_version - min_version
+            return Verdict(True, 0, self.config.max_staleness)
+        newest = min_version if max_version is None else max_version
         limit = self.limit(trainer_version)
+        if newest > trainer_version + self.config.future_allowance:
+            return Verdict(False, 0, limit, future=True)
+        staleness = max(0, trainer_version - min_version)
         return Verdict(staleness <= limit, staleness, limit)
 
     def oldest_admitted(self, trainer_version: int) -> int:

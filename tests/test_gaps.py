@@ -113,3 +113,82 @@ def test_sweep_leaves_a_jump_over_a_transaction_marker_alone(
 
     assert asyncio.run(twice()) == [[], []]
     assert seen.seeks == []
+
+
+class SlowBroker:
+    """The guard's side consumer behind a broker too slow to answer: while ``slow``, a
+    poll returns nothing (as a real poll does until its timeout); the rest is the real
+    consumer."""
+
+    def __init__(self, consumer) -> None:
+        self.consumer = consumer
+        self.slow = True
+
+    def poll(self, timeout: float):
+        if self.slow:
+            return None
+        return self.consumer.poll(timeout)
+
+    def __getattr__(self, name: str):
+        return getattr(self.consumer, name)
+
+
+def _slow_guard(guard: GapGuard) -> SlowBroker:
+    slow = SlowBroker(guard._consumer())
+    guard._side = slow
+    return slow
+
+
+def test_a_sweep_that_gets_no_answer_in_time_tries_again_next_sweep(
+    kafka_config: KafkaConfig, unique_name: Callable[[str], str]
+) -> None:
+    """A timeout is "unknown", not "the partition ends here": the hole behind it is
+    repaired by the next sweep once the broker answers."""
+    topic = unique_name("raw")
+    ensure_topics(kafka_config.client_config(), [TopicSpec(topic, 1)])
+    _produce(kafka_config, topic, {0: 10})
+    table = {offset_key(topic, 0): b"3"}
+    seen = Recorder({0: 10})
+    guard = GapGuard(
+        table, kafka_config.client_config(), topic, seen.seek, stall_after_s=0, lookup_timeout_s=0.3
+    )
+    slow = _slow_guard(guard)
+
+    async def sweeps() -> list[list[int]]:
+        first = await guard.sweep([0], seen.position)
+        slow.slow = False
+        return [first, await guard.sweep([0], seen.position)]
+
+    assert asyncio.run(sweeps()) == [[], [0]]
+    assert seen.seeks == [(0, 4)]
+
+
+def test_admit_does_not_cache_a_lookup_that_timed_out(
+    kafka_config: KafkaConfig, unique_name: Callable[[str], str]
+) -> None:
+    """A legitimate jump (over a transaction marker) checked while the broker is slow is
+    re-read, not taken for a hole forever: once the broker answers, the record is
+    admitted."""
+    topic = unique_name("raw")
+    ensure_topics(kafka_config.client_config(), [TopicSpec(topic, 1)])
+    producer = Producer(
+        {**kafka_config.client_config(), "transactional.id": f"t-{uuid.uuid4().hex[:8]}"}
+    )
+    producer.init_transactions(30)
+    for _ in range(2):  # records 0..2, marker 3, records 4..6, marker 7
+        producer.begin_transaction()
+        for i in range(3):
+            producer.produce(topic, value=b"%d" % i, key=b"g", partition=0)
+        producer.commit_transaction(30)
+    table = {offset_key(topic, 0): b"2"}
+    seen = Recorder({})
+    guard = GapGuard(table, kafka_config.client_config(), topic, seen.seek, lookup_timeout_s=0.3)
+    slow = _slow_guard(guard)
+    msg = Message(topic, 0, 4, b"g", b"0")
+
+    async def admits() -> list[bool]:
+        first = await guard.admit(msg)  # unknown: re-read from the watermark, to be safe
+        slow.slow = False
+        return [first, await guard.admit(msg)]
+
+    assert asyncio.run(admits()) == [False, True]

@@ -289,7 +289,8 @@ def test_stream_attaches_exact_old_logits_per_segment_version(
             unique_name("app"),
             run_id=RUN,
             s3=s3_config,
-            staleness={"max_staleness": 8},
+            # an allowance wide enough to admit version 7, which S3 never gets: "missing"
+            staleness={"max_staleness": 8, "future_allowance": 8},
             old_logits={"mode": "exact", "source": "s3", "max_batch_sequences": 3},
             weights={"poll_interval_s": 0.5},
         ),

@@ -26,11 +26,20 @@ RAW = "rollouts.raw"
 class Harness:
     """A processor over a dict table, applying each step the way ``streams.txn`` does."""
 
-    def __init__(self, **config) -> None:
+    def __init__(self, *, model: tuple[int, int] | None = None, **config) -> None:
+        """``model``: the (vocab size, context) of the old-logit model."""
         self.config = StreamsConfig.model_validate({"old_logits": {"mode": "off"}, **config})
         self.table: dict[bytes, bytes] = {}
         self.tracker = VersionTracker()
-        self.processor = Processor(self.config, RUN, self.tracker, self.table)
+        vocab, context = model if model is not None else (None, None)
+        self.processor = Processor(
+            self.config,
+            RUN,
+            self.tracker,
+            self.table,
+            model_vocab_size=vocab,
+            model_context=context,
+        )
         self.engine = OldLogitEngine(self.config.old_logits, None)
         self.sent: list = []
         self.offsets: dict[tuple[str, int], int] = {}
@@ -44,11 +53,17 @@ class Harness:
         return self.deliver(Message(topic, partition, offset, key, value, (("x-h", b"1"),)))
 
     def deliver(self, msg: Message) -> Step:
+        """As the worker's agent does: old logits per emitted group, a failure failing
+        that group alone."""
         step = self.processor.handle(msg, self.now)
-        attached = {
-            c.state.group_id: self.engine.attach(c.samples) for c in step.closings if c.emit
-        }
-        self.processor.finish(step, attached, self.now)
+        attached, failed = {}, {}
+        for closing in step.closings:
+            if closing.emit:
+                try:
+                    attached[closing.state.group_id] = self.engine.attach(closing.samples)
+                except Exception as err:
+                    failed[closing.state.group_id] = repr(err)
+        self.processor.finish(step, attached, self.now, failed)
         for send in step.sends:
             self.sent.append(send)
         for key, value in step.writes:
@@ -249,7 +264,10 @@ def test_window_policy() -> None:
     policy = StalenessPolicy(StalenessConfig(max_staleness=2))
     assert policy.judge(5, NO_VERSION).admitted
     assert policy.judge(8, 10).admitted and not policy.judge(7, 10).admitted
-    assert policy.judge(12, 10).admitted  # announcement not seen yet
+    assert policy.judge(11, 10).admitted  # announcement not seen yet: within the allowance
+    assert policy.judge(11, 10).staleness == 0  # never negative
+    assert policy.judge(12, 10).future and not policy.judge(12, 10).admitted
+    assert policy.judge(8, 10, 12).future  # the newest segment decides
     assert policy.oldest_admitted(10) == 8 and policy.oldest_admitted(NO_VERSION) == 0
 
 
@@ -339,14 +357,169 @@ def test_gap_guard_seeks_back_over_records_faust_skipped() -> None:
     assert admit(0, 99, topic="ticks")  # only the raw topic is guarded
 
     # first_start = "committed": a partition without a watermark starts at the app's
-    # committed offset (a new run's end of topic), not at the log start.
-    fresh = GapGuard({}, {}, RAW, seek, start_group="rollstream-streams-run-2")
+    # recorded start offset (a new run's end of topic), not at the log start.
+    fresh = GapGuard({}, {}, RAW, seek, start_topic="rollstream-streams-run-2-start")
     fresh._first_offset_from = lambda partition, offset: offset  # type: ignore[method-assign]
     fresh._low_watermark = lambda partition: 0  # type: ignore[method-assign]
-    fresh._committed_offset = lambda partition: {0: 500}.get(partition)  # type: ignore[method-assign]
+    fresh._start_offset = lambda partition: {0: 500}.get(partition)  # type: ignore[method-assign]
 
     def admit_fresh(partition: int, offset: int) -> bool:
         return asyncio.run(fresh.admit(Message(RAW, partition, offset, b"k", b"v")))
 
     assert admit_fresh(0, 500) and not admit_fresh(0, 503)  # starts at 500, 501..502 missing
     assert admit_fresh(1, 0) and not admit_fresh(1, 4)  # no committed offset: the log start
+
+
+# --- records the model cannot run, versions never published, lying headers --------------
+
+
+def test_records_outside_the_models_vocabulary_or_context_are_dead_lettered() -> None:
+    """An id the old-logit model has no embedding for (or a sequence longer than its
+    context) never joins a group: the rest of the group is emitted without it."""
+    h = Harness(model=(16, 12))
+    good = [synthetic(run_id=RUN, group_id="g", group_size=4, sample_index=i) for i in range(2)]
+    base = synthetic(run_id=RUN, group_id="g", group_size=4, sample_index=2)
+    ids = base.response_ids.copy()
+    ids[3] = 16
+    out_of_vocab = dataclasses.replace(base, response_ids=ids)
+    too_long = synthetic(
+        run_id=RUN, group_id="g", group_size=4, sample_index=3, prompt_len=4, response_len=9
+    )
+    for traj in (*good, out_of_vocab, too_long):
+        h.feed(encode(traj), b"g")
+    assert [d.reason for d in h.dead_letters()] == ["token_out_of_range", "too_long"]
+    assert "[0, 16)" in h.dead_letters()[0].detail and "context is 12" in h.dead_letters()[1].detail
+    (out,) = h.on("rollouts.scored")
+    assert [s.sample_index for s in decode_group(out.value).samples] == [0, 1]
+
+
+class FailingEngine:
+    def attach(self, samples):
+        raise IndexError("index out of range in self")
+
+
+def test_a_group_whose_old_logits_fail_dead_letters_every_sample_once() -> None:
+    h = Harness(groups={"timeout_s": 1})
+    h.engine = FailingEngine()
+    trajs = [synthetic(run_id=RUN, group_id="g", sample_index=i) for i in range(4)]
+    for traj in trajs:
+        h.feed(encode(traj), b"g")
+    letters = h.dead_letters()
+    assert [d.reason for d in letters] == ["group_failed"] * 4
+    assert "IndexError" in letters[0].detail
+    assert sorted(d.offset for d in letters) == [0, 1, 2, 3]
+    assert sorted(s.value for s in h.on("rollouts.dlq")) == sorted(encode(t) for t in trajs)
+    assert h.on("rollouts.scored") == []
+    assert GroupState.from_bytes(h.table[group_key("g")]).outcome == "failed"
+    assert not any(k.startswith(SAMPLE_PREFIX) for k in h.table)
+    assert h.processor.metrics.value("rollstream_streams_group_failures_total") == 1
+    h.now += 5_000  # past the timeout: nothing left to close, nothing tried again
+    assert h.processor.due_partitions(h.now) == set()
+    h.tick()
+    assert len(h.on("rollouts.dlq")) == 4
+
+
+def test_a_group_that_cannot_be_read_on_a_tick_fails_once() -> None:
+    """A closing that raises inside the tick fails its group (every sample dead-lettered
+    with its stored bytes) instead of failing the tick, and so every later tick."""
+    h = Harness(groups={"timeout_s": 1})
+    for i in range(2):
+        h.sample(group_id="g", sample_index=i)
+    key = next(k for k in h.table if k.startswith(SAMPLE_PREFIX))
+    h.table[key] = b"not a record"
+    h.now += 1_000
+    h.tick()
+    letters = h.dead_letters()
+    assert [d.reason for d in letters] == ["group_failed"] * 2
+    assert b"not a record" in [s.value for s in h.on("rollouts.dlq")]
+    h.now += 1_000
+    h.tick()
+    assert len(h.dead_letters()) == 2 and h.processor.due_partitions(h.now) == set()
+
+
+def test_a_tick_that_fails_writes_no_empty_dead_letter() -> None:
+    h = Harness()
+    step = h.processor.failed(Message(h.config.ticks_topic, 0, 7, None, b""), KeyError("x"))
+    assert step.sends == [] and step.writes[-1][1] == b"7"
+    assert (
+        h.processor.metrics.value(
+            "rollstream_streams_processing_errors_total", topic=h.config.ticks_topic
+        )
+        == 1
+    )
+
+
+def test_versions_never_published_are_dead_lettered() -> None:
+    h = Harness(staleness={"max_staleness": 2, "future_allowance": 1})
+    h.tracker.observe(10)
+    h.sample(group_id="g", group_size=3, sample_index=0, versions=(11,))  # in the allowance
+    h.sample(group_id="g", group_size=3, sample_index=1, versions=(10, 12))  # never published
+    h.sample(group_id="g", group_size=3, sample_index=2, versions=(9,))
+    (letter,) = h.dead_letters()
+    assert letter.reason == "future_version" and "reach 12" in letter.detail
+    (out,) = h.on("rollouts.scored")  # the bad sample counts as dropped: closes at once
+    group = decode_group(out.value)
+    assert [s.sample_index for s in group.samples] == [0, 2]
+    assert [d.staleness for d in group.diagnostics] == [0, 1]  # never negative
+
+
+def test_a_version_unknown_on_arrival_is_judged_when_the_group_closes() -> None:
+    h = Harness(groups={"timeout_s": 1, "min_partial_samples": 1})
+    h.sample(group_id="g", group_size=3, sample_index=0, versions=(999,))
+    h.sample(group_id="g", group_size=3, sample_index=1, versions=(0,))
+    h.tracker.observe(1)
+    h.now += 1_000
+    h.tick()
+    assert [d.reason for d in h.dead_letters()] == ["future_version"]
+    (out,) = h.on("rollouts.scored")
+    assert [s.sample_index for s in decode_group(out.value).samples] == [1]
+
+
+@pytest.mark.parametrize("max_staleness", [0, 2, 3])
+def test_the_window_is_exact_at_the_version_of_emission(max_staleness: int) -> None:
+    """Samples admitted on arrival are judged again at closing, against the version the
+    group is emitted at: exactly ``max_staleness`` is emitted (and recorded as such),
+    one more goes to the stale topic, and the group closes with the rest."""
+    h = Harness(staleness={"max_staleness": max_staleness})
+    h.tracker.observe(10)
+    oldest = 10 - max_staleness
+    h.sample(group_id="g", group_size=3, sample_index=0, versions=(oldest,))
+    h.sample(group_id="g", group_size=3, sample_index=1, versions=(oldest + 1,))
+    h.tracker.observe(11)  # the trainer moves on while the group waits
+    h.sample(group_id="g", group_size=3, sample_index=2, versions=(11,))
+    (stale,) = h.on("rollouts.stale")
+    record = StaleRecord.from_headers(stale.headers)
+    assert (record.trajectory_id, record.staleness, record.trainer_version) == (
+        "g-0",
+        max_staleness + 1,
+        11,
+    )
+    assert stale.value == encode(
+        synthetic(run_id=RUN, group_id="g", group_size=3, versions=(oldest,))
+    )
+    (out,) = h.on("rollouts.scored")
+    group = decode_group(out.value)
+    assert group.trainer_version_seen == 11 and not group.complete
+    assert [s.sample_index for s in group.samples] == [1, 2]
+    assert [d.staleness for d in group.diagnostics] == [max_staleness, 0]
+    assert h.dead_letters() == []
+    assert not any(k.startswith(SAMPLE_PREFIX) for k in h.table)
+
+
+def test_routing_headers_must_agree_with_the_body() -> None:
+    from schemas.codec import routing_headers
+
+    h = Harness()
+    trajs = [synthetic(run_id=RUN, group_id="g", group_size=5, sample_index=i) for i in range(5)]
+    honest = routing_headers(trajs[0])
+    lying_run = [(k, b"other-run" if k == "rs-run-id" else v) for k, v in routing_headers(trajs[1])]
+    lying_group = [(k, b"h" if k == "rs-group-id" else v) for k, v in routing_headers(trajs[2])]
+    twice = [*routing_headers(trajs[3]), ("rs-trajectory-id", b"g-3")]
+    for traj, headers in zip(trajs, (honest, lying_run, lying_group, twice, []), strict=True):
+        h.deliver(Message(RAW, 0, traj.sample_index, b"g", encode(traj), tuple(headers)))
+    letters = h.dead_letters()
+    assert [d.reason for d in letters] == ["header_mismatch"] * 3
+    assert "rs-run-id='other-run', body 'run'" in letters[0].detail
+    assert "rs-group-id" in letters[1].detail and "more than once" in letters[2].detail
+    (out,) = h.on("rollouts.scored")  # honest and header-less samples; the rest dropped
+    assert [s.sample_index for s in decode_group(out.value).samples] == [0, 4]

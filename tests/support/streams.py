@@ -138,7 +138,7 @@ def synthetic(
 
 # --- running workers and reading topics (tests and benchmarks) --------------------------
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # tests/support/streams.py -> the repository
 
 
 class WorkerProcess:
