@@ -53,6 +53,7 @@ from schemas.topics import (
 )
 from streams.broker import broker_credentials, broker_urls
 from streams.config import StreamsConfig
+from streams.faust_logs import quiet_commit_alarms
 from streams.gaps import GAP_SWEEP_INTERVAL_S, GapGuard
 from streams.metrics import StreamMetrics
 from streams.oldlogits import OldLogitEngine, model_limits
@@ -363,5 +364,7 @@ def _now_ms() -> int:
 
 def run_worker(app: faust.App, datadir: Path, loglevel: str = "info") -> None:
     """Run ``app`` as a Faust worker in this process until it is stopped."""
+    if app.conf.processing_guarantee.value == "exactly_once":
+        quiet_commit_alarms(log)
     sys.argv = [sys.argv[0], f"--datadir={datadir}", "worker", "--without-web", "-l", loglevel]
     app.main()

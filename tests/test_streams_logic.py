@@ -523,3 +523,28 @@ def test_routing_headers_must_agree_with_the_body() -> None:
     assert "rs-group-id" in letters[1].detail and "more than once" in letters[2].detail
     (out,) = h.on("rollouts.scored")  # honest and header-less samples; the rest dropped
     assert [s.sample_index for s in decode_group(out.value).samples] == [0, 4]
+
+
+def test_faust_commit_alarms_are_explained_once_not_repeated(caplog) -> None:
+    """Under exactly-once, offsets commit inside transactions: Faust's "Has not committed"
+    alarm is a false alarm, logged once per partition at INFO with the reason."""
+    import logging
+
+    from streams.faust_logs import FAUST_CONSUMER_LOGGER, quiet_commit_alarms
+
+    faust_log = logging.getLogger(FAUST_CONSUMER_LOGGER)
+    ours = logging.getLogger("streams.test")
+    alarm_filter = quiet_commit_alarms(ours)
+    try:
+        with caplog.at_level(logging.INFO):
+            for _ in range(3):
+                faust_log.error("Has not committed %r at all since worker start (started %s).",
+                                "TP(topic='raw', partition=1)", "5 minutes ago")  # fmt: skip
+            faust_log.error("Stream stopped processing, or is slow for %r", "TP(raw, 2)")
+    finally:
+        faust_log.removeFilter(alarm_filter)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    slow = "Stream stopped processing, or is slow for 'TP(raw, 2)'"
+    assert [r.getMessage() for r in errors] == [slow]
+    explained = [r for r in caplog.records if r.name == "streams.test"]
+    assert len(explained) == 1 and "inside its transactions" in explained[0].getMessage()
