@@ -7,7 +7,9 @@ trained that no producer produced. Each role keeps its own record of its side:
 - the producers' delivery ledgers (``producers.ledger``, one per producer under
   ``<state_dir>/producers/<run_id>/``): trajectory ids of every group whose G records
   Kafka acknowledged (*delivered*), and of groups a crash left partly in the topic
-  (*orphaned*; the stream closes them as partial groups or dead-letters them);
+  (*orphaned*; the stream closes them as partial groups or dead-letters them). Producers
+  on other machines: the same sets are told by ``rollouts.raw`` itself
+  (``produced_from_raw``, ``--delivery topic``);
 - the trainer's ledger (``trainer.ledger_file``): trajectory ids per optimiser step whose
   gradient is in the latest durable checkpoint, each once per time it was trained;
 - the topics: ``rollouts.stale`` (``rs-stale`` header), ``rollouts.dlq`` (the stream's and
@@ -37,7 +39,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import click
 
@@ -88,6 +90,21 @@ class Produced:
                 self.lost.add(group_id)
         self.pending = {}
         return settled
+
+
+def produced_from_raw(raw: TopicView) -> Produced:
+    """What the producers delivered, told by the raw topic itself (no ledger files): a
+    group whose G samples are all there was delivered, a group with fewer was left partly
+    by a crash (orphaned). Serves a run whose producers ran on other machines; it cannot
+    see records Kafka acknowledged and then lost, which the ledgers can."""
+    produced = Produced(producers=len(raw.producers))
+    for group_id, ids in raw.groups.items():
+        found = sorted(ids)
+        if len(found) == raw.group_sizes[group_id]:
+            produced.delivered[group_id] = found
+        else:
+            produced.orphaned[group_id] = found
+    return produced
 
 
 def producers_dir(config: RollstreamConfig) -> Path:
@@ -172,15 +189,25 @@ class TopicView:
     ids: Counter[str] = field(default_factory=Counter)
     reasons: dict[str, str] = field(default_factory=dict)  # id -> DLQ reason / "stale:<n>"
     positions: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (partition, offset)
+    # raw records only (``read_ids(groups=True)``): group membership and who produced them
+    groups: dict[str, set[str]] = field(default_factory=dict)
+    group_sizes: dict[str, int] = field(default_factory=dict)
+    producers: set[str] = field(default_factory=set)
     records: int = 0
     unidentified: int = 0  # records of unknown run whose ids could not be read
 
 
 def read_ids(
-    client_config: Mapping[str, str], topic: str, run_id: str, timeout_s: float = 60.0
+    client_config: Mapping[str, str],
+    topic: str,
+    run_id: str,
+    timeout_s: float = 60.0,
+    groups: bool = False,
 ) -> TopicView:
     """The ids of ``run_id`` in ``topic`` (trajectory records, scored groups, dead letters
-    of either kind, stale records), with the reason of each dead letter or stale record."""
+    of either kind, stale records), with the reason of each dead letter or stale record.
+    ``groups``: decode trajectory records for their group and producer too (raw)."""
+    from schemas.codec import DecodeError, decode
     from schemas.control import DEAD_LETTER_HEADER, STALE_HEADER, DeadLetter, StaleRecord
 
     view = TopicView(topic)
@@ -201,6 +228,12 @@ def read_ids(
             view.positions[tid] = (msg.partition(), msg.offset())
             if reason is not None:
                 view.reasons[tid] = reason
+        if groups and ids:
+            with contextlib.suppress(DecodeError):
+                traj = decode(msg.value() or b"")
+                view.groups.setdefault(traj.group_id, set()).add(traj.trajectory_id)
+                view.group_sizes[traj.group_id] = traj.group_size
+                view.producers.add(traj.producer_id)
     return view
 
 
@@ -278,6 +311,7 @@ class AuditReport:
     scored: TopicView | None = None
     raw: TopicView | None = None
     progress: Progress | None = None
+    delivery: str = "ledgers"  # where ``produced`` came from: ledgers | topic
 
     @property
     def delivered(self) -> set[str]:
@@ -357,6 +391,7 @@ class AuditReport:
         stale, dlq = set(self.stale.ids), set(self.dlq.ids)
         data: dict[str, Any] = {
             "run_id": self.run_id,
+            "delivery_from": self.delivery,
             "producers": self.produced.producers,
             "delivered_groups": len(self.produced.delivered),
             "delivered": len(self.delivered),
@@ -428,12 +463,31 @@ class AuditSources:
         )
 
 
-def audit(sources: AuditSources, *, diagnose: bool = True, timeout_s: float = 60.0) -> AuditReport:
+Delivery = Literal["auto", "ledgers", "topic"]
+
+
+def audit(
+    sources: AuditSources,
+    *,
+    diagnose: bool = True,
+    timeout_s: float = 60.0,
+    delivery: Delivery = "auto",
+) -> AuditReport:
     """Read the ledgers and topics of one run and reconcile them. ``diagnose`` also reads
     raw and scored (needed to settle pending producer groups and to list what is still in
-    flight)."""
+    flight). ``delivery``: what the producers delivered comes from their ledger files, or
+    from the raw topic (``produced_from_raw``: producers on other machines); ``auto`` uses
+    the ledgers when ``producers_dir`` holds any."""
     client, run = sources.client_config, sources.run_id
-    produced = read_producer_ledgers(sources.producers_dir)
+    if delivery == "auto":
+        has_ledgers = any(Path(sources.producers_dir).glob("*/ledger.jsonl"))
+        delivery = "ledgers" if has_ledgers else "topic"
+    raw_view = None
+    if delivery == "topic":
+        raw_view = read_ids(client, sources.raw, run, timeout_s, groups=True)
+        produced = produced_from_raw(raw_view)
+    else:
+        produced = read_producer_ledgers(sources.producers_dir)
     trained = read_trainer_ledger(sources.trainer_ledger)
     dlq = TopicView(",".join(sources.dlqs))
     for topic in sources.dlqs:
@@ -448,6 +502,7 @@ def audit(sources: AuditSources, *, diagnose: bool = True, timeout_s: float = 60
         trained=trained,
         stale=read_ids(client, sources.stale, run, timeout_s),
         dlq=dlq,
+        delivery=delivery,
     )
     if diagnose or produced.pending:
         report.progress = read_progress(
@@ -458,7 +513,7 @@ def audit(sources: AuditSources, *, diagnose: bool = True, timeout_s: float = 60
             sources.scored,
             timeout_s,
         )
-        report.raw = read_ids(client, sources.raw, run, timeout_s)
+        report.raw = raw_view or read_ids(client, sources.raw, run, timeout_s)
         report.scored = read_ids(client, sources.scored, run, timeout_s)
         produced.settle_pending(report.raw.ids)
     return report
@@ -480,6 +535,14 @@ def audit(sources: AuditSources, *, diagnose: bool = True, timeout_s: float = 60
     is_flag=True,
     help="Skip reading raw, scored and the stream's table: records in flight count as missing.",
 )
+@click.option(
+    "--delivery",
+    type=click.Choice(["auto", "ledgers", "topic"]),
+    default="auto",
+    show_default=True,
+    help="What the producers delivered: their ledger files (--producers-dir), or the raw "
+    "topic itself (producers on other machines); auto: the ledgers if any are found.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
 @click.option("--timeout", "timeout_s", default=60.0, show_default=True, help="Read timeout (s).")
 @click.pass_obj
@@ -488,6 +551,7 @@ def audit_command(
     ledger: Path | None,
     producers_dir: Path | None,
     quick: bool,
+    delivery: Delivery,
     as_json: bool,
     timeout_s: float,
 ) -> None:
@@ -506,7 +570,7 @@ def audit_command(
     sources = AuditSources.from_config(resolved)
     if producers_dir is not None:
         sources = replace(sources, producers_dir=producers_dir)
-    report = audit(sources, diagnose=not quick, timeout_s=timeout_s)
+    report = audit(sources, diagnose=not quick, timeout_s=timeout_s, delivery=delivery)
     counts = report.counts()
     problems = report.problems()
     if as_json:

@@ -124,3 +124,19 @@ def test_records_in_flight_are_told_from_lost_ones(tmp_path: Path) -> None:
     assert report.missing == {"u-0", "y-0"}  # scored and skipped; applied without an outcome
     assert len(report.problems()) == 1 and "u-0" in report.problems()[0]
     assert report.counts()["untrained"] == 1 and report.counts()["unprocessed"] == 2
+
+
+def test_delivery_told_by_the_raw_topic_when_producers_ran_elsewhere() -> None:
+    """Without ledger files, a group whose G samples are all in raw was delivered, one with
+    fewer was left partly by a crash (orphaned)."""
+    from rollstream.audit import produced_from_raw
+
+    raw = TopicView("raw")
+    raw.groups = {"a": {"a-0", "a-1"}, "b": {"b-1"}}
+    raw.group_sizes = {"a": 2, "b": 2}
+    raw.producers = {"home-0", "eu-0"}
+    produced = produced_from_raw(raw)
+    assert produced.producers == 2
+    assert produced.delivered == {"a": ["a-0", "a-1"]}
+    assert produced.orphaned == {"b": ["b-1"]}
+    assert not produced.pending and not produced.lost

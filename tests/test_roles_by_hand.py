@@ -169,6 +169,14 @@ def test_roles_started_by_hand_from_the_example_config_learn_and_reconcile(
     assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
     figures = json.loads(audit.stdout)
     assert figures["problems"] == [] and figures["producers"] == 2
+    assert figures["delivery_from"] == "ledgers"
+    # one command audits a multi-machine run: delivery told by the raw topic, no ledger files
+    remote = _rollstream(config, "audit", "--json", "--delivery", "topic")
+    assert remote.returncode == 0, remote.stdout[-3000:] + remote.stderr[-3000:]
+    from_topic = json.loads(remote.stdout)
+    assert from_topic["delivery_from"] == "topic" and from_topic["producers"] == 2
+    for key in ("delivered", "trained", "stale", "dlq", "missing", "problems"):
+        assert from_topic[key] == figures[key], key
     assert _regions(config) == {"home", "eu"}
 
 
