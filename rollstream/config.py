@@ -39,6 +39,12 @@ class UpConfig(StrictModel):
     runs and how it treats its processes."""
 
     max_steps: int = Field(default=150, ge=1, description="Stop after this many trainer steps.")
+    producers: int = Field(
+        default=1, ge=1, description="Producers, each with its own engine (its own weights)."
+    )
+    stream_workers: int = Field(
+        default=1, ge=1, description="Stream workers sharing the raw topic's partitions."
+    )
     stop_timeout_s: float = Field(
         default=30.0, gt=0, description="SIGTERM grace per role before SIGKILL."
     )

@@ -70,6 +70,8 @@ def stream(
     if root.params.get("config_path") is not None:
         worker += ["--config", str(root.params["config_path"])]
     worker += ["--state-dir", str(config.state_dir)]
+    for assignment in root.params.get("assignments") or ():  # --set reaches the worker too
+        worker += ["--set", assignment]
     worker += ["stream", "--no-supervisor", f"--datadir={datadir}", "-l", loglevel]
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(process)d] %(message)s")
     supervisor = ChildSupervisor(worker, streams.restart, name="stream worker")

@@ -24,6 +24,7 @@ version.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -31,7 +32,7 @@ import sys
 import time
 import tomllib
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -52,18 +53,47 @@ STOP_ORDER = ("producer", "engine", "streams", "trainer")
 
 @dataclass(frozen=True)
 class Ports:
-    """Loopback ports of the roles' HTTP endpoints, chosen free by ``up``."""
+    """Loopback ports of the roles' HTTP endpoints, chosen free by ``up``. The first
+    engine, producer and stream worker take theirs from the run's config; further ones
+    (``--producers``, ``--stream-workers``) get theirs on their command line."""
 
     engine: int
     producer_metrics: int
     streams_metrics: int
     trainer_metrics: int
+    more_engines: tuple[int, ...] = ()
+    more_producer_metrics: tuple[int, ...] = ()
+    more_streams_metrics: tuple[int, ...] = ()
 
     @classmethod
     def free(cls) -> Ports:
         from core.process import free_port
 
         return cls(free_port(), free_port(), free_port(), free_port())
+
+    def with_more(self, producers: int, stream_workers: int) -> Ports:
+        """These ports plus free ones for the producers and stream workers past the first."""
+        from core.process import free_port
+
+        extra = producers - 1
+        return dataclasses.replace(
+            self,
+            more_engines=tuple(free_port() for _ in range(extra)),
+            more_producer_metrics=tuple(free_port() for _ in range(extra)),
+            more_streams_metrics=tuple(free_port() for _ in range(stream_workers - 1)),
+        )
+
+    @property
+    def engines(self) -> tuple[int, ...]:
+        return (self.engine, *self.more_engines)
+
+    @property
+    def all_producer_metrics(self) -> tuple[int, ...]:
+        return (self.producer_metrics, *self.more_producer_metrics)
+
+    @property
+    def all_streams_metrics(self) -> tuple[int, ...]:
+        return (self.streams_metrics, *self.more_streams_metrics)
 
     @classmethod
     def of(cls, config: RollstreamConfig) -> Ports:
@@ -218,6 +248,24 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _merged(scrapes: Iterable[Mapping[str, float]]) -> dict[str, float]:
+    """Samples of several processes of one kind, added up (versions: the highest)."""
+    merged: dict[str, float] = {}
+    for samples in scrapes:
+        for name, value in samples.items():
+            if name.endswith("_version") or name.endswith("_paused"):
+                merged[name] = max(merged.get(name, value), value)
+            else:
+                merged[name] = merged.get(name, 0.0) + value
+    return merged
+
+
+def _running(alive: Mapping[str, str], kind: str) -> str:
+    """``2/2 up``: how many processes of one kind are running."""
+    mine = [state for name, state in alive.items() if name.split("-")[0] == kind]
+    return f"{sum(state.startswith('pid') for state in mine)}/{len(mine)} up"
+
+
 def _sum(samples: Mapping[str, float], prefix: str) -> float | None:
     found = [v for k, v in samples.items() if k == prefix or k.startswith(prefix + "{")]
     return sum(found) if found else None
@@ -249,26 +297,30 @@ class Dashboard:
             f"{_fmt(last.get('throughput/tokens_per_s'), '.0f')} tok/s  "
             f"{steps / elapsed if elapsed > 0 else 0:.2f} steps/s"
         )
-        p = scrape(self.ports.producer_metrics)
+        p = _merged(scrape(port) for port in self.ports.all_producer_metrics)
+        groups = p.get("rollstream_producer_groups_total")
         producer = (
-            f"v{_fmt(p.get('rollstream_producer_version'), '.0f')}  "
-            f"groups {_fmt(p.get('rollstream_producer_groups_total'), '.0f')} "
-            f"({self.producer_groups.update(p.get('rollstream_producer_groups_total')):.1f}/s)  "
+            f"{_running(alive, 'producer')}  v{_fmt(p.get('rollstream_producer_version'), '.0f')}  "
+            f"groups {_fmt(groups, '.0f')} ({self.producer_groups.update(groups):.1f}/s)  "
             f"{self.producer_tokens.update(p.get('rollstream_producer_tokens_total')):.0f} tok/s  "
             f"paused {_fmt(p.get('rollstream_producer_admission_paused'), '.0f')}"
         )
-        s = scrape(self.ports.streams_metrics)
+        s = _merged(scrape(port) for port in self.ports.all_streams_metrics)
         records = s.get('rollstream_streams_records_in_total{topic="rollouts.raw"}')
         streams = (
+            f"{_running(alive, 'streams')}  "
             f"trainer v{_fmt(s.get('rollstream_streams_trainer_version'), '.0f')}  "
             f"records {_fmt(records, '.0f')} ({self.streams_in.update(records):.1f}/s)  "
             f"groups {_fmt(_sum(s, 'rollstream_streams_groups_total'), '.0f')}  "
             f"stale {_fmt(s.get('rollstream_streams_stale_total'), '.0f')}  "
             f"dlq {_fmt(_sum(s, 'rollstream_streams_dlq_total'), '.0f')}"
         )
-        engine = f"http://127.0.0.1:{self.ports.engine}"
+        engine = f"{_running(alive, 'engine')}  " + "  ".join(
+            f"http://127.0.0.1:{port}" for port in self.ports.engines
+        )
         figures = {"trainer": trainer, "producer": producer, "streams": streams, "engine": engine}
-        return [(name, alive.get(name, "-"), figures[name]) for name in ROLE_ORDER]
+        state = {kind: alive.get(kind, "-") for kind in ROLE_ORDER}
+        return [(name, state[name], figures[name]) for name in ROLE_ORDER]
 
     def table(self, alive: Mapping[str, str]) -> Any:
         from rich.table import Table
@@ -334,26 +386,51 @@ def _port_probe(port: int) -> Callable[[], bool]:
     return lambda: port_open(port)
 
 
+def role_name(role: str, index: int) -> str:
+    """``producer``, ``producer-1``, ...: the first of a kind keeps the plain name."""
+    return role if index == 0 else f"{role}-{index}"
+
+
 def role_specs(
     config_path: Path, config: RollstreamConfig, ports: Ports
 ) -> list[Any]:  # list[RoleSpec]
-    """The four roles as a user would start them, one command each."""
+    """Every role as a user would start it, one command each: stream workers, the
+    trainer, then an engine and a producer per producer. Further instances of a kind take
+    their own ports, ids and data dirs on their command line (``--set``), as a user who
+    starts one more by hand with the run's config would."""
     from core.process import RoleSpec
 
     rs = [sys.executable, "-m", "rollstream", "--config", str(config_path)]
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cpus = _core_plan(config.up.pin_cores)
-    engine_url = f"http://127.0.0.1:{ports.engine}"
-    return [
-        RoleSpec("streams", [*rs, "stream"], env, _port_probe(ports.streams_metrics),
-                 cpus.get("streams")),
-        RoleSpec("trainer", [*rs, "train"], env, _port_probe(ports.trainer_metrics),
-                 cpus.get("trainer")),
-        RoleSpec("engine", [*rs, "serve"], env, _http_ok(f"{engine_url}/health"),
-                 cpus.get("engine")),
-        RoleSpec("producer", [*rs, "produce", "--engine-url", engine_url], env,
-                 _port_probe(ports.producer_metrics), cpus.get("producer")),
-    ]  # fmt: skip
+    run_dir = config_path.parent
+    specs = []
+    for i, port in enumerate(ports.all_streams_metrics):
+        own = [] if i == 0 else ["--set", f"streams.metrics_port={port}"]
+        datadir = [] if i == 0 else [f"--datadir={run_dir / 'streams' / str(i)}"]
+        specs.append(RoleSpec(role_name("streams", i), [*rs, *own, "stream", *datadir], env,
+                              _port_probe(port), cpus.get("streams")))
+    specs.append(RoleSpec("trainer", [*rs, "train"], env, _port_probe(ports.trainer_metrics),
+                          cpus.get("trainer")))
+    for i, (engine, metrics) in enumerate(
+        zip(ports.engines, ports.all_producer_metrics, strict=True)
+    ):
+        url = f"http://127.0.0.1:{engine}"
+        own = [] if i == 0 else ["--set", f"producers.rollout.metrics_port={metrics}"]
+        producer_id = [] if i == 0 else ["--producer-id", f"{config.run_id}-producer-{i}"]
+        serve_port = [] if i == 0 else ["--port", str(engine)]
+        specs.append(RoleSpec(role_name("engine", i), [*rs, "serve", *serve_port], env,
+                              _http_ok(f"{url}/health"), cpus.get("engine")))
+        specs.append(RoleSpec(role_name("producer", i),
+                              [*rs, *own, "produce", "--engine-url", url, *producer_id], env,
+                              _port_probe(metrics), cpus.get("producer")))
+    return specs  # fmt: skip
+
+
+def stop_order(names: list[str]) -> list[str]:
+    """Producers first (no new data), then engines, stream workers, the trainer."""
+    rank = {kind: i for i, kind in enumerate(STOP_ORDER)}
+    return sorted(names, key=lambda name: rank[name.split("-")[0]])
 
 
 def _core_plan(pin: bool) -> dict[str, frozenset[int]]:
@@ -375,7 +452,7 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     ports = Ports.free()
     config = build_config(base, up, run_id, run_dir, ports)
-    ports = Ports.of(config)
+    ports = Ports.of(config).with_more(up.producers, up.stream_workers)
     services = Services(config)
     ours = [
         s
@@ -403,16 +480,18 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
         for spec in specs:
             launcher.add(spec)
         (run_dir / "pids.json").write_text("{}")
-        for name in ("streams", "trainer", "engine"):
-            launcher.roles[name].start()
-        for name in ("streams", "trainer", "engine", "producer"):
+        producers = [s.name for s in specs if s.name.startswith("producer")]
+        for spec in specs:  # producers last, once what they feed is ready
+            if spec.name not in producers:
+                launcher.roles[spec.name].start()
+        for spec in specs:
             if stop:
                 break
-            role = launcher.roles[name]
-            if name == "producer":
+            role = launcher.roles[spec.name]
+            if spec.name in producers:
                 role.start()
             role.wait_ready(up.ready_timeout_s, cancelled=lambda: bool(stop))
-            click.echo(f"{name} ready (pid {role.pid}, log {role.log_file})", err=True)
+            click.echo(f"{spec.name} ready (pid {role.pid}, log {role.log_file})", err=True)
         (run_dir / "pids.json").write_text(json.dumps(launcher.pids()))
         if not stop:
             reason, finished = _supervise(launcher, config, ports, log, stop, up.restarts)
@@ -421,7 +500,7 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
         click.echo(str(err), err=True)
     finally:
         click.echo("stopping roles ...", err=True)
-        launcher.stop_all(STOP_ORDER, timeout_s=up.stop_timeout_s)
+        launcher.stop_all(stop_order(list(launcher.roles)), timeout_s=up.stop_timeout_s)
         for service in ours:
             service.stop()
         for sig, handler in previous.items():
@@ -578,6 +657,8 @@ PROFILE_OPTIONS = ("sync", "model", "task", "staleness_window", "groups_per_step
 )
 @click.option("--pin-cores/--no-pin-cores", default=None, help="Pin roles to CPU cores.")
 @click.option("--restarts", type=int, help="Start a crashed role again this many times.")
+@click.option("--producers", type=int, help="Producers, each with its own engine (default 1).")
+@click.option("--stream-workers", type=int, help="Stream workers (default 1).")
 @click.pass_context
 def up(ctx: click.Context, run_id: str | None, run_dir: Path | None, **options: Any) -> None:
     """Run producers, streams and trainer as separate processes on this machine, with
