@@ -8,6 +8,8 @@ with exponential back-off and jitter (``RetryConfig``) until they succeed, or un
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 
 from tenacity import (
     RetryCallState,
@@ -16,6 +18,7 @@ from tenacity import (
     stop_after_attempt,
     stop_after_delay,
     stop_never,
+    stop_when_event_set,
     wait_exponential_jitter,
 )
 
@@ -30,12 +33,21 @@ def retrying(
     what: str,
     *,
     quick: bool = False,
+    stop_event: threading.Event | None = None,
+    on_retry: Callable[[BaseException | None], None] | None = None,
 ) -> Retrying:
-    """A tenacity ``Retrying`` for ``exceptions``; ``quick``: three attempts at most."""
+    """A tenacity ``Retrying`` for ``exceptions``; ``quick``: three attempts at most.
+
+    ``stop_event``: back-off sleeps wake up and retrying ends (re-raising the last error)
+    once it is set, so a thread that retries forever can still be stopped. ``on_retry``
+    is called with each failure before its back-off (a metric, a state flag).
+    """
 
     def before_sleep(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome is not None else None
         delay = state.next_action.sleep if state.next_action is not None else 0.0
+        if on_retry is not None:
+            on_retry(exc)
         log.warning(
             "%s failed (attempt %d): %s; retrying in %.1fs", what, state.attempt_number, exc, delay
         )
@@ -46,6 +58,15 @@ def retrying(
         stop = stop_after_delay(config.give_up_after_s)
     else:
         stop = stop_never
+    if stop_event is not None:
+        return Retrying(
+            retry=retry_if_exception_type(exceptions),
+            wait=wait_exponential_jitter(multiplier=config.initial_s, max=config.max_s),
+            stop=stop | stop_when_event_set(stop_event),
+            sleep=stop_event.wait,
+            before_sleep=before_sleep,
+            reraise=True,
+        )
     return Retrying(
         retry=retry_if_exception_type(exceptions),
         wait=wait_exponential_jitter(multiplier=config.initial_s, max=config.max_s),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -79,13 +79,23 @@ class AnnouncementListener:
     had when it was first read, so ``caught_up`` says when everything announced before
     it started has been seen. A topic that does not exist yet is looked up again on the
     next call.
+
+    ``on_error(kind, detail)`` hears of every read problem, none of which raises here:
+    ``unavailable`` (the topic could not be looked up), ``consumer`` (an error reported
+    by the consumer, such as a broker that cannot be reached) and ``malformed`` (a record
+    of this run that is not a valid announcement; it is skipped).
     """
 
     def __init__(
-        self, client_config: Mapping[str, str], run: str, topic: str = DEFAULT_TOPIC
+        self,
+        client_config: Mapping[str, str],
+        run: str,
+        topic: str = DEFAULT_TOPIC,
+        on_error: Callable[[str, str], None] | None = None,
     ) -> None:
         self.run = run
         self.topic = topic
+        self.on_error = on_error
         config = reader_config(client_config, f"versions-{run}")
         self._consumer = Consumer({**config, "enable.partition.eof": False})
         self._ends: dict[int, int] | None = None  # partition -> end offset seen at start
@@ -141,6 +151,7 @@ class AnnouncementListener:
             ends = whole_topic(self._consumer, self.topic)
         except KafkaException as err:
             log.info("%s not readable yet (%s); retrying", self.topic, err)
+            self._error("unavailable", str(err))
             return False
         self._ends = {p: high for p, (low, high) in ends.items() if high > low}
         self._consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in ends])
@@ -149,14 +160,31 @@ class AnnouncementListener:
     def _announcement(self, msg: Message) -> VersionAnnouncement | None:
         if msg.error():
             log.warning("%s consumer error: %s", self.topic, msg.error())
+            self._error("consumer", str(msg.error()))
             return None
         if msg.key() != self.run.encode() or msg.value() is None:
             return None
         try:
-            return VersionAnnouncement.from_json(msg.value())
+            found = VersionAnnouncement.from_json(msg.value())
         except ValueError as err:
-            log.warning("ignoring a malformed announcement: %s", err)
+            log.warning(
+                "ignoring a malformed announcement at %s-%d@%d: %s",
+                msg.topic(),
+                msg.partition(),
+                msg.offset(),
+                err,
+            )
+            self._error("malformed", str(err))
             return None
+        if found.run != self.run:
+            log.warning("ignoring an announcement of run %r keyed %r", found.run, self.run)
+            self._error("malformed", f"run {found.run!r} under key {self.run!r}")
+            return None
+        return found
+
+    def _error(self, kind: str, detail: str) -> None:
+        if self.on_error is not None:
+            self.on_error(kind, detail)
 
     def close(self) -> None:
         self._consumer.close()
