@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from tenacity import (
@@ -21,6 +22,7 @@ from tenacity import (
     stop_when_event_set,
     wait_exponential_jitter,
 )
+from tenacity.stop import stop_base
 
 from core.config import RetryConfig
 
@@ -33,10 +35,12 @@ def retrying(
     what: str,
     *,
     quick: bool = False,
+    max_attempts: int | None = None,
     stop_event: threading.Event | None = None,
     on_retry: Callable[[BaseException | None], None] | None = None,
 ) -> Retrying:
-    """A tenacity ``Retrying`` for ``exceptions``; ``quick``: three attempts at most.
+    """A tenacity ``Retrying`` for ``exceptions``; ``quick``: three attempts at most,
+    ``max_attempts``: that many at most.
 
     ``stop_event``: back-off sleeps wake up and retrying ends (re-raising the last error)
     once it is set, so a thread that retries forever can still be stopped. ``on_retry``
@@ -52,25 +56,23 @@ def retrying(
             "%s failed (attempt %d): %s; retrying in %.1fs", what, state.attempt_number, exc, delay
         )
 
-    if quick:
-        stop = stop_after_attempt(3)
-    elif config.give_up_after_s is not None:
-        stop = stop_after_delay(config.give_up_after_s)
-    else:
-        stop = stop_never
+    stop: stop_base = stop_after_attempt(3) if quick else stop_never
+    if max_attempts is not None:
+        stop = stop | stop_after_attempt(max_attempts)
+    if config.give_up_after_s is not None:
+        stop = stop | stop_after_delay(config.give_up_after_s)
+    sleep: Callable[[float], object] = time.sleep
     if stop_event is not None:
-        return Retrying(
-            retry=retry_if_exception_type(exceptions),
-            wait=wait_exponential_jitter(multiplier=config.initial_s, max=config.max_s),
-            stop=stop | stop_when_event_set(stop_event),
-            sleep=stop_event.wait,
-            before_sleep=before_sleep,
-            reraise=True,
-        )
+        stop = stop | stop_when_event_set(stop_event)
+        sleep = stop_event.wait
     return Retrying(
         retry=retry_if_exception_type(exceptions),
-        wait=wait_exponential_jitter(multiplier=config.initial_s, max=config.max_s),
+        # jitter of at most the first back-off: quick policies stay quick
+        wait=wait_exponential_jitter(
+            multiplier=config.initial_s, max=config.max_s, jitter=min(1.0, config.initial_s)
+        ),
         stop=stop,
+        sleep=sleep,
         before_sleep=before_sleep,
         reraise=True,
     )
