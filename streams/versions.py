@@ -49,7 +49,7 @@ class VersionReaderMetrics:
         self.errors = Counter(
             "rollstream_streams_version_read_errors",
             "Failed reads of the version topic, by kind "
-            "(unavailable, consumer, malformed, callback, exception).",
+            "(unavailable, broker, consumer, malformed, callback, exception).",
             ["kind"],
             registry=self.registry,
         )

@@ -8,11 +8,14 @@ skipped; the thread only ends when it is stopped.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 from confluent_kafka import Producer
 from support.streams import wait_until
 
 from core.config import KafkaConfig, RetryConfig
+from infra.kafka import EmbeddedKafka
 from infra.topics import ensure_topics
 from schemas.control import VersionAnnouncement
 from schemas.topics import TopicSpec
@@ -137,3 +140,36 @@ def test_a_malformed_announcement_is_counted_and_skipped(
         assert reader.alive()
     finally:
         reader.stop()
+
+
+@pytest.mark.slow
+def test_a_broker_outage_clears_caught_up_and_the_reader_recovers(
+    tmp_path: Path, cache_dir: Path
+) -> None:
+    """A broker of its own, stopped while the reader follows it and started again."""
+    broker = EmbeddedKafka(KafkaConfig(heap="256m"), tmp_path / "kafka", cache_dir)
+    kafka = KafkaConfig(bootstrap_servers=broker.start())
+    reader: VersionReader | None = None
+    try:
+        create(kafka, "policy.versions")
+        announce(kafka, "policy.versions", 1)
+        tracker = VersionTracker()
+        reader = VersionReader(
+            kafka.client_config(), "policy.versions", RUN, tracker, retry=QUICK
+        ).start()
+        wait_until(reader.caught_up.is_set, 60, "caught up")
+        assert tracker.version == 1
+
+        broker.stop()
+        wait_until(lambda: errors(reader, "broker") >= 3, 120, "failed reads")
+        wait_until(lambda: not reader.caught_up.is_set(), 60, "caught_up cleared")
+        assert reader.alive()
+
+        broker.start()
+        announce(kafka, "policy.versions", 2)
+        assert tracker.wait_for(2, 120)
+        wait_until(reader.caught_up.is_set, 120, "caught up again")
+    finally:
+        if reader is not None:
+            reader.stop()
+        broker.stop()

@@ -81,9 +81,10 @@ class AnnouncementListener:
     next call.
 
     ``on_error(kind, detail)`` hears of every read problem, none of which raises here:
-    ``unavailable`` (the topic could not be looked up), ``consumer`` (an error reported
-    by the consumer, such as a broker that cannot be reached) and ``malformed`` (a record
-    of this run that is not a valid announcement; it is skipped).
+    ``unavailable`` (the topic could not be looked up), ``broker`` (no broker can be
+    reached: reported on every read until a metadata request answers again),
+    ``consumer`` (an error the consumer returned instead of a record) and ``malformed``
+    (a record of this run that is not a valid announcement; it is skipped).
     """
 
     def __init__(
@@ -97,13 +98,18 @@ class AnnouncementListener:
         self.topic = topic
         self.on_error = on_error
         config = reader_config(client_config, f"versions-{run}")
-        self._consumer = Consumer({**config, "enable.partition.eof": False})
+        self._consumer = Consumer(
+            {**config, "enable.partition.eof": False, "error_cb": self._client_error}
+        )
         self._ends: dict[int, int] | None = None  # partition -> end offset seen at start
         self._caught_up = False
+        self._down: str | None = None  # why no broker answers, until one does again
 
     def next(self, timeout_s: float) -> VersionAnnouncement | None:
         """The newest announcement for the run among those that arrive within
         ``timeout_s`` (older ones in the same batch are skipped), or None."""
+        if self._down is not None and not self._reachable(timeout_s):
+            return None
         if self._ends is None and not self._assign():
             time.sleep(timeout_s)
             return None
@@ -155,6 +161,26 @@ class AnnouncementListener:
             return False
         self._ends = {p: high for p, (low, high) in ends.items() if high > low}
         self._consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in ends])
+        return True
+
+    def _client_error(self, err: KafkaError) -> None:
+        """librdkafka's error callback (served inside ``poll``): a broker outage is not
+        returned as a message, only reported here."""
+        if err.code() == KafkaError._ALL_BROKERS_DOWN or err.fatal():
+            log.warning("%s: %s", self.topic, err)
+            self._down = str(err)
+        else:  # a single lost connection: librdkafka reconnects by itself
+            log.info("%s: %s", self.topic, err)
+
+    def _reachable(self, timeout_s: float) -> bool:
+        """After an outage: whether a broker answers a metadata request again."""
+        try:
+            self._consumer.list_topics(self.topic, timeout=timeout_s)
+        except KafkaException as err:
+            self._error("broker", f"{self._down}; still unreachable ({err})")
+            return False
+        log.info("%s: a broker answers again", self.topic)
+        self._down = None
         return True
 
     def _announcement(self, msg: Message) -> VersionAnnouncement | None:
