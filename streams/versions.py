@@ -5,8 +5,15 @@ worker that starts (or restarts) would otherwise admit everything it reads in it
 seconds. ``VersionReader`` runs the one reader of that topic
 (``weights.announce.AnnouncementListener``) in a thread and sets ``caught_up`` once it
 has read up to the end offsets it saw when it started; the stream waits for that before
-processing its first record. A failing read is retried with back-off; it never counts
-as caught up.
+processing its first record.
+
+It never fails open. Any failure (the topic or broker unavailable, a consumer error, an
+``on_version`` callback that raises, a bug) is counted in
+``rollstream_streams_version_read_errors_total{kind}``, clears ``caught_up`` and is
+retried with back-off (``core.retry``) until it works; the thread only ends on
+``stop``. A version whose ``on_version`` callback failed is handed to it again before
+anything newer is read. A malformed announcement is counted and skipped: it is not an
+outage.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 
-from confluent_kafka import KafkaException
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from core.config import RetryConfig
 from core.retry import retrying
@@ -23,6 +30,34 @@ from streams.staleness import VersionTracker
 from weights.announce import AnnouncementListener
 
 log = logging.getLogger(__name__)
+
+#: Back-off between failed reads: quick at first, never more than 30 s apart.
+DEFAULT_RETRY = RetryConfig(initial_s=0.5, max_s=30.0)
+
+
+class VersionReadError(RuntimeError):
+    """The announcement topic could not be read (raised to back off, then retried)."""
+
+
+class VersionReaderMetrics:
+    """``rollstream_streams_version_read_errors_total{kind}`` and
+    ``rollstream_streams_version_reader_failing`` (1 while reads fail), on a registry
+    the caller owns (or a new one)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.errors = Counter(
+            "rollstream_streams_version_read_errors",
+            "Failed reads of the version topic, by kind "
+            "(unavailable, broker, consumer, malformed, callback, exception).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.failing = Gauge(
+            "rollstream_streams_version_reader_failing",
+            "1 while the version reader is retrying a failed read, else 0.",
+            registry=self.registry,
+        )
 
 
 class VersionReader:
@@ -35,15 +70,23 @@ class VersionReader:
         run: str,
         tracker: VersionTracker,
         on_version: Callable[[int], None] | None = None,
+        *,
+        registry: CollectorRegistry | None = None,
+        retry: RetryConfig = DEFAULT_RETRY,
     ) -> None:
         self.client_config = dict(client_config)
         self.topic = topic
         self.run = run
         self.tracker = tracker
         self.on_version = on_version
+        self.retry = retry
+        self.metrics = VersionReaderMetrics(registry)
         self.caught_up = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._listener: AnnouncementListener | None = None
+        self._outage: str | None = None  # what the listener reported during this read
+        self._undelivered: int | None = None  # newest version on_version has not taken
 
     def start(self) -> VersionReader:
         """Start the thread (once; later calls do nothing)."""
@@ -57,22 +100,75 @@ class VersionReader:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def _run(self) -> None:
-        listener = AnnouncementListener(self.client_config, self.run, self.topic)
-        policy = RetryConfig(initial_s=0.5, max_s=30.0)
         try:
             while not self._stop.is_set():
-                # a broker hiccup is retried with back-off; it never counts as caught up
-                for attempt in retrying(policy, (KafkaException,), f"reading {self.topic}"):
-                    with attempt:
-                        announcement = listener.next(0.5)
-                        if not self.caught_up.is_set() and listener.caught_up:
-                            self.caught_up.set()
-                if (
-                    announcement is not None
-                    and self.tracker.observe(announcement.version)
-                    and self.on_version is not None
-                ):
-                    self.on_version(announcement.version)
+                attempts = retrying(
+                    self.retry,
+                    (Exception,),
+                    f"reading {self.topic}",
+                    stop_event=self._stop,
+                    on_retry=self._failed,
+                )
+                try:
+                    for attempt in attempts:
+                        with attempt:
+                            self._read_once()
+                except Exception:
+                    if not self._stop.is_set():  # only ``stop`` ends the retries
+                        raise
         finally:
-            listener.close()
+            if self._listener is not None:
+                self._listener.close()
+
+    def _read_once(self) -> None:
+        """One read: deliver what is pending, take the newest announcement, and raise
+        (so that it is retried with back-off) on anything that went wrong."""
+        self._outage = None
+        if self._listener is None:
+            self._listener = AnnouncementListener(
+                self.client_config, self.run, self.topic, on_error=self._listener_error
+            )
+        if self._undelivered is not None:
+            self._deliver(self._undelivered)
+        announcement = self._listener.next(0.5)
+        if announcement is not None and self.tracker.observe(announcement.version):
+            self._undelivered = announcement.version
+            self._deliver(announcement.version)
+        if self._outage is not None:
+            raise VersionReadError(f"{self.topic}: {self._outage}")
+        self.metrics.failing.set(0)
+        if self._listener.caught_up:
+            self.caught_up.set()
+
+    def _deliver(self, version: int) -> None:
+        if self.on_version is not None:
+            try:
+                self.on_version(version)
+            except Exception as err:
+                raise _CallbackFailed(version, err) from err
+        if self._undelivered == version:
+            self._undelivered = None
+
+    def _listener_error(self, kind: str, detail: str) -> None:
+        self.metrics.errors.labels(kind=kind).inc()
+        if kind != "malformed":  # a bad record is skipped, not an outage
+            self._outage = f"{kind}: {detail}"
+
+    def _failed(self, err: BaseException | None) -> None:
+        """Before each back-off: no longer caught up; count what was not counted yet."""
+        self.caught_up.clear()
+        self.metrics.failing.set(1)
+        if isinstance(err, _CallbackFailed):
+            self.metrics.errors.labels(kind="callback").inc()
+        elif not isinstance(err, VersionReadError):  # listener errors are counted already
+            self.metrics.errors.labels(kind="exception").inc()
+            log.error("reading %s failed", self.topic, exc_info=err)
+
+
+class _CallbackFailed(RuntimeError):
+    def __init__(self, version: int, err: Exception) -> None:
+        super().__init__(f"on_version({version}) raised {type(err).__name__}: {err}")

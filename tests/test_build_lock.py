@@ -85,17 +85,25 @@ def test_guard_waits_for_a_live_holder_and_leaves_its_baton_alone(tmp_path: Path
     assert (tmp_path / GUARD_FILE).exists()
 
 
-def test_extensions_root_defaults_under_the_rollstream_cache(
+def test_extensions_root_defaults_under_the_rollstream_cache_and_leaves_the_env_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # setenv first so that monkeypatch records (and restores) the variable being unset:
-    # extensions_root exports its default, which must not leak into later tests.
+    # setenv first so that monkeypatch records (and restores) the variable being unset
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "unset-below")
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
-    assert extensions_root(tmp_path) == tmp_path / "torch_extensions"
-    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "torch_extensions")
+    before = dict(os.environ)
+    root = extensions_root(tmp_path)
+    assert root == tmp_path / "torch_extensions"
+    assert dict(os.environ) == before, "extensions_root changed the environment"
+    with op_build_guard(root):  # torch reads the variable at every build: set in the block
+        assert os.environ["TORCH_EXTENSIONS_DIR"] == str(root)
+    assert dict(os.environ) == before, "op_build_guard left the environment changed"
+
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
     assert extensions_root(tmp_path) == tmp_path / "mine", "a user's setting wins"
+    with op_build_guard(tmp_path / "other"):
+        assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "other")
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "mine"), "restored"
 
 
 @pytest.mark.slow

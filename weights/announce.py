@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -79,21 +79,37 @@ class AnnouncementListener:
     had when it was first read, so ``caught_up`` says when everything announced before
     it started has been seen. A topic that does not exist yet is looked up again on the
     next call.
+
+    ``on_error(kind, detail)`` hears of every read problem, none of which raises here:
+    ``unavailable`` (the topic could not be looked up), ``broker`` (no broker can be
+    reached: reported on every read until a metadata request answers again),
+    ``consumer`` (an error the consumer returned instead of a record) and ``malformed``
+    (a record of this run that is not a valid announcement; it is skipped).
     """
 
     def __init__(
-        self, client_config: Mapping[str, str], run: str, topic: str = DEFAULT_TOPIC
+        self,
+        client_config: Mapping[str, str],
+        run: str,
+        topic: str = DEFAULT_TOPIC,
+        on_error: Callable[[str, str], None] | None = None,
     ) -> None:
         self.run = run
         self.topic = topic
+        self.on_error = on_error
         config = reader_config(client_config, f"versions-{run}")
-        self._consumer = Consumer({**config, "enable.partition.eof": False})
+        self._consumer = Consumer(
+            {**config, "enable.partition.eof": False, "error_cb": self._client_error}
+        )
         self._ends: dict[int, int] | None = None  # partition -> end offset seen at start
         self._caught_up = False
+        self._down: str | None = None  # why no broker answers, until one does again
 
     def next(self, timeout_s: float) -> VersionAnnouncement | None:
         """The newest announcement for the run among those that arrive within
         ``timeout_s`` (older ones in the same batch are skipped), or None."""
+        if self._down is not None and not self._reachable(timeout_s):
+            return None
         if self._ends is None and not self._assign():
             time.sleep(timeout_s)
             return None
@@ -141,22 +157,60 @@ class AnnouncementListener:
             ends = whole_topic(self._consumer, self.topic)
         except KafkaException as err:
             log.info("%s not readable yet (%s); retrying", self.topic, err)
+            self._error("unavailable", str(err))
             return False
         self._ends = {p: high for p, (low, high) in ends.items() if high > low}
         self._consumer.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in ends])
         return True
 
+    def _client_error(self, err: KafkaError) -> None:
+        """librdkafka's error callback (served inside ``poll``): a broker outage is not
+        returned as a message, only reported here."""
+        if err.code() == KafkaError._ALL_BROKERS_DOWN or err.fatal():
+            log.warning("%s: %s", self.topic, err)
+            self._down = str(err)
+        else:  # a single lost connection: librdkafka reconnects by itself
+            log.info("%s: %s", self.topic, err)
+
+    def _reachable(self, timeout_s: float) -> bool:
+        """After an outage: whether a broker answers a metadata request again."""
+        try:
+            self._consumer.list_topics(self.topic, timeout=timeout_s)
+        except KafkaException as err:
+            self._error("broker", f"{self._down}; still unreachable ({err})")
+            return False
+        log.info("%s: a broker answers again", self.topic)
+        self._down = None
+        return True
+
     def _announcement(self, msg: Message) -> VersionAnnouncement | None:
         if msg.error():
             log.warning("%s consumer error: %s", self.topic, msg.error())
+            self._error("consumer", str(msg.error()))
             return None
         if msg.key() != self.run.encode() or msg.value() is None:
             return None
         try:
-            return VersionAnnouncement.from_json(msg.value())
+            found = VersionAnnouncement.from_json(msg.value())
         except ValueError as err:
-            log.warning("ignoring a malformed announcement: %s", err)
+            log.warning(
+                "ignoring a malformed announcement at %s-%d@%d: %s",
+                msg.topic(),
+                msg.partition(),
+                msg.offset(),
+                err,
+            )
+            self._error("malformed", str(err))
             return None
+        if found.run != self.run:
+            log.warning("ignoring an announcement of run %r keyed %r", found.run, self.run)
+            self._error("malformed", f"run {found.run!r} under key {self.run!r}")
+            return None
+        return found
+
+    def _error(self, kind: str, detail: str) -> None:
+        if self.on_error is not None:
+            self.on_error(kind, detail)
 
     def close(self) -> None:
         self._consumer.close()

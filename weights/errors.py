@@ -47,6 +47,15 @@ class VersionRefused(WeightsError):
         self.reason = reason
 
 
+class CallbackFailed(WeightsError):
+    """The follower's ``on_version`` callback raised: the version is not applied (the
+    follower keeps the one it had) and is handed over again on the next attempt."""
+
+    def __init__(self, version: int, err: BaseException) -> None:
+        super().__init__(f"on_version(v{version}) raised {type(err).__name__}: {err}")
+        self.version = version
+
+
 class VersionTaken(WeightsError):
     """Another writer claimed this version number first (the manifest already exists)."""
 

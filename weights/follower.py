@@ -6,9 +6,15 @@ holds (or to a base, when it is too far behind or holds nothing), downloads and 
 every manifest and file, applies the deltas, checks every rebuilt tensor against the
 writer's checksums, and only then hands the new ``Snapshot`` to its callback.
 
+A version counts as applied (``version``, ``snapshot``, the applied metric) only once the
+callback has returned. A callback that raises leaves the follower at the version it had:
+the failure is logged and counted in ``rollstream_weights_callback_failures_total``, and
+the rebuilt version is handed over again on the next attempt (``sync_with_retry`` backs
+off through ``core.retry``), never skipped.
+
 Anything it cannot verify is *refused*: one log line naming the version, region and
 reason, one increment of ``rollstream_weights_refusals_total{reason=...}``, and the
-follower keeps the version it had. Retries back off exponentially (tenacity).
+follower keeps the version it had. Retries back off exponentially (``core.retry``).
 """
 
 from __future__ import annotations
@@ -26,21 +32,13 @@ import torch
 from botocore.exceptions import BotoCoreError, ClientError
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from tenacity import (
-    Retrying,
-    retry_if_exception_type,
-    stop_after_attempt,
-    stop_after_delay,
-    stop_never,
-    stop_when_event_set,
-    wait_exponential_jitter,
-)
-from tenacity.stop import stop_base
 
-from core.config import WeightsConfig
+from core.config import RetryConfig, WeightsConfig
+from core.retry import retrying
 from weights import format as fmt
 from weights.announce import AnnouncementListener
 from weights.errors import (
+    CallbackFailed,
     FormatError,
     ObjectMissing,
     RefusalReason,
@@ -59,8 +57,9 @@ from weights.store import WeightStore, sha256_file
 
 log = logging.getLogger(__name__)
 
-#: Errors worth another attempt: refusals (a file may still be mirroring) and S3 hiccups.
-RETRYABLE = (VersionRefused, BotoCoreError, ClientError)
+#: Errors worth another attempt: refusals (a file may still be mirroring), S3 hiccups and
+#: a callback that failed (it may work the next time).
+RETRYABLE = (VersionRefused, CallbackFailed, BotoCoreError, ClientError)
 
 
 @dataclass(frozen=True)
@@ -94,6 +93,12 @@ class FollowerMetrics:
         self.store_errors = Counter(
             "rollstream_weights_store_errors",
             "S3 errors (network, throttling) while following.",
+            labels,
+            registry=self.registry,
+        )
+        self.callback_failures = Counter(
+            "rollstream_weights_callback_failures",
+            "Times the on_version callback raised (the version is not applied, it is retried).",
             labels,
             registry=self.registry,
         )
@@ -133,6 +138,8 @@ class WeightFollower:
         self._labels = {"region": store.region, "run": store.run}
         self._snapshot: Snapshot | None = None
         self._unique: fmt.StateDict = {}  # the held state without tied duplicates
+        # rebuilt and verified, but its callback failed: handed over again, not rebuilt
+        self._unapplied: tuple[Snapshot, fmt.StateDict, str] | None = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -186,6 +193,9 @@ class WeightFollower:
         if self.version is not None and target <= self.version:
             return self._snapshot
         started = time.perf_counter()
+        if self._unapplied is not None and self._unapplied[0].version == target:
+            snapshot, state, path = self._unapplied
+            return self._apply(snapshot, state, path, started, 0)
         chain = self._chain(target, manifest_sha256)
         head = chain[-1]
         with tempfile.TemporaryDirectory(prefix="rollstream-follow-") as scratch:
@@ -225,6 +235,31 @@ class WeightFollower:
                     target, RefusalReason.STATE_MISMATCH, "state_sha256 disagrees with checksums"
                 )
         snapshot = Snapshot(target, fmt.join_aliases(state, final.aliases), final)
+        return self._apply(snapshot, state, path, started, len(chain))
+
+    def _apply(
+        self, snapshot: Snapshot, state: fmt.StateDict, path: str, started: float, fetched: int
+    ) -> Snapshot:
+        """Hand ``snapshot`` to the callback; hold it only once that has succeeded."""
+        target = snapshot.version
+        if self.on_version is not None:
+            try:
+                self.on_version(snapshot)
+            except Exception as err:
+                self._unapplied = (snapshot, state, path)
+                self.metrics.callback_failures.labels(**self._labels).inc()
+                log.warning(
+                    "weights: on_version callback failed for v%d of run %s in %s; "
+                    "keeping v%s and handing v%d over again",
+                    target,
+                    self.store.run,
+                    self.store.region,
+                    self.version,
+                    target,
+                    exc_info=True,
+                )
+                raise CallbackFailed(target, err) from err
+        self._unapplied = None
         self._unique, self._snapshot = state, snapshot
         self.metrics.applied.labels(**self._labels, path=path).inc()
         self.metrics.version.labels(**self._labels).set(target)
@@ -235,10 +270,8 @@ class WeightFollower:
             self.store.run,
             self.store.region,
             path,
-            len(chain),
+            fetched,
         )
-        if self.on_version is not None:
-            self.on_version(snapshot)
         return snapshot
 
     def _chain(self, target: int, manifest_sha256: str | None) -> list[Manifest]:
@@ -381,23 +414,18 @@ class WeightFollower:
         max_attempts: int | None = None,
         give_up_after_s: float | None = None,
     ) -> Snapshot | None:
-        """``sync`` until it succeeds, backing off exponentially (with jitter) between
-        attempts; gives up (re-raising the last error) after ``max_attempts`` or
-        ``give_up_after_s``, or when ``stop`` is set."""
-        stopper: stop_base = stop_never
-        if max_attempts is not None:
-            stopper = stopper | stop_after_attempt(max_attempts)
-        if give_up_after_s is not None:
-            stopper = stopper | stop_after_delay(give_up_after_s)
-        event = stop if stop is not None else threading.Event()
-        retrying = Retrying(
-            retry=retry_if_exception_type(RETRYABLE),
-            wait=wait_exponential_jitter(multiplier=0.2, max=self.retry_max_s, jitter=0.2),
-            stop=stopper | stop_when_event_set(event),
-            sleep=event.wait,
-            reraise=True,
+        """``sync`` until it succeeds, backing off exponentially (with jitter, at most
+        ``retry_max_s`` apart) between attempts; gives up (re-raising the last error)
+        after ``max_attempts`` or ``give_up_after_s``, or when ``stop`` is set."""
+        policy = RetryConfig(initial_s=0.2, max_s=self.retry_max_s, give_up_after_s=give_up_after_s)
+        attempts = retrying(
+            policy,
+            RETRYABLE,
+            f"weights: sync of run {self.store.run} in {self.store.region}",
+            stop_event=stop if stop is not None else threading.Event(),
+            max_attempts=max_attempts,
         )
-        for attempt in retrying:
+        for attempt in attempts:
             with attempt:
                 return self.sync(target, manifest_sha256=manifest_sha256)
         return self._snapshot  # pragma: no cover - Retrying either returns or raises
@@ -441,8 +469,8 @@ class WeightFollower:
                     self.store.region,
                     err,
                 )
-            except Exception:  # a failing on_version callback must not stop following
-                log.exception("weights: on_version callback failed at v%s", self.version)
+            except Exception:  # a bug must not stop following; retried at the next poll
+                log.exception("weights: sync failed at v%s", self.version)
 
 
 def _chain_fields_problem(manifest: Manifest, run: str, version: int) -> str | None:
