@@ -67,7 +67,7 @@ def run_up(state_dir: Path, tmp: Path, mode: str, steps: int, pin: bool) -> Path
     argv += ["--max-steps", str(steps), "--run-id", run_id, "--run-dir", str(run_dir)]
     argv += ["--pin-cores"] if pin else []
     began = time.time()
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=3600)
     print(f"  {mode}: {done.stdout.strip()} ({time.time() - began:.0f}s)")
     if done.returncode != 0:
         raise SystemExit(f"rollstream up --{mode} failed:\n{done.stderr[-3000:]}")

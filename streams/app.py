@@ -203,7 +203,14 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
         snapshots.retain(policy.oldest_admitted(version))
 
 
-    versions = VersionReader(KAFKA, TOPICS.versions, RUN_ID, tracker, on_version=_on_new_version)
+    versions = VersionReader(
+        KAFKA,
+        TOPICS.versions,
+        RUN_ID,
+        tracker,
+        on_version=_on_new_version,
+        registry=metrics.registry,
+    )
 
 
     async def _seek_raw(partition: int, offset: int) -> None:
@@ -248,16 +255,20 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
                 await writer.apply(step, commit=gaps.rereading(msg))
 
 
-    async def _versions_caught_up(timeout_s: float = 60.0) -> None:
-        """Judge no record before the trainer's version is known (see streams.versions)."""
+    async def _versions_caught_up(warn_every_s: float = 60.0) -> None:
+        """Judge no record before the trainer's version is known (see streams.versions):
+        wait, however long the version topic stays unreadable, and say so now and then.
+        Going on without it would judge staleness against no version at all."""
         versions.start()
-        deadline = time.monotonic() + timeout_s
+        waited_since = last_warning = time.monotonic()
         while not versions.caught_up.is_set():
-            if time.monotonic() > deadline:
+            if time.monotonic() - last_warning > warn_every_s:
+                last_warning = time.monotonic()
                 log.warning(
-                    "%s not read to its end after %.0fs; going on", TOPICS.versions, timeout_s
+                    "%s not read to its end after %.0fs; no record is judged until it is",
+                    TOPICS.versions,
+                    last_warning - waited_since,
                 )
-                return
             await asyncio.sleep(0.05)
 
 

@@ -116,3 +116,11 @@ def test_config_role_prints_one_role(tmp_path: Path) -> None:
     assert shown["trainer"]["engine"]["lr"] == 3e-3 and shown["profile"]["name"] == "auto"
     bad = CliRunner().invoke(main, ["config", "--role", "janitor"])
     assert bad.exit_code != 0
+
+
+def test_the_tiny_profile_runs_the_delta_path() -> None:
+    """fp32 AdamW changes every element: the tiny profile lets deltas be dense so the main
+    job still publishes deltas (docs/weights-format.md), a language model keeps 0.25."""
+    assert load_config(None).weights.max_delta_fraction == 1.0
+    lm = load_config(None, profile={"model": "smollm2"})
+    assert lm.weights.max_delta_fraction == RollstreamConfig().weights.max_delta_fraction
