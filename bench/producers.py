@@ -103,12 +103,12 @@ def bench_engine(model: str, repeats: int, new_tokens: int, threads: int) -> Non
 @contextlib.contextmanager
 def _server_process(model: str, threads: int):
     """``python -m producers serve`` on a free port; yields its URL."""
-    settings = Path(tempfile.mkdtemp(prefix="bench-serve-")) / "producers.toml"
+    settings = Path(tempfile.mkdtemp(prefix="bench-serve-")) / "rollstream.toml"
     settings.write_text(
-        f'[engine]\nmodel = "{model}"\nport = 0\nseed = 0\ntorch_threads = {threads}\n'
+        f'[producers.engine]\nmodel = "{model}"\nport = 0\nseed = 0\ntorch_threads = {threads}\n'
     )
     process = subprocess.Popen(
-        [sys.executable, "-m", "producers", "serve", "--producers-config", str(settings)],
+        [sys.executable, "-m", "producers", "serve", "--config", str(settings)],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -2,14 +2,12 @@
 
 Light on purpose (pydantic only, no torch), like ``rollstream.config``: entry points parse
 and validate it before importing anything heavy. Unknown keys are errors, instances are
-immutable. ``ProducersConfig`` is the ``producers`` section of ``RollstreamConfig``;
-``--producers-config FILE`` can also read it from a TOML file of its own.
+immutable. ``ProducersConfig`` is the ``producers`` section of ``RollstreamConfig``: the
+one config file every role reads.
 """
 
 from __future__ import annotations
 
-import tomllib
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -75,11 +73,6 @@ class EngineConfig(StrictModel):
     )
     torch_threads: int | None = Field(default=None, ge=1, description="None: torch default.")
     seed: int | None = Field(default=None, description="Seed of the sampling RNG.")
-    step_delay_ms: float = Field(
-        default=0.0,
-        ge=0.0,
-        description="Artificial pause per decode step (tests and demos of interruption).",
-    )
     max_pending_requests: int = Field(
         default=1024,
         ge=1,
@@ -202,26 +195,3 @@ class ProducersConfig(StrictModel):
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-
-
-def load_producers_config(path: Path | None) -> ProducersConfig:
-    """``ProducersConfig`` from a TOML file (``[engine]``, ``[rollout]``), or the defaults.
-
-    A file holding a whole rollstream config is accepted too: its ``[producers]`` table is
-    used.
-    """
-    if path is None:
-        return ProducersConfig()
-    with Path(path).open("rb") as fh:
-        values = tomllib.load(fh)
-    if "producers" in values:
-        values = values["producers"]
-    return ProducersConfig.model_validate(values)
-
-
-def producers_section(config: Any, path: Path | None = None) -> ProducersConfig:
-    """The ``producers`` section of a ``RollstreamConfig``, or of a separate file ``path``
-    (``--producers-config``: a file with ``[engine]``/``[rollout]`` or ``[producers]``)."""
-    if path is not None:
-        return load_producers_config(path)
-    return config.producers

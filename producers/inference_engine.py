@@ -297,7 +297,7 @@ class Engine:
         batch_wait_s: float = 0.0005,
         max_batch_wait_s: float = 0.005,
         seed: int | None = None,
-        step_delay_s: float = 0.0,
+        step_delay_s: float = 0.0,  # pause per decode step: a pacing knob for tests, no setting
         eos_token_ids: Iterable[int] | None = None,
         num_threads: int | None = None,
         max_pending: int = 1024,
@@ -882,7 +882,6 @@ def engine_from_config(config: Any, cache_dir: Path) -> Engine:
         batch_wait_s=config.batch_wait_ms / 1000.0,
         max_batch_wait_s=config.max_batch_wait_ms / 1000.0,
         seed=config.seed,
-        step_delay_s=config.step_delay_ms / 1000.0,
         num_threads=config.torch_threads,
         max_pending=config.max_pending_requests,
         busy_retry_after_s=config.busy_retry_after_s,

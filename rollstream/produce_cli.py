@@ -1,10 +1,9 @@
 """``rollstream serve`` and ``rollstream produce``: the producer role's commands.
 
-Both take the ``RollstreamConfig`` that the ``rollstream`` group puts in ``ctx.obj``.
-The producers section comes from ``config.producers`` once it exists there, or from
-``--producers-config FILE`` (env ``ROLLSTREAM_PRODUCERS_CONFIG``: a TOML file with
-``[engine]`` and ``[rollout]`` tables). Heavy imports happen inside the commands, so
-``--help`` stays instant.
+Both take the ``RollstreamConfig`` that the ``rollstream`` group puts in ``ctx.obj``
+(``--config``, the environment, ``--set``: one way for every role) and use its
+``[producers]`` section, with their own options on top. Heavy imports happen inside the
+commands, so ``--help`` stays instant.
 """
 
 from __future__ import annotations
@@ -18,15 +17,7 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from producers.config import EngineConfig, ProducersConfig, RolloutConfig, producers_section
-
-_CONFIG_OPTION = click.option(
-    "--producers-config",
-    "producers_config",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    envvar="ROLLSTREAM_PRODUCERS_CONFIG",
-    help="TOML with [engine] and [rollout] tables (env: ROLLSTREAM_PRODUCERS_CONFIG).",
-)
+from producers.config import EngineConfig, ProducersConfig, RolloutConfig
 
 
 def _logging() -> None:
@@ -36,10 +27,10 @@ def _logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per engine call
 
 
-def _section(config: Any, path: Path | None, engine: dict, rollout: dict) -> ProducersConfig:
+def _section(config: Any, engine: dict, rollout: dict) -> ProducersConfig:
     """The producers config with command-line overrides applied (and validated)."""
     try:
-        base = producers_section(config, path)
+        base = config.producers
         engine_values = {**base.engine.model_dump(), **_set(engine)}
         rollout_values = {**base.rollout.model_dump(), **_set(rollout)}
         return ProducersConfig(
@@ -55,7 +46,6 @@ def _set(values: dict) -> dict:
 
 
 @click.command("serve")
-@_CONFIG_OPTION
 @click.option("--host", help="Address to bind (default from [engine], 127.0.0.1).")
 @click.option("--port", type=int, help="Port (default from [engine], 30000; 0 = free).")
 @click.option(
@@ -65,14 +55,13 @@ def _set(values: dict) -> dict:
 @click.pass_obj
 def serve(
     config: Any,
-    producers_config: Path | None,
     host: str | None,
     port: int | None,
     model: str | None,
 ) -> None:
     """Run the CPU engine behind SGLang's native HTTP API (/generate, /abort_request,
     /update_weights_from_disk, /get_model_info, /health)."""
-    section = _section(config, producers_config, {"host": host, "port": port, "model": model}, {})
+    section = _section(config, {"host": host, "port": port, "model": model}, {})
     _logging()
     from producers.inference_engine import engine_from_config
     from producers.server import SGLANG_RELEASE
@@ -88,7 +77,6 @@ def serve(
 
 
 @click.command("produce")
-@_CONFIG_OPTION
 @click.option("--groups", type=int, help="Deliver this many groups, then stop.")
 @click.option("--engine-url", help="Engine speaking SGLang's API; default: in-process.")
 @click.option("--task", help="Task name (see producers.tasks).")
@@ -102,7 +90,6 @@ def serve(
 @click.pass_obj
 def produce(
     config: Any,
-    producers_config: Path | None,
     groups: int | None,
     engine_url: str | None,
     task: str | None,
@@ -118,7 +105,7 @@ def produce(
         "topic": topic,
         "producer_id": producer_id,
     }
-    section = _section(config, producers_config, {}, overrides)
+    section = _section(config, {}, overrides)
     _logging()
     from infra.services import Services
     from producers.worker import run_producer

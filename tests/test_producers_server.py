@@ -407,11 +407,11 @@ def test_serve_command_runs_until_sigterm(tmp_path):
     import sys
     from pathlib import Path
 
-    settings = tmp_path / "producers.toml"
-    settings.write_text('[engine]\nmodel = "tiny"\nport = 0\ntorch_threads = 1\n')
+    settings = tmp_path / "rollstream.toml"
+    settings.write_text('[producers.engine]\nmodel = "tiny"\nport = 0\ntorch_threads = 1\n')
     repo = Path(__file__).resolve().parents[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "producers", "serve", "--producers-config", str(settings)],
+        [sys.executable, "-m", "producers", "serve", "--config", str(settings)],
         cwd=repo,
         env={**os.environ, "PYTHONPATH": str(repo), "ROLLSTREAM_STATE_DIR": str(tmp_path)},
         stdout=subprocess.PIPE,

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from core.models import BOS_ID, DIGIT0_ID, EOS_ID, SEP_ID, TinyTokenizer
-from producers.config import ProducersConfig, RolloutConfig, SamplingConfig, load_producers_config
+from producers.config import ProducersConfig, RolloutConfig, SamplingConfig
 from producers.tasks import (
     TaskContext,
     available_tasks,
@@ -22,6 +22,7 @@ from producers.tasks import (
     score_arithmetic,
     score_digits,
 )
+from rollstream.config import load_config
 
 TOK = TinyTokenizer()
 
@@ -237,26 +238,24 @@ def test_producers_config_rejects_unknown_keys_and_parses_toml(tmp_path):
         RolloutConfig(max_inflight_groups=10, max_undelivered_groups=5)
     with pytest.raises(ValueError):
         RolloutConfig(version_policy="later")
-    path = tmp_path / "producers.toml"
+    path = tmp_path / "rollstream.toml"
     path.write_text(
         textwrap.dedent(
             """
-            [engine]
+            [producers.engine]
             model = "tiny"
             port = 0
-            [rollout]
+            [producers.rollout]
             group_size = 4
             version_policy = "abort"
-            [rollout.sampling]
+            [producers.rollout.sampling]
             temperature = 0.8
             """
         )
     )
-    config = load_producers_config(path)
+    config = load_config(path).producers
     assert (config.rollout.group_size, config.rollout.sampling.temperature) == (4, 0.8)
-    nested = tmp_path / "rollstream.toml"
-    nested.write_text("[producers.rollout]\ngroup_size = 2\n")
-    assert load_producers_config(nested).rollout.group_size == 2
+    assert config.rollout.version_policy == "abort"
     params = SamplingConfig(top_k=5).to_sglang(max_new_tokens=8, stop_token_ids=[2])
     assert params == {
         "temperature": 1.0,

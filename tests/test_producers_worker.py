@@ -46,6 +46,18 @@ MODELS = {0: build_tiny_llama(seed=0), 1: build_tiny_llama(seed=1)}
 # --- helpers ------------------------------------------------------------------------------
 
 
+def _slowed(holder: dict, step_delay_s: float):
+    """An ``on_worker`` hook: keep the worker, and slow its in-process engine's decode steps
+    so that a test can act while a group is being generated (a pacing knob of the engine
+    object, not a setting of the config)."""
+
+    def hook(worker) -> None:
+        worker.backend.engine.step_delay_s = step_delay_s
+        holder.update(worker=worker)
+
+    return hook
+
+
 def make_topic(kafka_config, unique_name, partitions: int = 4) -> str:
     name = unique_name("rollouts.raw")
     ensure_topics(kafka_config.client_config(), [TopicSpec(name, partitions=partitions)])
@@ -189,7 +201,7 @@ def test_version_change_policies(kafka_config, unique_name, tmp_path, policy):
     topic = make_topic(kafka_config, unique_name)
     config = rs_config(kafka_config, tmp_path)
     settings = ProducersConfig(
-        engine=EngineConfig(step_delay_ms=20, seed=0),
+        engine=EngineConfig(seed=0),
         rollout=rollout(
             topic,
             groups=2,
@@ -211,7 +223,7 @@ def test_version_change_policies(kafka_config, unique_name, tmp_path, policy):
 
         trigger = asyncio.create_task(new_version_mid_generation())
         report = await run_producer(
-            config, settings, install_signals=False, on_worker=lambda w: holder.update(worker=w)
+            config, settings, install_signals=False, on_worker=_slowed(holder, 0.02)
         )
         await trigger
         return report
@@ -261,7 +273,7 @@ def test_worker_follows_published_weights(kafka_config, s3_config, unique_name, 
     writer = DeltaWriter(WeightStore.from_config(s3_config, config.run_id), announcer=announcer)
     writer.publish(published[0].state_dict(), 0)
     settings = ProducersConfig(
-        engine=EngineConfig(step_delay_ms=10, seed=0),
+        engine=EngineConfig(seed=0),
         rollout=rollout(
             topic,
             groups=3,
@@ -284,7 +296,7 @@ def test_worker_follows_published_weights(kafka_config, s3_config, unique_name, 
 
         task = asyncio.create_task(trainer())
         report = await run_producer(
-            config, settings, install_signals=False, on_worker=lambda w: holder.update(worker=w)
+            config, settings, install_signals=False, on_worker=_slowed(holder, 0.01)
         )
         await asyncio.wait_for(task, 60)
         return report
@@ -326,7 +338,7 @@ def test_an_engine_that_forgets_its_weights_gets_them_again(
     writer = DeltaWriter(WeightStore.from_config(s3_config, config.run_id), announcer=announcer)
     writer.publish(published[0].state_dict(), 0)
     settings = ProducersConfig(
-        engine=EngineConfig(step_delay_ms=10, seed=0),
+        engine=EngineConfig(seed=0),
         rollout=rollout(
             topic,
             groups=6,
@@ -355,7 +367,7 @@ def test_an_engine_that_forgets_its_weights_gets_them_again(
 
         task = asyncio.create_task(trainer_and_crash())
         report = await run_producer(
-            config, settings, install_signals=False, on_worker=lambda w: holder.update(worker=w)
+            config, settings, install_signals=False, on_worker=_slowed(holder, 0.01)
         )
         await asyncio.wait_for(task, 60)
         return report, holder["worker"].backend
@@ -583,15 +595,14 @@ def test_ledger_is_exclusive(tmp_path):
 
 
 def _spawn(kafka_config, tmp_path: Path, run_id: str, topic: str, groups: int):
-    settings = tmp_path / "producers.toml"
+    settings = tmp_path / "rollstream.toml"
     settings.write_text(
         textwrap.dedent(
             f"""
-            [engine]
+            [producers.engine]
             model = "tiny"
             torch_threads = 1
-            step_delay_ms = 2
-            [rollout]
+            [producers.rollout]
             topic = "{topic}"
             groups = {groups}
             group_size = 4
@@ -611,7 +622,7 @@ def _spawn(kafka_config, tmp_path: Path, run_id: str, topic: str, groups: int):
         "PYTHONPATH": str(REPO),
     }
     return subprocess.Popen(
-        [sys.executable, "-m", "producers", "--producers-config", str(settings)],
+        [sys.executable, "-m", "producers", "--config", str(settings)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
