@@ -31,6 +31,11 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class ConfigurationError(ValueError):
+    """A setting that cannot work here, with what to change: the CLI shows the message,
+    not a traceback."""
+
+
 def default_state_dir() -> Path:
     """Where embedded services keep their data and logs unless told otherwise."""
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")

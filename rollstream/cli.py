@@ -13,10 +13,23 @@ from pathlib import Path
 import click
 from pydantic import ValidationError
 
+from core.config import ConfigurationError
+from core.process import ServiceError
 from rollstream.config import RollstreamConfig, load_config, parse_assignments
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class RollstreamGroup(click.Group):
+    """The CLI root: a setting that cannot work, or a service that does not answer, is
+    shown as its message (exit 1), not as a traceback."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except (ConfigurationError, ServiceError) as err:
+            raise click.ClickException(str(err)) from err
+
+
+@click.group(cls=RollstreamGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option(
     "--config",
     "config_path",
@@ -99,13 +112,9 @@ def infra_fetch(config: RollstreamConfig) -> None:
 @click.pass_obj
 def infra_up(config: RollstreamConfig, s3_only: bool) -> None:
     """Start the embedded broker and S3 store (if not configured externally), declare topics."""
-    from core.process import ServiceError
     from infra.services import Services
 
-    try:
-        report = Services(config, s3_only=s3_only).up(config.topic_specs())
-    except ServiceError as err:
-        raise click.ClickException(str(err)) from err
+    report = Services(config, s3_only=s3_only).up(config.topic_specs())
     if not s3_only:
         click.echo(f"kafka  {report.bootstrap_servers}")
     click.echo(f"s3     {report.s3_endpoint}  bucket={report.bucket}")

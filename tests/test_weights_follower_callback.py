@@ -88,3 +88,29 @@ def test_a_failing_callback_is_retried_by_follow_and_no_version_is_skipped(
     assert same_bits(callback.taken[1].state, states[1])
     assert sample(follower, "rollstream_weights_callback_failures_total") == 4
     assert "on_version callback failed for v1" in caplog.text
+
+
+def test_a_version_not_mirrored_yet_is_awaited_quietly(
+    s3_config: S3Config, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A follower in a region whose mirror has not copied an announced version yet says so
+    once, not on every attempt; it still counts each attempt and applies the version
+    when it arrives."""
+    import logging
+
+    from weights.errors import VersionRefused
+
+    store = store_for(s3_config)
+    writer = DeltaWriter(store, base_every=10)
+    writer.publish(tiny_state())
+    follower = WeightFollower(store_for(s3_config, store.run), Flaky(failures=0))
+    assert follower.sync().version == 0
+    with caplog.at_level(logging.INFO, logger="weights.follower"):
+        for _ in range(20):
+            with pytest.raises(VersionRefused):
+                follower.sync(1)  # announced, not in this store yet
+    said = [r for r in caplog.records if "v1" in r.getMessage()]
+    assert len(said) == 1 and "waiting for v1" in said[0].getMessage()
+    assert sample(follower, "rollstream_weights_refusals_total", reason="not_found") == 20
+    writer.publish(step(tiny_state(), seed=1))
+    assert follower.sync(1).version == 1

@@ -140,6 +140,7 @@ class WeightFollower:
         self._unique: fmt.StateDict = {}  # the held state without tied duplicates
         # rebuilt and verified, but its callback failed: handed over again, not rebuilt
         self._unapplied: tuple[Snapshot, fmt.StateDict, str] | None = None
+        self._waiting_for: int | None = None  # a version announced but not in the store yet
         self._lock = threading.Lock()
 
     @classmethod
@@ -312,18 +313,34 @@ class WeightFollower:
 
     def _refuse(self, target: int, reason: RefusalReason, message: str) -> VersionRefused:
         self.metrics.refusals.labels(**self._labels, reason=reason.value).inc()
-        level = logging.INFO if reason is RefusalReason.NOT_FOUND else logging.WARNING
+        if reason is RefusalReason.NOT_FOUND:
+            self._not_there_yet(target, message)
+        else:
+            log.warning(
+                "weights: refused v%d of run %s in region %s: %s: %s; keeping v%s",
+                target,
+                self.store.run,
+                self.store.region,
+                reason.value,
+                message,
+                self.version,
+            )
+        return VersionRefused(target, reason, message)
+
+    def _not_there_yet(self, target: int, message: str) -> None:
+        """An announced version not in this region's store yet (its mirror has not copied
+        it): normal for a while, so said once per version, then only at debug level."""
+        first = self._waiting_for != target
+        self._waiting_for = target
         log.log(
-            level,
-            "weights: refused v%d of run %s in region %s: %s: %s; keeping v%s",
+            logging.INFO if first else logging.DEBUG,
+            "weights: waiting for v%d of run %s to reach region %s (%s); keeping v%s",
             target,
             self.store.run,
             self.store.region,
-            reason.value,
             message,
             self.version,
         )
-        return VersionRefused(target, reason, message)
 
     def _manifest(
         self, version: int, target: int, expected_sha: str | None, missing: RefusalReason

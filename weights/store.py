@@ -29,7 +29,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
 
-from core.config import S3Config
+from core.config import ConfigurationError, S3Config
 from weights.errors import ObjectMissing, VersionTaken
 from weights.manifest import MANIFEST_NAME
 
@@ -83,11 +83,20 @@ def make_s3_client(config: S3Config) -> Any:
     }
     if config.endpoint_url:
         kwargs["endpoint_url"] = config.endpoint_url
+    session = boto3.session.Session()
     if config.access_key_id:
         kwargs["aws_access_key_id"] = config.access_key_id
         secret = config.secret_access_key
         kwargs["aws_secret_access_key"] = secret.get_secret_value() if secret else None
-    return boto3.session.Session().client("s3", **kwargs)
+    elif session.get_credentials() is None:
+        raise ConfigurationError(
+            f"no S3 credentials for the store {config.name!r} "
+            f"({config.endpoint_url or 'AWS'}): set s3.access_key_id and s3.secret_access_key "
+            "(an embedded store's are rollstream / rollstream-embedded-secret), or "
+            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or leave endpoint_url out to run "
+            "the embedded store"
+        )
+    return session.client("s3", **kwargs)
 
 
 class WeightStore:
