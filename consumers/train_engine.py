@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,11 @@ from consumers.build_lock import extensions_root, op_build_guard
 from consumers.config import EngineConfig
 from core.config import merge_tables
 from core.models import cast_parameters
+from core.process import free_port
 
 log = logging.getLogger(__name__)
+
+PORT_ATTEMPTS = 5  # a world of one's rendezvous port, chosen again if taken meanwhile
 
 
 def resolve_accelerator(config: EngineConfig) -> str:
@@ -40,19 +42,15 @@ def resolve_accelerator(config: EngineConfig) -> str:
     return name
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def init_distributed(config: EngineConfig) -> str:
     """Initialise torch.distributed through DeepSpeed once per process; returns the
     accelerator name."""
     accelerator = resolve_accelerator(config)
-    if "RANK" not in os.environ:  # not under a launcher: a world of one
+    # not under a launcher: a world of one, on a port chosen here unless one is given
+    chosen_port = "RANK" not in os.environ and "MASTER_PORT" not in os.environ
+    if "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import deepspeed
 
@@ -63,7 +61,19 @@ def init_distributed(config: EngineConfig) -> str:
         # deepspeed.comm compiles or re-checks its C++ op here; see build_lock for why
         # that happens under rollstream's build guard.
         with op_build_guard(extensions_root()):
-            deepspeed.init_distributed(dist_backend=backend)
+            for attempt in range(PORT_ATTEMPTS):
+                try:
+                    deepspeed.init_distributed(dist_backend=backend)
+                    break
+                except torch.distributed.DistNetworkError as err:
+                    # The port was free when chosen, but another process (any outgoing
+                    # connection takes one) got it first: pick another.
+                    if not chosen_port or "EADDRINUSE" not in str(err):
+                        raise
+                    if attempt + 1 == PORT_ATTEMPTS:
+                        raise
+                    log.warning("port %s was taken meanwhile: another", os.environ["MASTER_PORT"])
+                    os.environ["MASTER_PORT"] = str(free_port())
     return accelerator
 
 

@@ -1,0 +1,48 @@
+"""A trainer alone (a world of one) chooses its rendezvous port; a port taken between the
+choice and the bind (any outgoing connection can take it) is chosen again, not fatal."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent(
+    """
+    import socket, sys
+    import consumers.train_engine as te
+    from consumers.config import EngineConfig
+    from core.process import free_port
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    ports = [busy.getsockname()[1]]  # the first choice is already taken
+    te.free_port = lambda: ports.pop(0) if ports else free_port()
+    te.init_distributed(EngineConfig(accelerator="cpu"))
+    import torch.distributed as dist
+    print("world", dist.get_world_size(), "port", te.os.environ["MASTER_PORT"])
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_taken_rendezvous_port_is_chosen_again() -> None:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "world 1 port" in done.stdout
+    assert "was taken meanwhile" in done.stderr
