@@ -239,6 +239,12 @@ class PublishConfig(StrictModel):
         description="Publish version 0 (the initial weights) when the store has no version.",
     )
     announce: bool = Field(default=True, description="Announce versions on topics.versions.")
+    gc_every: int | None = Field(
+        default=10,
+        ge=1,
+        description="Apply the retention window ([weights] keep_versions) to the home store "
+        "after every N published versions; empty: only `rollstream weights gc` deletes.",
+    )
 
 
 class TrainerConfig(StrictModel):

@@ -194,7 +194,14 @@ class Trainer:
                 if cfg.publish.announce
                 else None
             )
-            self.publisher = Publisher(writer, cfg.publish, cfg.retry, announcer)
+            self.publisher = Publisher(
+                writer,
+                cfg.publish,
+                cfg.retry,
+                announcer,
+                keep_versions=self.settings.weights.keep_versions,
+                orphan_grace_s=self.settings.weights.orphan_grace_s,
+            )
             first = self.publisher.resume(self.step, self.engine.state_dict)
             if first is not None:
                 self.summary.published.append(first.version)

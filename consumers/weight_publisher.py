@@ -9,6 +9,11 @@ Version number = optimiser step count: the weights after step ``n`` are version 
   lost comes back as ``VersionTaken`` on retry: if the stored manifest's state digest is
   that of our weights, the version *is* ours and is announced; otherwise another writer
   owns the number and the error is raised. No scheduled version is skipped.
+- **Retention.** Every ``gc_every`` published versions the publisher applies the
+  retention window (``weights.retention``: the newest ``keep_versions`` and the chains
+  they need) to the store it writes to. A failed collection is logged and tried again
+  next time: it never holds training up. Other regions' stores are collected where they
+  are mirrored (``rollstream weights gc --region``).
 - **Restarts.** After a crash the trainer resumes from its last checkpoint at step
   ``k``, but it may have published versions ``k+1..m`` before dying. Those versions stay
   what they are (generators and the old-logit service may already use them; the store
@@ -37,8 +42,9 @@ from core.retry import retrying
 from schemas.control import VersionAnnouncement
 from weights import format as fmt
 from weights.announce import Announcer
-from weights.errors import VersionTaken
+from weights.errors import VersionTaken, WeightsError
 from weights.manifest import parse_manifest, sha256_hex
+from weights.retention import collect_garbage
 from weights.writer import DeltaWriter, PublishResult
 
 log = logging.getLogger(__name__)
@@ -66,7 +72,12 @@ class Publisher:
         config: PublishConfig,
         retry: RetryConfig,
         announcer: Announcer | None = None,
+        keep_versions: int | None = None,
+        orphan_grace_s: float = 3600.0,
     ) -> None:
+        self.keep_versions = keep_versions  # None: no retention here
+        self.orphan_grace_s = orphan_grace_s
+        self.published_count = 0
         self.writer = writer
         self.store = writer.store
         self.config = config
@@ -132,7 +143,18 @@ class Publisher:
             announcement.bytes,
             self.last.seconds,
         )
+        self.published_count += 1
+        self._collect_if_due()
         return self.last
+
+    def _collect_if_due(self) -> None:
+        every = self.config.gc_every
+        if self.keep_versions is None or every is None or self.published_count % every:
+            return
+        try:
+            collect_garbage(self.store, self.keep_versions, self.orphan_grace_s)
+        except (*S3_ERRORS, WeightsError) as err:  # retention waits; training does not
+            log.warning("retention of %s failed, tried again later: %s", self.store.region, err)
 
     def _ours_after_lost_answer(
         self, version: int, state: Mapping[str, torch.Tensor]

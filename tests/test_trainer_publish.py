@@ -56,3 +56,31 @@ def test_a_lost_claim_answer_is_recognised_as_ours(s3_config: S3Config) -> None:
     with pytest.raises(VersionTaken):
         publisher(store).publish(4, state(5))  # other weights: not ours, refused
     assert store.versions() == [4]
+
+
+def test_the_trainer_applies_the_retention_window_as_it_publishes(s3_config: S3Config) -> None:
+    """Every ``gc_every`` versions the publisher keeps the newest ``keep_versions`` (and the
+    chain they need) and deletes the rest, so a long run does not fill the store; a
+    follower still rebuilds the newest version."""
+    store = WeightStore.from_config(s3_config, "gc")
+    pub = Publisher(
+        DeltaWriter(store, base_every=4),
+        PublishConfig(gc_every=3),
+        RetryConfig(max_s=1.0),
+        keep_versions=2,
+        orphan_grace_s=0.0,
+    )
+    for version in range(9):
+        pub.publish(version, state(version % 3))
+    kept = store.versions()
+    assert kept[-1] == 8 and 0 not in kept and len(kept) < 9
+    assert {7, 8} <= set(kept)
+    assert WeightFollower(store).sync(8) is not None
+    # without a window (gc_every empty) nothing is deleted
+    other = WeightStore.from_config(s3_config, "keep-all")
+    keep_all = Publisher(
+        DeltaWriter(other), PublishConfig(gc_every=None), RetryConfig(max_s=1.0), keep_versions=1
+    )
+    for version in range(4):
+        keep_all.publish(version, state(version))
+    assert other.versions() == [0, 1, 2, 3]
