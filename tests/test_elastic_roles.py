@@ -131,7 +131,8 @@ def test_a_producer_and_a_stream_worker_join_and_leave_a_running_run(
         _steps_per_s(rows[before:during]),
         _steps_per_s(rows[during:]),
     )
-    print("trainer steps/s before, with, after the joined roles: %.2f %.2f %.2f" % rates)
+    before_s, with_s, after_s = rates
+    print(f"trainer steps/s before {before_s:.2f}, with {with_s:.2f}, after {after_s:.2f}")
 
     audit = subprocess.run(
         [*rs, "audit", "--json"], env=_env(), capture_output=True, text=True, timeout=300,
