@@ -262,6 +262,11 @@ class Trainer:
         metrics["throughput/tokens_per_s"] = tokens / compute_s if compute_s > 0 else 0.0
         metrics["data/dropped_approx"] = float(result.dropped)
         metrics["data/dlq_total"] = float(self.source.dlq.sent)
+        lag = self.source.lag(self.offsets)
+        for partition, records in lag.items():
+            metrics[f"lag/partition/{partition}"] = float(records)
+        if lag:
+            metrics["lag/total"] = float(sum(lag.values()))
 
         if self.publisher is not None and self.publisher.due(self.step):
             published = self.publisher.publish(self.step, self.engine.state_dict())
