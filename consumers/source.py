@@ -43,13 +43,19 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from consumers.batching import BatchAssembler, ConsumedGroup, MicroBatch, check_trainable
+from consumers.batching import (
+    BatchAssembler,
+    ConsumedGroup,
+    MicroBatch,
+    StaleGroup,
+    check_trainable,
+)
 from consumers.batching import TopicPartition as TP
 from consumers.config import BatchConfig, TopicsConfig
 from core.config import RetryConfig
 from core.retry import retrying
 from schemas.codec import DecodeError
-from schemas.control import DeadLetter
+from schemas.control import DeadLetter, StaleRecord
 from schemas.group import decode_group
 
 log = logging.getLogger(__name__)
@@ -58,8 +64,8 @@ log = logging.getLogger(__name__)
 DlqHook = Callable[[str], None]
 
 
-class DeadLetterProducer:
-    """Idempotent producer for the DLQ; the first delivery error is kept and raised."""
+class _SideProducer:
+    """Idempotent producer of routed records; the first delivery error is kept and raised."""
 
     def __init__(self, client_config: Mapping[str, str], topic: str) -> None:
         self.topic = topic
@@ -73,6 +79,35 @@ class DeadLetterProducer:
         if err is not None and self._error is None:
             self._error = err
 
+    def _produce(self, key: bytes | None, value: bytes | None, headers: list) -> None:
+        while True:
+            try:
+                self._producer.produce(
+                    self.topic, key=key, value=value, headers=headers, on_delivery=self._delivered
+                )
+                break
+            except BufferError:  # local queue full: serve callbacks and try again
+                self._producer.poll(0.5)
+        self._producer.poll(0)
+        self.sent += 1
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait for every record to be acknowledged; raise the first failure."""
+        remaining = self._producer.flush(timeout_s)
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise KafkaException(err)
+        if remaining:
+            raise KafkaException(
+                KafkaError(
+                    KafkaError._MSG_TIMED_OUT, f"{remaining} records to {self.topic} not acked"
+                )
+            )
+
+
+class DeadLetterProducer(_SideProducer):
+    """The DLQ: the original value and headers plus a ``DeadLetter`` header."""
+
     def send(self, msg: Message, reason: str, detail: str) -> None:
         letter = DeadLetter(
             reason=reason,
@@ -84,31 +119,24 @@ class DeadLetterProducer:
         headers = [(k, v) for k, v in (msg.headers() or []) if k != letter.header()[0]] + [
             letter.header()
         ]
-        while True:
-            try:
-                self._producer.produce(
-                    self.topic,
-                    key=msg.key(),
-                    value=msg.value(),
-                    headers=headers,
-                    on_delivery=self._delivered,
-                )
-                break
-            except BufferError:  # local queue full: serve callbacks and try again
-                self._producer.poll(0.5)
-        self._producer.poll(0)
-        self.sent += 1
+        self._produce(msg.key(), msg.value(), headers)
 
-    def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait for every dead letter to be acknowledged; raise the first failure."""
-        remaining = self._producer.flush(timeout_s)
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise KafkaException(err)
-        if remaining:
-            raise KafkaException(
-                KafkaError(KafkaError._MSG_TIMED_OUT, f"{remaining} dead letters not acked")
-            )
+
+class StaleRouter(_SideProducer):
+    """``rollouts.stale`` for groups too stale to train: the scored record unchanged plus
+    a ``StaleRecord`` header (``stage = "trainer"``)."""
+
+    def send(self, group: StaleGroup) -> None:
+        record = StaleRecord(
+            trajectory_id=group.group_id,
+            staleness=group.staleness,
+            trainer_version=group.trainer_version,
+            max_staleness=group.max_staleness,
+            stage="trainer",
+        )
+        name, value = record.header()
+        headers = [(k, v) for k, v in group.headers if k != name] + [(name, value)]
+        self._produce(group.key, group.value, headers)
 
 
 class ScoredSource:
@@ -144,6 +172,7 @@ class ScoredSource:
         self.paused: set[TP] = set()
         self.assembler = BatchAssembler(batch.max_groups, batch.max_tokens, batch.max_wait_s)
         self.dlq = DeadLetterProducer(client_config, topics.dlq)
+        self.stale = StaleRouter(client_config, topics.stale)
         self.foreign = 0
         static = {"group.instance.id": topics.group_instance_id} if topics.group_instance_id else {}
         self._consumer = Consumer(
@@ -307,6 +336,9 @@ class ScoredSource:
                 offset=offset,
                 group_id=group.group_id,
                 trajectories=group.samples,
+                key=msg.key(),
+                value=msg.value() or b"",
+                headers=tuple((k, v) for k, v in (msg.headers() or []) if v is not None),
             )
         )
 
@@ -332,6 +364,15 @@ class ScoredSource:
             with attempt:
                 self.dlq.flush()
 
+    def route_stale(self, groups: list[StaleGroup]) -> None:
+        """Send ``groups`` to the stale topic and wait until every one is acknowledged
+        (retried with back-off while the broker is away)."""
+        for group in groups:
+            self.stale.send(group)
+        for attempt in retrying(self.retry, (KafkaException,), "flush the stale topic"):
+            with attempt:
+                self.stale.flush()
+
     def commit(self, offsets: Mapping[TP, int]) -> bool:
         """Commit checkpointed ``offsets`` to the group synchronously. A failure is logged
         and returns False: the checkpoint, not Kafka, is the source of truth on restart."""
@@ -350,5 +391,6 @@ class ScoredSource:
     def close(self) -> None:
         try:
             self.dlq.flush()
+            self.stale.flush()
         finally:
             self._consumer.close()

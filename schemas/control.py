@@ -9,7 +9,8 @@
   routing headers.
 
 Construction checks types and ranges, so a message that exists is well-formed;
-``from_json`` raises ``ValueError`` naming the missing, unknown or mistyped field.
+``from_json`` raises ``ValueError`` naming the missing, unknown or mistyped field. Fields
+added later have defaults, so messages written before them still parse.
 """
 
 from __future__ import annotations
@@ -109,20 +110,31 @@ class DeadLetter:
         return cls.from_json(_header_value(headers, DEAD_LETTER_HEADER))
 
 
+STALE_STAGES = ("stream", "trainer")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StaleRecord:
-    """Why a record went to ``rollouts.stale``: ``staleness = trainer_version - min_version``."""
+    """Why a record went to ``rollouts.stale``: ``staleness = trainer_version - min_version``.
+
+    ``stage`` says who filtered it: ``stream`` (a raw trajectory record, on arrival) or
+    ``trainer`` (a whole scored group that became too stale while it waited to be
+    trained; ``trajectory_id`` is then the group id, the samples are in the value).
+    """
 
     trajectory_id: str
     staleness: int
     trainer_version: int
     max_staleness: int  # the limit in force when the record was filtered
+    stage: str = "stream"
 
     def __post_init__(self) -> None:
         _check_str(self, "trajectory_id")
         _check_int(self, "staleness")
         _check_int(self, "trainer_version", minimum=0)
         _check_int(self, "max_staleness", minimum=0)
+        if self.stage not in STALE_STAGES:
+            raise ValueError(f"StaleRecord.stage must be one of {STALE_STAGES}, got {self.stage!r}")
 
     def to_json(self) -> bytes:
         return orjson.dumps(self)
@@ -153,9 +165,14 @@ def _from_json(cls: type[_Message], data: bytes | str) -> _Message:
     if not isinstance(obj, dict):
         raise ValueError(f"{name}: expected a JSON object, got {type(obj).__name__}")
     fields = {field.name for field in dataclasses.fields(cls)}
+    required = {
+        field.name
+        for field in dataclasses.fields(cls)
+        if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+    }
     if unknown := sorted(obj.keys() - fields):
         raise ValueError(f"{name}: unknown field(s) {unknown}")
-    if missing := sorted(fields - obj.keys()):
+    if missing := sorted(required - obj.keys()):
         raise ValueError(f"{name}: missing field(s) {missing}")
     return cls(**obj)
 

@@ -543,3 +543,12 @@ def test_stale_record_round_trip_and_rejections() -> None:
         StaleRecord.from_json(orjson.dumps({**obj, "trainer_version": None}))
     with pytest.raises(ValueError, match="missing"):
         StaleRecord.from_json(orjson.dumps({"trajectory_id": "t"}))
+
+
+def test_stale_records_say_which_stage_filtered_them() -> None:
+    stream = StaleRecord(trajectory_id="t", staleness=5, trainer_version=9, max_staleness=4)
+    assert stream.stage == "stream"
+    trainer = dataclasses.replace(stream, trajectory_id="group-1", stage="trainer")
+    assert StaleRecord.from_headers([trainer.header()]) == trainer
+    with pytest.raises(ValueError, match="stage"):
+        dataclasses.replace(stream, stage="elsewhere")
