@@ -318,7 +318,19 @@ class TrainerConfig(StrictModel):
             raise ValueError("the ppo_ewma loss needs approx.route = 'ewma'")
         if self.engine.zero_stage == 3 and self.engine.accelerator == "cpu":
             raise ValueError("ZeRO stage 3 needs GPUs (engine.zero_stage <= 2 on cpu)")
+        window, every = self.staleness.max_staleness, self.publish.every
+        if window is not None and every is not None and every > window + 1:
+            raise ValueError(
+                f"publish.every = {every} is more than staleness.max_staleness + 1 = "
+                f"{window + 1}: producers get credit per announced version for "
+                "max_staleness + 1 steps of groups, so generation would stall between "
+                "versions (and data would go stale); publish more often or widen the window"
+            )
         return self
+
+    def groups_per_step(self) -> int:
+        """Groups one optimiser step takes at most (what the trainer announces)."""
+        return self.batch.max_groups * self.engine.grad_accum_steps
 
     def ewma_settings(self) -> tuple[float, float | None]:
         """(beta, reset_below) of the proximal EWMA: the ppo_ewma loss's own, else approx's."""

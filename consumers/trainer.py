@@ -8,7 +8,8 @@ Reads like pseudocode on purpose (``Trainer.run``)::
         gather grad_accum_steps micro-batches of whole groups from rollouts.scored,
             setting aside groups more than staleness.max_staleness behind `step`
         one optimiser step (consumers.step)                  -> version step+1
-        publish every publish.every steps                    (S3, then policy.versions)
+        publish every publish.every steps                    (S3, then policy.versions,
+                                                              with groups per step and window)
         checkpoint every checkpoint.every steps:
             flush the DLQ, save (offsets + ledger + stale groups inside), mark LATEST,
             route the stale groups to rollouts.stale, append the ledger,
@@ -33,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from consumers.batching import StaleGroup, TopicPartition, merge_offsets
 from consumers.checkpoint import CheckpointManager, TrainerState, TrainingLedger
@@ -42,6 +43,9 @@ from consumers.metrics import MetricsSink, data_metrics
 from core.config import S3Config, WeightsConfig
 from core.models import load_model
 from schemas.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from weights.announce import Announcer
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +58,19 @@ def _failpoint(name: str, step: int) -> None:
     if os.environ.get(FAILPOINT_ENV) == f"{name}:{step}":
         log.warning("failpoint %s:%d: killing this process", name, step)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def trainer_announcer(kafka: Mapping[str, str], config: TrainerConfig) -> Announcer:
+    """The trainer's announcer: every version it announces carries its groups per step and
+    staleness window, from which producers derive their admission credit."""
+    from weights.announce import Announcer
+
+    return Announcer(
+        kafka,
+        topic=config.topics.versions,
+        groups_per_step=config.groups_per_step(),
+        max_staleness=config.staleness.max_staleness,
+    )
 
 
 @dataclass(frozen=True)
@@ -203,16 +220,13 @@ class Trainer:
         self.publisher = None
         if self.settings.s3 is not None and (cfg.publish.every or cfg.publish.initial):
             from consumers.weight_publisher import Publisher
-            from weights.announce import Announcer
             from weights.store import WeightStore
             from weights.writer import DeltaWriter
 
             store = WeightStore.from_config(self.settings.s3, self.settings.run_id)
             writer = DeltaWriter.from_config(store, self.settings.weights)
             announcer = (
-                Announcer(self.settings.kafka, topic=cfg.topics.versions)
-                if cfg.publish.announce
-                else None
+                trainer_announcer(self.settings.kafka, cfg) if cfg.publish.announce else None
             )
             self.publisher = Publisher(writer, cfg.publish, cfg.retry, announcer)
             first = self.publisher.resume(self.step, self.engine.state_dict)

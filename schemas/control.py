@@ -1,7 +1,9 @@
 """Small control messages, as orjson objects whose keys are exactly the dataclass fields.
 
 - ``VersionAnnouncement``: the value on ``policy.versions`` ("version N of run R is at
-  this URI, its manifest hashes to ..."). Keyed by run id (see ``schemas.topics``).
+  this URI, its manifest hashes to ...", and the trainer's groups per step and staleness
+  window, from which producers derive their admission credit). Keyed by run id (see
+  ``schemas.topics``).
 - ``DeadLetter`` and ``StaleRecord``: metadata of a record sent to ``rollouts.dlq`` or
   ``rollouts.stale``. The Kafka *value* of those messages is the original record bytes,
   unchanged (replayable as is, no base64 growth, no size surprise); the metadata travels
@@ -42,6 +44,11 @@ class VersionAnnouncement:
     sha256: str  # of the manifest, lowercase hex
     bytes: int  # total size of the version's files
     published_at_ms: int
+    # The trainer's pace, for the producers' default backpressure (None: not announced):
+    # groups it takes per optimiser step, and its staleness window. ``version`` is the
+    # trainer's step count when it published, so it is also the trainer's trained version.
+    groups_per_step: int | None = None
+    max_staleness: int | None = None
 
     def __post_init__(self) -> None:
         _check_str(self, "run")
@@ -59,6 +66,10 @@ class VersionAnnouncement:
             )
         _check_int(self, "bytes", minimum=0)
         _check_int(self, "published_at_ms", minimum=0)
+        if self.groups_per_step is not None:
+            _check_int(self, "groups_per_step", minimum=1)
+        if self.max_staleness is not None:
+            _check_int(self, "max_staleness", minimum=0)
 
     @property
     def is_base(self) -> bool:
