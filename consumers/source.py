@@ -258,7 +258,9 @@ class ScoredSource:
             if key not in self.assigned:
                 continue  # fetched before a revocation: read again from ``positions``
             buffer = self.buffers.setdefault(key, deque())
-            if buffer and (msg.offset() or 0) <= (buffer[-1].offset() or 0):
+            offset = msg.offset() or 0
+            last = buffer[-1].offset() or 0 if buffer else self.positions.get(key, 0) - 1
+            if offset <= last:
                 continue  # delivered again after a resume
             buffer.append(msg)
             arrived += 1

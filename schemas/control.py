@@ -77,7 +77,13 @@ class VersionAnnouncement:
 
     # ``builtins.bytes``: inside this class, ``bytes`` is also the name of a field.
     def to_json(self) -> builtins.bytes:
-        return orjson.dumps(self)
+        """The pace fields are left out when unset, so such an announcement still reads
+        with a parser that predates them."""
+        obj = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in ("groups_per_step", "max_staleness"):
+            if obj[name] is None:
+                del obj[name]
+        return orjson.dumps(obj)
 
     @classmethod
     def from_json(cls, data: builtins.bytes | str) -> VersionAnnouncement:

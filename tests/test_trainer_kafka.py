@@ -139,7 +139,7 @@ def trainer_config(tmp: Path, topics: dict[str, str], **extra: object) -> dict:
         "ledger_file": str(tmp / "ledger.jsonl"),
         "progress": False,
         # the synthetic groups are all version 0: every one stays trainable at any step
-        "staleness": {"max_staleness": None},
+        "staleness": {"max_staleness": 1000},
         **extra,
     }
 
