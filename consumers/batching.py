@@ -42,11 +42,71 @@ class ConsumedGroup:
     offset: int
     group_id: str
     trajectories: tuple[Trajectory, ...]
+    # the Kafka record as read, for routing it on unchanged (to rollouts.stale)
+    key: bytes | None = None
+    value: bytes = b""
+    headers: tuple[tuple[str, bytes], ...] = ()
+
+    def staleness(self, version: int) -> int:
+        """``version`` minus the oldest segment version of any sample (what
+        ``staleness/max`` reports when the group is trained at ``version``)."""
+        return max(version - t.min_version for t in self.trajectories)
 
     @property
     def num_tokens(self) -> int:
         """Prompt + response tokens of every sample (unpadded)."""
         return sum(t.num_prompt_tokens + t.num_response_tokens for t in self.trajectories)
+
+
+@dataclass(frozen=True)
+class StaleGroup:
+    """A group found too stale when it was about to be trained at ``trainer_version``
+    (optimiser step ``step`` was being gathered): routed to ``rollouts.stale`` once the
+    checkpoint covering its offset is durable, and kept in that checkpoint until then."""
+
+    step: int
+    group_id: str
+    trajectory_ids: tuple[str, ...]
+    staleness: int
+    trainer_version: int
+    max_staleness: int
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    headers: tuple[tuple[str, bytes], ...]
+
+    @classmethod
+    def of(cls, group: ConsumedGroup, step: int, version: int, limit: int) -> StaleGroup:
+        return cls(
+            step=step,
+            group_id=group.group_id,
+            trajectory_ids=tuple(t.trajectory_id for t in group.trajectories),
+            staleness=group.staleness(version),
+            trainer_version=version,
+            max_staleness=limit,
+            topic=group.topic,
+            partition=group.partition,
+            offset=group.offset,
+            key=group.key,
+            value=group.value,
+            headers=group.headers,
+        )
+
+    def to_state(self) -> dict[str, object]:
+        """Plain values for a checkpoint's client state."""
+        state = dict(self.__dict__)
+        state["trajectory_ids"] = list(self.trajectory_ids)
+        state["headers"] = [[k, v] for k, v in self.headers]
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict[str, object]) -> StaleGroup:
+        values = dict(state)
+        values["trajectory_ids"] = tuple(values["trajectory_ids"])  # type: ignore[arg-type]
+        values["headers"] = tuple((k, v) for k, v in values["headers"])  # type: ignore[attr-defined]
+        return cls(**values)  # type: ignore[arg-type]
 
 
 @dataclass

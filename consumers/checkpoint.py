@@ -17,10 +17,19 @@ The trainer commits offsets to Kafka only after ``save`` returns, and on restart
 to the offsets in the checkpoint (not to Kafka's committed ones, which may lag after a
 crash between the two).
 
+Groups found too stale to train while gathering a step (``consumers.batching.StaleGroup``,
+the record bytes included) travel in the checkpoint too, and go to ``rollouts.stale``
+only once it is durable, before the ledger lines of their steps are appended: a ledger
+that lacks a checkpoint's steps after a crash means their stale groups may not have been
+routed either, and the trainer routes them again from the checkpoint (so a stale group
+is routed at least once and only when the offsets past it are durable: never trained
+after a restart that re-reads it, never lost).
+
 ``TrainingLedger``: a JSONL file, one line per optimiser step
-``{"step": n, "trajectory_ids": [...]}``, appended only for steps covered by a durable
-checkpoint. The entries of the steps since the previous checkpoint travel inside the
-checkpoint itself, so after a crash between the checkpoint and the ledger append,
+``{"step": n, "trajectory_ids": [...], "stale_ids": [...]}`` (``stale_ids``: the samples
+of the groups routed as stale while that step was gathered), appended only for steps
+covered by a durable checkpoint. The entries of the steps since the previous checkpoint
+travel inside the checkpoint itself, so after a crash between the checkpoint and the ledger append,
 ``reconcile`` writes the missing lines from the loaded checkpoint. The ledger therefore
 lists exactly the trajectories whose gradient is in the latest checkpoint's weights,
 each once per time it was trained: the audit of exactly-once training.
@@ -33,13 +42,14 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from consumers.batching import TopicPartition
+from consumers.batching import StaleGroup, TopicPartition
 from consumers.config import CheckpointConfig
 from consumers.train_engine import TrainEngine, barrier, rank
 
@@ -63,6 +73,7 @@ class TrainerState:
     ledger: list[tuple[int, list[str]]] = field(default_factory=list)
     runner: dict[str, Any] = field(default_factory=dict)
     last_published: int | None = None
+    stale: list[StaleGroup] = field(default_factory=list)  # since the previous checkpoint
 
     def to_client_state(self) -> dict[str, Any]:
         return {
@@ -72,6 +83,7 @@ class TrainerState:
                 "ledger": [[s, list(ids)] for s, ids in self.ledger],
                 "runner": self.runner,
                 "last_published": self.last_published,
+                "stale": [g.to_state() for g in self.stale],
             }
         }
 
@@ -86,6 +98,7 @@ class TrainerState:
             ledger=[(int(s), [str(i) for i in ids]) for s, ids in raw["ledger"]],
             runner=dict(raw.get("runner") or {}),
             last_published=raw.get("last_published"),
+            stale=[StaleGroup.from_state(g) for g in raw.get("stale") or []],
         )
 
 
@@ -220,14 +233,20 @@ class TrainingLedger:
                 last = max(last, int(orjson.loads(line)["step"]))
         return last
 
-    def append(self, entries: list[tuple[int, list[str]]]) -> int:
-        """Append entries of steps after ``last_step`` (others are already there);
-        returns how many lines were written."""
+    def append(self, entries: list[tuple[int, list[str]]], stale: Sequence[StaleGroup] = ()) -> int:
+        """Append entries of steps after ``last_step`` (others are already there), each
+        with the sample ids of ``stale`` groups of its step; returns how many lines were
+        written."""
         fresh = [(s, ids) for s, ids in entries if s > self._last_step]
         if not fresh:
             return 0
+        stale_ids: dict[int, list[str]] = {}
+        for group in stale:
+            stale_ids.setdefault(group.step, []).extend(group.trajectory_ids)
         payload = b"".join(
-            orjson.dumps({"step": s, "trajectory_ids": ids}) + b"\n" for s, ids in fresh
+            orjson.dumps({"step": s, "trajectory_ids": ids, "stale_ids": stale_ids.get(s, [])})
+            + b"\n"
+            for s, ids in fresh
         )
         with self.path.open("ab") as fh:
             fh.write(payload)
@@ -236,6 +255,18 @@ class TrainingLedger:
                 os.fsync(fh.fileno())
         self._last_step = max(s for s, _ in fresh)
         return len(fresh)
+
+    @staticmethod
+    def read_stale(path: Path) -> list[tuple[int, list[str]]]:
+        """``(step, stale sample ids)`` of every complete line (a torn last line is
+        ignored; lines written before stale routing existed have none)."""
+        entries = []
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(path).read_bytes().splitlines(keepends=True):
+                if line.endswith(b"\n") and line.strip():
+                    row = orjson.loads(line)
+                    entries.append((int(row["step"]), list(row.get("stale_ids") or [])))
+        return entries
 
     @staticmethod
     def read(path: Path) -> list[tuple[int, list[str]]]:

@@ -10,6 +10,7 @@ is immutable; each field's description is its help text. Nested tables::
     [trainer.engine]          DeepSpeed: ZeRO stage, bf16, accumulation, clipping, AdamW
     [trainer.loss]            the loss variant (``consumers.loss_config``, chosen by ``type``)
     [trainer.approx]          records without exact ``logp_old`` (the approximate route)
+    [trainer.staleness]       the staleness window enforced at training time
     [trainer.checkpoint]      where and how often checkpoints (with Kafka offsets) are saved
     [trainer.topics]          topic names and the consumer group
     [trainer.retry]           back-off for S3 and Kafka outages
@@ -170,6 +171,29 @@ class ApproxConfig(StrictModel):
     )
 
 
+class StalenessConfig(StrictModel):
+    """The staleness window, enforced when a group is trained.
+
+    A group waits in ``rollouts.scored`` after the stream checked it, and under a backlog
+    the trainer's version moves on meanwhile. So the trainer checks again, against the
+    version it is about to train (staleness = that version - the group's oldest segment
+    version): a group over the limit is never trained; it goes, whole, to
+    ``topics.stale`` with its staleness (``StaleRecord`` with ``stage = "trainer"``). The
+    bound ``staleness/max <= max_staleness`` then holds whatever the backlog.
+    """
+
+    max_staleness: int | None = Field(
+        default=4,
+        ge=0,
+        description=(
+            "Most versions a trained group may lag the version being trained (the same "
+            "concept and default as [streams.staleness] max_staleness; keep them equal). "
+            "Empty: no check at training time. With the stream's staged mode set it to the "
+            "oldest lag a stage admits (stage_versions x (stages_admitted + 1) - 1), or empty."
+        ),
+    )
+
+
 class CheckpointConfig(StrictModel):
     """DeepSpeed checkpoints that carry the Kafka offsets they cover (crash safety)."""
 
@@ -200,6 +224,7 @@ class TopicsConfig(StrictModel):
 
     scored: str = Field(default="rollouts.scored", description="Scored groups to train on.")
     dlq: str = Field(default="rollouts.dlq", description="Where undecodable records go.")
+    stale: str = Field(default="rollouts.stale", description="Where groups too stale to train go.")
     versions: str = Field(default="policy.versions", description="Version announcements.")
     group_id: str = Field(
         default="rollstream-trainer",
@@ -261,6 +286,9 @@ class TrainerConfig(StrictModel):
         description="[trainer.loss]: grpo | decoupled | mu_grpo | ppo_ewma (by type).",
     )
     approx: ApproxConfig = Field(default_factory=ApproxConfig, description="[trainer.approx]")
+    staleness: StalenessConfig = Field(
+        default_factory=StalenessConfig, description="[trainer.staleness]"
+    )
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, description="[trainer.checkpoint]"
     )
@@ -296,7 +324,19 @@ class TrainerConfig(StrictModel):
             raise ValueError("the ppo_ewma loss needs approx.route = 'ewma'")
         if self.engine.zero_stage == 3 and self.engine.accelerator == "cpu":
             raise ValueError("ZeRO stage 3 needs GPUs (engine.zero_stage <= 2 on cpu)")
+        window, every = self.staleness.max_staleness, self.publish.every
+        if window is not None and every is not None and every > window + 1:
+            raise ValueError(
+                f"publish.every = {every} is more than staleness.max_staleness + 1 = "
+                f"{window + 1}: producers get credit per announced version for "
+                "max_staleness + 1 steps of groups, so generation would stall between "
+                "versions (and data would go stale); publish more often or widen the window"
+            )
         return self
+
+    def groups_per_step(self) -> int:
+        """Groups one optimiser step takes at most (what the trainer announces)."""
+        return self.batch.max_groups * self.engine.grad_accum_steps
 
     def ewma_settings(self) -> tuple[float, float | None]:
         """(beta, reset_below) of the proximal EWMA: the ppo_ewma loss's own, else approx's."""

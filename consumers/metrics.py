@@ -29,6 +29,11 @@ Loss metrics come from ``consumers.losses`` (see its table): ``loss/total``,
 the wall clock at the end of the step),
 ``throughput/tokens_per_s`` (prompt + response tokens of the step / step compute time)
 and ``data/dlq`` (records sent to the DLQ since the last step).
+
+Backlog (``ScoredSource.lag``): ``lag/partition/<p>`` is the records of
+``rollouts.scored[p]`` not trained yet (the consumer's last high watermark minus the
+trained offset), ``lag/total`` their sum: a partition whose lag grows while the others'
+shrink is starving.
 """
 
 from __future__ import annotations

@@ -16,12 +16,22 @@ Offset discipline (confluent-kafka, no auto commit, no auto offset store):
 One trainer process per consumer group: a rebalance inside the process (for example after
 ``max.poll.interval.ms`` was exceeded) re-seeks to the in-memory positions, so nothing is
 read twice; a second trainer in the same group is not supported.
+
+Fairness across partitions. librdkafka hands out prefetched records in fetch order, a
+whole partition's chunk at a time: under a backlog one partition was drained for hundreds
+of groups while another's offset stood still. So records go first into a small buffer
+per partition, and the batch assembler is fed **oldest first across partitions** (the
+buffered head with the smallest timestamp). A partition whose buffer is full is paused
+(librdkafka drops what it prefetched for it and fetches again from the next offset once
+it is resumed), so the records of the other partitions come through. ``lag`` reports
+each partition's backlog (high watermark minus the trainer's position) for the metrics.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 
 from confluent_kafka import (
@@ -33,13 +43,19 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from consumers.batching import BatchAssembler, ConsumedGroup, MicroBatch, check_trainable
+from consumers.batching import (
+    BatchAssembler,
+    ConsumedGroup,
+    MicroBatch,
+    StaleGroup,
+    check_trainable,
+)
 from consumers.batching import TopicPartition as TP
 from consumers.config import BatchConfig, TopicsConfig
 from core.config import RetryConfig
 from core.retry import retrying
 from schemas.codec import DecodeError
-from schemas.control import DeadLetter
+from schemas.control import DeadLetter, StaleRecord
 from schemas.group import decode_group
 
 log = logging.getLogger(__name__)
@@ -48,8 +64,8 @@ log = logging.getLogger(__name__)
 DlqHook = Callable[[str], None]
 
 
-class DeadLetterProducer:
-    """Idempotent producer for the DLQ; the first delivery error is kept and raised."""
+class _SideProducer:
+    """Idempotent producer of routed records; the first delivery error is kept and raised."""
 
     def __init__(self, client_config: Mapping[str, str], topic: str) -> None:
         self.topic = topic
@@ -63,6 +79,35 @@ class DeadLetterProducer:
         if err is not None and self._error is None:
             self._error = err
 
+    def _produce(self, key: bytes | None, value: bytes | None, headers: list) -> None:
+        while True:
+            try:
+                self._producer.produce(
+                    self.topic, key=key, value=value, headers=headers, on_delivery=self._delivered
+                )
+                break
+            except BufferError:  # local queue full: serve callbacks and try again
+                self._producer.poll(0.5)
+        self._producer.poll(0)
+        self.sent += 1
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait for every record to be acknowledged; raise the first failure."""
+        remaining = self._producer.flush(timeout_s)
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise KafkaException(err)
+        if remaining:
+            raise KafkaException(
+                KafkaError(
+                    KafkaError._MSG_TIMED_OUT, f"{remaining} records to {self.topic} not acked"
+                )
+            )
+
+
+class DeadLetterProducer(_SideProducer):
+    """The DLQ: the original value and headers plus a ``DeadLetter`` header."""
+
     def send(self, msg: Message, reason: str, detail: str) -> None:
         letter = DeadLetter(
             reason=reason,
@@ -74,31 +119,24 @@ class DeadLetterProducer:
         headers = [(k, v) for k, v in (msg.headers() or []) if k != letter.header()[0]] + [
             letter.header()
         ]
-        while True:
-            try:
-                self._producer.produce(
-                    self.topic,
-                    key=msg.key(),
-                    value=msg.value(),
-                    headers=headers,
-                    on_delivery=self._delivered,
-                )
-                break
-            except BufferError:  # local queue full: serve callbacks and try again
-                self._producer.poll(0.5)
-        self._producer.poll(0)
-        self.sent += 1
+        self._produce(msg.key(), msg.value(), headers)
 
-    def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait for every dead letter to be acknowledged; raise the first failure."""
-        remaining = self._producer.flush(timeout_s)
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise KafkaException(err)
-        if remaining:
-            raise KafkaException(
-                KafkaError(KafkaError._MSG_TIMED_OUT, f"{remaining} dead letters not acked")
-            )
+
+class StaleRouter(_SideProducer):
+    """``rollouts.stale`` for groups too stale to train: the scored record unchanged plus
+    a ``StaleRecord`` header (``stage = "trainer"``)."""
+
+    def send(self, group: StaleGroup) -> None:
+        record = StaleRecord(
+            trajectory_id=group.group_id,
+            staleness=group.staleness,
+            trainer_version=group.trainer_version,
+            max_staleness=group.max_staleness,
+            stage="trainer",
+        )
+        name, value = record.header()
+        headers = [(k, v) for k, v in group.headers if k != name] + [(name, value)]
+        self._produce(group.key, group.value, headers)
 
 
 class ScoredSource:
@@ -128,8 +166,13 @@ class ScoredSource:
             k: v for k, v in (start_offsets or {}).items() if k[0] == topics.scored
         }
         self.assigned: set[TP] = set()
+        # fetched, not yet handed to the assembler (see "Fairness" in the module doc)
+        self.buffers: dict[TP, deque[Message]] = {}
+        self.buffer_limit = max(4 * batch.max_groups, 32)
+        self.paused: set[TP] = set()
         self.assembler = BatchAssembler(batch.max_groups, batch.max_tokens, batch.max_wait_s)
         self.dlq = DeadLetterProducer(client_config, topics.dlq)
+        self.stale = StaleRouter(client_config, topics.stale)
         self.foreign = 0
         static = {"group.instance.id": topics.group_instance_id} if topics.group_instance_id else {}
         self._consumer = Consumer(
@@ -153,6 +196,7 @@ class ScoredSource:
     # --- rebalance callbacks ------------------------------------------------------------
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self.paused.clear()  # an assignment starts unpaused
         for tp in partitions:
             known = self.positions.get((tp.topic, tp.partition))
             if known is not None:
@@ -169,7 +213,10 @@ class ScoredSource:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
-            self.assigned.discard((tp.topic, tp.partition))
+            key = (tp.topic, tp.partition)
+            self.assigned.discard(key)
+            self.buffers.pop(key, None)  # re-read from ``positions`` if assigned again
+            self.paused.discard(key)
         log.info("revoked %s", ", ".join(f"{tp.topic}[{tp.partition}]" for tp in partitions))
         consumer.unassign()
 
@@ -182,22 +229,79 @@ class ScoredSource:
             ready = self.assembler.take()
             if ready is not None:
                 return ready
+            if self._fetch(0.0) or any(self.buffers.values()):
+                self._handle(self._oldest())
+                continue
             left = self.assembler.seconds_left()
             timeout = self.batch_config.poll_timeout_s
             if left is not None:
                 timeout = min(timeout, max(left, 0.001))
-            msg = self._consumer.poll(timeout)
-            if msg is not None:
-                self._handle(msg)
+            self._fetch(timeout)
         return None
 
+    def _fetch(self, timeout_s: float) -> int:
+        """Move what librdkafka has (waiting up to ``timeout_s`` for a first record) into
+        the per-partition buffers; pause partitions whose buffer is full. Returns how
+        many records arrived."""
+        first = self._consumer.poll(timeout_s)
+        if first is None:
+            return 0
+        arrived = 0
+        for msg in [first, *self._consumer.consume(num_messages=500, timeout=0)]:
+            err = msg.error()
+            if err is not None:
+                if err.fatal():
+                    raise KafkaException(err)
+                log.warning("consumer error (retried by librdkafka): %s", err)
+                continue
+            key = (msg.topic() or "", msg.partition() or 0)
+            if key not in self.assigned:
+                continue  # fetched before a revocation: read again from ``positions``
+            buffer = self.buffers.setdefault(key, deque())
+            offset = msg.offset() or 0
+            last = buffer[-1].offset() or 0 if buffer else self.positions.get(key, 0) - 1
+            if offset <= last:
+                continue  # delivered again after a resume
+            buffer.append(msg)
+            arrived += 1
+            if len(buffer) >= self.buffer_limit and key not in self.paused:
+                self._consumer.pause([TopicPartition(*key)])
+                self.paused.add(key)
+        return arrived
+
+    def _oldest(self) -> Message:
+        """Take the buffered record with the oldest timestamp across partitions (ties:
+        the lowest partition); resume its partition once its buffer has room again."""
+        key = min(
+            (k for k, b in self.buffers.items() if b),
+            key=lambda k: (self.buffers[k][0].timestamp()[1], k[1]),
+        )
+        buffer = self.buffers[key]
+        msg = buffer.popleft()
+        if key in self.paused and len(buffer) <= self.buffer_limit // 2:
+            self._consumer.resume([TopicPartition(*key)])
+            self.paused.discard(key)
+        return msg
+
+    def lag(self, trained: Mapping[TP, int]) -> dict[int, int]:
+        """Records of each assigned partition not trained yet: the high watermark last
+        seen by the consumer minus the trained offset (the checkpointable position, else
+        the read position). Partitions whose watermark is not known yet are left out."""
+        out: dict[int, int] = {}
+        for key in sorted(self.assigned):
+            try:
+                _low, high = self._consumer.get_watermark_offsets(TopicPartition(*key), cached=True)
+            except KafkaException:
+                continue
+            if high is None or high < 0:
+                continue
+            done = trained.get(key, self.positions.get(key))
+            if done is None:
+                continue
+            out[key[1]] = max(0, high - done)
+        return out
+
     def _handle(self, msg: Message) -> None:
-        err = msg.error()
-        if err is not None:
-            if err.fatal():
-                raise KafkaException(err)
-            log.warning("consumer error (retried by librdkafka): %s", err)
-            return
         topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
         assert topic is not None and partition is not None and offset is not None
         self.positions[(topic, partition)] = offset + 1
@@ -234,6 +338,9 @@ class ScoredSource:
                 offset=offset,
                 group_id=group.group_id,
                 trajectories=group.samples,
+                key=msg.key(),
+                value=msg.value() or b"",
+                headers=tuple((k, v) for k, v in (msg.headers() or []) if v is not None),
             )
         )
 
@@ -259,6 +366,15 @@ class ScoredSource:
             with attempt:
                 self.dlq.flush()
 
+    def route_stale(self, groups: list[StaleGroup]) -> None:
+        """Send ``groups`` to the stale topic and wait until every one is acknowledged
+        (retried with back-off while the broker is away)."""
+        for group in groups:
+            self.stale.send(group)
+        for attempt in retrying(self.retry, (KafkaException,), "flush the stale topic"):
+            with attempt:
+                self.stale.flush()
+
     def commit(self, offsets: Mapping[TP, int]) -> bool:
         """Commit checkpointed ``offsets`` to the group synchronously. A failure is logged
         and returns False: the checkpoint, not Kafka, is the source of truth on restart."""
@@ -277,5 +393,6 @@ class ScoredSource:
     def close(self) -> None:
         try:
             self.dlq.flush()
+            self.stale.flush()
         finally:
             self._consumer.close()

@@ -5,12 +5,15 @@ Reads like pseudocode on purpose (``Trainer.run``)::
     restore the last checkpoint (weights, optimiser, step, Kafka offsets, EWMA)
     publish version `step` if the store has none
     until stopped or max_steps:
-        gather grad_accum_steps micro-batches of whole groups from rollouts.scored
+        gather grad_accum_steps micro-batches of whole groups from rollouts.scored,
+            setting aside groups more than staleness.max_staleness behind `step`
         one optimiser step (consumers.step)                  -> version step+1
-        publish every publish.every steps                    (S3, then policy.versions)
+        publish every publish.every steps                    (S3, then policy.versions,
+                                                              with groups per step and window)
         checkpoint every checkpoint.every steps:
-            flush the DLQ, save (offsets + ledger inside), mark LATEST,
-            append the ledger, commit the offsets to Kafka
+            flush the DLQ, save (offsets + ledger + stale groups inside), mark LATEST,
+            route the stale groups to rollouts.stale, append the ledger,
+            commit the offsets to Kafka
         metrics: JSONL, Prometheus, progress line
     on stop (SIGTERM/SIGINT, max_steps): finish the step, checkpoint, close
 
@@ -27,19 +30,23 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from consumers.batching import TopicPartition, merge_offsets
+from consumers.batching import StaleGroup, TopicPartition, merge_offsets
 from consumers.checkpoint import CheckpointManager, TrainerState, TrainingLedger
 from consumers.config import CheckpointConfig, TrainerConfig
 from consumers.metrics import MetricsSink, data_metrics
 from core.config import S3Config, WeightsConfig
 from core.models import load_model
 from schemas.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from weights.announce import Announcer
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +59,19 @@ def _failpoint(name: str, step: int) -> None:
     if os.environ.get(FAILPOINT_ENV) == f"{name}:{step}":
         log.warning("failpoint %s:%d: killing this process", name, step)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def trainer_announcer(kafka: Mapping[str, str], config: TrainerConfig) -> Announcer:
+    """The trainer's announcer: every version it announces carries its groups per step and
+    staleness window, from which producers derive their admission credit."""
+    from weights.announce import Announcer
+
+    return Announcer(
+        kafka,
+        topic=config.topics.versions,
+        groups_per_step=config.groups_per_step(),
+        max_staleness=config.staleness.max_staleness,
+    )
 
 
 @dataclass(frozen=True)
@@ -86,6 +106,7 @@ class TrainSummary:
     steps_this_run: int
     trained: int
     dead_letters: int
+    stale_groups: int
     checkpoints: int
     published: list[int]
 
@@ -101,7 +122,11 @@ class Trainer:
         self.offsets: dict[TopicPartition, int] = {}
         self.pending_ledger: list[tuple[int, list[str]]] = []
         self.last_checkpoint_step = 0
-        self.summary = TrainSummary(0, 0, 0, 0, 0, [])
+        self.pending_stale: list[StaleGroup] = []
+        window = self.config.staleness.max_staleness or 0
+        self.recent_producers: deque[set[str]] = deque(maxlen=window + 1)
+        self.restored: TrainerState | None = None
+        self.summary = TrainSummary(0, 0, 0, 0, 0, 0, [])
 
     # --- setup --------------------------------------------------------------------------
 
@@ -154,15 +179,30 @@ class Trainer:
             raise RuntimeError(
                 f"checkpoint step {state.step} != DeepSpeed global_steps {self.engine.global_steps}"
             )
-        if self.ledger is not None:
-            written = self.ledger.append(state.ledger)
-            if written:
-                log.warning("ledger: wrote %d step(s) the checkpoint had and it lacked", written)
+        self.restored = state
         log.info(
             "restored step %d; resuming at offsets %s",
             state.step,
             {f"{t}[{p}]": o for (t, p), o in sorted(self.offsets.items())},
         )
+
+    def _settle_restored(self) -> None:
+        """Finish the last checkpoint's work a crash may have cut short: route its stale
+        groups (those of steps the ledger lacks; without a ledger, all of them: at least
+        once) and write the ledger lines it has and the ledger lacks."""
+        state = self.restored
+        if state is None:
+            return
+        last = self.ledger.last_step if self.ledger is not None else -1
+        unrouted = [g for g in state.stale if g.step > last]
+        if unrouted:
+            self.source.route_stale(unrouted)
+            log.warning("routed %d stale group(s) of the last checkpoint again", len(unrouted))
+        if self.ledger is not None:
+            written = self.ledger.append(state.ledger, state.stale)
+            if written:
+                log.warning("ledger: wrote %d step(s) the checkpoint had and it lacked", written)
+        self.restored = None
 
     def _connect(self) -> None:
         from consumers.source import ScoredSource
@@ -183,16 +223,13 @@ class Trainer:
         self.publisher = None
         if self.settings.s3 is not None and (cfg.publish.every or cfg.publish.initial):
             from consumers.weight_publisher import Publisher
-            from weights.announce import Announcer
             from weights.store import WeightStore
             from weights.writer import DeltaWriter
 
             store = WeightStore.from_config(self.settings.s3, self.settings.run_id)
             writer = DeltaWriter.from_config(store, self.settings.weights)
             announcer = (
-                Announcer(self.settings.kafka, topic=cfg.topics.versions)
-                if cfg.publish.announce
-                else None
+                trainer_announcer(self.settings.kafka, cfg) if cfg.publish.announce else None
             )
             self.publisher = Publisher(
                 writer,
@@ -211,12 +248,13 @@ class Trainer:
 
         from core.retry import retrying
         from infra.topics import ensure_topics
-        from schemas.topics import POLICY_VERSIONS, ROLLOUTS_DLQ, ROLLOUTS_SCORED
+        from schemas.topics import POLICY_VERSIONS, ROLLOUTS_DLQ, ROLLOUTS_SCORED, ROLLOUTS_STALE
 
         names = self.config.topics
         specs = [
             dataclasses.replace(ROLLOUTS_SCORED, name=names.scored),
             dataclasses.replace(ROLLOUTS_DLQ, name=names.dlq),
+            dataclasses.replace(ROLLOUTS_STALE, name=names.stale),
             dataclasses.replace(POLICY_VERSIONS, name=names.versions),
         ]
         for attempt in retrying(self.config.retry, (KafkaException,), "ensure topics"):
@@ -231,6 +269,7 @@ class Trainer:
         try:
             self._restore()
             self._connect()
+            self._settle_restored()
             max_steps = self.config.max_steps
             while not self.stop_event.is_set() and (max_steps is None or self.step < max_steps):
                 if not self._one_step():
@@ -248,7 +287,7 @@ class Trainer:
         gathered = self._gather(cfg.engine.grad_accum_steps)
         if gathered is None:
             return False
-        micro_batches, covered = gathered
+        micro_batches, covered, stale = gathered
         computed = time.perf_counter()
         version = self.step  # the weights being trained are version `step`
         result = self.runner.train_step(micro_batches)
@@ -256,7 +295,10 @@ class Trainer:
         self.step += 1
         self.offsets = merge_offsets(self.offsets, covered)
         ids = [t.trajectory_id for t in result.trained]
+        self._count_producers(result.trained)
         self.pending_ledger.append((self.step, ids))
+        self.pending_stale.extend(stale)
+        self.summary.stale_groups += len(stale)
 
         metrics: dict[str, float] = {"step": float(self.step), "version": float(version)}
         metrics.update(data_metrics(result.trained, version))
@@ -269,6 +311,15 @@ class Trainer:
         metrics["throughput/tokens_per_s"] = tokens / compute_s if compute_s > 0 else 0.0
         metrics["data/dropped_approx"] = float(result.dropped)
         metrics["data/dlq_total"] = float(self.source.dlq.sent)
+        metrics["data/stale_groups"] = float(len(stale))
+        metrics["data/stale_total"] = float(self.summary.stale_groups)
+        if stale:
+            metrics["data/stale_staleness_max"] = float(max(g.staleness for g in stale))
+        lag = self.source.lag(self.offsets)
+        for partition, records in lag.items():
+            metrics[f"lag/partition/{partition}"] = float(records)
+        if lag:
+            metrics["lag/total"] = float(sum(lag.values()))
 
         if self.publisher is not None and self.publisher.due(self.step):
             published = self.publisher.publish(self.step, self.engine.state_dict())
@@ -281,22 +332,43 @@ class Trainer:
         self.summary.trained += len(result.trained)
         return True
 
+    def _count_producers(self, trained: list[Trajectory]) -> None:
+        """Producers whose groups were trained over the last window + 1 steps: they share
+        this trainer's pace (announced with each version, ``producers.worker``)."""
+        self.recent_producers.append({t.producer_id for t in trained})
+        announcer = self.publisher.announcer if self.publisher is not None else None
+        if announcer is not None:
+            active = set().union(*self.recent_producers)
+            announcer.producers = len(active) or None
+
     def _gather(
         self, count: int
-    ) -> tuple[list[list[Trajectory]], dict[TopicPartition, int]] | None:
-        """``count`` non-empty micro-batches and the offsets they (and any empty ones
-        between them) cover; None if a stop was requested first."""
+    ) -> tuple[list[list[Trajectory]], dict[TopicPartition, int], list[StaleGroup]] | None:
+        """``count`` non-empty micro-batches, the offsets they (and any empty ones between
+        them) cover, and the groups set aside as too stale to train at version ``step``;
+        None if a stop was requested first (nothing is set aside then: the offsets do not
+        move, and the same records are judged again)."""
+        limit = self.config.staleness.max_staleness
         batches: list[list[Trajectory]] = []
         covered: dict[TopicPartition, int] = {}
+        stale: list[StaleGroup] = []
         while len(batches) < count:
             micro = self.source.next_micro_batch(self.stop_event)
             if micro is None:
                 return None
             covered = merge_offsets(covered, micro.next_offsets)
+            if limit is not None:
+                fresh = []
+                for group in micro.groups:
+                    if group.staleness(self.step) > limit:
+                        stale.append(StaleGroup.of(group, self.step + 1, self.step, limit))
+                    else:
+                        fresh.append(group)
+                micro.groups = fresh
             kept, _dropped = self.runner.select(micro.trajectories)
-            if kept:  # a micro-batch left empty by route=drop only advances the offsets
+            if kept:  # a micro-batch left empty (route=drop, stale) only advances the offsets
                 batches.append(micro.trajectories)
-        return batches, covered
+        return batches, covered, stale
 
     # --- checkpoints --------------------------------------------------------------------
 
@@ -310,12 +382,16 @@ class Trainer:
             ledger=list(self.pending_ledger),
             runner=self.runner.state_dict(),
             last_published=None if self.publisher is None else self.publisher.last_version,
+            stale=list(self.pending_stale),
         )
         tag = self.checkpoints.save(self.engine, state)
         _failpoint("after_checkpoint", self.step)
+        if self.pending_stale:  # their offsets are durable now: never trained after a restart
+            self.source.route_stale(self.pending_stale)
         if self.ledger is not None:
-            self.ledger.append(self.pending_ledger)
+            self.ledger.append(self.pending_ledger, self.pending_stale)
         self.pending_ledger = []
+        self.pending_stale = []
         self.last_checkpoint_step = self.step
         self.summary.checkpoints += 1
         self.source.commit(self.offsets)

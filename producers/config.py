@@ -113,17 +113,19 @@ class RolloutConfig(StrictModel):
     staleness_window: int = Field(
         default=4,
         ge=0,
-        description="Start no new group while the engine's version is more than this many "
-        "versions ahead of the trainer's consumed version.",
+        description="Start no new group once the groups started ahead of the trainer's "
+        "trained version reach this many trainer steps + 1 (admission credit), or while the "
+        "engine lags the announced version by more. The trainer's announced window wins "
+        "when smaller.",
     )
     groups_per_version: int | None = Field(
         default=None,
         ge=1,
-        description="Admission credit: start at most (versions the engine loaded since this "
-        "worker began + 1 + staleness_window) x this many groups, so the worker never runs more "
-        "than staleness_window trainer steps ahead. Set it to the groups this worker gives "
-        "one trainer step (with staleness_window = 0 generation waits for every update: the "
-        "synchronous baseline). None: no credit limit.",
+        description="Groups one trainer step takes, for the admission credit (the worker "
+        "starts at most (1 + staleness_window) steps of groups ahead of the trainer's trained "
+        "version; with staleness_window = 0 generation waits for every update: the "
+        "synchronous baseline). None: the trainer's announced groups per step (no credit "
+        "limit if it announces none). Set it to share one trainer among several producers.",
     )
     version_policy: VersionPolicy = Field(
         default="interrupt",

@@ -10,7 +10,11 @@ Metrics, all prefixed ``rollstream_producer_``:
 - ``version`` (gauge): policy version the engine currently serves.
 - ``latest_version`` (gauge): newest version announced to the worker.
 - ``version_lag`` (gauge): ``latest_version - version`` (weights still to be applied).
-- ``consumed_lag`` (gauge): ``version - trainer consumed version`` (admission control).
+- ``lead`` (gauge): trainer steps of groups this worker started beyond the trainer's
+  trained version (its credit; admission pauses once it reaches the staleness window
+  + 1). A stopped trainer shows here: the lead climbs to the window and stays.
+- ``consumed_lag`` (gauge): ``version - trainer consumed version`` (with a
+  ``consumed_version`` hook only).
 - ``admission_paused`` (gauge): 1 while no new group may start.
 - ``inflight_groups`` / ``undelivered_groups`` (gauges): generating / awaiting acks.
 - ``interrupted_samples_total`` (counter, label ``policy``): samples cut by a version
@@ -48,6 +52,11 @@ class ProducerMetrics:
         self.version = Gauge(p + "version", "Policy version the engine serves.", registry=r)
         self.latest_version = Gauge(p + "latest_version", "Newest version announced.", registry=r)
         self.version_lag = Gauge(p + "version_lag", "latest_version - version.", registry=r)
+        self.lead = Gauge(
+            p + "lead",
+            "Trainer steps of groups started beyond the trainer's trained version.",
+            registry=r,
+        )
         self.consumed_lag = Gauge(
             p + "consumed_lag", "version - trainer consumed version.", registry=r
         )
@@ -117,7 +126,7 @@ class Progress:
         return (
             f"groups {done}  {self._rates[1]:.2f} groups/s  {self._rates[0]:.0f} tok/s  "
             f"v{int(m.get('version'))} (lag {int(m.get('version_lag'))}, "
-            f"ahead of trainer {int(m.get('consumed_lag'))})  "
+            f"ahead of trainer {m.get('lead'):.1f} steps)  "
             f"inflight {int(m.get('inflight_groups'))}  "
             f"unacked {int(m.get('undelivered_groups'))}  "
             f"delivery failures {int(m.get('delivery_failures_total'))}{paused}"

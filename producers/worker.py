@@ -8,10 +8,28 @@ a remote server does that):
    generating, fewer than ``max_undelivered_groups`` await Kafka's acknowledgement
    (bounded memory while the broker is away), the engine's version is at most
    ``staleness_window`` versions behind the newest announced one (else the weight store
-   is lagging or down: wait for the follower), and at most ``staleness_window`` versions
-   ahead of the trainer's consumed version (the version of the data the trainer is
-   eating; ``consumed_version`` hook): beyond that, new data would only queue up and go
-   stale. Each pause and its reason is logged once.
+   is lagging or down: wait for the follower), the worker has credit (below), and the
+   engine is at most ``staleness_window`` versions ahead of the trainer's consumed
+   version when a ``consumed_version`` hook gives one. Each pause and its reason is
+   logged once.
+
+   **Credit** (backpressure from the trainer's *trained* version, no setting needed).
+   The trainer announces, with every version, its step count (= the version) and how
+   many groups a step takes (``VersionAnnouncement.groups_per_step``; overridden by
+   ``groups_per_version`` when set) and its staleness window (the worker uses the
+   smaller of that and its own ``staleness_window``). The worker counts the groups it
+   started *ahead* of the trainer: +1 per group started, -groups_per_step per version
+   the trainer announces, never below 0. ``lead`` = ahead / groups_per_step is how many
+   trainer steps of data this worker has started beyond the trainer's trained version,
+   and a new group starts only while lead + (trained version - engine version) <
+   window + 1: the group then reaches the trainer at most ``window`` versions after the
+   version that generates it. Several producers share one trainer's pace: the trainer
+   announces how many producers' groups it trained over its last window + 1 steps
+   (``VersionAnnouncement.producers``), and each counts ``groups_per_step / producers``
+   per step (a producer that just joined counts once its first groups are trained). A
+   stopped trainer announces nothing, so generation pauses once the lead reaches the
+   window; it resumes with the next announcement. Without announcements (not following
+   weights) credit counts the versions the engine loads.
 2. **Generation.** The G samples of a group go to the engine as one batch request, each
    with its own rid. A sample's response is a list of segments ``(version, tokens)``.
 3. **Version changes** (``on_new_version`` / thread-safe ``submit_version``): the worker
@@ -58,6 +76,7 @@ from producers.config import ProducersConfig, RolloutConfig
 from producers.group_publisher import GroupPublisher
 from producers.metrics import ProducerMetrics, Progress
 from producers.tasks import Prompt, Task
+from schemas.control import VersionAnnouncement
 from schemas.trajectory import NO_VERSION, Trajectory
 from schemas.validation import ValidationLimits, validate
 
@@ -113,6 +132,7 @@ class RolloutWorker:
         metrics: ProducerMetrics | None = None,
         consumed_version: Callable[[], int | None] | None = None,
         announced_version: Callable[[], int | None] | None = None,
+        announcement: Callable[[], VersionAnnouncement | None] | None = None,
         wait_for_first_version: bool = False,
         mark: Callable[[], Mapping[int, int]] | None = None,
         limits: ValidationLimits | None = None,
@@ -127,6 +147,7 @@ class RolloutWorker:
         self.metrics = metrics or publisher.metrics
         self.consumed_version = consumed_version
         self.announced_version = announced_version
+        self.announcement = announcement
         self.limits = limits or ValidationLimits()
         self._mark = mark
         self.rng = random.Random(config.seed)
@@ -156,7 +177,8 @@ class RolloutWorker:
         self._stop_abort: asyncio.Future | None = None
         self._engine_version_warned = False
         self._groups_started = 0
-        self._credit_base: int | None = None  # newest version when credit counting began
+        self._ahead = 0.0  # groups started ahead of the trainer's trained version (credit)
+        self._credit_version: int | None = None  # trained version _ahead was last settled at
         self.metrics.version.set(self.version)
         self.metrics.latest_version.set(self.version)
 
@@ -227,6 +249,7 @@ class RolloutWorker:
                     break
                 started += 1
                 self._groups_started += 1
+                self._ahead += 1
                 tasks.add(asyncio.create_task(self._group_task(), name=f"group-{started}"))
             while tasks:
                 await self._reap(tasks)
@@ -283,10 +306,15 @@ class RolloutWorker:
 
     def _pause_reason(self) -> str | None:
         """Why no new group may start now, or None."""
+        trainer = self.announcement() if self.announcement is not None else None
         window = self.config.staleness_window
+        if trainer is not None and trainer.max_staleness is not None:
+            window = min(window, trainer.max_staleness)
         if self.version == NO_VERSION:
             return "waiting for the first policy version from the weight follower"
         announced = self.announced_version() if self.announced_version is not None else None
+        if trainer is not None:
+            announced = max(announced or 0, trainer.version)
         if announced is not None:
             if announced > self.latest_version:
                 self.latest_version = announced
@@ -298,19 +326,8 @@ class RolloutWorker:
                     f"staleness window ({window}) behind: waiting for the weight follower "
                     "(is the weight store reachable?)"
                 )
-        if (per_version := self.config.groups_per_version) is not None:
-            # Credit follows the version the engine serves (not the newest announced), so
-            # the group started k-th, trained at step ~k // per_version, is generated by a
-            # version at most `window` older than that step.
-            if self._credit_base is None:
-                self._credit_base = self.version
-            allowed = (self.version - self._credit_base + 1 + window) * per_version
-            if self._groups_started >= allowed:
-                return (
-                    f"{self._groups_started} groups started, the credit of v{self.version} "
-                    f"(groups_per_version {per_version}, staleness window {window}): "
-                    "waiting for the next version"
-                )
+        if (why := self._credit_pause(trainer, window)) is not None:
+            return why
         consumed = self.consumed_version() if self.consumed_version is not None else None
         if consumed is not None:
             ahead = self.version - consumed
@@ -322,6 +339,34 @@ class RolloutWorker:
                 )
         if self.publisher.undelivered_groups >= self.config.max_undelivered_groups:
             return f"{self.publisher.undelivered_groups} groups await Kafka acknowledgement"
+        return None
+
+    def _credit_pause(self, trainer: VersionAnnouncement | None, window: int) -> str | None:
+        """The credit rule of the module doc: why the credit is used up, or None."""
+        per_step: float | None = self.config.groups_per_version
+        if per_step is None and trainer is not None and trainer.groups_per_step is not None:
+            # producers share the trainer's pace: N of them each start 1/N of a step
+            per_step = trainer.groups_per_step / max(1, trainer.producers or 1)
+        if per_step is None:
+            return None  # no announced pace and none configured: no credit limit
+        # the trainer's trained version (without announcements: the version loaded)
+        trained = max(trainer.version, self.version) if trainer is not None else self.version
+        if self._credit_version is None:
+            self._credit_version = trained
+        elif trained > self._credit_version:
+            settled = (trained - self._credit_version) * per_step
+            self._ahead = max(0, self._ahead - settled)
+            self._credit_version = trained
+        lead = self._ahead / per_step
+        self.metrics.lead.set(lead)
+        behind = trained - self.version  # the engine's own lag behind the trainer
+        if lead + behind >= window + 1:
+            return (
+                f"{self._ahead:g} groups started ahead of the trainer's v{trained} "
+                f"({lead:.1f} steps of {per_step:g} groups"
+                + (f", engine {behind} version(s) behind" if behind else "")
+                + f"; staleness window {window}): waiting for the trainer"
+            )
         return None
 
     async def _poll_loop(self, progress: Progress | None) -> None:
@@ -744,6 +789,7 @@ async def run_producer(
             metrics=metrics,
             consumed_version=consumed_version,
             announced_version=lambda: watcher.newest if watcher is not None else None,
+            announcement=lambda: watcher.latest if watcher is not None else None,
             wait_for_first_version=rollout.follow_weights,
             mark=lambda: end_offsets(client_config, rollout.topic),
         )
@@ -775,17 +821,21 @@ async def run_producer(
 
 
 class _WatchedListener:
-    """An ``AnnouncementListener`` that remembers the newest version it has seen, so the
-    worker knows how far behind it is even while the weight store is unreachable."""
+    """An ``AnnouncementListener`` that remembers the newest announcement it has seen, so
+    the worker knows how far behind it is even while the weight store is unreachable, and
+    the trainer's trained version and pace for its credit."""
 
     def __init__(self, listener: Any) -> None:
         self.listener = listener
         self.newest: int | None = None
+        self.latest: VersionAnnouncement | None = None
 
     def next(self, timeout_s: float) -> Any:
         announcement = self.listener.next(timeout_s)
         if announcement is not None:
             self.newest = max(self.newest or 0, announcement.version)
+            if self.latest is None or announcement.version >= self.latest.version:
+                self.latest = announcement
         return announcement
 
     def close(self) -> None:

@@ -104,7 +104,8 @@ def profile_sections(profile: ProfileConfig) -> dict[str, Any]:
                 "task": profile.task or ("copy-first-digit-twice" if tiny else "arithmetic"),
                 "group_size": 8 if tiny else 4,
                 "staleness_window": window,
-                "groups_per_version": groups,
+                # no groups_per_version: producers take the trainer's announced pace,
+                # shared between however many of them run
                 "max_inflight_groups": min(groups, 8),
             },
         },
@@ -117,6 +118,7 @@ def profile_sections(profile: ProfileConfig) -> dict[str, Any]:
             "model": {"spec": profile.model},
             "engine": {"bf16": not tiny, "lr": 3e-3 if tiny else 1e-5, "zero_stage": 0},
             "loss": {"type": "decoupled"},
+            "staleness": {"max_staleness": window},  # checked again at training time
             # sync: a step waits for all of its groups; async: never wait long for stragglers
             "batch": {"max_groups": groups, "max_wait_s": 120.0 if profile.sync else 5.0},
         },

@@ -40,6 +40,7 @@ def run_trainer(config: RollstreamConfig, trainer: TrainerConfig, weights: Weigh
     click.echo(
         f"stopped at step {summary.step}: {summary.steps_this_run} steps this run, "
         f"{summary.trained} trajectories, {summary.dead_letters} dead letters, "
+        f"{summary.stale_groups} stale groups routed, "
         f"{summary.checkpoints} checkpoints, published {len(summary.published)} versions",
         err=True,
     )

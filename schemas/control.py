@@ -1,7 +1,9 @@
 """Small control messages, as orjson objects whose keys are exactly the dataclass fields.
 
 - ``VersionAnnouncement``: the value on ``policy.versions`` ("version N of run R is at
-  this URI, its manifest hashes to ..."). Keyed by run id (see ``schemas.topics``).
+  this URI, its manifest hashes to ...", and the trainer's groups per step and staleness
+  window, from which producers derive their admission credit). Keyed by run id (see
+  ``schemas.topics``).
 - ``DeadLetter`` and ``StaleRecord``: metadata of a record sent to ``rollouts.dlq`` or
   ``rollouts.stale``. The Kafka *value* of those messages is the original record bytes,
   unchanged (replayable as is, no base64 growth, no size surprise); the metadata travels
@@ -9,7 +11,8 @@
   routing headers.
 
 Construction checks types and ranges, so a message that exists is well-formed;
-``from_json`` raises ``ValueError`` naming the missing, unknown or mistyped field.
+``from_json`` raises ``ValueError`` naming the missing, unknown or mistyped field. Fields
+added later have defaults, so messages written before them still parse.
 """
 
 from __future__ import annotations
@@ -41,6 +44,14 @@ class VersionAnnouncement:
     sha256: str  # of the manifest, lowercase hex
     bytes: int  # total size of the version's files
     published_at_ms: int
+    # The trainer's pace, for the producers' default backpressure (None: not announced):
+    # groups it takes per optimiser step, and its staleness window. ``version`` is the
+    # trainer's step count when it published, so it is also the trainer's trained version.
+    groups_per_step: int | None = None
+    max_staleness: int | None = None
+    # How many producers' groups the trainer trained over its last window + 1 steps: they
+    # share its pace (each starts about groups_per_step / producers groups per step).
+    producers: int | None = None
 
     def __post_init__(self) -> None:
         _check_str(self, "run")
@@ -58,6 +69,12 @@ class VersionAnnouncement:
             )
         _check_int(self, "bytes", minimum=0)
         _check_int(self, "published_at_ms", minimum=0)
+        if self.groups_per_step is not None:
+            _check_int(self, "groups_per_step", minimum=1)
+        if self.max_staleness is not None:
+            _check_int(self, "max_staleness", minimum=0)
+        if self.producers is not None:
+            _check_int(self, "producers", minimum=1)
 
     @property
     def is_base(self) -> bool:
@@ -65,7 +82,13 @@ class VersionAnnouncement:
 
     # ``builtins.bytes``: inside this class, ``bytes`` is also the name of a field.
     def to_json(self) -> builtins.bytes:
-        return orjson.dumps(self)
+        """The pace fields are left out when unset, so such an announcement still reads
+        with a parser that predates them."""
+        obj = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in ("groups_per_step", "max_staleness", "producers"):
+            if obj[name] is None:
+                del obj[name]
+        return orjson.dumps(obj)
 
     @classmethod
     def from_json(cls, data: builtins.bytes | str) -> VersionAnnouncement:
@@ -109,20 +132,31 @@ class DeadLetter:
         return cls.from_json(_header_value(headers, DEAD_LETTER_HEADER))
 
 
+STALE_STAGES = ("stream", "trainer")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StaleRecord:
-    """Why a record went to ``rollouts.stale``: ``staleness = trainer_version - min_version``."""
+    """Why a record went to ``rollouts.stale``: ``staleness = trainer_version - min_version``.
+
+    ``stage`` says who filtered it: ``stream`` (a raw trajectory record, on arrival) or
+    ``trainer`` (a whole scored group that became too stale while it waited to be
+    trained; ``trajectory_id`` is then the group id, the samples are in the value).
+    """
 
     trajectory_id: str
     staleness: int
     trainer_version: int
     max_staleness: int  # the limit in force when the record was filtered
+    stage: str = "stream"
 
     def __post_init__(self) -> None:
         _check_str(self, "trajectory_id")
         _check_int(self, "staleness")
         _check_int(self, "trainer_version", minimum=0)
         _check_int(self, "max_staleness", minimum=0)
+        if self.stage not in STALE_STAGES:
+            raise ValueError(f"StaleRecord.stage must be one of {STALE_STAGES}, got {self.stage!r}")
 
     def to_json(self) -> bytes:
         return orjson.dumps(self)
@@ -153,9 +187,14 @@ def _from_json(cls: type[_Message], data: bytes | str) -> _Message:
     if not isinstance(obj, dict):
         raise ValueError(f"{name}: expected a JSON object, got {type(obj).__name__}")
     fields = {field.name for field in dataclasses.fields(cls)}
+    required = {
+        field.name
+        for field in dataclasses.fields(cls)
+        if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+    }
     if unknown := sorted(obj.keys() - fields):
         raise ValueError(f"{name}: unknown field(s) {unknown}")
-    if missing := sorted(fields - obj.keys()):
+    if missing := sorted(required - obj.keys()):
         raise ValueError(f"{name}: missing field(s) {missing}")
     return cls(**obj)
 

@@ -96,8 +96,8 @@ def test_admission_credit_pauses_until_the_next_version() -> None:
 
     (paused, count, after), publisher = asyncio.run(scenario())
     assert count == "2"
-    assert paused is not None and "credit of v0" in paused
-    assert after is not None and "credit of v1" in after  # 4 started: v1's credit is used up
+    assert paused is not None and "2 groups started ahead of the trainer's v0" in paused
+    assert after is not None and "ahead of the trainer's v1" in after  # v1's credit used up
     assert [list(g[0].segment_versions) for g in publisher.groups] == [[0], [0], [1], [1]]
 
 
@@ -116,3 +116,45 @@ def test_pause_reasons_name_what_the_worker_waits_for() -> None:
     slow.groups = [[] for _ in range(worker.config.max_undelivered_groups)]
     worker.publisher = slow  # type: ignore[assignment]
     assert "await Kafka acknowledgement" in (worker._pause_reason() or "")
+
+
+@pytest.mark.parametrize(("producers", "started"), [(None, 4), (1, 4), (2, 2), (4, 1)])
+def test_producers_share_the_trainers_announced_pace(producers: int | None, started: int) -> None:
+    """The trainer takes 4 groups a step and trained the groups of ``producers`` producers
+    lately: each of them starts its share, so together they stay within the window."""
+    from schemas.control import VersionAnnouncement
+
+    announced = VersionAnnouncement(
+        run="run", version=0, uri="s3://b/v0/", parent=None, base=0, sha256="0" * 64,
+        bytes=1, published_at_ms=1, groups_per_step=4, max_staleness=0, producers=producers,
+    )  # fmt: skip
+
+    async def scenario() -> tuple[int, str | None]:
+        publisher = FakePublisher()
+        worker = _worker(FakeBackend(), publisher, staleness_window=0)
+        worker.announcement = lambda: announced
+        run = asyncio.create_task(worker.run(groups=10))
+        for _ in range(200):
+            await asyncio.sleep(0)
+        reason = worker._pause_reason()
+        worker.request_stop()
+        await asyncio.wait_for(run, 10)
+        return len(publisher.groups), reason
+
+    count, reason = asyncio.run(scenario())
+    assert count == started
+    assert reason is not None and "waiting for the trainer" in reason
+
+
+def test_garbage_producer_counts_are_refused() -> None:
+    from schemas.control import VersionAnnouncement
+
+    base = {
+        "run": "r", "version": 1, "uri": "u", "parent": None, "base": 1, "sha256": "a" * 64,
+        "bytes": 0, "published_at_ms": 0,
+    }  # fmt: skip
+    for bad in (0, -2, "3", 1.5):
+        with pytest.raises(ValueError):
+            VersionAnnouncement(**base, groups_per_step=4, producers=bad)  # type: ignore[arg-type]
+    again = VersionAnnouncement(**base, groups_per_step=4, producers=3)
+    assert VersionAnnouncement.from_json(again.to_json()) == again

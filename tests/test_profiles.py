@@ -26,7 +26,7 @@ LEARNING_KEYS = (
     ("producers", "rollout", "task"),
     ("producers", "rollout", "group_size"),
     ("producers", "rollout", "staleness_window"),
-    ("producers", "rollout", "groups_per_version"),
+    ("trainer", "staleness", "max_staleness"),
     ("streams", "staleness", "max_staleness"),
     ("streams", "old_logits", "model"),
     ("streams", "old_logits", "dtype"),
@@ -52,8 +52,9 @@ def test_profile_settings_lie_under_explicit_values(tmp_path: Path) -> None:
     assert config.profile.resolved_name == "tiny"
     assert config.trainer.engine.lr == 1e-3  # the file wins
     assert config.trainer.engine.zero_stage == 0  # the profile fills the rest
-    assert config.producers.rollout.groups_per_version == 16
+    assert config.trainer.batch.max_groups == 16
     assert config.producers.rollout.staleness_window == 3
+    assert config.trainer.staleness.max_staleness == 3  # checked again at training time
     assert config.streams.staleness.max_staleness == 3
     # --set wins over both
     assert load_config(path, trainer={"engine": {"lr": 2e-3}}).trainer.engine.lr == 2e-3
@@ -102,7 +103,9 @@ def test_a_role_started_alone_gets_what_up_gives_it(
 def test_the_example_config_runs_the_tiny_profile_by_hand() -> None:
     config = load_config(EXAMPLE)
     assert config.profile.resolved_name == "tiny"
-    assert config.producers.rollout.groups_per_version is not None  # backpressure by default
+    # backpressure by default: the producers follow the trainer's announced pace
+    assert config.producers.rollout.groups_per_version is None
+    assert config.trainer.staleness.max_staleness == config.producers.rollout.staleness_window
     assert config.trainer.engine.lr == 3e-3
     window = config.producers.rollout.staleness_window
     assert config.streams.staleness.max_staleness == window

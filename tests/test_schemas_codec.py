@@ -543,3 +543,27 @@ def test_stale_record_round_trip_and_rejections() -> None:
         StaleRecord.from_json(orjson.dumps({**obj, "trainer_version": None}))
     with pytest.raises(ValueError, match="missing"):
         StaleRecord.from_json(orjson.dumps({"trajectory_id": "t"}))
+
+
+def test_announcements_carry_the_trainers_pace_and_older_ones_still_parse() -> None:
+    paced = announcement(groups_per_step=16, max_staleness=4)
+    assert VersionAnnouncement.from_json(paced.to_json()) == paced
+    older = orjson.loads(paced.to_json())
+    del older["groups_per_step"], older["max_staleness"]  # written before these fields
+    parsed = VersionAnnouncement.from_json(orjson.dumps(older))
+    assert parsed.groups_per_step is None and parsed.max_staleness is None
+    # unset, they are left out: what a parser that predates them reads
+    assert set(orjson.loads(parsed.to_json())) == set(older)
+    with pytest.raises(ValueError, match="groups_per_step"):
+        announcement(groups_per_step=0)
+    with pytest.raises(ValueError, match="max_staleness"):
+        announcement(max_staleness=-1)
+
+
+def test_stale_records_say_which_stage_filtered_them() -> None:
+    stream = StaleRecord(trajectory_id="t", staleness=5, trainer_version=9, max_staleness=4)
+    assert stream.stage == "stream"
+    trainer = dataclasses.replace(stream, trajectory_id="group-1", stage="trainer")
+    assert StaleRecord.from_headers([trainer.header()]) == trainer
+    with pytest.raises(ValueError, match="stage"):
+        dataclasses.replace(stream, stage="elsewhere")

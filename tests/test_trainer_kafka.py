@@ -64,11 +64,24 @@ def make_topics(kafka: KafkaConfig, unique_name: Callable[[str], str]) -> dict[s
     return names
 
 
-def produce(kafka: KafkaConfig, topic: str, items: Iterable[tuple[bytes, bytes]]) -> None:
+def produce(
+    kafka: KafkaConfig,
+    topic: str,
+    items: Iterable[tuple[bytes, bytes]],
+    timestamp_ms: int = 0,
+) -> None:
+    """``timestamp_ms`` (0: now) orders records across partitions for the trainer, which
+    serves the oldest first."""
     producer = Producer({**kafka.client_config(), "enable.idempotence": True})
     errors: list[object] = []
     for key, value in items:
-        producer.produce(topic, key=key, value=value, on_delivery=lambda e, _m: errors.append(e))
+        producer.produce(
+            topic,
+            key=key,
+            value=value,
+            timestamp=timestamp_ms,
+            on_delivery=lambda e, _m: errors.append(e),
+        )
         producer.poll(0)
     assert producer.flush(30) == 0
     assert not [e for e in errors if e is not None]
@@ -125,6 +138,8 @@ def trainer_config(tmp: Path, topics: dict[str, str], **extra: object) -> dict:
         "metrics_file": str(tmp / "metrics.jsonl"),
         "ledger_file": str(tmp / "ledger.jsonl"),
         "progress": False,
+        # the synthetic groups are all version 0: every one stays trainable at any step
+        "staleness": {"max_staleness": 1000},
         **extra,
     }
 
@@ -152,10 +167,10 @@ def test_trains_every_valid_group_dead_letters_the_rest_and_publishes(
     bad_token[0][0] = dataclasses.replace(
         bad_token[0][0], response_ids=bad_token[0][0].response_ids + 90
     )
-    records = group_records(groups[:3])
-    records += [(b"junk", b"not a scored group"), (b"g", encode_group(scored_group(bad_token[0])))]
-    records += group_records(groups[3:])
-    produce(kafka_config, topics["scored"], records)
+    # the bad records are the oldest, so they are read before the last group is trained
+    bad = [(b"junk", b"not a scored group"), (b"g", encode_group(scored_group(bad_token[0])))]
+    produce(kafka_config, topics["scored"], bad, timestamp_ms=int(time.time() * 1000) - 60_000)
+    produce(kafka_config, topics["scored"], group_records(groups))
 
     config = TrainerConfig.model_validate(trainer_config(tmp_path, topics, max_steps=3))
     settings = TrainerSettings(

@@ -7,6 +7,7 @@ keyed by run id, so a listener that starts late still finds each run's latest ve
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -30,13 +31,26 @@ DEFAULT_TOPIC = "policy.versions"
 
 
 class Announcer:
-    """Idempotent producer; ``announce`` returns once the broker has acknowledged."""
+    """Idempotent producer; ``announce`` returns once the broker has acknowledged.
+
+    The trainer's announcer also carries its pace: ``groups_per_step`` and
+    ``max_staleness`` are stamped on every announcement it sends (producers derive their
+    admission credit from them, ``producers.worker``)."""
 
     def __init__(
-        self, client_config: Mapping[str, str], topic: str = DEFAULT_TOPIC, timeout_s: float = 30
+        self,
+        client_config: Mapping[str, str],
+        topic: str = DEFAULT_TOPIC,
+        timeout_s: float = 30,
+        *,
+        groups_per_step: int | None = None,
+        max_staleness: int | None = None,
     ) -> None:
         self.topic = topic
         self.timeout_s = timeout_s
+        self.groups_per_step = groups_per_step
+        self.max_staleness = max_staleness
+        self.producers: int | None = None  # the trainer updates it as it trains
         self._producer = Producer(
             {
                 **client_config,
@@ -50,6 +64,13 @@ class Announcer:
     def announce(self, announcement: VersionAnnouncement) -> None:
         """Produce and wait for the delivery report; raises ``KafkaException`` on failure."""
         errors: list[KafkaError] = []
+        if self.groups_per_step is not None or self.max_staleness is not None:
+            announcement = dataclasses.replace(
+                announcement,
+                groups_per_step=self.groups_per_step,
+                max_staleness=self.max_staleness,
+                producers=self.producers,
+            )
 
         def delivered(err: KafkaError | None, _msg: object) -> None:
             if err is not None:

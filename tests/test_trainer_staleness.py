@@ -1,0 +1,214 @@
+"""The staleness window enforced at training time, on the real broker.
+
+A group checked by the stream can wait in ``rollouts.scored`` while the trainer's version
+moves on; the trainer judges it again against the version it is about to train, routes
+it to the stale topic if it is now over ``[trainer.staleness] max_staleness``, and keeps
+exactly-once accounting (ledger, offsets, checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import pytest
+from support.synthetic import synthetic_groups
+from test_trainer_kafka import (
+    end_and_committed,
+    group_records,
+    ids_of,
+    make_topics,
+    produce,
+    read_all,
+    spawn,
+    trainer_config,
+    write_toml,
+)
+
+from consumers.checkpoint import CheckpointManager, TrainingLedger
+from consumers.config import TrainerConfig
+from consumers.trainer import Trainer, TrainerSettings
+from core.config import KafkaConfig, S3Config
+from infra.topics import ensure_topics
+from schemas.control import StaleRecord
+from schemas.group import decode_group
+from schemas.topics import ROLLOUTS_STALE
+
+RUN = "trainer-test"
+WINDOW = 2
+
+
+def settings_for(tmp: Path, topics: dict[str, str], kafka: KafkaConfig, **extra: object):
+    config = TrainerConfig.model_validate(
+        trainer_config(tmp, topics, staleness={"max_staleness": WINDOW}, **extra)
+    )
+    return TrainerSettings(run_id=RUN, kafka=kafka.client_config(), trainer=config)
+
+
+def s3_table(s3: S3Config) -> dict:
+    secret = s3.secret_access_key.get_secret_value() if s3.secret_access_key else None
+    table = {
+        "name": s3.name,
+        "endpoint_url": s3.endpoint_url,
+        "bucket": s3.bucket,
+        "embedded": False,
+        "access_key_id": s3.access_key_id,
+        "secret_access_key": secret,
+    }
+    return {k: v for k, v in table.items() if v is not None}
+
+
+def metrics_lines(tmp: Path) -> list[dict]:
+    return [orjson.loads(x) for x in (tmp / "metrics.jsonl").read_bytes().splitlines()]
+
+
+@pytest.mark.slow
+def test_groups_too_stale_by_training_time_are_routed_not_trained(
+    kafka_config: KafkaConfig, unique_name: Callable[[str], str], tmp_path: Path
+) -> None:
+    topics = make_topics(kafka_config, unique_name)
+    topics["stale"] = unique_name("rollouts.stale")
+    ensure_topics(
+        kafka_config.client_config(), [dataclasses.replace(ROLLOUTS_STALE, name=topics["stale"])]
+    )
+    # run 1: three steps on fresh version-0 groups (2 groups a step)
+    first = synthetic_groups(6, seed=31, run_id=RUN, version=0)
+    produce(kafka_config, topics["scored"], group_records(first))
+    summary = Trainer(settings_for(tmp_path, topics, kafka_config, max_steps=3)).run()
+    assert summary.step == 3 and summary.stale_groups == 0
+
+    # a backlog built while the trainer moved on: version-0 groups are now 3 versions
+    # behind (over the window of 2) and must not be trained; version-3 groups are fresh
+    late = synthetic_groups(3, seed=32, run_id=RUN, version=0)
+    fresh = synthetic_groups(2, seed=33, run_id=RUN, version=3)
+    produce(kafka_config, topics["scored"], group_records(late + fresh))
+    trainer = Trainer(settings_for(tmp_path, topics, kafka_config))
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (trainer.run(), done.set()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+        trainer.summary.stale_groups == 3 and trainer.summary.trained == 2 * len(fresh[0])
+    ):
+        time.sleep(0.2)
+    trainer.request_stop()
+    thread.join(60)
+    assert done.is_set()
+    assert trainer.summary.stale_groups == 3, trainer.summary
+
+    # never trained past the window: asserted from the trainer's own metrics
+    lines = metrics_lines(tmp_path)
+    assert lines and all(m["staleness/max"] <= WINDOW for m in lines), [
+        (m["step"], m.get("staleness/max")) for m in lines
+    ]
+    assert sum(m["data/stale_groups"] for m in lines) == 3
+    assert all("lag/total" in m for m in lines)
+
+    # exactly-once accounting: trained once or routed once, never both, nothing lost
+    ledger = TrainingLedger.read(tmp_path / "ledger.jsonl")
+    trained = [i for _, ids in ledger for i in ids]
+    stale_ids = [i for _, ids in TrainingLedger.read_stale(tmp_path / "ledger.jsonl") for i in ids]
+    assert sorted(trained) == sorted(ids_of(first + fresh))
+    assert sorted(stale_ids) == sorted(ids_of(late))
+
+    records = read_all(kafka_config, topics["stale"], expected=3)
+    assert len(records) == 3
+    routed = []
+    for msg in records:
+        info = StaleRecord.from_headers(msg.headers())
+        group = decode_group(msg.value())  # the scored record, unchanged
+        assert info.stage == "trainer" and info.trajectory_id == group.group_id
+        # judged at the version being trained (3, or 4 once a fresh group trained first)
+        assert info.staleness == info.trainer_version > WINDOW
+        assert info.max_staleness == WINDOW
+        routed += [s.trajectory_id for s in group.samples]
+    assert sorted(routed) == sorted(stale_ids)
+
+    ends, committed = end_and_committed(
+        kafka_config, topics["scored"], f"trainer-{topics['scored']}"
+    )
+    assert committed == ends and sum(ends.values()) == 11
+
+
+@pytest.mark.slow
+def test_stale_groups_of_a_checkpoint_cut_short_by_kill_9_are_routed_once_after_restart(
+    kafka_config: KafkaConfig,
+    s3_config: S3Config,
+    unique_name: Callable[[str], str],
+    tmp_path: Path,
+) -> None:
+    topics = make_topics(kafka_config, unique_name)
+    topics["stale"] = unique_name("rollouts.stale")
+    ensure_topics(
+        kafka_config.client_config(), [dataclasses.replace(ROLLOUTS_STALE, name=topics["stale"])]
+    )
+    one_a_step = {
+        "batch": {"max_groups": 1, "max_wait_s": 30.0},
+        "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 1},
+    }
+    # life 1 (in process): three steps of one fresh version-0 group each
+    first = synthetic_groups(3, seed=41, run_id=RUN, version=0)
+    produce(kafka_config, topics["scored"], group_records(first))
+    summary = Trainer(settings_for(tmp_path, topics, kafka_config, max_steps=3, **one_a_step)).run()
+    assert summary.step == 3
+
+    # the backlog, oldest first: version-0 groups now over the window, then fresh ones
+    late = synthetic_groups(3, seed=42, run_id=RUN, version=0)
+    fresh = synthetic_groups(3, seed=43, run_id=RUN, version=3)
+    now_ms = int(time.time() * 1000)
+    produce(kafka_config, topics["scored"], group_records(late), timestamp_ms=now_ms - 60_000)
+    produce(kafka_config, topics["scored"], group_records(fresh), timestamp_ms=now_ms - 30_000)
+
+    # life 2 (a process): sets the late groups aside while gathering step 4, trains a
+    # fresh one, and dies right after checkpoint 4 is durable: before routing them
+    trainer = trainer_config(tmp_path, topics, staleness={"max_staleness": WINDOW}, **one_a_step)
+    config_path = tmp_path / "rollstream.toml"
+    write_toml(
+        config_path,
+        {
+            "run_id": RUN,
+            "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
+            "s3": s3_table(s3_config),
+            "trainer": trainer,
+        },
+    )
+    log_path = tmp_path / "trainer.log"
+    second = spawn(config_path, log_path, failpoint="after_checkpoint:4")
+    assert second.wait(180) == -signal.SIGKILL, log_path.read_text()[-4000:]
+    assert CheckpointManager(TrainerConfig.model_validate(trainer).checkpoint).latest() == (
+        "step000000004",
+        4,
+    )
+    ledger_path = tmp_path / "ledger.jsonl"
+    assert [s for s, _ in TrainingLedger.read(ledger_path)] == [1, 2, 3]
+    assert read_all(kafka_config, topics["stale"], expected=0, timeout_s=2) == []
+
+    # life 3 (in process): routes the checkpoint's stale groups, writes ledger line 4,
+    # and trains the rest
+    third = Trainer(settings_for(tmp_path, topics, kafka_config, **one_a_step))
+    thread = threading.Thread(target=third.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        trained = [i for _, ids in TrainingLedger.read(ledger_path) for i in ids]
+        if len(trained) == len(ids_of(first + fresh)):
+            break
+        time.sleep(0.2)
+    third.request_stop()
+    thread.join(60)
+    assert not thread.is_alive()
+
+    trained = [i for _, ids in TrainingLedger.read(ledger_path) for i in ids]
+    stale_ids = [i for _, ids in TrainingLedger.read_stale(ledger_path) for i in ids]
+    assert sorted(trained) == sorted(ids_of(first + fresh))
+    assert sorted(stale_ids) == sorted(ids_of(late))
+    records = read_all(kafka_config, topics["stale"], expected=3)
+    routed = [s.trajectory_id for m in records for s in decode_group(m.value()).samples]
+    assert sorted(routed) == sorted(ids_of(late))  # each once: none lost, none twice
+    lines = metrics_lines(tmp_path)
+    assert all(m["staleness/max"] <= WINDOW for m in lines)
