@@ -46,12 +46,21 @@ def init_distributed(config: EngineConfig) -> str:
     """Initialise torch.distributed through DeepSpeed once per process; returns the
     accelerator name."""
     accelerator = resolve_accelerator(config)
-    # not under a launcher: a world of one, on a port chosen here unless one is given
-    chosen_port = "RANK" not in os.environ and "MASTER_PORT" not in os.environ
-    if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    # A world of one (no launcher, or variables a parent process left behind: a test run
+    # that trained in-process passes RANK=0/WORLD_SIZE=1/MASTER_PORT on to its children)
+    # rendezvous on a port of its own. Under a launcher (WORLD_SIZE > 1, or torchrun's
+    # agent store) the launcher's variables are used as they are.
+    alone = int(os.environ.get("WORLD_SIZE", "1")) <= 1 and (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    )
+    if alone:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(free_port()),
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+        )
     import deepspeed
 
     if accelerator == "cuda":
@@ -68,9 +77,7 @@ def init_distributed(config: EngineConfig) -> str:
                 except torch.distributed.DistNetworkError as err:
                     # The port was free when chosen, but another process (any outgoing
                     # connection takes one) got it first: pick another.
-                    if not chosen_port or "EADDRINUSE" not in str(err):
-                        raise
-                    if attempt + 1 == PORT_ATTEMPTS:
+                    if not alone or "EADDRINUSE" not in str(err) or attempt + 1 == PORT_ATTEMPTS:
                         raise
                     log.warning("port %s was taken meanwhile: another", os.environ["MASTER_PORT"])
                     os.environ["MASTER_PORT"] = str(free_port())

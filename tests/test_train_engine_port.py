@@ -46,3 +46,36 @@ def test_a_taken_rendezvous_port_is_chosen_again() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "world 1 port" in done.stdout
     assert "was taken meanwhile" in done.stderr
+
+
+@pytest.mark.slow
+def test_variables_a_parent_left_behind_do_not_pin_a_world_of_one() -> None:
+    """A process that trained in-process (a test run) leaves RANK=0, WORLD_SIZE=1 and the
+    port of its own live rendezvous in its environment; a trainer it starts must not try
+    to bind that port."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        env = {
+            **os.environ,
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(busy.getsockname()[1]),
+        }
+        script = (
+            "import consumers.train_engine as te\n"
+            "from consumers.config import EngineConfig\n"
+            "te.init_distributed(EngineConfig(accelerator='cpu'))\n"
+            "print('ok', te.os.environ['MASTER_PORT'])\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+            timeout=300, check=False,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    port = done.stdout.split("ok ", 1)[1].strip()
+    assert port != str(busy.getsockname()[1])
