@@ -58,13 +58,14 @@ def test_variables_a_parent_left_behind_do_not_pin_a_world_of_one() -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
+        taken = str(busy.getsockname()[1])
         env = {
             **os.environ,
             "RANK": "0",
             "WORLD_SIZE": "1",
             "LOCAL_RANK": "0",
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(busy.getsockname()[1]),
+            "MASTER_PORT": taken,
         }
         script = (
             "import consumers.train_engine as te\n"
@@ -78,4 +79,4 @@ def test_variables_a_parent_left_behind_do_not_pin_a_world_of_one() -> None:
         )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     port = done.stdout.split("ok ", 1)[1].strip()
-    assert port != str(busy.getsockname()[1])
+    assert port != taken
