@@ -38,6 +38,7 @@ shrink is starving.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Sequence
@@ -49,6 +50,8 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from schemas.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
 
 STALENESS_BUCKETS: tuple[tuple[str, int, int | None], ...] = (
     ("0", 0, 0),
@@ -154,8 +157,14 @@ class MetricsSink:
         self._lock = threading.Lock()
         self._progress: Any = None
         self._task: Any = None
+        self._total_steps = total_steps
+        self._plain = False  # progress as log lines: stderr is a file, not a terminal
         if progress:
             from rich.console import Console
+
+            console = Console(stderr=True)
+            self._plain = not console.is_terminal
+        if progress and not self._plain:
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
@@ -170,7 +179,7 @@ class MetricsSink:
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),
                 TextColumn("{task.description}"),
-                console=Console(stderr=True),
+                console=console,
                 transient=False,
             )
             self._progress.start()
@@ -207,6 +216,11 @@ class MetricsSink:
                     self._task,
                     completed=int(metrics.get("step", 0)),
                     description=progress_line(clean),
+                )
+            elif self._plain:  # a log file: the whole line, not a bar cut to 80 columns
+                total = "" if self._total_steps is None else f"/{self._total_steps}"
+                log.info(
+                    "train step %d%s  %s", int(metrics.get("step", 0)), total, progress_line(clean)
                 )
 
     def close(self) -> None:
