@@ -17,19 +17,19 @@ a remote server does that):
    The trainer announces, with every version, its step count (= the version) and how
    many groups a step takes (``VersionAnnouncement.groups_per_step``; overridden by
    ``groups_per_version`` when set) and its staleness window (the worker uses the
-   smaller of that and its own ``staleness_window``). The worker counts the groups it
-   started *ahead* of the trainer: +1 per group started, -groups_per_step per version
-   the trainer announces, never below 0. ``lead`` = ahead / groups_per_step is how many
-   trainer steps of data this worker has started beyond the trainer's trained version,
-   and a new group starts only while lead + (trained version - engine version) <
-   window + 1: the group then reaches the trainer at most ``window`` versions after the
-   version that generates it. Several producers share one trainer's pace: the trainer
-   announces how many producers' groups it trained over its last window + 1 steps
-   (``VersionAnnouncement.producers``), and each counts ``groups_per_step / producers``
-   per step (a producer that just joined counts once its first groups are trained). A
-   stopped trainer announces nothing, so generation pauses once the lead reaches the
-   window; it resumes with the next announcement. Without announcements (not following
-   weights) credit counts the versions the engine loads.
+   smaller of that and its own ``staleness_window``). Several producers share one
+   trainer's pace: the trainer announces how many producers' groups it trained over its
+   last window + 1 steps (``VersionAnnouncement.producers``), and each producer's share
+   of a step is ``groups_per_step / producers`` groups (a producer that just joined is
+   counted once its first groups are trained). ``lead`` is how many trainer steps of data
+   this worker started beyond the trainer's trained version: each group started adds
+   1 / share (at the share in force when it started), each version the trainer announces
+   takes 1 away, never below 0. A new group starts only while lead + (trained version -
+   engine version) < window + 1: the group then reaches the trainer at most ``window``
+   versions after the version that generates it. A stopped trainer announces nothing,
+   so generation pauses once the lead reaches the window; it resumes with the next
+   announcement. Without announcements (not following weights) credit counts the
+   versions the engine loads.
 2. **Generation.** The G samples of a group go to the engine as one batch request, each
    with its own rid. A sample's response is a list of segments ``(version, tokens)``.
 3. **Version changes** (``on_new_version`` / thread-safe ``submit_version``): the worker
@@ -177,8 +177,9 @@ class RolloutWorker:
         self._stop_abort: asyncio.Future | None = None
         self._engine_version_warned = False
         self._groups_started = 0
-        self._ahead = 0.0  # groups started ahead of the trainer's trained version (credit)
-        self._credit_version: int | None = None  # trained version _ahead was last settled at
+        self._lead = 0.0  # trainer steps of data started beyond its trained version
+        self._share: float | None = None  # groups of a trainer step that are this worker's
+        self._credit_version: int | None = None  # trained version _lead was last settled at
         self.metrics.version.set(self.version)
         self.metrics.latest_version.set(self.version)
 
@@ -249,7 +250,8 @@ class RolloutWorker:
                     break
                 started += 1
                 self._groups_started += 1
-                self._ahead += 1
+                if self._share is not None:
+                    self._lead += 1 / self._share
                 tasks.add(asyncio.create_task(self._group_task(), name=f"group-{started}"))
             while tasks:
                 await self._reap(tasks)
@@ -343,27 +345,26 @@ class RolloutWorker:
 
     def _credit_pause(self, trainer: VersionAnnouncement | None, window: int) -> str | None:
         """The credit rule of the module doc: why the credit is used up, or None."""
-        per_step: float | None = self.config.groups_per_version
-        if per_step is None and trainer is not None and trainer.groups_per_step is not None:
+        share: float | None = self.config.groups_per_version
+        if share is None and trainer is not None and trainer.groups_per_step is not None:
             # producers share the trainer's pace: N of them each start 1/N of a step
-            per_step = trainer.groups_per_step / max(1, trainer.producers or 1)
-        if per_step is None:
+            share = trainer.groups_per_step / max(1, trainer.producers or 1)
+        self._share = share
+        if share is None:
             return None  # no announced pace and none configured: no credit limit
         # the trainer's trained version (without announcements: the version loaded)
         trained = max(trainer.version, self.version) if trainer is not None else self.version
         if self._credit_version is None:
             self._credit_version = trained
         elif trained > self._credit_version:
-            settled = (trained - self._credit_version) * per_step
-            self._ahead = max(0, self._ahead - settled)
+            self._lead = max(0.0, self._lead - (trained - self._credit_version))
             self._credit_version = trained
-        lead = self._ahead / per_step
-        self.metrics.lead.set(lead)
+        self.metrics.lead.set(self._lead)
         behind = trained - self.version  # the engine's own lag behind the trainer
-        if lead + behind >= window + 1:
+        if self._lead + behind >= window + 1 - 1e-9:
             return (
-                f"{self._ahead:g} groups started ahead of the trainer's v{trained} "
-                f"({lead:.1f} steps of {per_step:g} groups"
+                f"{self._lead:.1f} steps of data started ahead of the trainer's v{trained} "
+                f"(a share of {share:g} groups a step"
                 + (f", engine {behind} version(s) behind" if behind else "")
                 + f"; staleness window {window}): waiting for the trainer"
             )

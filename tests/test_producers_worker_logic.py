@@ -96,7 +96,7 @@ def test_admission_credit_pauses_until_the_next_version() -> None:
 
     (paused, count, after), publisher = asyncio.run(scenario())
     assert count == "2"
-    assert paused is not None and "2 groups started ahead of the trainer's v0" in paused
+    assert paused is not None and "1.0 steps of data started ahead of the trainer's v0" in paused
     assert after is not None and "ahead of the trainer's v1" in after  # v1's credit used up
     assert [list(g[0].segment_versions) for g in publisher.groups] == [[0], [0], [1], [1]]
 
@@ -158,3 +158,43 @@ def test_garbage_producer_counts_are_refused() -> None:
             VersionAnnouncement(**base, groups_per_step=4, producers=bad)  # type: ignore[arg-type]
     again = VersionAnnouncement(**base, groups_per_step=4, producers=3)
     assert VersionAnnouncement.from_json(again.to_json()) == again
+
+
+def test_a_share_that_shrinks_does_not_strand_the_groups_already_started() -> None:
+    """A producer started its groups while it was the only one the trainer knew; the
+    trainer then announces two producers. Each version still takes one step of lead away,
+    so the producer resumes at its new share instead of waiting for ever (it used to count
+    its old groups at the new, smaller share: a deadlock with a trainer left without
+    fresh data)."""
+    from schemas.control import VersionAnnouncement
+
+    def announced(version: int, producers: int | None) -> VersionAnnouncement:
+        return VersionAnnouncement(
+            run="run", version=version, uri="s3://b/v/", parent=None, base=version,
+            sha256="0" * 64, bytes=1, published_at_ms=1, groups_per_step=4, max_staleness=0,
+            producers=producers,
+        )  # fmt: skip
+
+    async def scenario() -> list[tuple[int, str | None]]:
+        publisher = FakePublisher()
+        worker = _worker(FakeBackend(), publisher, staleness_window=0)
+        current = {"a": announced(0, None)}
+        worker.announcement = lambda: current["a"]
+        run = asyncio.create_task(worker.run(groups=20))
+        seen = []
+        for version, producers, expected in ((0, None, 4), (1, 2, 6), (2, 2, 8)):
+            current["a"] = announced(version, producers)
+            if version:  # the producer follows the trainer's weights
+                await worker.on_new_version(version, {})
+            for _ in range(500):  # the paused admission loop looks again every 50 ms
+                if len(publisher.groups) >= expected and worker._pause_reason():
+                    break
+                await asyncio.sleep(0.01)
+            seen.append((len(publisher.groups), worker._pause_reason()))
+        worker.request_stop()
+        await asyncio.wait_for(run, 10)
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert [count for count, _ in seen] == [4, 6, 8]
+    assert all(reason and "waiting for the trainer" in reason for _, reason in seen)
