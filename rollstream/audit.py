@@ -437,7 +437,7 @@ class AuditSources:
     trainer_ledger: Path
     raw: str
     scored: str
-    stale: str
+    stales: tuple[str, ...]  # the stream's and the trainer's (often one topic)
     dlqs: tuple[str, ...]  # the stream's and the trainer's (often one topic)
     stream_app_id: str
     trainer_group: str
@@ -456,7 +456,7 @@ class AuditSources:
             trainer_ledger=Path(ledger),
             raw=config.producers.rollout.topic,
             scored=topics.scored,
-            stale=topics.stale,
+            stales=tuple(dict.fromkeys((topics.stale, config.trainer.topics.stale))),
             dlqs=tuple(dict.fromkeys((topics.dlq, config.trainer.topics.dlq))),
             stream_app_id=config.streams.app_id,
             trainer_group=config.trainer.topics.group_id,
@@ -464,6 +464,22 @@ class AuditSources:
 
 
 Delivery = Literal["auto", "ledgers", "topic"]
+
+
+def read_sinks(
+    client_config: Mapping[str, str], topics: tuple[str, ...], run_id: str, timeout_s: float
+) -> TopicView:
+    """One view of a sink the stream and the trainer may each name differently (stale,
+    dead letters): the ids of ``run_id`` in all of ``topics``."""
+    view = TopicView(",".join(topics))
+    for topic in topics:
+        part = read_ids(client_config, topic, run_id, timeout_s)
+        view.ids.update(part.ids)
+        view.reasons.update(part.reasons)
+        view.positions.update(part.positions)
+        view.records += part.records
+        view.unidentified += part.unidentified
+    return view
 
 
 def audit(
@@ -489,19 +505,12 @@ def audit(
     else:
         produced = read_producer_ledgers(sources.producers_dir)
     trained = read_trainer_ledger(sources.trainer_ledger)
-    dlq = TopicView(",".join(sources.dlqs))
-    for topic in sources.dlqs:
-        part = read_ids(client, topic, run, timeout_s)
-        dlq.ids.update(part.ids)
-        dlq.reasons.update(part.reasons)
-        dlq.records += part.records
-        dlq.unidentified += part.unidentified
     report = AuditReport(
         run_id=run,
         produced=produced,
         trained=trained,
-        stale=read_ids(client, sources.stale, run, timeout_s),
-        dlq=dlq,
+        stale=read_sinks(client, sources.stales, run, timeout_s),
+        dlq=read_sinks(client, sources.dlqs, run, timeout_s),
         delivery=delivery,
     )
     if diagnose or produced.pending:

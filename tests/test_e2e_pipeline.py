@@ -43,7 +43,12 @@ def _config(
         "producers": {"rollout": {"topic": topics["raw"]}},
         "streams": {"topics": {**topics, "versions": versions}},
         "trainer": {
-            "topics": {"scored": topics["scored"], "dlq": topics["dlq"], "versions": versions}
+            "topics": {
+                "scored": topics["scored"],
+                "dlq": topics["dlq"],
+                "stale": topics["stale"],
+                "versions": versions,
+            }
         },
     }
     config = path / "rollstream.toml"

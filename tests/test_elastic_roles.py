@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from core.config import KafkaConfig, S3Config, to_toml
-from core.process import free_port, pid_alive
+from core.process import free_port, pid_alive, port_open
+from producers.ledger import read_ledger
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +38,12 @@ def _config(path: Path, kafka: KafkaConfig, s3: S3Config, unique) -> Path:
         # a worker that leaves hands its partitions over after this
         "streams": {"topics": {**topics, "versions": versions}, "session_timeout_s": 10.0},
         "trainer": {
-            "topics": {"scored": topics["scored"], "dlq": topics["dlq"], "versions": versions}
+            "topics": {
+                "scored": topics["scored"],
+                "dlq": topics["dlq"],
+                "stale": topics["stale"],
+                "versions": versions,
+            }
         },
     }
     config = path / "base.toml"
@@ -84,7 +90,7 @@ def test_a_producer_and_a_stream_worker_join_and_leave_a_running_run(
     )  # fmt: skip
     run_config = run_dir / "rollstream.toml"
     rs = [sys.executable, "-m", "rollstream", "--config", str(run_config)]
-    engine_port = free_port()
+    engine_port, streams_port = free_port(), free_port()
     logs = tmp_path / "by-hand"
     logs.mkdir()
     joined: dict[str, subprocess.Popen[bytes]] = {}
@@ -96,7 +102,7 @@ def test_a_producer_and_a_stream_worker_join_and_leave_a_running_run(
             "producer": [*rs, "--set", f"producers.rollout.metrics_port={free_port()}",
                          "produce", "--engine-url", f"http://127.0.0.1:{engine_port}",
                          "--producer-id", "joined-0"],
-            "streams": [*rs, "--set", f"streams.metrics_port={free_port()}",
+            "streams": [*rs, "--set", f"streams.metrics_port={streams_port}",
                         "stream", f"--datadir={tmp_path / 'streams-joined'}"],
         }  # fmt: skip
         for name, argv in commands.items():
@@ -104,7 +110,18 @@ def test_a_producer_and_a_stream_worker_join_and_leave_a_running_run(
             joined[name] = subprocess.Popen(argv, env=_env(), stdout=log, stderr=log)
             if name == "engine":
                 time.sleep(3.0)  # the producer retries until its engine answers anyway
-        _wait_rows(run_dir, before + 12, up, timeout_s=300)
+        # the joined roles really work: the producer delivers, the stream worker serves
+        ledger = next((tmp_path / "state" / "producers").glob("*/joined-0/ledger.jsonl"), None)
+        deadline = time.monotonic() + 300
+        while ledger is None or len(read_ledger(ledger).delivered) < 4 or not port_open(
+            streams_port
+        ):
+            for name, proc in joined.items():
+                assert proc.poll() is None, (logs / f"{name}.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the joined roles did not start working"
+            time.sleep(0.5)
+            ledger = next((tmp_path / "state" / "producers").glob("*/joined-0/ledger.jsonl"), None)
+        _wait_rows(run_dir, len(_rows(run_dir)) + 8, up, timeout_s=300)
         for name, proc in joined.items():
             assert proc.poll() is None, (logs / f"{name}.log").read_text()[-3000:]
         during = len(_rows(run_dir))

@@ -70,6 +70,7 @@ def _config(
             "topics": {
                 "scored": topics["scored"],
                 "dlq": topics["dlq"],
+                "stale": topics["stale"],
                 "versions": versions,
                 "group_id": unique("trainer"),
             },
