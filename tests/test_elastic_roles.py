@@ -108,8 +108,12 @@ def test_a_producer_and_a_stream_worker_join_and_leave_a_running_run(
         for name, argv in commands.items():
             log = (logs / f"{name}.log").open("wb")
             joined[name] = subprocess.Popen(argv, env=_env(), stdout=log, stderr=log)
-            if name == "engine":
-                time.sleep(3.0)  # the producer retries until its engine answers anyway
+            if name == "engine":  # as up does: the producer starts once its engine answers
+                deadline = time.monotonic() + 180
+                while not port_open(engine_port):
+                    assert joined["engine"].poll() is None, (logs / "engine.log").read_text()
+                    assert time.monotonic() < deadline, "the joined engine did not start"
+                    time.sleep(0.5)
         # the joined roles really work: the producer delivers, the stream worker serves
         ledger = next((tmp_path / "state" / "producers").glob("*/joined-0/ledger.jsonl"), None)
         deadline = time.monotonic() + 300

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "infra" / "rollstream.example.toml"
-STEPS = 60
+STEPS = 80  # as the end-to-end test of `up`: the same bar
 MIN_GAIN = 0.15
 
 
