@@ -131,7 +131,9 @@ def end_and_committed(kafka: KafkaConfig, topic: str, group_id: str) -> tuple[di
 
 def trainer_config(tmp: Path, topics: dict[str, str], **extra: object) -> dict:
     return {
-        "engine": {"lr": 1e-3, "zero_stage": 1},
+        # explicit, so the trainer subprocesses (which derive the rest from the profile)
+        # and the in-process checks build the same engine
+        "engine": {"lr": 1e-3, "zero_stage": 1, "bf16": True},
         "batch": {"max_groups": 2, "max_wait_s": 30.0},
         "topics": {**topics, "group_id": f"trainer-{topics['scored']}"},
         "checkpoint": {"dir": str(tmp / "ckpt"), "every": 3},
