@@ -98,6 +98,43 @@ class BatchConfig(StrictModel):
     )
 
 
+class PpoConfig(StrictModel):
+    """Several optimiser steps per scored batch, as every PPO implementation offers.
+
+    With ``epochs = minibatches = 1`` (one optimiser step per batch) the policy being trained
+    equals the generating policy at staleness 0, the ratio is exactly 1 and the clip never
+    acts: the update is unclipped REINFORCE. More steps per batch make the clip a real trust
+    region at every staleness. One trainer step (one published version) is still one
+    scored batch: ``epochs x minibatches`` optimiser steps, each over
+    ``engine.grad_accum_steps`` micro-batches.
+    """
+
+    epochs: int = Field(
+        default=1, ge=1, le=64, description="Passes over each scored batch (PPO epochs)."
+    )
+    minibatches: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description=(
+            "Optimiser steps per pass: the batch's trajectories are split into this many "
+            "minibatches (fewer when the batch has fewer trajectories than minibatches x "
+            "grad_accum_steps; the metric ppo/optimizer_steps says how many were taken)."
+        ),
+    )
+    shuffle: bool = Field(
+        default=True,
+        description=(
+            "Shuffle the trajectories before each pass (seeded by engine.seed and the step, "
+            "so a replay reproduces it); false keeps arrival order."
+        ),
+    )
+
+    def optimizer_steps(self) -> int:
+        """Optimiser steps per scored batch at most."""
+        return self.epochs * self.minibatches
+
+
 class EngineConfig(StrictModel):
     """The DeepSpeed engine and its AdamW optimiser."""
 
@@ -147,7 +184,7 @@ class ApproxConfig(StrictModel):
     route = infer: the anchor is ``logp_infer`` (d = 1: the whole ratio is treated as
     staleness). route = drop: those records are skipped (counted, not trained; their
     offsets still advance).
-    The ``ppo_ewma`` loss always anchors on the EWMA (its own beta and reset_below win).
+    The ``ppo_ewma`` loss always anchors on the EWMA (its own beta and reset settings win).
     """
 
     route: Literal["ewma", "infer", "drop"] = Field(
@@ -161,6 +198,13 @@ class ApproxConfig(StrictModel):
         ge=0,
         le=1,
         description="EWMA automatic reset threshold on train_infer/kept_frac; empty: never.",
+    )
+    reset_rule: Literal["below", "drop"] = Field(
+        default="drop",
+        description=(
+            "below: reset when kept_frac < reset_below; drop: when kept_frac < reset_below x "
+            "its running level (does not reset at every step under a tight MIS band)."
+        ),
     )
     exact_for_ppo_ewma: bool = Field(
         default=True,
@@ -281,6 +325,7 @@ class TrainerConfig(StrictModel):
     )
     batch: BatchConfig = Field(default_factory=BatchConfig, description="[trainer.batch]")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="[trainer.engine]")
+    ppo: PpoConfig = Field(default_factory=PpoConfig, description="[trainer.ppo]")
     loss: LossConfig = Field(
         default_factory=GrpoLossConfig,
         description="[trainer.loss]: grpo | decoupled | mu_grpo | ppo_ewma (by type).",
@@ -296,7 +341,9 @@ class TrainerConfig(StrictModel):
     retry: RetryConfig = Field(default_factory=RetryConfig, description="[trainer.retry]")
     publish: PublishConfig = Field(default_factory=PublishConfig, description="[trainer.publish]")
     max_steps: int | None = Field(
-        default=None, ge=1, description="Stop cleanly after this many optimiser steps in total."
+        default=None,
+        ge=1,
+        description="Stop cleanly after this many trainer steps (scored batches) in total.",
     )
     metrics_file: Path | None = Field(
         default=None, description="Append one JSON object of metrics per step (JSONL)."
@@ -338,11 +385,12 @@ class TrainerConfig(StrictModel):
         """Groups one optimiser step takes at most (what the trainer announces)."""
         return self.batch.max_groups * self.engine.grad_accum_steps
 
-    def ewma_settings(self) -> tuple[float, float | None]:
-        """(beta, reset_below) of the proximal EWMA: the ppo_ewma loss's own, else approx's."""
+    def ewma_settings(self) -> tuple[float, float | None, str]:
+        """(beta, reset_below, reset_rule) of the proximal EWMA: the ppo_ewma loss's own,
+        else approx's."""
         if isinstance(self.loss, PpoEwmaLossConfig):
-            return self.loss.beta, self.loss.reset_below
-        return self.approx.beta, self.approx.reset_below
+            return self.loss.beta, self.loss.reset_below, self.loss.reset_rule
+        return self.approx.beta, self.approx.reset_below, self.approx.reset_rule
 
     def needs_old_logp(self) -> bool:
         """Whether the loss anchors on logp_old (so non-exact records need the route)."""

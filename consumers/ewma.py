@@ -12,14 +12,22 @@ the last reset. ``reset(θ)`` (and construction) sets ``θ_prox ← θ`` and ``W
 current weights become the first and only term of a fresh average. ``β = 0`` makes
 ``θ_prox`` follow ``θ`` exactly.
 
-Automatic reset: when the fraction of tokens the train-inference correction
-keeps (``train_infer/kept_frac`` from ``consumers.losses``, the train-inference
-mask) falls strictly below a threshold, the trainer calls ``reset`` with its current
-weights. Typical step::
+Automatic reset, from the fraction of tokens the train-inference correction keeps
+(``train_infer/kept_frac`` from ``consumers.losses``, the train-inference mask), by one of
+two rules:
+
+- ``below``: reset when the fraction is strictly below ``reset_below``. Under a tight MIS
+  band the fraction sits below any fixed threshold at every step, so this rule resets every
+  step and θ_prox degenerates into the current weights.
+- ``drop`` (default): reset when the fraction is strictly below ``reset_below`` times its
+  own running level (an EWMA of past fractions with decay ``KEPT_LEVEL_DECAY``): a sudden
+  fall, whatever the band. With a wide band (fractions near 1) it acts like ``below``.
+
+Typical step::
 
     out = compute_loss(config, inputs)          # logp_prox from a model holding θ_prox
     out.loss.backward(); optimiser.step()
-    if ewma.should_reset(out.metrics["train_infer/kept_frac"], config.reset_below):
+    if ewma.observe_kept(out.metrics["train_infer/kept_frac"], config.reset_below, "drop"):
         ewma.reset(model.state_dict())
     else:
         ewma.update(model.state_dict())
@@ -41,7 +49,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["EwmaProximal", "should_reset"]
+__all__ = ["KEPT_LEVEL_DECAY", "EwmaProximal", "should_reset"]
+
+#: Decay of the running level of ``train_infer/kept_frac`` the ``drop`` reset rule compares to.
+KEPT_LEVEL_DECAY = 0.9
 
 
 def should_reset(kept_fraction: float, threshold: float | None) -> bool:
@@ -68,6 +79,7 @@ class EwmaProximal:
         self.weight = 1.0
         self.num_updates = 0
         self.num_resets = 0
+        self.kept_level: float | None = None
         self._dtypes: dict[str, torch.dtype] = {}
         self._params: dict[str, Tensor] = {}
         self._copy_from(state)
@@ -122,6 +134,21 @@ class EwmaProximal:
         """See the module-level ``should_reset``."""
         return should_reset(kept_fraction, threshold)
 
+    def observe_kept(
+        self, kept_fraction: float, threshold: float | None, rule: str = "drop"
+    ) -> bool:
+        """Whether this step's kept fraction calls for a reset under ``rule`` (``below`` or
+        ``drop``, see the module doc); also folds the fraction into the running level."""
+        level = self.kept_level if self.kept_level is not None else kept_fraction
+        if rule == "below":
+            reset = should_reset(kept_fraction, threshold)
+        elif rule == "drop":
+            reset = should_reset(kept_fraction, None if threshold is None else threshold * level)
+        else:
+            raise ValueError(f"unknown reset rule {rule!r} (below | drop)")
+        self.kept_level = KEPT_LEVEL_DECAY * level + (1.0 - KEPT_LEVEL_DECAY) * kept_fraction
+        return reset
+
     def proximal_state_dict(self) -> dict[str, Tensor]:
         """θ_prox in each entry's original dtype, ready for ``model.load_state_dict``."""
         return {name: p.to(self._dtypes[name]) for name, p in self._params.items()}
@@ -133,6 +160,7 @@ class EwmaProximal:
             "weight": self.weight,
             "num_updates": self.num_updates,
             "num_resets": self.num_resets,
+            "kept_level": self.kept_level,
             "dtypes": {
                 name: str(dtype).removeprefix("torch.") for name, dtype in self._dtypes.items()
             },
@@ -148,6 +176,8 @@ class EwmaProximal:
         self.weight = float(state["weight"])
         self.num_updates = int(state["num_updates"])
         self.num_resets = int(state["num_resets"])
+        level = state.get("kept_level")  # absent in checkpoints older than the drop rule
+        self.kept_level = None if level is None else float(level)
         self._dtypes = {name: getattr(torch, dtype) for name, dtype in state["dtypes"].items()}
         self._params = {
             name: p.detach().to(self._params[name].device).clone() for name, p in params.items()

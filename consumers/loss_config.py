@@ -128,6 +128,14 @@ class _DecoupledFields(_LossBase):
             "the interval; TIS truncates the weight at high."
         ),
     )
+    mis_weight: Literal["one", "discrepancy"] = Field(
+        default="one",
+        description=(
+            "Weight of the tokens MIS keeps. one: the mask only (kept tokens train as if "
+            "d = 1). discrepancy: the masked importance sampling of the literature, kept "
+            "tokens weighted by d_level (no gradient), as TIS does below its cap."
+        ),
+    )
     catastrophic_threshold: float | None = Field(
         default=1e-4,
         gt=0.0,
@@ -197,6 +205,15 @@ class PpoEwmaLossConfig(_DecoupledFields):
             "(metric train_infer/kept_frac) is strictly below this value, the trainer resets "
             "theta_prox to the current weights. None disables. The default is our "
             "choice."
+        ),
+    )
+    reset_rule: Literal["below", "drop"] = Field(
+        default="drop",
+        description=(
+            "below: reset when train_infer/kept_frac < reset_below. drop: reset when it is "
+            "below reset_below times its running level (a sudden fall); unlike below, it "
+            "does not reset at every step under a tight MIS band. Near a kept fraction of 1 "
+            "the two agree."
         ),
     )
 

@@ -54,6 +54,8 @@ metric                     variants             meaning
                                                 was truncated (sequence levels: all tokens of
                                                 a truncated sequence count)
 ``tis/weight_mean``        correction=tis       mean TIS weight min(d_level, high)
+``mis/weight_mean``        mis_weight=          mean weight d_level of the tokens MIS keeps
+                          discrepancy
 ``mis/masked_frac``        correction=mis       fraction of tokens dropped by the MIS interval
                                                 (not counting the catastrophic veto)
 ``mis/masked_seqs``        mis, sequence levels number of sequences dropped by the interval
@@ -350,9 +352,13 @@ def _decoupled(
             metrics["tis/truncated_frac"] = batch.frac(d_level > high)
             metrics["tis/weight_mean"] = batch.mean(weight)
         else:
-            weight = torch.ones_like(d)
+            weight = d_level if config.mis_weight == "discrepancy" else torch.ones_like(d)
             keep = batch.mask & (d_level >= low) & (d_level <= high)
             metrics["mis/masked_frac"] = batch.frac(~keep)
+            if config.mis_weight == "discrepancy":
+                kept_weights = torch.where(keep & batch.mask, weight, 0.0)
+                n_kept = (keep & batch.mask).sum().clamp(min=1)
+                metrics["mis/weight_mean"] = kept_weights.sum() / n_kept
             if config.level != "token":
                 has_tokens = batch.mask.any(dim=1)
                 metrics["mis/masked_seqs"] = (has_tokens & ~keep.any(dim=1)).sum()

@@ -24,9 +24,10 @@ Data metrics (``data_metrics``), over the trajectories trained in the step:
 Loss metrics come from ``consumers.losses`` (see its table): ``loss/total``,
 ``clip/frac``, ``mis/masked_frac``, ``nav/vetoed_frac``, ``veto/catastrophic_seqs``,
 ``ratio/*``, ``train_infer/kept_frac`` ..., plus ``mismatch/k3_kl`` (exact records only),
-``grad/norm`` (before clipping), ``optim/lr``, ``ewma/*``. The trainer adds ``step``,
-``version``, ``time/*`` (step, wait for data, publish, checkpoint seconds; ``time/unix_s``
-the wall clock at the end of the step),
+``grad/norm`` (before clipping, of the last optimiser step; ``grad/norm_max`` over the
+step's optimiser steps), ``ppo/optimizer_steps``, ``optim/lr``, ``ewma/*``. The trainer
+adds ``step``, ``version``, ``time/*`` (step, wait for data, publish, checkpoint seconds;
+``time/unix_s`` the wall clock at the end of the step),
 ``throughput/tokens_per_s`` (prompt + response tokens of the step / step compute time)
 and ``data/dlq`` (records sent to the DLQ since the last step).
 

@@ -17,13 +17,14 @@ The ``ppo_ewma`` loss anchors on ``logp_prox`` by definition; exact records use 
 anchor on ``logp_old`` (``grpo``, ``mu_grpo`` on the total ratio) ignore the route.
 
 The EWMA is created the first time a batch needs it (θ_prox = the current weights, a
-fresh average) and, from then on, updated after every optimiser step, or reset when the
-step's ``train_infer/kept_frac`` falls under the threshold. ``mismatch/k3_kl`` is always
+fresh average) and, from then on, updated after every trainer step (one scored batch,
+whatever its number of optimiser steps), or reset by its reset rule. ``mismatch/k3_kl`` is always
 computed over exact records only (k3 of logp_old − logp_infer), whatever the anchor.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +60,7 @@ class StepRunner:
         self.loss_config = config.loss
         self.pad_id = pad_id
         self.route = config.approx.route if config.needs_old_logp() else "infer"
-        self.beta, self.reset_below = config.ewma_settings()
+        self.beta, self.reset_below, self.reset_rule = config.ewma_settings()
         self.ref_model = engine.frozen_copy() if config.loss.kl_coef > 0 else None
         self.prox_model = engine.frozen_copy() if self.route == "ewma" else None
         self.ewma: EwmaProximal | None = None
@@ -79,33 +80,62 @@ class StepRunner:
         kept = [t for t in trajectories if t.old_logits_status == OldLogitsStatus.EXACT]
         return kept, len(trajectories) - len(kept)
 
-    def train_step(self, micro_batches: Sequence[Sequence[Trajectory]]) -> StepResult:
-        """Forward/backward every micro-batch (``grad_accum_steps`` of them, each
-        non-empty after ``select``) and step the optimiser once."""
-        if len(micro_batches) != self.engine.config.grad_accum_steps:
-            raise ValueError(
-                f"{len(micro_batches)} micro-batches for grad_accum_steps="
-                f"{self.engine.config.grad_accum_steps}"
-            )
-        parts: list[dict[str, float]] = []
-        trained: list[Trajectory] = []
+    def train_step(
+        self, micro_batches: Sequence[Sequence[Trajectory]], step: int = 0
+    ) -> StepResult:
+        """Train one scored batch: ``grad_accum_steps`` micro-batches of whole groups.
+
+        With ``[trainer.ppo] epochs = minibatches = 1`` that is one optimiser step over the
+        micro-batches as given. Otherwise the batch's trajectories (after ``select``) are
+        passed over ``epochs`` times, each pass split into minibatches of
+        ``grad_accum_steps`` micro-batches, one optimiser step each. ``step`` seeds the
+        per-pass shuffle so a replay of the same step reproduces it.
+        """
+        accum = self.engine.config.grad_accum_steps
+        if len(micro_batches) != accum:
+            raise ValueError(f"{len(micro_batches)} micro-batches for grad_accum_steps={accum}")
+        kept_batches: list[list[Trajectory]] = []
         dropped = 0
-        boundary = False
         for records in micro_batches:
             kept, n_dropped = self.select(records)
             dropped += n_dropped
             if not kept:
                 raise ValueError("a micro-batch with nothing to train (select() it first)")
-            packed = pack(kept).to(self.engine.device)
-            parts.append(self._micro_step(packed))
-            trained.extend(kept)
-            boundary = self.engine.step()
-        if not boundary:
-            raise RuntimeError("DeepSpeed did not step the optimiser at the end of a step")
+            kept_batches.append(kept)
+        trained = [t for batch in kept_batches for t in batch]
+        ppo = self.config.ppo
+        if ppo.optimizer_steps() == 1:
+            plan = [kept_batches]
+        else:
+            plan = minibatch_plan(
+                trained,
+                ppo.epochs,
+                ppo.minibatches,
+                accum,
+                ppo.shuffle,
+                seed=self.config.engine.seed * 1_000_003 + step,
+            )
+        parts: list[dict[str, float]] = []
+        grad_norms: list[float] = []
+        for minibatch in plan:
+            boundary = False
+            for records in minibatch:
+                packed = pack(records).to(self.engine.device)
+                parts.append(self._micro_step(packed))
+                boundary = self.engine.step()  # DeepSpeed steps the optimiser on the last
+            if not boundary:
+                raise RuntimeError("DeepSpeed did not step the optimiser at a minibatch's end")
+            grad_norm = self.engine.grad_norm()
+            if grad_norm is not None:
+                grad_norms.append(grad_norm)
         metrics = combine_metrics(parts)
-        grad_norm = self.engine.grad_norm()
-        if grad_norm is not None:
-            metrics["grad/norm"] = grad_norm
+        for name in _SUMMED:  # every pass sees the same tokens: report them once
+            if name in metrics:
+                metrics[name] /= ppo.epochs
+        if grad_norms:
+            metrics["grad/norm"] = grad_norms[-1]
+            metrics["grad/norm_max"] = max(grad_norms)
+        metrics["ppo/optimizer_steps"] = float(len(plan))
         metrics["optim/lr"] = self.engine.lr()
         self._after_optimizer_step(metrics)
         return StepResult(metrics=metrics, trained=trained, dropped=dropped)
@@ -144,7 +174,7 @@ class StepRunner:
             return
         state = self.engine.module.state_dict()
         kept = metrics.get("train_infer/kept_frac")
-        if kept is not None and self.ewma.should_reset(kept, self.reset_below):
+        if kept is not None and self.ewma.observe_kept(kept, self.reset_below, self.reset_rule):
             self.ewma.reset(state)
             metrics["ewma/reset"] = 1.0
         else:
@@ -168,6 +198,45 @@ class StepRunner:
 
 
 # --- the anchor route as plain functions (also used by ``rollstream replay --rerun train``) --
+
+
+def minibatch_plan(
+    records: Sequence[Trajectory],
+    epochs: int,
+    minibatches: int,
+    grad_accum_steps: int,
+    shuffle: bool,
+    seed: int,
+) -> list[list[list[Trajectory]]]:
+    """The optimiser steps of one scored batch: ``epochs`` passes, each split into
+    minibatches of ``grad_accum_steps`` non-empty micro-batches.
+
+    Advantages are already on the records, so a group may span minibatches. With fewer
+    records than ``minibatches x grad_accum_steps`` a pass takes fewer minibatches.
+    """
+    per_pass = max(1, min(minibatches, len(records) // grad_accum_steps))
+    rng = random.Random(seed)
+    plan: list[list[list[Trajectory]]] = []
+    for _ in range(epochs):
+        order = list(records)
+        if shuffle:
+            rng.shuffle(order)
+        for chunk in _split(order, per_pass):
+            plan.append(_split(chunk, grad_accum_steps))
+    return plan
+
+
+def _split(items: Sequence[Trajectory], parts: int) -> list[list[Trajectory]]:
+    """``parts`` contiguous slices whose sizes differ by at most one (all non-empty when
+    there are at least ``parts`` items)."""
+    size, extra = divmod(len(items), parts)
+    out: list[list[Trajectory]] = []
+    start = 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(list(items[start:end]))
+        start = end
+    return out
 
 
 def needs_prox(config: TrainerConfig, batch: PackedBatch) -> bool:

@@ -290,7 +290,7 @@ class Trainer:
         micro_batches, covered, stale = gathered
         computed = time.perf_counter()
         version = self.step  # the weights being trained are version `step`
-        result = self.runner.train_step(micro_batches)
+        result = self.runner.train_step(micro_batches, step=self.step)
         trained_at = time.perf_counter()
         self.step += 1
         self.offsets = merge_offsets(self.offsets, covered)

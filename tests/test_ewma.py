@@ -146,3 +146,37 @@ def test_should_reset() -> None:
     for bad in (math.nan, -0.1, 1.5):
         with pytest.raises(ValueError):
             should_reset(bad, 0.8)
+
+
+def test_drop_rule_resets_on_a_fall_not_on_a_steady_tight_band() -> None:
+    state = {"w": torch.zeros(2)}
+    below, drop = EwmaProximal(state, 0.5), EwmaProximal(state, 0.5)
+    # a tight MIS band keeps ~30% of tokens at every step
+    steady = [0.31, 0.29, 0.30, 0.32, 0.30, 0.28]
+    assert all(below.observe_kept(k, 0.8, "below") for k in steady)
+    assert not any(drop.observe_kept(k, 0.8, "drop") for k in steady)
+    # then a sudden fall to a third of that level
+    assert drop.observe_kept(0.1, 0.8, "drop")
+    # near a kept fraction of 1 the rules agree
+    wide_below, wide_drop = EwmaProximal(state, 0.5), EwmaProximal(state, 0.5)
+    for k in [1.0, 0.99, 1.0, 0.7, 1.0]:
+        assert wide_below.observe_kept(k, 0.8, "below") == wide_drop.observe_kept(k, 0.8, "drop")
+    assert drop.observe_kept(0.3, None, "drop") is False
+    with pytest.raises(ValueError, match="reset rule"):
+        drop.observe_kept(0.5, 0.8, "never")
+    with pytest.raises(ValueError):
+        drop.observe_kept(float("nan"), 0.8, "drop")
+
+
+def test_running_kept_level_travels_with_the_state_dict() -> None:
+    state = {"w": torch.zeros(2)}
+    ewma = EwmaProximal(state, 0.5)
+    for k in [0.3, 0.35, 0.3]:
+        ewma.observe_kept(k, 0.8, "drop")
+    restored = EwmaProximal(state, 0.5)
+    restored.load_state_dict(ewma.state_dict())
+    assert restored.kept_level == ewma.kept_level
+    legacy = ewma.state_dict()
+    del legacy["kept_level"]  # a checkpoint written before the drop rule
+    restored.load_state_dict(legacy)
+    assert restored.kept_level is None

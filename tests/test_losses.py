@@ -762,3 +762,22 @@ def _all_models() -> list[type[BaseModel]]:
 def test_every_config_field_has_a_description(model: type[BaseModel]) -> None:
     missing = [name for name, f in model.model_fields.items() if not f.description]
     assert not missing, f"{model.__name__}: fields without description: {missing}"
+
+
+def test_mis_discrepancy_weight_is_the_literature_variant() -> None:
+    d = [[1.0, 3.0, 0.6], [1.5, 0.25, 1.0]]  # 3.0 and 0.25 leave [0.5, 2]
+    one = make(S_STD, A_STD, d=d)
+    weighted = make(S_STD, A_STD, d=d)
+    out_one = decoupled_loss(one, DecoupledLossConfig(correction="mis"))
+    cfg = DecoupledLossConfig(correction="mis", mis_weight="discrepancy")
+    out_w = decoupled_loss(weighted, cfg)
+    assert close(out_w.metrics["mis/masked_frac"], out_one.metrics["mis/masked_frac"])
+    # kept tokens: gradient scaled by their d; masked tokens: still zero
+    g_one, g_w = grad_of(one, out_one.loss), grad_of(weighted, out_w.loss)
+    scale = torch.tensor([[1.0, 0.0, 0.6], [1.5, 0.0, 1.0]], dtype=F64)
+    assert torch.allclose(g_w, g_one * scale, atol=1e-12)
+    # seq 0: -1.2*1 + (masked) + -0.5*0.6; seq 1: +1.5*1.5 + (masked) + 1.0 -> 1.75 / 6
+    assert close(out_w.loss, 1.75 / 6)
+    assert close(out_w.metrics["mis/weight_mean"], (1.0 + 0.6 + 1.5 + 1.0) / 4)
+    with pytest.raises(ValidationError):
+        DecoupledLossConfig(mis_weight="d")  # type: ignore[arg-type]

@@ -232,7 +232,13 @@ def test_decoupled_with_missing_old_logits_uses_the_ewma_route() -> None:
 
 def test_ppo_ewma_reset_when_kept_fraction_falls() -> None:
     config = make_config(
-        loss={"type": "ppo_ewma", "beta": 0.9, "reset_below": 1.0, "token_bounds": [0.999, 1.001]},
+        loss={
+            "type": "ppo_ewma",
+            "beta": 0.9,
+            "reset_below": 1.0,
+            "reset_rule": "below",
+            "token_bounds": [0.999, 1.001],
+        },
         approx={"exact_for_ppo_ewma": False},
     )
     _engine, runner = make_runner(config)
@@ -298,3 +304,68 @@ def test_metrics_sink_writes_jsonl_and_prometheus(tmp_path) -> None:
     assert value("rollstream_trainer_dlq_records_total", {"reason": "bad_magic"}) == 1.0
     assert value("rollstream_trainer_staleness_count") == 2.0
     assert np.isclose(value("rollstream_trainer_staleness_sum"), 2.0)
+
+
+# --- PPO epochs and minibatches ------------------------------------------------------
+
+
+def test_minibatch_plan_covers_every_record_once_per_epoch() -> None:
+    from consumers.step import minibatch_plan
+
+    records = flat(synthetic_groups(5, seed=11))  # 20 records
+    plan = minibatch_plan(
+        records, epochs=3, minibatches=4, grad_accum_steps=2, shuffle=True, seed=7
+    )
+    assert len(plan) == 12 and all(len(mb) == 2 and all(mb) for mb in plan)
+    ids = sorted(t.trajectory_id for t in records)
+    for epoch in range(3):
+        seen = [t.trajectory_id for mb in plan[epoch * 4 : epoch * 4 + 4] for m in mb for t in m]
+        assert sorted(seen) == ids
+    again = minibatch_plan(records, 3, 4, 2, True, seed=7)
+    assert [[t.trajectory_id for m in mb for t in m] for mb in again] == [
+        [t.trajectory_id for m in mb for t in m] for mb in plan
+    ]
+    # too few records for 4 minibatches of 2 micro-batches: fewer minibatches, none empty
+    few = minibatch_plan(
+        records[:5], epochs=1, minibatches=4, grad_accum_steps=2, shuffle=False, seed=0
+    )
+    assert len(few) == 2 and all(len(mb) == 2 and all(mb) for mb in few)
+
+
+def test_ppo_epochs_make_the_clip_a_trust_region_on_policy() -> None:
+    """At staleness 0, one optimiser step per batch has ratio 1 and never clips; several
+    steps per batch move the policy within the batch, so the clip acts."""
+    groups = synthetic_groups(4, model=build_tiny_llama(), seed=12, vary_lengths=False)
+    engine_cfg = {"lr": 3e-2, "zero_stage": 1, "bf16": False}
+    single = make_config(engine=engine_cfg, loss={"type": "decoupled"})
+    _engine, runner = make_runner(single)
+    one = runner.train_step([flat(groups)])
+    assert one.metrics["ppo/optimizer_steps"] == 1.0
+    assert one.metrics["ratio/max"] == pytest.approx(1.0, abs=1e-4)
+    assert one.metrics["clip/frac"] == 0.0
+
+    several = make_config(
+        engine=engine_cfg, loss={"type": "decoupled"}, ppo={"epochs": 2, "minibatches": 2}
+    )
+    engine, runner = make_runner(several)
+    result = runner.train_step([flat(groups)], step=3)
+    assert result.metrics["ppo/optimizer_steps"] == 4.0 and engine.global_steps == 4
+    assert result.metrics["clip/frac"] > 0.0
+    assert result.metrics["ratio/max"] > 1.2
+    # every record counts once, whatever the number of passes
+    assert result.metrics["tokens/response"] == sum(t.num_response_tokens for t in flat(groups))
+    assert len(result.trained) == len(flat(groups))
+
+
+def test_ppo_config_garbage_is_refused() -> None:
+    for bad in (
+        {"epochs": 0},
+        {"minibatches": -1},
+        {"epochs": "two"},
+        {"shuffle": "maybe"},
+        {"epoch": 2},
+    ):
+        with pytest.raises(ValidationError):
+            TrainerConfig.model_validate({"ppo": bad})
+    with pytest.raises(ValidationError):
+        TrainerConfig.model_validate({"approx": {"reset_rule": "sometimes"}})
