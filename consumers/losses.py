@@ -49,6 +49,9 @@ metric                     variants             meaning
                                                 clip: (A > 0 and ρ > hi) or (A < 0 and ρ < lo)
 ``clip/frac_low``          all                  the A < 0, ρ < lo part of clip/frac
 ``clip/frac_high``         all                  the A > 0, ρ > hi part of clip/frac
+``clip/masked_overlap_``   decoupled, ppo_ewma, fraction of tokens both clipped and dropped by
+``frac``                   mu_grpo with NAV     the mask (MIS, veto or NAV): how much the two
+                                                token sets overlap
 ``discrepancy/mean``       decoupled, ppo_ewma  mean token discrepancy d (anchor vs infer)
 ``tis/truncated_frac``     correction=tis       fraction of tokens whose weight d_level > high
                                                 was truncated (sequence levels: all tokens of
@@ -380,6 +383,7 @@ def _decoupled(
     metrics["clip/frac_low"] = batch.frac(clipped_low)
     metrics["clip/frac_high"] = batch.frac(clipped_high)
     metrics["clip/frac"] = batch.frac(clipped_low | clipped_high)
+    metrics["clip/masked_overlap_frac"] = batch.frac((clipped_low | clipped_high) & ~keep)
 
     # 5. aggregation (KL added by the caller)
     policy = _aggregate(per_token, keep, batch, config.aggregation)
@@ -468,6 +472,8 @@ def mu_grpo_loss(inputs: LossInputs, config: MuGrpoLossConfig) -> LossOutput:
     metrics["clip/frac_low"] = batch.frac(clipped_low)
     metrics["clip/frac_high"] = batch.frac(clipped_high)
     metrics["clip/frac"] = batch.frac(clipped_low | clipped_high)
+    if config.nav is not None:
+        metrics["clip/masked_overlap_frac"] = batch.frac((clipped_low | clipped_high) & ~keep)
 
     # 5. aggregation (+ KL to the reference)
     policy = _aggregate(per_token, keep, batch, config.aggregation)

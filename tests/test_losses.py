@@ -781,3 +781,13 @@ def test_mis_discrepancy_weight_is_the_literature_variant() -> None:
     assert close(out_w.metrics["mis/weight_mean"], (1.0 + 0.6 + 1.5 + 1.0) / 4)
     with pytest.raises(ValidationError):
         DecoupledLossConfig(mis_weight="d")  # type: ignore[arg-type]
+
+
+def test_clip_and_mask_overlap_is_reported() -> None:
+    # token (0, 0): s = 1.5 clipped high (A > 0) and d = 3 masked: both; (1, 1): s = 0.5
+    # clipped low (A < 0), d = 1 kept: clipped only; (0, 2): d = 0.25 masked only.
+    d = [[3.0, 1.0, 0.25], [1.0, 1.0, 1.0]]
+    out = decoupled_loss(make(S_STD, A_STD, d=d), DecoupledLossConfig(correction="mis"))
+    assert close(out.metrics["clip/frac"], 2 / 6)
+    assert close(out.metrics["mis/masked_frac"], 2 / 6)
+    assert close(out.metrics["clip/masked_overlap_frac"], 1 / 6)

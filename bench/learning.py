@@ -1,0 +1,393 @@
+"""Learning under forced staleness: the off-policy ablation grid on the tiny model.
+
+Run from the repository root: ``python -m bench.learning [--quick] [--jobs 2]``.
+
+Every cell trains the tiny Llama on ``reverse-3-digits`` from the same initial weights
+with one route of the loss family, with every trained batch exactly ``k`` versions old
+(fewer during the first ``k`` steps, when no older version exists). The cell runs the
+project's own pieces in one process:
+
+- **generation**: ``producers.inference_engine.Engine`` on a **bf16** copy of the weights
+  of version ``n - k`` (the real train-inference mismatch: the trainer is fp32);
+- **old logits**: ``streams.oldlogits.OldLogitEngine`` over a ``SnapshotStore`` of recent
+  versions, in fp32, exactly as the stream worker computes them;
+- **advantages**: ``core.advantages.group_advantages`` (GRPO);
+- **training**: ``consumers.step.StepRunner`` on a DeepSpeed engine (world of one, fp32),
+  with ``[trainer.ppo]`` minibatches so the clip is a trust region at every staleness.
+
+Routes (``ROUTES``): the total ratio (``grpo``); decoupled with exact old logits, TIS and
+MIS (the literature's weighted MIS); old logits *lost*, anchored on the current policy
+(what a pipeline that recomputes them at training time does) or on ``logp_infer``;
+PPO-EWMA (old logits lost, EWMA proximal anchor); Mu-GRPO (relaxed clip + NAV on the total
+ratio). Per cell: steps and CPU seconds to a reward target, final reward, collapse
+(ends below the target with a near-deterministic policy), clip and mask fractions and the
+overlap of the two token sets. Seeds change the initial weights, the prompts and the
+sampling. CPU seconds (``time.process_time``) rather than wall-clock: the machine is
+shared and noisy, CPU time is what a cell costs.
+
+Writes ``docs/learning.md`` (table and short story are written by hand around the
+generated block between its markers) and ``docs/learning/reward_k<k>.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import platform
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "learning.md"
+PLOTS = ROOT / "docs" / "learning"
+BEGIN, END = "<!-- bench.learning: begin -->", "<!-- bench.learning: end -->"
+
+
+@dataclass(frozen=True)
+class Route:
+    """One way of anchoring the ratio, as trainer config plus where logp_old comes from."""
+
+    name: str
+    loss: dict[str, Any]
+    approx: dict[str, Any] = field(default_factory=dict)
+    #: exact: the stream's old logits; current: recomputed under the policy being trained
+    #: (old logits lost); off: none attached (the trainer's approximate route)
+    old_logits: str = "exact"
+
+
+ROUTES: tuple[Route, ...] = (
+    Route("grpo", {"type": "grpo"}),
+    Route("decoupled-tis", {"type": "decoupled", "correction": "tis"}),
+    Route("decoupled-mis", {"type": "decoupled", "correction": "mis", "mis_weight": "discrepancy"}),
+    Route("lost-current", {"type": "decoupled", "correction": "mis"}, old_logits="current"),
+    Route("lost-infer", {"type": "decoupled"}, {"route": "infer"}, old_logits="off"),
+    Route("ppo-ewma", {"type": "ppo_ewma"}, {"route": "ewma"}, old_logits="off"),
+    Route("mu-grpo", {"type": "mu_grpo"}),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every cell shares."""
+
+    steps: int = 300
+    prompts_per_step: int = 16
+    group_size: int = 8
+    lr: float = 3e-3
+    epochs: int = 1
+    minibatches: int = 2
+    temperature: float = 1.0
+    target: float = 0.5  # 10-step mean reward
+    task: str = "reverse-3-digits"
+
+
+@dataclass
+class CellResult:
+    route: str
+    staleness: int
+    seed: int
+    rewards: list[float]
+    entropy: list[float]  # -mean logp_infer of sampled tokens: an entropy estimate
+    clip_frac: list[float]
+    mask_frac: list[float]
+    overlap_frac: list[float]
+    cpu_s: list[float]  # cumulative CPU seconds at the end of each step
+    versions: list[int]  # the version that generated each step's batch
+
+    def smoothed(self, window: int = 10) -> list[float]:
+        r = self.rewards
+        return [statistics.fmean(r[max(0, i - window + 1) : i + 1]) for i in range(len(r))]
+
+    def step_to(self, target: float) -> int | None:
+        for i, value in enumerate(self.smoothed()):
+            if value >= target:
+                return i + 1
+        return None
+
+    def final(self, window: int = 20) -> float:
+        return statistics.fmean(self.rewards[-window:])
+
+    def collapsed(self, target: float) -> bool:
+        return self.final() < target and statistics.fmean(self.entropy[-20:]) < 0.1
+
+
+def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> CellResult:
+    """Train one cell; see the module doc."""
+    import numpy as np
+    import torch
+
+    from consumers.config import TrainerConfig
+    from consumers.step import StepRunner
+    from consumers.train_engine import TrainEngine
+    from core.advantages import group_advantages
+    from core.logprobs import response_logprobs
+    from core.models import EOS_ID, PAD_ID, load_model
+    from producers.inference_engine import Engine, SamplingParams
+    from producers.tasks import TaskContext, make_task
+    from schemas.trajectory import OldLogitsStatus, Trajectory
+    from streams.config import OldLogitsConfig
+    from streams.oldlogits import OldLogitEngine
+    from streams.snapshots import InMemorySource, SnapshotStore
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    spec = f"tiny:seed={seed}"
+    config = TrainerConfig.model_validate(
+        {
+            "model": spec,
+            "engine": {"lr": settings.lr, "zero_stage": 0, "bf16": False, "seed": seed},
+            "loss": route.loss,
+            "approx": route.approx,
+            "ppo": {"epochs": settings.epochs, "minibatches": settings.minibatches},
+        }
+    )
+    trainer = TrainEngine(
+        load_model(spec, "float32"),
+        config.engine,
+        frozen_copies=StepRunner.frozen_copies_needed(config),
+    )
+    runner = StepRunner(trainer, config, pad_id=PAD_ID)
+    generator = Engine(
+        load_model(spec, "bfloat16"), model_path=spec, seed=seed, eos_token_ids=[EOS_ID]
+    )
+    history = InMemorySource({0: _fp32_copy(trainer.state_dict())})
+    old_logits = OldLogitEngine(
+        OldLogitsConfig(model=spec, dtype="float32"),
+        SnapshotStore(history, budget_bytes=1 << 30, dtype=torch.float32),
+    )
+    current_model = load_model(spec, "float32")
+    task = make_task(settings.task, {}, TaskContext(cache_dir=Path.home() / ".cache"))
+    params = SamplingParams(
+        temperature=settings.temperature,
+        max_new_tokens=task.max_new_tokens,
+        stop_token_ids=tuple(task.stop_token_ids),
+    )
+    result = CellResult(route.name, staleness, seed, [], [], [], [], [], [], [])
+    started = time.process_time()
+    for step in range(settings.steps):
+        version = max(0, step - staleness)
+        state = history.load(version)
+        generator.model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()})
+        prompts = [task.sample(rng) for _ in range(settings.prompts_per_step)]
+        inputs = [p.ids for p in prompts for _ in range(settings.group_size)]
+        outputs = generator.generate(inputs, params, return_logprob=True)
+        rewards = [
+            task.reward(prompts[i // settings.group_size], out.output_ids)[0]
+            for i, out in enumerate(outputs)
+        ]
+        groups = [i // settings.group_size for i in range(len(outputs))]
+        advantages = group_advantages(rewards, groups).advantages
+        records = [
+            Trajectory.create(
+                run_id="bench",
+                trajectory_id=f"{step}-{i}",
+                group_id=f"{step}-{groups[i]}",
+                group_size=settings.group_size,
+                sample_index=i % settings.group_size,
+                producer_id="bench",
+                region="local",
+                task=settings.task,
+                prompt_ids=inputs[i],
+                response_ids=out.output_ids,
+                logp_infer=out.output_logprobs,
+                segment_versions=[version],
+                segment_lengths=[len(out.output_ids)],
+                reward=rewards[i],
+                reward_details={},
+                finish_reason="stop",
+                created_at_ms=0,
+                finished_at_ms=0,
+            ).with_advantage(float(advantages[i]))
+            for i, out in enumerate(outputs)
+        ]
+        records = [r for r in records if r.num_response_tokens > 0]
+        if route.old_logits == "exact":
+            records = old_logits.attach(records)
+        elif route.old_logits == "current":
+            current = trainer.state_dict()
+            pairs = [(r.prompt_ids, r.response_ids) for r in records]
+            logps = response_logprobs(current_model, pairs, torch.float32, state=current)
+            records = [r.with_old_logits(lp) for r, lp in zip(records, logps, strict=True)]
+        else:
+            off = OldLogitsStatus.OFF.value
+            records = [dataclasses.replace(r, old_logits_status=off) for r in records]
+        metrics = runner.train_step([records], step=step).metrics
+        history.states[step + 1] = _fp32_copy(trainer.state_dict())
+        for old in [v for v in history.states if v < step + 1 - staleness]:
+            del history.states[old]
+        old_logits.snapshots.retain(step + 1 - staleness)
+
+        tokens = np.concatenate([r.logp_infer for r in records])
+        result.rewards.append(float(np.mean(rewards)))
+        result.entropy.append(float(-tokens.mean()))
+        result.clip_frac.append(metrics.get("clip/frac", 0.0))
+        masked = metrics.get("mis/masked_frac", metrics.get("nav/vetoed_frac", 0.0))
+        if "train_infer/kept_frac" in metrics:
+            masked = 1.0 - metrics["train_infer/kept_frac"]
+        result.mask_frac.append(masked)
+        result.overlap_frac.append(metrics.get("clip/masked_overlap_frac", 0.0))
+        result.cpu_s.append(time.process_time() - started)
+        result.versions.append(version)
+    return result
+
+
+def _fp32_copy(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().float().clone() for k, v in state.items()}
+
+
+def _run(args: tuple[Route, int, int, Settings]) -> CellResult:
+    logging.disable(logging.WARNING)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    return run_cell(*args)
+
+
+# --- the report -----------------------------------------------------------------------
+
+
+def _spread(values: Sequence[float]) -> str:
+    if len(values) < 2:
+        return f"{values[0]:.2f}" if values else "-"
+    return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}"
+
+
+def table(cells: list[CellResult], settings: Settings) -> str:
+    """The markdown table: one row per (staleness, route)."""
+    lines = [
+        f"| k | route | steps to {settings.target:g} (median, reached) | CPU s to target "
+        "(median) | final reward (mean ± sd) | collapses | clip frac | mask frac | "
+        "clip∩mask |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    keys = sorted({(c.staleness, c.route) for c in cells}, key=lambda k: (k[0], _order(k[1])))
+    for k, route in keys:
+        group = [c for c in cells if c.staleness == k and c.route == route]
+        steps = [c.step_to(settings.target) for c in group]
+        reached = [s for s in steps if s is not None]
+        cpu = [c.cpu_s[s - 1] for c, s in zip(group, steps, strict=True) if s is not None]
+        lines.append(
+            f"| {k} | {route} | "
+            f"{statistics.median(reached) if reached else '-'} ({len(reached)}/{len(group)}) | "
+            f"{f'{statistics.median(cpu):.0f}' if cpu else '-'} | "
+            f"{_spread([c.final() for c in group])} | "
+            f"{sum(c.collapsed(settings.target) for c in group)}/{len(group)} | "
+            f"{statistics.fmean(x for c in group for x in c.clip_frac):.3f} | "
+            f"{statistics.fmean(x for c in group for x in c.mask_frac):.3f} | "
+            f"{statistics.fmean(x for c in group for x in c.overlap_frac):.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def _order(route: str) -> int:
+    names = [r.name for r in ROUTES]
+    return names.index(route) if route in names else len(names)
+
+
+def plot(cells: list[CellResult], directory: Path) -> list[Path]:
+    """One PNG per staleness level: 10-step mean reward vs step, mean over seeds per route."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for k in sorted({c.staleness for c in cells}):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for route in sorted({c.route for c in cells}, key=_order):
+            group = [c.smoothed() for c in cells if c.staleness == k and c.route == route]
+            if not group:
+                continue
+            mean = [statistics.fmean(v) for v in zip(*group, strict=True)]
+            ax.plot(range(1, len(mean) + 1), mean, label=route)
+        ax.set(title=f"staleness k = {k}", xlabel="trainer step", ylabel="reward (10-step mean)")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+        path = directory / f"reward_k{k}.png"
+        fig.savefig(path, dpi=90, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_doc(text: str) -> None:
+    """Replace the generated block of ``docs/learning.md`` (or append it)."""
+    block = f"{BEGIN}\n{text}\n{END}"
+    doc = DOC.read_text() if DOC.exists() else "# Learning under staleness\n\n"
+    if BEGIN in doc and END in doc:
+        head, rest = doc.split(BEGIN, 1)
+        doc = head + block + rest.split(END, 1)[1]
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
+    DOC.write_text(doc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--staleness", default="0,2,4,8", help="comma-separated k values")
+    parser.add_argument("--routes", default=",".join(r.name for r in ROUTES))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=Settings.steps)
+    parser.add_argument("--minibatches", type=int, default=Settings.minibatches)
+    parser.add_argument("--epochs", type=int, default=Settings.epochs)
+    parser.add_argument("--jobs", type=int, default=2, help="cells run in parallel")
+    parser.add_argument("--quick", action="store_true", help="k 0,4; 3 routes; 1 seed; 60 steps")
+    parser.add_argument("--no-doc", action="store_true", help="print only, write no docs")
+    args = parser.parse_args()
+    ks = [int(k) for k in args.staleness.split(",")]
+    names = args.routes.split(",")
+    seeds, steps = args.seeds, args.steps
+    if args.quick:
+        ks, names, seeds, steps = [0, 4], ["grpo", "decoupled-mis", "lost-current"], 1, 60
+    unknown = sorted(set(names) - {r.name for r in ROUTES})
+    if unknown:
+        parser.error(f"unknown routes {unknown}; known: {[r.name for r in ROUTES]}")
+    settings = Settings(steps=steps, epochs=args.epochs, minibatches=args.minibatches)
+    routes = [r for r in ROUTES if r.name in names]
+    jobs = [(r, k, s, settings) for k in ks for r in routes for s in range(seeds)]
+    print(f"{len(jobs)} cells x {steps} steps, {args.jobs} in parallel", flush=True)
+    started = time.perf_counter()
+    cells: list[CellResult] = []
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for cell in pool.map(_run, jobs):
+            cells.append(cell)
+            print(
+                f"k={cell.staleness} {cell.route:14s} seed {cell.seed}: final "
+                f"{cell.final():.2f}, to {settings.target:g} at {cell.step_to(settings.target)}, "
+                f"{cell.cpu_s[-1]:.0f} CPU s",
+                flush=True,
+            )
+    elapsed = time.perf_counter() - started
+    header = (
+        f"Generated by `python -m bench.learning` on "
+        f"{datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}, {platform.machine()} with "
+        f"{os.cpu_count()} cores, {elapsed / 60:.0f} min wall-clock. Settings: "
+        f"{json.dumps(asdict(settings))}; seeds 0..{seeds - 1}."
+    )
+    report = header + "\n\n" + table(cells, settings)
+    print(report)
+    if not args.no_doc:
+        plots = plot(cells, PLOTS)
+        images = "\n".join(f"![{p.stem}](learning/{p.name})" for p in plots)
+        write_doc(report + "\n\n" + images)
+        raw = PLOTS / "cells.json"
+        raw.write_text(json.dumps([asdict(c) for c in cells]))
+        print(f"wrote {DOC.relative_to(ROOT)}, {len(plots)} plots and {raw.relative_to(ROOT)}")
+    if any(math.isnan(c.final()) for c in cells):
+        raise SystemExit("a cell produced NaN rewards")
+
+
+if __name__ == "__main__":
+    main()
