@@ -342,6 +342,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=Settings.steps)
     parser.add_argument("--minibatches", type=int, default=Settings.minibatches)
     parser.add_argument("--epochs", type=int, default=Settings.epochs)
+    parser.add_argument("--lr", type=float, default=Settings.lr)
+    parser.add_argument("--prompts", type=int, default=Settings.prompts_per_step)
     parser.add_argument("--jobs", type=int, default=2, help="cells run in parallel")
     parser.add_argument("--quick", action="store_true", help="k 0,4; 3 routes; 1 seed; 60 steps")
     parser.add_argument("--no-doc", action="store_true", help="print only, write no docs")
@@ -354,7 +356,13 @@ def main() -> None:
     unknown = sorted(set(names) - {r.name for r in ROUTES})
     if unknown:
         parser.error(f"unknown routes {unknown}; known: {[r.name for r in ROUTES]}")
-    settings = Settings(steps=steps, epochs=args.epochs, minibatches=args.minibatches)
+    settings = Settings(
+        steps=steps,
+        epochs=args.epochs,
+        minibatches=args.minibatches,
+        lr=args.lr,
+        prompts_per_step=args.prompts,
+    )
     routes = [r for r in ROUTES if r.name in names]
     jobs = [(r, k, s, settings) for k in ks for r in routes for s in range(seeds)]
     print(f"{len(jobs)} cells x {steps} steps, {args.jobs} in parallel", flush=True)

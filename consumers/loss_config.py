@@ -110,7 +110,9 @@ class _DecoupledFields(_LossBase):
         default=(0.5, 2.0),
         description=(
             "[low, high] for level=token. MIS keeps tokens with low <= d <= high; TIS "
-            "truncates the weight at high (low unused)."
+            "truncates the weight at high (low unused). The default is a guard against "
+            "broken numerics: a normal bf16/fp32 mismatch never leaves it (largest measured "
+            "|log d|: 0.004 on the tiny model, 0.25 on SmolLM2-135M)."
         ),
     )
     sequence_bounds: Bounds = Field(
@@ -121,10 +123,13 @@ class _DecoupledFields(_LossBase):
         ),
     )
     geometric_bounds: Bounds = Field(
-        default=(1.0 / 1.002, 1.002),
+        default=(1.0 / 1.02, 1.02),
         description=(
-            "[low, high] for level=geometric (geometric mean of d); anchors use tight values "
-            "around [1/1.002, 1.002] (1.001-1.004 are typical). MIS keeps a sequence inside "
+            "[low, high] for level=geometric (geometric mean of d). The default keeps every "
+            "sequence of a normal bf16-engine / fp32-trainer mismatch (measured on "
+            "SmolLM2-135M: 99.9% of sequences within 1.016) and masks real divergence; the "
+            "tight values used where engine and trainer share numerics (1.001-1.004) mask "
+            "most sequences of such a mismatch (75% at 1.002). MIS keeps a sequence inside "
             "the interval; TIS truncates the weight at high."
         ),
     )
