@@ -122,3 +122,14 @@ def test_broken_user_operator_raises_operator_error(path: str) -> None:
 def test_malformed_operator_config_is_refused(spec) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError):
         build_chain(spec)
+
+
+def test_filtered_group_header_round_trips_and_refuses_garbage() -> None:
+    from schemas.control import FILTERED_HEADER, FilteredGroup
+
+    msg = FilteredGroup(group_id="g", operator="zero_variance", reason="zero_variance")
+    assert FilteredGroup.from_headers([msg.header()]) == msg
+    with pytest.raises(ValueError):
+        FilteredGroup.from_json(b'{"group_id": "g"}')
+    with pytest.raises(ValueError):
+        FilteredGroup.from_headers([(FILTERED_HEADER, b"not json")])
