@@ -133,3 +133,15 @@ def test_filtered_group_header_round_trips_and_refuses_garbage() -> None:
         FilteredGroup.from_json(b'{"group_id": "g"}')
     with pytest.raises(ValueError):
         FilteredGroup.from_headers([(FILTERED_HEADER, b"not json")])
+
+
+def test_streams_config_refuses_a_bad_operator_at_load_and_defaults_to_none() -> None:
+    from pydantic import ValidationError
+
+    from streams.config import StreamsConfig
+
+    assert StreamsConfig().operators == []
+    ok = StreamsConfig.model_validate({"operators": [{"name": "zero_variance"}]})
+    assert [o.name for o in ok.operators] == ["zero_variance"]
+    with pytest.raises(ValidationError, match="no_such_op"):
+        StreamsConfig.model_validate({"operators": [{"name": "no_such_op"}]})
