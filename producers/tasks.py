@@ -24,7 +24,6 @@ correctness, format) are a small JSON object that travels in the trajectory's
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import random
@@ -44,6 +43,7 @@ from core.models import (
     TINY_VOCAB,
     load_tokenizer,
 )
+from core.objects import load_object  # re-exported: one loader for user objects
 
 # --- the tiny vocabulary ------------------------------------------------------------------
 
@@ -119,23 +119,6 @@ def make_task(name: str, options: dict[str, Any] | None, context: TaskContext) -
         if not hasattr(task, attr):
             raise TypeError(f"task {name!r} built by {factory!r} has no {attr!r}")
     return task
-
-
-def load_object(path: str) -> Any:
-    """The object at ``package.module:attr`` (or ``package.module.attr``)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"{path!r} is not a dotted path like 'package.module:function'")
-    module = importlib.import_module(module_name)
-    try:
-        obj = module
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except AttributeError as exc:
-        raise ValueError(f"{module_name} has no attribute {attr!r}") from exc
-    return obj
 
 
 # --- synthetic digit tasks (tiny model) ----------------------------------------------------

@@ -28,6 +28,7 @@ from schemas.codec import KafkaHeaders, headers_to_dict
 
 DEAD_LETTER_HEADER = "rs-dead-letter"
 STALE_HEADER = "rs-stale"
+FILTERED_HEADER = "rs-filtered"
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -174,7 +175,37 @@ class StaleRecord:
         return cls.from_json(_header_value(headers, STALE_HEADER))
 
 
-_Message = TypeVar("_Message", VersionAnnouncement, DeadLetter, StaleRecord)
+@dataclasses.dataclass(frozen=True, slots=True)
+class FilteredGroup:
+    """Why a complete group went to ``rollouts.filtered``: the stream operator that dropped
+    it and its reason (never a silent drop)."""
+
+    group_id: str
+    operator: str
+    reason: str
+
+    def __post_init__(self) -> None:
+        _check_str(self, "group_id")
+        _check_str(self, "operator")
+        _check_str(self, "reason")
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> FilteredGroup:
+        return _from_json(cls, data)
+
+    def header(self) -> tuple[str, bytes]:
+        """The Kafka header to add to the filtered group's record."""
+        return FILTERED_HEADER, self.to_json()
+
+    @classmethod
+    def from_headers(cls, headers: KafkaHeaders) -> FilteredGroup:
+        return cls.from_json(_header_value(headers, FILTERED_HEADER))
+
+
+_Message = TypeVar("_Message", VersionAnnouncement, DeadLetter, StaleRecord, FilteredGroup)
 
 
 def _from_json(cls: type[_Message], data: bytes | str) -> _Message:

@@ -9,7 +9,7 @@ The whole file is read by ``rollstream.config.load_config``, which holds
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -156,6 +156,15 @@ class ValidationConfig(StrictModel):
     max_record_bytes: int = Field(default=4 * 1024 * 1024, ge=1, description="Largest record.")
 
 
+class OperatorSpec(StrictModel):
+    """One data operator of the chain: a built-in name or a ``package.module:Class`` path."""
+
+    name: str = Field(description="Built-in operator name or dotted path of a user operator.")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments the operator is built with."
+    )
+
+
 class StreamsConfig(StrictModel):
     """The stream processors: one Faust app, any number of workers."""
 
@@ -168,6 +177,19 @@ class StreamsConfig(StrictModel):
     old_logits: OldLogitsConfig = Field(default_factory=OldLogitsConfig)
     groups: GroupsConfig = Field(default_factory=GroupsConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    operators: list[OperatorSpec] = Field(
+        default_factory=list,
+        description="Data operators applied in order to each complete group before it is "
+        "scored (empty: none). Each is built at load, so a bad name or option is refused.",
+    )
+
+    @field_validator("operators")
+    @classmethod
+    def _operators_build(cls, specs: list[OperatorSpec]) -> list[OperatorSpec]:
+        from streams.operators import build_chain
+
+        build_chain([s.model_dump() for s in specs])
+        return specs
     processing_guarantee: Literal["exactly_once", "at_least_once"] = Field(
         default="exactly_once",
         description="exactly_once: outputs, table and offsets in one Kafka transaction.",
