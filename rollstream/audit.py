@@ -1,7 +1,8 @@
 """``rollstream audit``: reconcile what the producers delivered with what became of it.
 
 Why: the pipeline promises that every trajectory a producer delivered is either trained
-exactly once, filtered as stale, or dead-lettered with a reason, and that nothing is
+exactly once, filtered as stale, dead-lettered with a reason, or filtered out by a data
+operator (``rollouts.filtered``, ``rs-filtered`` header), and that nothing is
 trained that no producer produced. Each role keeps its own record of its side:
 
 - the producers' delivery ledgers (``producers.ledger``, one per producer under
@@ -208,7 +209,14 @@ def read_ids(
     of either kind, stale records), with the reason of each dead letter or stale record.
     ``groups``: decode trajectory records for their group and producer too (raw)."""
     from schemas.codec import DecodeError, decode
-    from schemas.control import DEAD_LETTER_HEADER, STALE_HEADER, DeadLetter, StaleRecord
+    from schemas.control import (
+        DEAD_LETTER_HEADER,
+        FILTERED_HEADER,
+        STALE_HEADER,
+        DeadLetter,
+        FilteredGroup,
+        StaleRecord,
+    )
 
     view = TopicView(topic)
     for msg in read_topic(client_config, topic, timeout_s):
@@ -223,6 +231,9 @@ def read_ids(
             reason = DeadLetter.from_json(headers[DEAD_LETTER_HEADER]).reason
         elif STALE_HEADER in headers:
             reason = f"stale:{StaleRecord.from_json(headers[STALE_HEADER]).staleness}"
+        elif FILTERED_HEADER in headers:
+            filtered = FilteredGroup.from_json(headers[FILTERED_HEADER])
+            reason = f"{filtered.operator}:{filtered.reason}"
         for tid in ids:
             view.ids[tid] += 1
             view.positions[tid] = (msg.partition(), msg.offset())
@@ -308,6 +319,7 @@ class AuditReport:
     trained: Counter[str]
     stale: TopicView
     dlq: TopicView
+    filtered: TopicView = field(default_factory=lambda: TopicView(""))
     scored: TopicView | None = None
     raw: TopicView | None = None
     progress: Progress | None = None
@@ -319,8 +331,9 @@ class AuditReport:
 
     @property
     def accounted(self) -> set[str]:
-        """Ids with an outcome: trained, filtered as stale, or dead-lettered."""
-        return set(self.trained) | set(self.stale.ids) | set(self.dlq.ids)
+        """Ids with an outcome: trained, stale, dead-lettered, or filtered by a data
+        operator."""
+        return set(self.trained) | set(self.stale.ids) | set(self.dlq.ids) | set(self.filtered.ids)
 
     @property
     def missing(self) -> set[str]:
@@ -340,6 +353,10 @@ class AuditReport:
     @property
     def trained_and_stale(self) -> set[str]:
         return set(self.trained) & set(self.stale.ids)
+
+    @property
+    def trained_and_filtered(self) -> set[str]:
+        return set(self.trained) & set(self.filtered.ids)
 
     @property
     def unknown_dead_letters(self) -> set[str]:
@@ -374,10 +391,11 @@ class AuditReport:
         """Violations of exactly-once accounting; empty when the run reconciles."""
         out = []
         for name, ids in (
-            ("delivered but neither trained, stale nor dead-lettered", self.missing),
+            ("delivered but neither trained, stale, dead-lettered nor filtered", self.missing),
             ("trained more than once", set(self.trained_twice)),
             ("trained but never produced", self.unproduced),
             ("trained and also filtered as stale", self.trained_and_stale),
+            ("trained and also filtered by a data operator", self.trained_and_filtered),
         ):
             if ids:
                 out.append(f"{len(ids)} {name}: {_sample(ids)}")
@@ -406,6 +424,10 @@ class AuditReport:
             "dlq": len(dlq),
             "dlq_of_delivered": len(dlq & self.delivered),
             "dlq_reasons": dict(self.dlq_reasons()),
+            "filtered": len(self.filtered.ids),
+            "filtered_reasons": dict(
+                Counter(self.filtered.reasons.get(t, "?") for t in self.filtered.ids)
+            ),
             "missing": len(self.missing),
             "trained_twice": len(self.trained_twice),
             "unproduced": len(self.unproduced),
@@ -439,6 +461,7 @@ class AuditSources:
     scored: str
     stales: tuple[str, ...]  # the stream's and the trainer's (often one topic)
     dlqs: tuple[str, ...]  # the stream's and the trainer's (often one topic)
+    filtered: str | None  # what the stream's data operators filtered out
     stream_app_id: str
     trainer_group: str
 
@@ -458,6 +481,7 @@ class AuditSources:
             scored=topics.scored,
             stales=tuple(dict.fromkeys((topics.stale, config.trainer.topics.stale))),
             dlqs=tuple(dict.fromkeys((topics.dlq, config.trainer.topics.dlq))),
+            filtered=topics.filtered,
             stream_app_id=config.streams.app_id,
             trainer_group=config.trainer.topics.group_id,
         )
@@ -513,6 +537,8 @@ def audit(
         dlq=read_sinks(client, sources.dlqs, run, timeout_s),
         delivery=delivery,
     )
+    if sources.filtered is not None:
+        report.filtered = read_sinks(client, (sources.filtered,), run, timeout_s)
     if diagnose or produced.pending:
         report.progress = read_progress(
             client,

@@ -25,6 +25,7 @@ from rollstream.profiles import ProfileConfig, profile_sections
 from schemas.topics import (
     POLICY_VERSIONS,
     ROLLOUTS_DLQ,
+    ROLLOUTS_FILTERED,
     ROLLOUTS_RAW,
     ROLLOUTS_SCORED,
     ROLLOUTS_STALE,
@@ -91,6 +92,7 @@ class RollstreamConfig(SharedConfig):
             (ROLLOUTS_SCORED, {self.streams.topics.scored, self.trainer.topics.scored}),
             (ROLLOUTS_STALE, {self.streams.topics.stale}),
             (ROLLOUTS_DLQ, {self.streams.topics.dlq, self.trainer.topics.dlq}),
+            (ROLLOUTS_FILTERED, {self.streams.topics.filtered}),
             (
                 POLICY_VERSIONS,
                 {self.weights.topic, self.streams.topics.versions, self.trainer.topics.versions},

@@ -39,13 +39,14 @@ def parse_partition_offset(text: str) -> tuple[int, int]:
 
 
 def topic_names(config: RollstreamConfig) -> dict[str, str]:
-    """Short names (raw, scored, stale, dlq, versions) to the configured topic names."""
+    """Short names (raw, scored, stale, dlq, filtered, versions) to the configured topics."""
     topics = config.streams.topics
     return {
         "raw": topics.raw,
         "scored": topics.scored,
         "stale": topics.stale,
         "dlq": topics.dlq,
+        "filtered": topics.filtered,
         "versions": topics.versions,
     }
 

@@ -166,6 +166,9 @@ def rerun_stream(
                 table.pop(key, None)
             else:
                 table[key] = value
+        for group_id, trace in step.operator_trace.items():
+            decisions = ", ".join(f"{name} → {decision}" for name, decision in trace)
+            console.print(f"operators on group {group_id}: {decisions}")
         return step.sends
 
     outputs: list[tuple[ReplayRecord | None, list[Send]]] = []
@@ -217,7 +220,14 @@ def _print_sends(
     table: Mapping[bytes, bytes],
     record: ReplayRecord | None,
 ) -> None:
-    from schemas.control import DEAD_LETTER_HEADER, STALE_HEADER, DeadLetter, StaleRecord
+    from schemas.control import (
+        DEAD_LETTER_HEADER,
+        FILTERED_HEADER,
+        STALE_HEADER,
+        DeadLetter,
+        FilteredGroup,
+        StaleRecord,
+    )
     from streams.groups import GroupState, group_key
 
     console = renderer.console
@@ -244,6 +254,12 @@ def _print_sends(
             console.print(
                 f"{where} → stale {send.topic}: staleness {stale.staleness} > "
                 f"{stale.max_staleness} at trainer version {stale.trainer_version}"
+            )
+        elif FILTERED_HEADER in keys:
+            note = FilteredGroup.from_headers(send.headers)
+            console.print(
+                f"{where} → filtered {send.topic}: group {note.group_id} by operator "
+                f"{note.operator} ({note.reason})"
             )
         else:
             group = decode_group(send.value)

@@ -52,6 +52,13 @@ ROLLOUTS_DLQ = TopicSpec(
     # bytes and the rs-dead-letter header, or dead-lettering it would fail.
     max_message_bytes=ROLLOUTS_SCORED.max_message_bytes + 1 * MIB,
 )
+ROLLOUTS_FILTERED = TopicSpec(
+    "rollouts.filtered",
+    partitions=4,
+    retention_ms=30 * DAY_MS,
+    # a filtered group's samples keep their raw bytes plus the rs-filtered header
+    max_message_bytes=ROLLOUTS_RAW.max_message_bytes + 1 * MIB,
+)
 POLICY_VERSIONS = TopicSpec(
     "policy.versions",
     partitions=1,
@@ -65,5 +72,6 @@ ALL_TOPICS: tuple[TopicSpec, ...] = (
     ROLLOUTS_SCORED,
     ROLLOUTS_STALE,
     ROLLOUTS_DLQ,
+    ROLLOUTS_FILTERED,
     POLICY_VERSIONS,
 )

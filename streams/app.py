@@ -46,6 +46,7 @@ from infra.topics import ensure_topics
 from schemas.topics import (
     POLICY_VERSIONS,
     ROLLOUTS_DLQ,
+    ROLLOUTS_FILTERED,
     ROLLOUTS_RAW,
     ROLLOUTS_SCORED,
     ROLLOUTS_STALE,
@@ -65,6 +66,7 @@ from streams.versions import VersionReader
 from weights.announce import AnnouncementListener
 
 log = logging.getLogger("streams")
+
 
 def prepare_topics(kafka: dict[str, str], config: StreamsConfig) -> int:
     """Create missing topics; the ticks topic gets raw's partition count. Returns it."""
@@ -88,6 +90,12 @@ def prepare_topics(kafka: dict[str, str], config: StreamsConfig) -> int:
             ROLLOUTS_DLQ.partitions,
             retention_ms=ROLLOUTS_DLQ.retention_ms,
             max_message_bytes=ROLLOUTS_DLQ.max_message_bytes,
+        ),
+        TopicSpec(
+            config.topics.filtered,
+            ROLLOUTS_FILTERED.partitions,
+            retention_ms=ROLLOUTS_FILTERED.retention_ms,
+            max_message_bytes=ROLLOUTS_FILTERED.max_message_bytes,
         ),
         TopicSpec(
             config.topics.versions,
@@ -115,7 +123,6 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
     RUN_ID = SHARED.run_id
     KAFKA = SHARED.kafka.client_config()
     TOPICS = CONFIG.topics
-
 
     RAW_PARTITIONS = prepare_topics(KAFKA, CONFIG)
     torch.set_num_threads(CONFIG.old_logits.torch_threads)
@@ -155,7 +162,6 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
     policy = StalenessPolicy(CONFIG.staleness)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="old-logits")
 
-
     def _snapshot_source():
         old = CONFIG.old_logits
         if old.mode == "off":
@@ -171,7 +177,6 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
             make_follower=lambda s: WeightFollower.from_config(s, WEIGHTS),
             timeout_s=old.rebuild_timeout_s,
         )
-
 
     snapshot_source = _snapshot_source()
     snapshots = SnapshotStore(
@@ -197,11 +202,9 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
     )
     writer = EffectWriter(app, groups, exactly_once=CONFIG.processing_guarantee == "exactly_once")
 
-
     def _on_new_version(version: int) -> None:
         metrics.trainer_version.set(version)
         snapshots.retain(policy.oldest_admitted(version))
-
 
     versions = VersionReader(
         KAFKA,
@@ -212,10 +215,8 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
         registry=metrics.registry,
     )
 
-
     async def _seek_raw(partition: int, offset: int) -> None:
         await app.consumer.seek(TP(TOPICS.raw, partition), offset)
-
 
     gaps = GapGuard(
         groups.data,
@@ -226,7 +227,6 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
     )
 
     # --- the agent ----------------------------------------------------------------------------
-
 
     @app.agent(source)
     async def assemble(stream: faust.StreamT) -> None:
@@ -254,7 +254,6 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
                     step = processor.failed(msg, err)
                 await writer.apply(step, commit=gaps.rereading(msg))
 
-
     async def _versions_caught_up(warn_every_s: float = 60.0) -> None:
         """Judge no record before the trainer's version is known (see streams.versions):
         wait, however long the version topic stays unreadable, and say so now and then.
@@ -270,7 +269,6 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
                     last_warning - waited_since,
                 )
             await asyncio.sleep(0.05)
-
 
     async def _step(msg: Message) -> Step:
         """A group whose old logits fail is failed alone (every sample dead-lettered by
@@ -291,11 +289,9 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
                     failed[group_id] = f"old logits: {type(err).__name__}: {err}"
         return processor.finish(step, attached, _now_ms(), failed)
 
-
     # --- timer: ticks for overdue groups ----------------------------------------------------
 
     _ticks = Producer({**KAFKA, "linger.ms": 0})
-
 
     @app.timer(interval=CONFIG.groups.tick_interval_s)
     async def tick() -> None:
@@ -304,7 +300,6 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
         for partition in processor.due_partitions(_now_ms()) & mine:
             _ticks.produce(CONFIG.ticks_topic, value=b"", partition=partition)
         _ticks.poll(0)
-
 
     @app.timer(interval=GAP_SWEEP_INTERVAL_S)
     async def sweep_gaps() -> None:
@@ -322,9 +317,7 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
         except Exception:  # revoked mid-sweep, broker gone: the next sweep tries again
             log.warning("gap sweep failed", exc_info=True)
 
-
     # --- startup: version tracking, weight following, metrics ---------------------------------
-
 
     @app.task
     async def start_services() -> None:
@@ -345,7 +338,6 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
             CONFIG.processing_guarantee,
         )
 
-
     def _start_follower() -> None:
         from weights.follower import FollowerMetrics, WeightFollower
         from weights.store import WeightStore
@@ -359,6 +351,7 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
         )
         listener = AnnouncementListener(KAFKA, RUN_ID, TOPICS.versions)
         FollowerFeed(follower, listener, WEIGHTS.poll_interval_s).start()
+
     return app
 
 

@@ -28,6 +28,10 @@ class StreamTopics(StrictModel):
     dlq: str = Field(
         default="rollouts.dlq", description="Records that failed validation, with why."
     )
+    filtered: str = Field(
+        default="rollouts.filtered",
+        description="Samples a data operator filtered out, each with the rs-filtered header.",
+    )
     versions: str = Field(
         default="policy.versions", description="Compacted VersionAnnouncement topic (trainer)."
     )
@@ -190,6 +194,7 @@ class StreamsConfig(StrictModel):
 
         build_chain([s.model_dump() for s in specs])
         return specs
+
     processing_guarantee: Literal["exactly_once", "at_least_once"] = Field(
         default="exactly_once",
         description="exactly_once: outputs, table and offsets in one Kafka transaction.",
@@ -229,9 +234,10 @@ class StreamsConfig(StrictModel):
 
     @model_validator(mode="after")
     def _ticks_differ(self) -> StreamsConfig:
-        names = [self.topics.raw, self.topics.scored, self.topics.stale, self.topics.dlq]
+        t = self.topics
+        names = [t.raw, t.scored, t.stale, t.dlq, t.filtered]
         if len(set(names)) != len(names):
-            raise ValueError(f"raw, scored, stale and dlq topics must differ: {names}")
+            raise ValueError(f"raw, scored, stale, dlq and filtered topics must differ: {names}")
         return self
 
     @property

@@ -52,6 +52,18 @@ class StreamMetrics:
         )
         self.dlq = Counter(_PREFIX + "dlq", "Records dead-lettered.", ["reason"], registry=r)
         self.stale = Counter(_PREFIX + "stale", "Records routed as stale.", registry=r)
+        self.filtered = Counter(
+            _PREFIX + "filtered",
+            "Samples a data operator filtered out (rollouts.filtered).",
+            ["operator", "reason"],
+            registry=r,
+        )
+        self.operator_decisions = Counter(
+            _PREFIX + "operator_decisions",
+            "Groups each data operator kept, changed or filtered (decision = its reason).",
+            ["operator", "decision"],
+            registry=r,
+        )
         self.groups = Counter(_PREFIX + "groups", "Groups closed.", ["outcome"], registry=r)
         self.group_failures = Counter(
             _PREFIX + "group_failures", "Groups whose closing raised.", registry=r

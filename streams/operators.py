@@ -183,16 +183,35 @@ def build_chain(specs: Sequence[Mapping[str, Any]]) -> tuple[Operator, ...]:
     return tuple(chain)
 
 
-def apply_chain(
-    chain: Sequence[Operator], samples: Sequence[Trajectory]
-) -> tuple[Decision, list[tuple[str, str]]]:
-    """The chain's final decision and each operator's decision (name, kept|changed|reason).
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChainResult:
+    """What a chain decided for one group.
+
+    ``decision``: the group to score (``Keep``) or why it is filtered (``Drop``, reason
+    ``operator:reason``). ``trace``: each operator's decision in order (``kept``,
+    ``changed``, or its drop reason). ``removed``: samples an operator took out of a kept
+    group, with the operator's name; they are filtered too, never dropped silently.
+    """
+
+    decision: Decision
+    trace: tuple[tuple[str, str], ...]
+    removed: tuple[tuple[str, Trajectory], ...]
+
+    @property
+    def dropped_by(self) -> str | None:
+        """The operator that filtered the whole group, if one did."""
+        return self.trace[-1][0] if isinstance(self.decision, Drop) else None
+
+
+def apply_chain(chain: Sequence[Operator], samples: Sequence[Trajectory]) -> ChainResult:
+    """Run ``samples`` through ``chain`` (see ``ChainResult``).
 
     Raises ``OperatorError`` when an operator raises or returns something else than
-    ``Keep``/``Drop`` (or a ``Keep`` holding something else than trajectories).
+    ``Keep``/``Drop`` (or a ``Keep`` holding something else than the group's samples).
     """
     current = tuple(samples)
     trace: list[tuple[str, str]] = []
+    removed: list[tuple[str, Trajectory]] = []
     for op in chain:
         name = op.name
         try:
@@ -201,18 +220,21 @@ def apply_chain(
             raise OperatorError(name, f"raised {type(exc).__name__}: {exc}") from exc
         if isinstance(out, Drop) and isinstance(out.reason, str) and out.reason:
             trace.append((name, out.reason))
-            return out, trace
+            return ChainResult(out, tuple(trace), tuple(removed))
         if not isinstance(out, Keep) or not all(isinstance(t, Trajectory) for t in out.samples):
             raise OperatorError(name, f"returned {type(out).__name__}, not Keep or Drop")
         known = {t.trajectory_id for t in current}
         if any(t.trajectory_id not in known for t in out.samples):
             raise OperatorError(name, "returned samples that were not in the group")
-        changed = len(out.samples) != len(current) or any(
-            a is not b for a, b in zip(out.samples, current, strict=False)
-        )
-        current = tuple(out.samples)
-        if not current:
+        if len({t.trajectory_id for t in out.samples}) != len(out.samples):
+            raise OperatorError(name, "returned a sample twice")
+        kept_ids = {t.trajectory_id for t in out.samples}
+        taken = [t for t in current if t.trajectory_id not in kept_ids]
+        changed = bool(taken) or any(a is not b for a, b in zip(out.samples, current, strict=False))
+        if not out.samples:
             trace.append((name, "empty"))
-            return Drop(f"{name}:empty"), trace
+            return ChainResult(Drop("empty"), tuple(trace), tuple(removed))
+        removed.extend((name, t) for t in taken)
+        current = tuple(out.samples)
         trace.append((name, "changed" if changed else "kept"))
-    return Keep(current), trace
+    return ChainResult(Keep(current), tuple(trace), tuple(removed))

@@ -39,10 +39,19 @@ or some dropped) → ``partial_policy="emit"`` emits them flagged partial if at 
 ``min_partial_samples`` are present; otherwise each goes to the DLQ as
 ``incomplete_group``.
 
-A group whose closing fails (reading its samples, the old-logit forward pass, building
-the scored group) is closed as ``failed``: every one of its samples goes to the DLQ as
-``group_failed`` with the error and its original bytes, once (the closed marker stops
-ticks from trying again), and ``groups_total{outcome="failed"}`` counts it.
+**Data operators** (``[[streams.operators]]``, ``streams.operators``) then run on an emitted
+group, in order: each keeps it, changes it (rewards; advantages are computed after the
+chain, from the final rewards), takes samples out, or filters the whole group. Every
+sample taken out goes to ``rollouts.filtered`` with its original bytes and an
+``rs-filtered`` header (``FilteredGroup``: operator and reason); nothing is dropped
+silently. An operator that raises or breaks its contract fails the group as
+``operator_failed`` (below).
+
+A group whose closing fails (reading its samples, the old-logit forward pass, an
+operator, building the scored group) is closed as ``failed``: every one of its samples goes
+to the DLQ as ``group_failed`` (``operator_failed`` for an operator) with the error and its
+original bytes, once (the closed marker stops ticks from trying again), and
+``groups_total{outcome="failed"}`` counts it.
 """
 
 from __future__ import annotations
@@ -52,7 +61,14 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from schemas.codec import DecodeError, decode, header_disagreements, routing_headers
-from schemas.control import DEAD_LETTER_HEADER, STALE_HEADER, DeadLetter, StaleRecord
+from schemas.control import (
+    DEAD_LETTER_HEADER,
+    FILTERED_HEADER,
+    STALE_HEADER,
+    DeadLetter,
+    FilteredGroup,
+    StaleRecord,
+)
 from schemas.group import encode_group
 from schemas.trajectory import NO_VERSION, Trajectory
 from schemas.validation import ValidationLimits, validate
@@ -67,6 +83,7 @@ from streams.groups import (
     sample_key,
 )
 from streams.metrics import StreamMetrics
+from streams.operators import Drop, Keep, OperatorError, apply_chain, build_chain
 from streams.staleness import StalenessPolicy, VersionTracker
 
 log = logging.getLogger(__name__)
@@ -123,6 +140,8 @@ class Step:
     writes: list[tuple[bytes, bytes | None]] = dataclasses.field(default_factory=list)
     closings: list[Closing] = dataclasses.field(default_factory=list)
     skipped: bool = False
+    #: each data operator's decision, per emitted group id (``replay --rerun stream``)
+    operator_trace: dict[str, tuple[tuple[str, str], ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def partition(self) -> int:
@@ -144,6 +163,7 @@ class DeadLetterReason:
     HEADER_MISMATCH = "header_mismatch"
     FUTURE_VERSION = "future_version"
     GROUP_FAILED = "group_failed"
+    OPERATOR_FAILED = "operator_failed"
 
 
 class Processor:
@@ -179,6 +199,7 @@ class Processor:
         )
         self.topics = config.topics
         self.ticks_topic = config.ticks_topic
+        self.operators = build_chain([spec.model_dump() for spec in config.operators])
 
     # --- entry points ---------------------------------------------------------------------
 
@@ -216,18 +237,23 @@ class Processor:
                 sends = None
                 if why is None:
                     try:
-                        sends = self._scored(closing, attached[state.group_id], now_ms)
+                        sends = self._scored(step, closing, attached[state.group_id], now_ms)
+                    except OperatorError as err:  # user code: the group fails, named
+                        why = str(err)
+                        closing.reason = DeadLetterReason.OPERATOR_FAILED
                     except Exception as err:  # a bug: the group fails, the worker goes on
                         log.exception("building group %s failed", state.group_id)
                         why = f"{type(err).__name__}: {err}"
                 if sends is not None:
                     step.sends.extend(sends)
-                    self.metrics.records_out.labels(topic=self.topics.scored).inc()
-                    latency = max(0, now_ms - state.first_seen_ms) / 1000
-                    self.metrics.group_latency.observe(latency)
+                    if closing.outcome != "filtered":
+                        self.metrics.records_out.labels(topic=self.topics.scored).inc()
+                        latency = max(0, now_ms - state.first_seen_ms) / 1000
+                        self.metrics.group_latency.observe(latency)
                 else:
                     closing.emit, closing.outcome = False, "failed"
-                    closing.reason = DeadLetterReason.GROUP_FAILED
+                    if closing.reason != DeadLetterReason.OPERATOR_FAILED:
+                        closing.reason = DeadLetterReason.GROUP_FAILED
                     closing.detail = f"group {state.group_id} failed to close: {why}"
             if not closing.emit:
                 self._dead_letter_closing(step, closing)
@@ -482,24 +508,61 @@ class Processor:
             offsets=offsets,
         )
 
-    def _scored(self, closing: Closing, samples: list[Trajectory], now_ms: int) -> list[Send]:
-        """The scored-topic message of an emitted group."""
+    def _scored(
+        self, step: Step, closing: Closing, samples: list[Trajectory], now_ms: int
+    ) -> list[Send]:
+        """The messages of an emitted group: the data operators run first; the group goes
+        to ``rollouts.scored`` (advantages from its final rewards) unless an operator
+        filters it, and every sample an operator takes out goes to ``rollouts.filtered``
+        with its original bytes. Nothing is sent if anything here raises."""
         state = closing.state
-        group = build_scored_group(
-            self.run_id,
-            state,
-            samples,
-            trainer_version=closing.version,
-            now_ms=now_ms,
-            normalize_std=self.config.groups.normalize_std,
-            eps=self.config.groups.eps,
-        )
-        headers = (
-            ("rs-run-id", self.run_id.encode()),
-            ("rs-group-id", state.group_id.encode()),
-            ("rs-complete", b"1" if group.complete else b"0"),
-        )
-        return [Send(self.topics.scored, state.group_id.encode(), encode_group(group), headers)]
+        ordered = sorted(samples, key=lambda t: (t.sample_index, t.trajectory_id))
+        chain = apply_chain(self.operators, ordered)
+        sends: list[Send] = []
+        raw = dict(zip((t.trajectory_id for t in closing.samples), closing.raw, strict=True))
+        filtered = [(op, "removed", t) for op, t in chain.removed]
+        if isinstance(chain.decision, Drop):
+            dropped_by = chain.dropped_by or "?"
+            kept_before = {t.trajectory_id for _, t in chain.removed}
+            filtered += [
+                (dropped_by, chain.decision.reason, t)
+                for t in ordered
+                if t.trajectory_id not in kept_before
+            ]
+        for operator, reason, traj in filtered:
+            value = raw.get(traj.trajectory_id)
+            if value is None:  # an operator can only take out samples of the group
+                raise OperatorError(operator, f"unknown sample {traj.trajectory_id}")
+            note = FilteredGroup(state.group_id, operator, reason)
+            headers = (*routing_headers(traj), note.header())
+            sends.append(Send(self.topics.filtered, state.group_id.encode(), value, headers))
+        if isinstance(chain.decision, Keep):
+            group = build_scored_group(
+                self.run_id,
+                state,
+                chain.decision.samples,
+                trainer_version=closing.version,
+                now_ms=now_ms,
+                normalize_std=self.config.groups.normalize_std,
+                eps=self.config.groups.eps,
+            )
+            headers = (
+                ("rs-run-id", self.run_id.encode()),
+                ("rs-group-id", state.group_id.encode()),
+                ("rs-complete", b"1" if group.complete else b"0"),
+            )
+            sends.append(
+                Send(self.topics.scored, state.group_id.encode(), encode_group(group), headers)
+            )
+        else:
+            closing.outcome = "filtered"
+        step.operator_trace[state.group_id] = chain.trace
+        for operator, decision in chain.trace:
+            self.metrics.operator_decisions.labels(operator=operator, decision=decision).inc()
+        for operator, reason, _ in filtered:
+            self.metrics.filtered.labels(operator=operator, reason=reason).inc()
+            self.metrics.records_out.labels(topic=self.topics.filtered).inc()
+        return sends
 
     def _dead_letter_closing(self, step: Step, closing: Closing) -> None:
         """Each sample of a group that is not emitted, with its original bytes."""
@@ -581,7 +644,7 @@ def _strip(headers: Headers) -> Headers:
     seen: set[str] = set()
     kept = []
     for key, value in headers:
-        if key in (DEAD_LETTER_HEADER, STALE_HEADER) or key in seen:
+        if key in (DEAD_LETTER_HEADER, STALE_HEADER, FILTERED_HEADER) or key in seen:
             continue
         seen.add(key)
         kept.append((key, value))

@@ -48,9 +48,7 @@ class TableView:
         return [state for state in states if not state.closed]
 
 
-def read_table(
-    client_config: Mapping[str, str], app_id: str, timeout_s: float = 60.0
-) -> TableView:
+def read_table(client_config: Mapping[str, str], app_id: str, timeout_s: float = 60.0) -> TableView:
     """Fold the committed changelog of ``app_id``'s table (empty if the app has not
     created it yet)."""
     from confluent_kafka import Consumer, KafkaException

@@ -140,3 +140,27 @@ def test_delivery_told_by_the_raw_topic_when_producers_ran_elsewhere() -> None:
     assert produced.delivered == {"a": ["a-0", "a-1"]}
     assert produced.orphaned == {"b": ["b-1"]}
     assert not produced.pending and not produced.lost
+
+
+def test_samples_a_data_operator_filtered_are_accounted_once(tmp_path: Path) -> None:
+    _producer_ledgers(tmp_path)
+    produced = read_producer_ledgers(tmp_path)
+    produced.settle_pending([])
+    ledger = TrainingLedger(tmp_path / "trainer.jsonl", fsync=False)
+    ledger.append([(1, [*_ids("a"), "e-0"])])
+    report = AuditReport(
+        run_id="r",
+        produced=produced,
+        trained=read_trainer_ledger(tmp_path / "trainer.jsonl"),
+        stale=_view("stale", ["c-0"], "stale:3"),
+        dlq=_view("dlq", ["c-1"], "incomplete_group"),
+    )
+    assert report.missing == {"b-0", "b-1", "f-0", "f-1"}  # no filtered view yet
+    report.filtered = _view("filtered", [*_ids("b"), *_ids("f")], "zero_variance:zero_variance")
+    assert report.problems() == []
+    counts = report.counts()
+    assert counts["filtered"] == 4
+    assert counts["filtered_reasons"] == {"zero_variance:zero_variance": 4}
+    report.filtered = _view("filtered", [*_ids("b"), *_ids("f"), "a-0"], "x:y")  # and trained
+    assert report.trained_and_filtered == {"a-0"}
+    assert any("filtered by a data operator" in p for p in report.problems())

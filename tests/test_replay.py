@@ -532,10 +532,14 @@ def test_rerun_stream_reproduces_the_stream_decisions(
     values = broken.logp_infer.copy()
     values[1] = np.nan
     broken = Trajectory.create(**{**_fields(broken), "logp_infer": values})
+    flat = [  # equal rewards: the zero_variance operator filters the group
+        synthetic(group_id="gz", group_size=2, sample_index=i, versions=(8,), reward=1.0)
+        for i in range(2)
+    ]
     produce(
         client,
         topics["raw"],
-        [raw_record(t, 0, T0 + i) for i, t in enumerate([fresh[0], old, broken, fresh[1]])],
+        [raw_record(t, 0, T0 + i) for i, t in enumerate([fresh[0], old, broken, fresh[1], *flat])],
     )
     config = write_config(
         tmp_path,
@@ -545,6 +549,7 @@ def test_rerun_stream_reproduces_the_stream_decisions(
             "topics": dict(topics),
             "staleness": {"max_staleness": 4},
             "old_logits": {"source": "seeded", "model": "tiny"},
+            "operators": [{"name": "zero_variance"}],
         },
     )
     # the trainer version comes from the newest announcement of the run
@@ -566,6 +571,9 @@ def test_rerun_stream_reproduces_the_stream_decisions(
     assert f"@2 → DLQ {topics['dlq']}: nonfinite_logprob" in out
     assert f"@3 → scored {topics['scored']}: group gf" in out
     assert "scored group gf" in out and "complete 2/2" in out and "exact" in out
+    assert "operators on group gf: zero_variance → kept" in out
+    assert "operators on group gz: zero_variance → zero_variance" in out
+    assert "@5 → filtered rollouts.filtered: group gz by operator zero_variance" in out
 
     export = tmp_path / "versions.parquet"
     run_cli(config, "replay", "versions", "-q", "--run", "run", "--parquet", str(export))

@@ -548,3 +548,77 @@ def test_faust_commit_alarms_are_explained_once_not_repeated(caplog) -> None:
     assert [r.getMessage() for r in errors] == [slow]
     explained = [r for r in caplog.records if r.name == "streams.test"]
     assert len(explained) == 1 and "inside its transactions" in explained[0].getMessage()
+
+
+# --- data operators ----------------------------------------------------------------------
+
+
+def test_an_operator_filters_a_group_to_the_filtered_topic_with_its_bytes() -> None:
+    from schemas.control import FilteredGroup
+
+    h = Harness(operators=[{"name": "zero_variance"}])
+    raw = {}
+    for i in range(4):
+        traj = synthetic(run_id=RUN, group_id="flat", sample_index=i, reward=1.0)
+        raw[traj.trajectory_id] = encode(traj)
+        h.feed(raw[traj.trajectory_id], b"flat")
+    for i in range(4):
+        h.sample(group_id="useful", sample_index=i, reward=float(i))
+    assert [decode_group(s.value).group_id for s in h.on("rollouts.scored")] == ["useful"]
+    filtered = h.on("rollouts.filtered")
+    assert sorted(s.value for s in filtered) == sorted(raw.values())  # original bytes
+    notes = [FilteredGroup.from_headers(s.headers) for s in filtered]
+    assert {(n.group_id, n.operator, n.reason) for n in notes} == {
+        ("flat", "zero_variance", "zero_variance")
+    }
+    assert all(s.key == b"flat" for s in filtered) and h.dead_letters() == []
+    marker = GroupState.from_bytes(h.table[group_key("flat")])
+    assert marker.closed and marker.outcome == "filtered"
+    m = h.processor.metrics
+    assert m.value("rollstream_streams_filtered_total", operator="zero_variance",
+                   reason="zero_variance") == 4  # fmt: skip
+    assert m.value("rollstream_streams_operator_decisions_total", operator="zero_variance",
+                   decision="kept") == 1  # fmt: skip
+
+
+def test_samples_an_operator_takes_out_are_filtered_and_advantages_follow_new_rewards() -> None:
+    from schemas.control import FilteredGroup
+
+    h = Harness(
+        operators=[
+            {"name": "reward_clip", "options": {"low": 0.0, "high": 2.0}},
+            {"name": "overlong"},
+        ]
+    )
+    for i, reward in enumerate([0.0, 5.0, 1.0, 3.0]):
+        traj = synthetic(run_id=RUN, group_id="g", sample_index=i, reward=reward)
+        if i == 2:
+            traj = dataclasses.replace(traj, finish_reason="length")
+        h.feed(encode(traj), b"g")
+    (scored,) = h.on("rollouts.scored")
+    group = decode_group(scored.value)
+    assert [s.sample_index for s in group.samples] == [0, 1, 3] and not group.complete
+    assert [s.reward for s in group.samples] == [0.0, 2.0, 2.0]  # clipped
+    assert group.samples[1].advantage == group.samples[2].advantage > 0 > group.samples[0].advantage
+    (out,) = h.on("rollouts.filtered")
+    note = FilteredGroup.from_headers(out.headers)
+    assert (note.operator, note.reason) == ("overlong", "removed")
+
+
+def test_a_broken_user_operator_dead_letters_the_group_and_the_worker_goes_on() -> None:
+    h = Harness(operators=[{"name": "support.user_operators:Raises"}])
+    for i in range(4):
+        h.sample(group_id="g", sample_index=i, reward=float(i))
+    assert h.on("rollouts.scored") == [] and h.on("rollouts.filtered") == []
+    letters = h.dead_letters()
+    assert [d.reason for d in letters] == ["operator_failed"] * 4
+    assert "raises" in letters[0].detail and "boom" in letters[0].detail
+    h.sample(group_id="next", sample_index=0)  # still serving
+    assert GroupState.from_bytes(h.table[group_key("next")]).group_size == 4
+
+
+def test_the_operator_trace_is_on_the_step() -> None:
+    h = Harness(operators=[{"name": "reward_clip"}, {"name": "zero_variance"}])
+    steps = [h.sample(group_id="g", sample_index=i, reward=5.0) for i in range(4)]
+    assert steps[-1].operator_trace == {"g": (("reward_clip", "changed"),
+                                               ("zero_variance", "zero_variance"))}  # fmt: skip

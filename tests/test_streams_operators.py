@@ -78,26 +78,39 @@ def test_chain_traces_each_decision_and_stops_at_a_drop() -> None:
             {"name": "duplicate_responses"},
         ]
     )
-    decision, trace = apply_chain(chain, group([2.0, 3.0]))
-    assert decision == Drop("zero_variance")
-    assert trace == [("reward_clip", "changed"), ("zero_variance", "zero_variance")]
+    result = apply_chain(chain, group([2.0, 3.0]))
+    assert result.decision == Drop("zero_variance") and result.dropped_by == "zero_variance"
+    assert result.trace == (("reward_clip", "changed"), ("zero_variance", "zero_variance"))
     g = group([0.0, 1.0])
-    decision, trace = apply_chain(chain, g)
-    assert decision == Keep(g)
-    assert [d for _, d in trace] == ["kept", "kept", "kept"]
+    result = apply_chain(chain, g)
+    assert result.decision == Keep(g) and result.dropped_by is None
+    assert [d for _, d in result.trace] == ["kept", "kept", "kept"]
+
+
+def test_chain_reports_the_samples_an_operator_takes_out() -> None:
+    g = group([1.0, 0.0, 1.0])
+    g = (g[0], dataclasses.replace(g[1], response_ids=g[0].response_ids.copy()), g[2])
+    result = apply_chain(build_chain([{"name": "duplicate_responses"}]), g)
+    assert isinstance(result.decision, Keep) and len(result.decision.samples) == 2
+    assert [(op, t.sample_index) for op, t in result.removed] == [("duplicate_responses", 1)]
+    # an operator that takes every sample out filters the group
+    long = tuple(dataclasses.replace(t, finish_reason="length") for t in group([0.0, 1.0]))
+    result = apply_chain(build_chain([{"name": "overlong"}]), long)
+    assert result.decision == Drop("overlong") and result.removed == ()
 
 
 def test_empty_chain_keeps_the_group() -> None:
     g = group([1.0, 1.0])
-    assert apply_chain(build_chain([]), g) == (Keep(g), [])
+    result = apply_chain(build_chain([]), g)
+    assert result.decision == Keep(g) and result.trace == () and result.removed == ()
 
 
 def test_user_operator_by_dotted_path() -> None:
     chain = build_chain(
         [{"name": "support.user_operators:DropLowMean", "options": {"threshold": 0.6}}]
     )
-    assert apply_chain(chain, group([0.0, 1.0]))[0] == Drop("low_mean")
-    assert isinstance(apply_chain(chain, group([1.0, 0.5]))[0], Keep)
+    assert apply_chain(chain, group([0.0, 1.0])).decision == Drop("low_mean")
+    assert isinstance(apply_chain(chain, group([1.0, 0.5])).decision, Keep)
 
 
 @pytest.mark.parametrize(

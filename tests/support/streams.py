@@ -166,6 +166,9 @@ class WorkerProcess:
         config_path = self.workdir / f"{self.name}.toml"
         config_path.write_text(to_toml(self.config))
         env = dict(os.environ, ROLLSTREAM_CONFIG=str(config_path), PYTHONUNBUFFERED="1")
+        # user code the tests name by dotted path (``support.user_operators``) is importable
+        tests_dir = str(REPO_ROOT / "tests")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, env.get("PYTHONPATH")) if p)
         with self.log_path.open("ab") as out:
             if self.supervised:  # the user's command: a supervisor restarts crashed workers
                 argv = [sys.executable, "-m", "rollstream", "stream", "-l", loglevel]
@@ -303,7 +306,7 @@ def wait_until(predicate: Any, timeout: float, what: str, check: Any = None) -> 
 
 def stream_topics(name: Any) -> dict[str, str]:
     """Topic names for one test or benchmark run; ``name("raw")`` must be unique."""
-    return {key: name(key) for key in ("raw", "scored", "stale", "dlq", "versions")}
+    return {key: name(key) for key in ("raw", "scored", "stale", "dlq", "filtered", "versions")}
 
 
 def create_stream_topics(
@@ -313,7 +316,11 @@ def create_stream_topics(
     from schemas.topics import TopicSpec
 
     specs = [TopicSpec(topics["raw"], raw_partitions)]
-    specs += [TopicSpec(topics[name], 1) for name in ("scored", "stale", "dlq")]
+    specs += [
+        TopicSpec(topics[name], 1)
+        for name in ("scored", "stale", "dlq", "filtered")
+        if name in topics
+    ]
     specs.append(TopicSpec(topics["versions"], 1, cleanup_policy="compact"))
     ensure_topics(client_config, specs)
 
