@@ -90,6 +90,9 @@ class Settings:
     temperature: float = 1.0
     target: float = 0.5  # 10-step mean reward
     task: str = "reverse-3-digits"
+    #: stream data operators applied to each group before training (``streams.operators``);
+    #: groups are generated until ``prompts_per_step`` pass (at most 4x), as DAPO does
+    operators: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass
@@ -104,6 +107,8 @@ class CellResult:
     overlap_frac: list[float]
     cpu_s: list[float]  # cumulative CPU seconds at the end of each step
     versions: list[int]  # the version that generated each step's batch
+    zero_adv: list[float] = field(default_factory=list)  # share of trained groups, A = 0
+    generated: list[int] = field(default_factory=list)  # groups generated for the step
 
     def smoothed(self, window: int = 10) -> list[float]:
         r = self.rewards
@@ -130,7 +135,6 @@ def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> Cel
     from consumers.config import TrainerConfig
     from consumers.step import StepRunner
     from consumers.train_engine import TrainEngine
-    from core.advantages import group_advantages
     from core.logprobs import response_logprobs
     from core.models import EOS_ID, PAD_ID, load_model
     from producers.inference_engine import Engine, SamplingParams
@@ -138,6 +142,7 @@ def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> Cel
     from schemas.trajectory import OldLogitsStatus, Trajectory
     from streams.config import OldLogitsConfig
     from streams.oldlogits import OldLogitEngine
+    from streams.operators import Keep, apply_chain, build_chain
     from streams.snapshots import InMemorySource, SnapshotStore
 
     torch.set_num_threads(1)
@@ -174,44 +179,30 @@ def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> Cel
         max_new_tokens=task.max_new_tokens,
         stop_token_ids=tuple(task.stop_token_ids),
     )
+    chain = build_chain(list(settings.operators))
     result = CellResult(route.name, staleness, seed, [], [], [], [], [], [], [])
     started = time.process_time()
     for step in range(settings.steps):
         version = max(0, step - staleness)
         state = history.load(version)
         generator.model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()})
-        prompts = [task.sample(rng) for _ in range(settings.prompts_per_step)]
-        inputs = [p.ids for p in prompts for _ in range(settings.group_size)]
-        outputs = generator.generate(inputs, params, return_logprob=True)
-        rewards = [
-            task.reward(prompts[i // settings.group_size], out.output_ids)[0]
-            for i, out in enumerate(outputs)
-        ]
-        groups = [i // settings.group_size for i in range(len(outputs))]
-        advantages = group_advantages(rewards, groups).advantages
-        records = [
-            Trajectory.create(
-                run_id="bench",
-                trajectory_id=f"{step}-{i}",
-                group_id=f"{step}-{groups[i]}",
-                group_size=settings.group_size,
-                sample_index=i % settings.group_size,
-                producer_id="bench",
-                region="local",
-                task=settings.task,
-                prompt_ids=inputs[i],
-                response_ids=out.output_ids,
-                logp_infer=out.output_logprobs,
-                segment_versions=[version],
-                segment_lengths=[len(out.output_ids)],
-                reward=rewards[i],
-                reward_details={},
-                finish_reason="stop",
-                created_at_ms=0,
-                finished_at_ms=0,
-            ).with_advantage(float(advantages[i]))
-            for i, out in enumerate(outputs)
-        ]
+        groups: list[list[Trajectory]] = []
+        generated = 0
+        while len(groups) < settings.prompts_per_step and generated < 4 * settings.prompts_per_step:
+            batch = _generate_groups(
+                generator, task, rng, params, settings, version, f"{step}-{generated}"
+            )
+            generated += len(batch)
+            groups.extend(
+                g for g in batch if not chain or isinstance(apply_chain(chain, g).decision, Keep)
+            )
+        groups = groups[: settings.prompts_per_step] or batch_fallback(batch)
+        rewards = [t.reward for g in groups for t in g]
+        result.zero_adv.append(
+            sum(max(t.reward for t in g) == min(t.reward for t in g) for g in groups) / len(groups)
+        )
+        result.generated.append(generated)
+        records = [t for g in groups for t in g]
         records = [r for r in records if r.num_response_tokens > 0]
         if route.old_logits == "exact":
             records = old_logits.attach(records)
@@ -241,6 +232,63 @@ def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> Cel
         result.cpu_s.append(time.process_time() - started)
         result.versions.append(version)
     return result
+
+
+def _generate_groups(
+    generator: Any,
+    task: Any,
+    rng: random.Random,
+    params: Any,
+    settings: Settings,
+    version: int,
+    prefix: str,
+) -> list[list[Any]]:
+    """``prompts_per_step`` GRPO groups sampled at ``version``, with advantages."""
+    from core.advantages import group_advantages
+    from schemas.trajectory import Trajectory
+
+    prompts = [task.sample(rng) for _ in range(settings.prompts_per_step)]
+    inputs = [p.ids for p in prompts for _ in range(settings.group_size)]
+    outputs = generator.generate(inputs, params, return_logprob=True)
+    rewards = [
+        task.reward(prompts[i // settings.group_size], out.output_ids)[0]
+        for i, out in enumerate(outputs)
+    ]
+    members = [i // settings.group_size for i in range(len(outputs))]
+    advantages = group_advantages(rewards, members).advantages
+    groups: list[list[Any]] = [[] for _ in prompts]
+    for i, out in enumerate(outputs):
+        if not out.output_ids:
+            continue
+        groups[members[i]].append(
+            Trajectory.create(
+                run_id="bench",
+                trajectory_id=f"{prefix}-{i}",
+                group_id=f"{prefix}-{members[i]}",
+                group_size=settings.group_size,
+                sample_index=i % settings.group_size,
+                producer_id="bench",
+                region="local",
+                task=settings.task,
+                prompt_ids=inputs[i],
+                response_ids=out.output_ids,
+                logp_infer=out.output_logprobs,
+                segment_versions=[version],
+                segment_lengths=[len(out.output_ids)],
+                reward=rewards[i],
+                reward_details={},
+                finish_reason="stop",
+                created_at_ms=0,
+                finished_at_ms=0,
+            ).with_advantage(float(advantages[i]))
+        )
+    return [g for g in groups if g]
+
+
+def batch_fallback(batch: list[list[Any]]) -> list[list[Any]]:
+    """When every generated group was filtered, train the last batch anyway (as a stream
+    that let nothing through would stall the trainer): a step is never empty."""
+    return batch
 
 
 def _fp32_copy(state: dict[str, Any]) -> dict[str, Any]:
