@@ -91,6 +91,50 @@ class EngineConfig(StrictModel):
         return parse_model_spec(value, check_path=False).name
 
 
+class CurriculumConfig(StrictModel):
+    """Skip prompts the stream's statistics (``prompts.stats``) call solved or hopeless."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Read prompts.stats and resample prompts outside the pass-rate band.",
+    )
+    topic: str = Field(
+        default="prompts.stats", description="The stream's per-prompt statistics topic."
+    )
+    min_pass_rate: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Skip a prompt whose pass rate is at or below this (hopeless) once it has "
+        "min_samples; 0 skips only prompts never passed.",
+    )
+    max_pass_rate: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="Skip a prompt whose pass rate is at or above this (solved) once it has "
+        "min_samples.",
+    )
+    min_samples: int = Field(
+        default=8, ge=1, description="Samples a prompt needs before it can be skipped."
+    )
+    max_skips: int = Field(
+        default=32,
+        ge=1,
+        description="Prompts resampled for one group at most; then the last one is used, so "
+        "generation never stalls when every prompt is outside the band.",
+    )
+
+    @model_validator(mode="after")
+    def _band(self) -> CurriculumConfig:
+        if self.min_pass_rate >= self.max_pass_rate:
+            raise ValueError(
+                f"min_pass_rate {self.min_pass_rate} must be below max_pass_rate "
+                f"{self.max_pass_rate}"
+            )
+        return self
+
+
 class RolloutConfig(StrictModel):
     """What the rollout worker (``rollstream produce``) generates and where it publishes."""
 
@@ -110,6 +154,9 @@ class RolloutConfig(StrictModel):
     )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     seed: int | None = Field(default=None, description="Prompt sampling seed; None: random.")
+    curriculum: CurriculumConfig = Field(
+        default_factory=CurriculumConfig, description="[producers.rollout.curriculum]"
+    )
     staleness_window: int = Field(
         default=4,
         ge=0,

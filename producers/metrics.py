@@ -76,6 +76,12 @@ class ProducerMetrics:
         self.delivery_failures = Counter(
             p + "delivery_failures", "Records Kafka refused or timed out.", registry=r
         )
+        self.curriculum_skipped = Counter(
+            p + "curriculum_skipped",
+            "Prompts the curriculum skipped (reason: solved | hopeless).",
+            ["reason"],
+            registry=r,
+        )
         self.engine_errors = Counter(
             p + "engine_errors", "Engine calls failed after retries.", registry=r
         )

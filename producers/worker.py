@@ -73,6 +73,7 @@ from typing import Any
 from producers.backends import Backend
 from producers.client import EngineError, EngineUnavailable, GenerateOutput
 from producers.config import ProducersConfig, RolloutConfig
+from producers.curriculum import Curriculum, PromptStatsReader, PromptStatsView
 from producers.group_publisher import GroupPublisher
 from producers.metrics import ProducerMetrics, Progress
 from producers.tasks import Prompt, Task
@@ -136,8 +137,10 @@ class RolloutWorker:
         wait_for_first_version: bool = False,
         mark: Callable[[], Mapping[int, int]] | None = None,
         limits: ValidationLimits | None = None,
+        curriculum: Curriculum | None = None,
     ) -> None:
         self.config = config
+        self.curriculum = curriculum
         self.backend = backend
         self.task = task
         self.publisher = publisher
@@ -443,7 +446,10 @@ class RolloutWorker:
                     return
 
     async def _run_group(self) -> None:
-        prompt = self.task.sample(self.rng)
+        if self.curriculum is not None:
+            prompt = self.curriculum.choose(lambda: self.task.sample(self.rng))
+        else:
+            prompt = self.task.sample(self.rng)
         group_id = uuid.uuid4().hex
         created_ms = _now_ms()
         size = self.config.group_size
@@ -762,6 +768,7 @@ async def run_producer(
     )
     ledger.open()
     publisher: GroupPublisher | None = None
+    stats_reader: PromptStatsReader | None = None
     watcher: _WatchedListener | None = None
     follower: threading.Thread | None = None
     stop_following = threading.Event()
@@ -779,7 +786,17 @@ async def run_producer(
             delivery_timeout_ms=rollout.delivery_timeout_ms,
             overrides=rollout.producer_overrides,
         )
+        curriculum = None
+        if rollout.curriculum.enabled:
+            view = PromptStatsView(config.run_id)
+            stats_reader = PromptStatsReader(client_config, rollout.curriculum.topic, view).start()
+            curriculum = Curriculum(
+                rollout.curriculum,
+                view,
+                on_skip=lambda reason: metrics.curriculum_skipped.labels(reason=reason).inc(),
+            )
         worker = RolloutWorker(
+            curriculum=curriculum,
             config=rollout,
             backend=backend,
             task=task,
@@ -815,6 +832,8 @@ async def run_producer(
             await asyncio.to_thread(follower.join, 30)
         if watcher is not None:
             watcher.close()
+        if stats_reader is not None:
+            stats_reader.close()
         if publisher is not None:
             await asyncio.to_thread(publisher.close)
         ledger.close()

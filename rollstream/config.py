@@ -24,6 +24,7 @@ from producers.config import ProducersConfig
 from rollstream.profiles import ProfileConfig, profile_sections
 from schemas.topics import (
     POLICY_VERSIONS,
+    PROMPTS_STATS,
     ROLLOUTS_DLQ,
     ROLLOUTS_FILTERED,
     ROLLOUTS_RAW,
@@ -94,6 +95,10 @@ class RollstreamConfig(SharedConfig):
             (ROLLOUTS_DLQ, {self.streams.topics.dlq, self.trainer.topics.dlq}),
             (ROLLOUTS_FILTERED, {self.streams.topics.filtered}),
             (
+                PROMPTS_STATS,
+                {self.streams.topics.prompt_stats, self.producers.rollout.curriculum.topic},
+            ),
+            (
                 POLICY_VERSIONS,
                 {self.weights.topic, self.streams.topics.versions, self.trainer.topics.versions},
             ),
@@ -104,9 +109,7 @@ class RollstreamConfig(SharedConfig):
 
     def role_section(self, role: str) -> dict[str, Any]:
         """The effective settings one role runs with: the shared sections and its own."""
-        own = {"engine": "producers", "producer": "producers", "stream": "streams"}.get(
-            role, role
-        )
+        own = {"engine": "producers", "producer": "producers", "stream": "streams"}.get(role, role)
         if own not in ("producers", "streams", "trainer"):
             raise ValueError(f"unknown role {role!r}: producers, streams or trainer")
         shared = ("run_id", "state_dir", "cache_dir", "kafka", "s3", "weights", "profile")
@@ -123,9 +126,7 @@ def load_config(path: Path | None = None, **overrides: Any) -> RollstreamConfig:
 def with_profile(config: RollstreamConfig) -> RollstreamConfig:
     """``config`` with its profile's role settings under the values set explicitly."""
     explicit = config.model_dump(exclude_unset=True)
-    return RollstreamConfig.model_validate(
-        merge_tables(profile_sections(config.profile), explicit)
-    )
+    return RollstreamConfig.model_validate(merge_tables(profile_sections(config.profile), explicit))
 
 
 def parse_assignments(assignments: tuple[str, ...] | list[str]) -> dict[str, Any]:

@@ -408,10 +408,20 @@ def role_specs(
     for i, port in enumerate(ports.all_streams_metrics):
         own = [] if i == 0 else ["--set", f"streams.metrics_port={port}"]
         datadir = [] if i == 0 else [f"--datadir={run_dir / 'streams' / str(i)}"]
-        specs.append(RoleSpec(role_name("streams", i), [*rs, *own, "stream", *datadir], env,
-                              _port_probe(port), cpus.get("streams")))
-    specs.append(RoleSpec("trainer", [*rs, "train"], env, _port_probe(ports.trainer_metrics),
-                          cpus.get("trainer")))
+        specs.append(
+            RoleSpec(
+                role_name("streams", i),
+                [*rs, *own, "stream", *datadir],
+                env,
+                _port_probe(port),
+                cpus.get("streams"),
+            )
+        )
+    specs.append(
+        RoleSpec(
+            "trainer", [*rs, "train"], env, _port_probe(ports.trainer_metrics), cpus.get("trainer")
+        )
+    )
     for i, (engine, metrics) in enumerate(
         zip(ports.engines, ports.all_producer_metrics, strict=True)
     ):
@@ -419,11 +429,24 @@ def role_specs(
         own = [] if i == 0 else ["--set", f"producers.rollout.metrics_port={metrics}"]
         producer_id = [] if i == 0 else ["--producer-id", f"{config.run_id}-producer-{i}"]
         serve_port = [] if i == 0 else ["--port", str(engine)]
-        specs.append(RoleSpec(role_name("engine", i), [*rs, "serve", *serve_port], env,
-                              _http_ok(f"{url}/health"), cpus.get("engine")))
-        specs.append(RoleSpec(role_name("producer", i),
-                              [*rs, *own, "produce", "--engine-url", url, *producer_id], env,
-                              _port_probe(metrics), cpus.get("producer")))
+        specs.append(
+            RoleSpec(
+                role_name("engine", i),
+                [*rs, "serve", *serve_port],
+                env,
+                _http_ok(f"{url}/health"),
+                cpus.get("engine"),
+            )
+        )
+        specs.append(
+            RoleSpec(
+                role_name("producer", i),
+                [*rs, *own, "produce", "--engine-url", url, *producer_id],
+                env,
+                _port_probe(metrics),
+                cpus.get("producer"),
+            )
+        )
     return specs  # fmt: skip
 
 

@@ -9,6 +9,10 @@
   unchanged (replayable as is, no base64 growth, no size surprise); the metadata travels
   as JSON in one header (``DEAD_LETTER_HEADER`` / ``STALE_HEADER``), next to the original
   routing headers.
+- ``FilteredGroup``: why a data operator filtered a sample (``rs-filtered`` header on
+  ``rollouts.filtered``, whose value is the original record bytes).
+- ``PromptStats``: per prompt, what the stream has seen (``prompts.stats``, compacted),
+  read by producers that skip solved or hopeless prompts.
 
 Construction checks types and ranges, so a message that exists is well-formed;
 ``from_json`` raises ``ValueError`` naming the missing, unknown or mistyped field. Fields
@@ -205,7 +209,63 @@ class FilteredGroup:
         return cls.from_json(_header_value(headers, FILTERED_HEADER))
 
 
-_Message = TypeVar("_Message", VersionAnnouncement, DeadLetter, StaleRecord, FilteredGroup)
+def prompt_key(prompt_ids: Any) -> str:
+    """A prompt's identity on ``prompts.stats``: a hash of its token ids (int32, little
+    endian), the same for the producer that samples it and the stream that scores it."""
+    import hashlib
+
+    import numpy as np
+
+    ids = np.asarray(prompt_ids, dtype="<i4")
+    return hashlib.blake2b(ids.tobytes(), digest_size=10).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PromptStats:
+    """What one stream partition has seen of one prompt, cumulative: the value on the
+    compacted ``prompts.stats`` topic, keyed ``<run_id>:<prompt_key>:<partition>`` (each
+    partition's worker is the only writer of its keys; a reader adds the partitions up).
+
+    ``passes``: samples whose reward reached the stream's ``pass_threshold``.
+    """
+
+    run_id: str
+    prompt_key: str
+    partition: int
+    samples: int
+    passes: int
+    reward_sum: float
+    last_version: int
+
+    def __post_init__(self) -> None:
+        _check_str(self, "run_id")
+        _check_str(self, "prompt_key")
+        _check_int(self, "partition", minimum=0)
+        _check_int(self, "samples", minimum=1)
+        _check_int(self, "passes", minimum=0, maximum=self.samples)
+        if not isinstance(self.reward_sum, int | float) or isinstance(self.reward_sum, bool):
+            raise ValueError(f"PromptStats.reward_sum must be a number, got {self.reward_sum!r}")
+        _check_int(self, "last_version", minimum=-1)
+
+    @property
+    def pass_rate(self) -> float:
+        return self.passes / self.samples
+
+    @property
+    def key(self) -> bytes:
+        return f"{self.run_id}:{self.prompt_key}:{self.partition}".encode()
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> PromptStats:
+        return _from_json(cls, data)
+
+
+_Message = TypeVar(
+    "_Message", VersionAnnouncement, DeadLetter, StaleRecord, FilteredGroup, PromptStats
+)
 
 
 def _from_json(cls: type[_Message], data: bytes | str) -> _Message:

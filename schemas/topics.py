@@ -59,6 +59,13 @@ ROLLOUTS_FILTERED = TopicSpec(
     # a filtered group's samples keep their raw bytes plus the rs-filtered header
     max_message_bytes=ROLLOUTS_RAW.max_message_bytes + 1 * MIB,
 )
+PROMPTS_STATS = TopicSpec(
+    "prompts.stats",
+    partitions=1,
+    cleanup_policy="compact",
+    max_message_bytes=1 * MIB,
+    extra_configs={"min.compaction.lag.ms": "0", "segment.ms": str(60 * 60 * 1000)},
+)
 POLICY_VERSIONS = TopicSpec(
     "policy.versions",
     partitions=1,
@@ -73,5 +80,6 @@ ALL_TOPICS: tuple[TopicSpec, ...] = (
     ROLLOUTS_STALE,
     ROLLOUTS_DLQ,
     ROLLOUTS_FILTERED,
+    PROMPTS_STATS,
     POLICY_VERSIONS,
 )

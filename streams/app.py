@@ -45,6 +45,7 @@ from core.config import SharedConfig
 from infra.topics import ensure_topics
 from schemas.topics import (
     POLICY_VERSIONS,
+    PROMPTS_STATS,
     ROLLOUTS_DLQ,
     ROLLOUTS_FILTERED,
     ROLLOUTS_RAW,
@@ -96,6 +97,13 @@ def prepare_topics(kafka: dict[str, str], config: StreamsConfig) -> int:
             ROLLOUTS_FILTERED.partitions,
             retention_ms=ROLLOUTS_FILTERED.retention_ms,
             max_message_bytes=ROLLOUTS_FILTERED.max_message_bytes,
+        ),
+        TopicSpec(
+            config.topics.prompt_stats,
+            PROMPTS_STATS.partitions,
+            cleanup_policy="compact",
+            max_message_bytes=PROMPTS_STATS.max_message_bytes,
+            extra_configs=PROMPTS_STATS.extra_configs,
         ),
         TopicSpec(
             config.topics.versions,

@@ -32,6 +32,10 @@ class StreamTopics(StrictModel):
         default="rollouts.filtered",
         description="Samples a data operator filtered out, each with the rs-filtered header.",
     )
+    prompt_stats: str = Field(
+        default="prompts.stats",
+        description="Compacted per-prompt statistics (PromptStats) for the producers' curriculum.",
+    )
     versions: str = Field(
         default="policy.versions", description="Compacted VersionAnnouncement topic (trainer)."
     )
@@ -160,6 +164,20 @@ class ValidationConfig(StrictModel):
     max_record_bytes: int = Field(default=4 * 1024 * 1024, ge=1, description="Largest record.")
 
 
+class PromptStatsConfig(StrictModel):
+    """Per-prompt statistics published to ``topics.prompt_stats`` as groups close."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Publish what each prompt's groups scored (cheap: one small record a group).",
+    )
+    pass_threshold: float = Field(
+        default=1.0,
+        description="A sample passes when its reward is at least this (1.0: an exact answer "
+        "under the built-in tasks' partial credit).",
+    )
+
+
 class OperatorSpec(StrictModel):
     """One data operator of the chain: a built-in name or a ``package.module:Class`` path."""
 
@@ -181,6 +199,9 @@ class StreamsConfig(StrictModel):
     old_logits: OldLogitsConfig = Field(default_factory=OldLogitsConfig)
     groups: GroupsConfig = Field(default_factory=GroupsConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    prompt_stats: PromptStatsConfig = Field(
+        default_factory=PromptStatsConfig, description="[streams.prompt_stats]"
+    )
     operators: list[OperatorSpec] = Field(
         default_factory=list,
         description="Data operators applied in order to each complete group before it is "
@@ -235,9 +256,9 @@ class StreamsConfig(StrictModel):
     @model_validator(mode="after")
     def _ticks_differ(self) -> StreamsConfig:
         t = self.topics
-        names = [t.raw, t.scored, t.stale, t.dlq, t.filtered]
+        names = [t.raw, t.scored, t.stale, t.dlq, t.filtered, t.prompt_stats]
         if len(set(names)) != len(names):
-            raise ValueError(f"raw, scored, stale, dlq and filtered topics must differ: {names}")
+            raise ValueError(f"the stream's output topics must differ: {names}")
         return self
 
     @property

@@ -34,6 +34,7 @@ from schemas.trajectory import Trajectory
 GROUP_PREFIX = b"g:"
 SAMPLE_PREFIX = b"s:"
 OFFSET_PREFIX = b"o:"
+PROMPT_PREFIX = b"p:"
 
 
 def group_key(group_id: str) -> bytes:
@@ -42,6 +43,11 @@ def group_key(group_id: str) -> bytes:
 
 def sample_key(group_id: str, trajectory_id: str) -> bytes:
     return SAMPLE_PREFIX + group_id.encode() + b"\0" + trajectory_id.encode()
+
+
+def prompt_stats_key(partition: int, prompt: str) -> bytes:
+    """Running statistics of one prompt in one partition (``PromptStats``)."""
+    return PROMPT_PREFIX + str(partition).encode() + b"\0" + prompt.encode()
 
 
 def offset_key(topic: str, partition: int) -> bytes:

@@ -67,7 +67,9 @@ from schemas.control import (
     STALE_HEADER,
     DeadLetter,
     FilteredGroup,
+    PromptStats,
     StaleRecord,
+    prompt_key,
 )
 from schemas.group import encode_group
 from schemas.trajectory import NO_VERSION, Trajectory
@@ -80,6 +82,7 @@ from streams.groups import (
     build_scored_group,
     group_key,
     offset_key,
+    prompt_stats_key,
     sample_key,
 )
 from streams.metrics import StreamMetrics
@@ -556,6 +559,7 @@ class Processor:
             )
         else:
             closing.outcome = "filtered"
+        sends.extend(self._prompt_stats(step, state.partition, ordered, closing.version))
         step.operator_trace[state.group_id] = chain.trace
         for operator, decision in chain.trace:
             self.metrics.operator_decisions.labels(operator=operator, decision=decision).inc()
@@ -563,6 +567,31 @@ class Processor:
             self.metrics.filtered.labels(operator=operator, reason=reason).inc()
             self.metrics.records_out.labels(topic=self.topics.filtered).inc()
         return sends
+
+    def _prompt_stats(
+        self, step: Step, partition: int, samples: list[Trajectory], version: int
+    ) -> list[Send]:
+        """The group's prompt statistics, folded into this partition's running totals
+        (a table entry, written in the same step) and published to ``prompts.stats``."""
+        cfg = self.config.prompt_stats
+        if not cfg.enabled or not samples:
+            return []
+        key = prompt_key(samples[0].prompt_ids)
+        table_key = prompt_stats_key(partition, key)
+        before = self.table.get(table_key)
+        old = PromptStats.from_json(before) if before is not None else None
+        rewards = [t.reward for t in samples]
+        stats = PromptStats(
+            run_id=self.run_id,
+            prompt_key=key,
+            partition=partition,
+            samples=len(rewards) + (old.samples if old else 0),
+            passes=sum(r >= cfg.pass_threshold for r in rewards) + (old.passes if old else 0),
+            reward_sum=float(sum(rewards)) + (old.reward_sum if old else 0.0),
+            last_version=max(version, max(t.max_version for t in samples)),
+        )
+        step.writes.append((table_key, stats.to_json()))
+        return [Send(self.topics.prompt_stats, stats.key, stats.to_json(), ())]
 
     def _dead_letter_closing(self, step: Step, closing: Closing) -> None:
         """Each sample of a group that is not emitted, with its original bytes."""

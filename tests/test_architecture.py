@@ -10,7 +10,14 @@ from __future__ import annotations
 import grimp
 
 PACKAGES = (
-    "rollstream", "producers", "streams", "consumers", "infra", "weights", "core", "schemas"
+    "rollstream",
+    "producers",
+    "streams",
+    "consumers",
+    "infra",
+    "weights",
+    "core",
+    "schemas",
 )
 
 

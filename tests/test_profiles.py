@@ -47,7 +47,7 @@ def _value(config: RollstreamConfig, path: tuple[str, ...]) -> object:
 
 def test_profile_settings_lie_under_explicit_values(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text('[trainer.engine]\nlr = 1e-3\n[profile]\nstaleness_window = 3\n')
+    path.write_text("[trainer.engine]\nlr = 1e-3\n[profile]\nstaleness_window = 3\n")
     config = load_config(path)
     assert config.profile.resolved_name == "tiny"
     assert config.trainer.engine.lr == 1e-3  # the file wins

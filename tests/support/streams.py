@@ -306,7 +306,8 @@ def wait_until(predicate: Any, timeout: float, what: str, check: Any = None) -> 
 
 def stream_topics(name: Any) -> dict[str, str]:
     """Topic names for one test or benchmark run; ``name("raw")`` must be unique."""
-    return {key: name(key) for key in ("raw", "scored", "stale", "dlq", "filtered", "versions")}
+    keys = ("raw", "scored", "stale", "dlq", "filtered", "prompt_stats", "versions")
+    return {key: name(key) for key in keys}
 
 
 def create_stream_topics(
@@ -322,6 +323,8 @@ def create_stream_topics(
         if name in topics
     ]
     specs.append(TopicSpec(topics["versions"], 1, cleanup_policy="compact"))
+    if "prompt_stats" in topics:
+        specs.append(TopicSpec(topics["prompt_stats"], 1, cleanup_policy="compact"))
     ensure_topics(client_config, specs)
 
 
