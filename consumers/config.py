@@ -96,6 +96,17 @@ class BatchConfig(StrictModel):
     poll_timeout_s: float = Field(
         default=0.2, gt=0, description="Longest single Kafka poll while waiting for records."
     )
+    order: Literal["arrival", "deadline"] = Field(
+        default="deadline",
+        description=(
+            "Which partition's next group is taken first. arrival: the oldest record "
+            "(timestamp). deadline: the group nearest to expiry, i.e. with the oldest policy "
+            "version (the stream's rs-min-version header; arrival order for records without "
+            "it), so long rollouts, which are the ones that go stale, are trained before "
+            "they expire. Within a partition the order is always the log's (offsets commit "
+            "in order)."
+        ),
+    )
 
 
 class PpoConfig(StrictModel):

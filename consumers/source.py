@@ -139,6 +139,18 @@ class StaleRouter(_SideProducer):
         self._produce(group.key, group.value, headers)
 
 
+def min_version(msg: Message) -> int | None:
+    """The oldest policy version of a scored group, from its ``rs-min-version`` header
+    (None without one, or when it is not an integer)."""
+    for key, value in msg.headers() or ():
+        if key == "rs-min-version" and value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
 class ScoredSource:
     """Micro-batches of scored groups from one topic (see the module doc)."""
 
@@ -270,12 +282,21 @@ class ScoredSource:
         return arrived
 
     def _oldest(self) -> Message:
-        """Take the buffered record with the oldest timestamp across partitions (ties:
-        the lowest partition); resume its partition once its buffer has room again."""
-        key = min(
-            (k for k, b in self.buffers.items() if b),
-            key=lambda k: (self.buffers[k][0].timestamp()[1], k[1]),
-        )
+        """Take the next buffered partition head: with ``batch.order = "deadline"`` the one
+        with the oldest policy version, else (and on ties) the oldest timestamp, then the
+        lowest partition; resume its partition once its buffer has room again."""
+        deadline = self.batch_config.order == "deadline"
+
+        def rank(k: TP) -> tuple[float, int, int]:
+            head = self.buffers[k][0]
+            version = min_version(head) if deadline else None
+            return (
+                float("inf") if version is None else float(version),
+                head.timestamp()[1],
+                k[1],
+            )
+
+        key = min((k for k, b in self.buffers.items() if b), key=rank)
         buffer = self.buffers[key]
         msg = buffer.popleft()
         if key in self.paused and len(buffer) <= self.buffer_limit // 2:

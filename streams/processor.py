@@ -553,6 +553,8 @@ class Processor:
                 ("rs-run-id", self.run_id.encode()),
                 ("rs-group-id", state.group_id.encode()),
                 ("rs-complete", b"1" if group.complete else b"0"),
+                # the trainer orders by it without decoding (earliest deadline first)
+                ("rs-min-version", str(min(t.min_version for t in group.samples)).encode()),
             )
             sends.append(
                 Send(self.topics.scored, state.group_id.encode(), encode_group(group), headers)

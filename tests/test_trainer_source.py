@@ -95,3 +95,41 @@ def test_a_backlog_is_served_fairly_across_partitions_and_lag_is_reported(
         assert source.lag(trained) == {p: per_partition for p in range(PARTITIONS)}
     finally:
         source.close()
+
+
+def test_deadline_order_takes_the_oldest_version_first(
+    kafka_config: KafkaConfig, unique_name: Callable[[str], str]
+) -> None:
+    """Partition 0 holds groups of version 5 produced first, partition 1 groups of version
+    1 produced after: arrival order serves partition 0 first, deadline order partition 1
+    (nearest to expiry); within a partition the log's order is kept either way."""
+    for order, first_partition in (("arrival", 0), ("deadline", 1)):
+        source = source_for(kafka_config, lambda base, o=order: unique_name(f"{base}-{o}"))
+        source.batch_config = BatchConfig(max_groups=8, max_wait_s=30.0, order=order)
+        source.assembler.max_groups = 8
+        try:
+            groups = synthetic_groups(16, group_size=2, run_id=RUN, vary_lengths=False)
+            producer = Producer(kafka_config.client_config())
+            for i, group in enumerate(groups):
+                partition, version = (0, 5) if i < 8 else (1, 1)
+                producer.produce(
+                    source.topics.scored,
+                    key=group[0].group_id.encode(),
+                    value=encode_group(scored_group(group)),
+                    partition=partition,
+                    headers=[("rs-min-version", str(version).encode())],
+                )
+            assert producer.flush(30) == 0
+            for _ in range(200):  # both partitions buffered before anything is taken
+                source._fetch(0.2)
+                if sum(len(b) for b in source.buffers.values()) == 16:
+                    break
+            buffered = {k[1]: len(b) for k, b in source.buffers.items()}
+            assert buffered == {0: 8, 1: 8}, (order, buffered)
+            micro = source.next_micro_batch(threading.Event())
+            assert micro is not None
+            assert [g.partition for g in micro.groups] == [first_partition] * 8, order
+            offsets = [g.offset for g in micro.groups]
+            assert offsets == sorted(offsets)
+        finally:
+            source.close()
