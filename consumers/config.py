@@ -247,6 +247,51 @@ class StalenessConfig(StrictModel):
             "oldest lag a stage admits (stage_versions x (stages_admitted + 1) - 1), or empty."
         ),
     )
+    over_window: Literal["route", "relaxed_clip"] = Field(
+        default="route",
+        description=(
+            "A group over max_staleness: route (to topics.stale, never trained) or "
+            "relaxed_clip (trained, its tokens clipped with relaxed_clip_bounds instead of "
+            "the loss's own interval, as Mu-GRPO does for stale data), up to "
+            "relaxed_max_staleness. Long rollouts are the ones that go stale, so routing "
+            "them biases training towards short answers. For records to reach the trainer, "
+            "set [streams.staleness] max_staleness to relaxed_max_staleness."
+        ),
+    )
+    relaxed_clip_bounds: tuple[float, float] = Field(
+        default=(0.0, 5.0),
+        description="[low, high] clip interval of the ratio for over-window groups "
+        "(over_window = relaxed_clip); Mu-GRPO's [0, 5].",
+    )
+    relaxed_max_staleness: int | None = Field(
+        default=None,
+        ge=0,
+        description="With over_window = relaxed_clip: groups beyond this lag are routed "
+        "after all. Empty: 2 x max_staleness.",
+    )
+
+    @model_validator(mode="after")
+    def _relaxed(self) -> StalenessConfig:
+        low, high = self.relaxed_clip_bounds
+        if not 0.0 <= low <= 1.0 <= high or low == high:
+            raise ValueError(
+                f"relaxed_clip_bounds must satisfy 0 <= low <= 1 <= high, got {(low, high)}"
+            )
+        if (
+            self.relaxed_max_staleness is not None
+            and self.max_staleness is not None
+            and self.relaxed_max_staleness < self.max_staleness
+        ):
+            raise ValueError("relaxed_max_staleness must be at least max_staleness")
+        return self
+
+    def route_limit(self) -> int | None:
+        """The lag beyond which a group is routed, not trained."""
+        if self.max_staleness is None or self.over_window == "route":
+            return self.max_staleness
+        if self.relaxed_max_staleness is not None:
+            return self.relaxed_max_staleness
+        return 2 * self.max_staleness
 
 
 class CheckpointConfig(StrictModel):

@@ -130,6 +130,10 @@ class LossInputs:
     mask: Tensor
     logp_ref: Tensor | None = None
     logp_prox: Tensor | None = None
+    #: ``[B]`` bool: rows trained past the staleness window, clipped with ``relaxed_bounds``
+    #: instead of the loss's own interval (``[trainer.staleness] over_window``)
+    relaxed: Tensor | None = None
+    relaxed_bounds: tuple[float, float] = (0.0, 5.0)
 
     def __post_init__(self) -> None:
         if self.logp_new.dim() != 2:
@@ -139,6 +143,8 @@ class LossInputs:
             value = getattr(self, name)
             if value is not None and value.shape != shape:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+        if self.relaxed is not None and self.relaxed.shape != shape[:1]:
+            raise ValueError(f"relaxed must be [B] = {shape[0]}, got {tuple(self.relaxed.shape)}")
         if self.advantages.shape not in (shape[:1], shape):
             raise ValueError(
                 f"advantages must be [B] or [B, T] = {tuple(shape)}, "
@@ -199,13 +205,27 @@ def _prepare(inputs: LossInputs) -> _Batch:
     return _Batch(mask=mask, adv=adv, n_tokens=mask.sum().to(dtype), dtype=dtype)
 
 
+def _clip_interval(
+    inputs: LossInputs, low: float, high: float, metrics: dict[str, Tensor | float], batch: _Batch
+) -> tuple[float | Tensor, float | Tensor]:
+    """The loss's clip interval, or per row ``[B, 1]`` bounds where rows are relaxed."""
+    if inputs.relaxed is None or not bool(inputs.relaxed.any()):
+        return low, high
+    rows = inputs.relaxed.to(batch.mask.device)[:, None]
+    r_low, r_high = inputs.relaxed_bounds
+    metrics["clip/relaxed_frac"] = batch.frac(rows.expand_as(batch.mask))
+    low_t = torch.where(rows, r_low, low).to(batch.dtype)
+    high_t = torch.where(rows, r_high, high).to(batch.dtype)
+    return low_t, high_t
+
+
 def _clipped_surrogate(
-    ratio: Tensor, adv: Tensor, low: float, high: float
+    ratio: Tensor, adv: Tensor, low: float | Tensor, high: float | Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token ``-min(ratio·A, clip(ratio, low, high)·A)`` and where the clip cuts the
     gradient (below ``low`` with A < 0; above ``high`` with A > 0)."""
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, low, high) * adv
+    clipped = torch.clamp(ratio, low, high) * adv  # bounds: numbers, or [B, 1] per row
     per_token = -torch.minimum(unclipped, clipped)
     with torch.no_grad():
         clipped_low = (adv < 0) & (ratio < low)
@@ -302,9 +322,8 @@ def grpo_loss(inputs: LossInputs, config: GrpoLossConfig) -> LossOutput:
     # 3. masks / weights: the response mask only
 
     # 4. clipped surrogate
-    per_token, clipped_low, clipped_high = _clipped_surrogate(
-        ratio, batch.adv, 1.0 - config.eps_low, 1.0 + config.eps_high
-    )
+    low, high = _clip_interval(inputs, 1.0 - config.eps_low, 1.0 + config.eps_high, metrics, batch)
+    per_token, clipped_low, clipped_high = _clipped_surrogate(ratio, batch.adv, low, high)
     metrics["clip/frac_low"] = batch.frac(clipped_low)
     metrics["clip/frac_high"] = batch.frac(clipped_high)
     metrics["clip/frac"] = batch.frac(clipped_low | clipped_high)
@@ -339,7 +358,7 @@ def _decoupled(
 
     # 3. masks / weights from d (no gradient)
     with torch.no_grad():
-        low, high = config.bounds()
+        mis_low, mis_high = config.bounds()
         if config.level == "token":
             d_level = d
         else:
@@ -350,13 +369,13 @@ def _decoupled(
             d_level = torch.exp(seq_log_d)[:, None].expand_as(d)
 
         if config.correction == "tis":
-            weight = torch.clamp(d_level, max=high)
+            weight = torch.clamp(d_level, max=mis_high)
             keep = batch.mask.clone()
-            metrics["tis/truncated_frac"] = batch.frac(d_level > high)
+            metrics["tis/truncated_frac"] = batch.frac(d_level > mis_high)
             metrics["tis/weight_mean"] = batch.mean(weight)
         else:
             weight = d_level if config.mis_weight == "discrepancy" else torch.ones_like(d)
-            keep = batch.mask & (d_level >= low) & (d_level <= high)
+            keep = batch.mask & (d_level >= mis_low) & (d_level <= mis_high)
             metrics["mis/masked_frac"] = batch.frac(~keep)
             if config.mis_weight == "discrepancy":
                 kept_weights = torch.where(keep & batch.mask, weight, 0.0)
@@ -376,9 +395,10 @@ def _decoupled(
         metrics["train_infer/kept_frac"] = torch.where(batch.n_tokens > 0, kept, 1.0)
 
     # 4. clipped surrogate on s, weighted by TIS
-    per_token, clipped_low, clipped_high = _clipped_surrogate(
-        s, batch.adv, 1.0 - config.staleness_eps_low, 1.0 + config.staleness_eps_high
+    low, high = _clip_interval(
+        inputs, 1.0 - config.staleness_eps_low, 1.0 + config.staleness_eps_high, metrics, batch
     )
+    per_token, clipped_low, clipped_high = _clipped_surrogate(s, batch.adv, low, high)
     per_token = weight * per_token
     metrics["clip/frac_low"] = batch.frac(clipped_low)
     metrics["clip/frac_high"] = batch.frac(clipped_high)

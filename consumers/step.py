@@ -24,8 +24,9 @@ computed over exact records only (k3 of logp_old − logp_infer), whatever the a
 
 from __future__ import annotations
 
+import dataclasses
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +82,10 @@ class StepRunner:
         return kept, len(trajectories) - len(kept)
 
     def train_step(
-        self, micro_batches: Sequence[Sequence[Trajectory]], step: int = 0
+        self,
+        micro_batches: Sequence[Sequence[Trajectory]],
+        step: int = 0,
+        relaxed: Collection[str] = frozenset(),
     ) -> StepResult:
         """Train one scored batch: ``grad_accum_steps`` micro-batches of whole groups.
 
@@ -89,7 +93,9 @@ class StepRunner:
         micro-batches as given. Otherwise the batch's trajectories (after ``select``) are
         passed over ``epochs`` times, each pass split into minibatches of
         ``grad_accum_steps`` micro-batches, one optimiser step each. ``step`` seeds the
-        per-pass shuffle so a replay of the same step reproduces it.
+        per-pass shuffle so a replay of the same step reproduces it. ``relaxed``: ids of
+        records past the staleness window, clipped with ``[trainer.staleness]
+        relaxed_clip_bounds`` (``over_window = "relaxed_clip"``).
         """
         accum = self.engine.config.grad_accum_steps
         if len(micro_batches) != accum:
@@ -121,7 +127,8 @@ class StepRunner:
             boundary = False
             for records in minibatch:
                 packed = pack(records).to(self.engine.device)
-                parts.append(self._micro_step(packed))
+                rows = [t.trajectory_id in relaxed for t in records] if relaxed else None
+                parts.append(self._micro_step(packed, rows))
                 boundary = self.engine.step()  # DeepSpeed steps the optimiser on the last
             if not boundary:
                 raise RuntimeError("DeepSpeed did not step the optimiser at a minibatch's end")
@@ -140,7 +147,9 @@ class StepRunner:
         self._after_optimizer_step(metrics)
         return StepResult(metrics=metrics, trained=trained, dropped=dropped)
 
-    def _micro_step(self, batch: PackedBatch) -> dict[str, float]:
+    def _micro_step(
+        self, batch: PackedBatch, relaxed: list[bool] | None = None
+    ) -> dict[str, float]:
         logp_new = self._logp(self.engine.engine, batch)  # through DeepSpeed
         logp_prox = self._logp_prox(batch) if needs_prox(self.config, batch) else None
         logp_ref = None
@@ -150,6 +159,12 @@ class StepRunner:
         inputs, anchored_on_prox = anchored_inputs(
             self.config, batch, logp_new, logp_prox=logp_prox, logp_ref=logp_ref
         )
+        if relaxed is not None and any(relaxed):
+            inputs = dataclasses.replace(
+                inputs,
+                relaxed=torch.tensor(relaxed, device=self.engine.device),
+                relaxed_bounds=self.config.staleness.relaxed_clip_bounds,
+            )
         out = compute_loss(self.loss_config, inputs)
         self.engine.backward(out.loss)
         return step_metrics(out.metrics, batch, anchored_on_prox)

@@ -123,6 +123,7 @@ class Trainer:
         self.pending_ledger: list[tuple[int, list[str]]] = []
         self.last_checkpoint_step = 0
         self.pending_stale: list[StaleGroup] = []
+        self.over_window: set[str] = set()  # ids of this step's groups trained relaxed
         window = self.config.staleness.max_staleness or 0
         self.recent_producers: deque[set[str]] = deque(maxlen=window + 1)
         self.restored: TrainerState | None = None
@@ -290,7 +291,8 @@ class Trainer:
         micro_batches, covered, stale = gathered
         computed = time.perf_counter()
         version = self.step  # the weights being trained are version `step`
-        result = self.runner.train_step(micro_batches, step=self.step)
+        relaxed, self.over_window = self.over_window, set()
+        result = self.runner.train_step(micro_batches, step=self.step, relaxed=relaxed)
         trained_at = time.perf_counter()
         self.step += 1
         self.offsets = merge_offsets(self.offsets, covered)
@@ -312,6 +314,7 @@ class Trainer:
         metrics["data/dropped_approx"] = float(result.dropped)
         metrics["data/dlq_total"] = float(self.source.dlq.sent)
         metrics["data/stale_groups"] = float(len(stale))
+        metrics["data/over_window_trajectories"] = float(len(relaxed))
         metrics["data/stale_total"] = float(self.summary.stale_groups)
         if stale:
             metrics["data/stale_staleness_max"] = float(max(g.staleness for g in stale))
@@ -348,7 +351,8 @@ class Trainer:
         them) cover, and the groups set aside as too stale to train at version ``step``;
         None if a stop was requested first (nothing is set aside then: the offsets do not
         move, and the same records are judged again)."""
-        limit = self.config.staleness.max_staleness
+        window = self.config.staleness.max_staleness
+        limit = self.config.staleness.route_limit()
         batches: list[list[Trajectory]] = []
         covered: dict[TopicPartition, int] = {}
         stale: list[StaleGroup] = []
@@ -360,10 +364,13 @@ class Trainer:
             if limit is not None:
                 fresh = []
                 for group in micro.groups:
-                    if group.staleness(self.step) > limit:
+                    lag = group.staleness(self.step)
+                    if lag > limit:
                         stale.append(StaleGroup.of(group, self.step + 1, self.step, limit))
-                    else:
-                        fresh.append(group)
+                        continue
+                    fresh.append(group)
+                    if window is not None and lag > window:  # over_window = relaxed_clip
+                        self.over_window.update(t.trajectory_id for t in group.trajectories)
                 micro.groups = fresh
             kept, _dropped = self.runner.select(micro.trajectories)
             if kept:  # a micro-batch left empty (route=drop, stale) only advances the offsets

@@ -791,3 +791,38 @@ def test_clip_and_mask_overlap_is_reported() -> None:
     assert close(out.metrics["clip/frac"], 2 / 6)
     assert close(out.metrics["mis/masked_frac"], 2 / 6)
     assert close(out.metrics["clip/masked_overlap_frac"], 1 / 6)
+
+
+def test_relaxed_rows_use_the_relaxed_clip_interval() -> None:
+    # row 0 (A = +1) has ratio 1.5 at token 0: clipped at 1.2 normally, not under [0, 5]
+    plain = make(S_STD, A_STD)
+    relaxed = make(S_STD, A_STD, relaxed=torch.tensor([True, False]), relaxed_bounds=(0.0, 5.0))
+    cfg = GrpoLossConfig()
+    g_plain = grad_of(plain, grpo_loss(plain, cfg).loss)
+    out = grpo_loss(relaxed, cfg)
+    g_relaxed = grad_of(relaxed, out.loss)
+    assert g_plain[0, 0] == 0.0 and g_relaxed[0, 0] == pytest.approx(-1.5 / 6)
+    assert torch.equal(g_plain[1], g_relaxed[1])  # the other row keeps its own interval
+    assert close(out.metrics["clip/relaxed_frac"], 0.5)
+    assert close(out.metrics["clip/frac"], 1 / 6)  # only row 1's low clip is left
+    dec = make(S_STD, A_STD, relaxed=torch.tensor([True, True]))
+    assert close(decoupled_loss(dec, DecoupledLossConfig()).metrics["clip/frac"], 0.0)
+    with pytest.raises(ValueError, match="relaxed"):
+        make(S_STD, A_STD, relaxed=torch.tensor([True]))
+
+
+def test_over_window_config_is_checked() -> None:
+    from consumers.config import StalenessConfig
+
+    assert StalenessConfig(max_staleness=4).route_limit() == 4
+    assert StalenessConfig(max_staleness=4, over_window="relaxed_clip").route_limit() == 8
+    relaxed = StalenessConfig(max_staleness=4, over_window="relaxed_clip", relaxed_max_staleness=5)
+    assert relaxed.route_limit() == 5
+    for bad in (
+        {"relaxed_clip_bounds": [2.0, 1.0]},
+        {"relaxed_clip_bounds": [1.0, 1.0]},
+        {"over_window": "keep"},
+        {"max_staleness": 4, "relaxed_max_staleness": 3},
+    ):
+        with pytest.raises(ValidationError):
+            StalenessConfig.model_validate(bad)  # fmt: skip

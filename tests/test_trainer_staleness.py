@@ -212,3 +212,58 @@ def test_stale_groups_of_a_checkpoint_cut_short_by_kill_9_are_routed_once_after_
     assert sorted(routed) == sorted(ids_of(late))  # each once: none lost, none twice
     lines = metrics_lines(tmp_path)
     assert all(m["staleness/max"] <= WINDOW for m in lines)
+
+
+@pytest.mark.slow
+def test_over_window_groups_train_with_the_relaxed_clip_up_to_the_hard_limit(
+    kafka_config: KafkaConfig, unique_name: Callable[[str], str], tmp_path: Path
+) -> None:
+    topics = make_topics(kafka_config, unique_name)
+    topics["stale"] = unique_name("rollouts.stale")
+    ensure_topics(
+        kafka_config.client_config(), [dataclasses.replace(ROLLOUTS_STALE, name=topics["stale"])]
+    )
+    staleness = {"max_staleness": 1, "over_window": "relaxed_clip", "relaxed_max_staleness": 3}
+
+    def settings(**extra: object) -> TrainerSettings:
+        config = TrainerConfig.model_validate(
+            trainer_config(tmp_path, topics, staleness=staleness, **extra)
+        )
+        return TrainerSettings(run_id=RUN, kafka=kafka_config.client_config(), trainer=config)
+
+    first = synthetic_groups(8, seed=41, run_id=RUN, version=0)
+    produce(kafka_config, topics["scored"], group_records(first))
+    assert Trainer(settings(max_steps=4)).run().step == 4
+    # judged at version 4: lag 4 is over the hard limit (routed), lag 2 over the window
+    # (trained with the relaxed clip), lag 0 fresh
+    routed = synthetic_groups(2, seed=42, run_id=RUN, version=0)
+    relaxed = synthetic_groups(2, seed=43, run_id=RUN, version=2)
+    fresh = synthetic_groups(2, seed=44, run_id=RUN, version=4)
+    produce(kafka_config, topics["scored"], group_records(routed + relaxed + fresh))
+    # one micro-batch holds the six groups: they are judged at the same version, 4
+    trainer = Trainer(settings(batch={"max_groups": 6, "max_wait_s": 5.0}))
+    thread = threading.Thread(target=trainer.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+        trainer.summary.stale_groups == 2 and trainer.summary.trained == 16
+    ):
+        time.sleep(0.2)
+    trainer.request_stop()
+    thread.join(60)
+    summary = trainer.summary
+    assert summary.stale_groups == 2 and summary.trained == 16, summary
+
+    ledger = TrainingLedger.read(tmp_path / "ledger.jsonl")
+    trained = sorted(i for _, ids in ledger for i in ids)
+    assert trained == sorted(ids_of(first + relaxed + fresh)), (ledger, summary)
+    stale_ids = [i for _, ids in TrainingLedger.read_stale(tmp_path / "ledger.jsonl") for i in ids]
+    assert sorted(stale_ids) == sorted(ids_of(routed))
+    lines = metrics_lines(tmp_path)
+    over = [m for m in lines if m["data/over_window_trajectories"] > 0]
+    # run 1 trained its own version-0 groups past the window too, at versions 2 and 3
+    second = [m for m in lines if m["step"] > 4]
+    assert sum(m["data/over_window_trajectories"] for m in second) == len(ids_of(relaxed))
+    assert sum(m["data/over_window_trajectories"] for m in lines if m["step"] <= 4) == 16
+    assert over and all(m["clip/relaxed_frac"] > 0 for m in over)
+    assert all(m["staleness/max"] <= 3 for m in lines)
