@@ -93,6 +93,9 @@ class Settings:
     #: stream data operators applied to each group before training (``streams.operators``);
     #: groups are generated until ``prompts_per_step`` pass (at most 4x), as DAPO does
     operators: tuple[dict[str, Any], ...] = ()
+    #: ``[producers.rollout.curriculum]`` keys: prompts are drawn through
+    #: ``producers.curriculum.Curriculum`` fed with every generated group's statistics
+    curriculum: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass
@@ -109,6 +112,7 @@ class CellResult:
     versions: list[int]  # the version that generated each step's batch
     zero_adv: list[float] = field(default_factory=list)  # share of trained groups, A = 0
     generated: list[int] = field(default_factory=list)  # groups generated for the step
+    generated_flat: list[int] = field(default_factory=list)  # of which rewards all equal
 
     def smoothed(self, window: int = 10) -> list[float]:
         r = self.rewards
@@ -127,27 +131,52 @@ class CellResult:
         return self.final() < target and statistics.fmean(self.entropy[-20:]) < 0.1
 
 
-def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> CellResult:
-    """Train one cell; see the module doc."""
-    import numpy as np
+@dataclass
+class Rig:
+    """The pieces one cell trains with (see the module doc)."""
+
+    trainer: Any  # consumers.train_engine.TrainEngine
+    runner: Any  # consumers.step.StepRunner
+    generator: Any  # producers.inference_engine.Engine, bf16
+    history: Any  # streams.snapshots.InMemorySource: fp32 weights by version
+    old_logits: Any  # streams.oldlogits.OldLogitEngine over the history
+    current_model: Any  # fp32 module for logp under the current weights
+    task: Any
+    params: Any
+    rng: random.Random
+
+    def generate_at(self, version: int) -> None:
+        """Load ``version``'s weights into the generator (cast to bf16)."""
+        import torch
+
+        state = self.history.load(version)
+        self.generator.model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()})
+
+    def record_version(self, version: int, keep_from: int) -> None:
+        """Store the trainer's weights as ``version``; forget versions before ``keep_from``."""
+        self.history.states[version] = _fp32_copy(self.trainer.state_dict())
+        for old in [v for v in self.history.states if v < keep_from]:
+            del self.history.states[old]
+        self.old_logits.snapshots.retain(keep_from)
+
+
+def build_rig(route: Route, seed: int, settings: Settings, **trainer: Any) -> Rig:
+    """A fresh cell: the tiny model of ``seed`` on both sides, ``trainer`` sections merged
+    into the trainer config."""
     import torch
 
     from consumers.config import TrainerConfig
     from consumers.step import StepRunner
     from consumers.train_engine import TrainEngine
-    from core.logprobs import response_logprobs
     from core.models import EOS_ID, PAD_ID, load_model
     from producers.inference_engine import Engine, SamplingParams
     from producers.tasks import TaskContext, make_task
-    from schemas.trajectory import OldLogitsStatus, Trajectory
     from streams.config import OldLogitsConfig
     from streams.oldlogits import OldLogitEngine
-    from streams.operators import Keep, apply_chain, build_chain
     from streams.snapshots import InMemorySource, SnapshotStore
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    rng = random.Random(seed)
     spec = f"tiny:seed={seed}"
     config = TrainerConfig.model_validate(
         {
@@ -156,52 +185,92 @@ def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> Cel
             "loss": route.loss,
             "approx": route.approx,
             "ppo": {"epochs": settings.epochs, "minibatches": settings.minibatches},
+            **trainer,
         }
     )
-    trainer = TrainEngine(
+    engine = TrainEngine(
         load_model(spec, "float32"),
         config.engine,
         frozen_copies=StepRunner.frozen_copies_needed(config),
     )
-    runner = StepRunner(trainer, config, pad_id=PAD_ID)
-    generator = Engine(
-        load_model(spec, "bfloat16"), model_path=spec, seed=seed, eos_token_ids=[EOS_ID]
-    )
-    history = InMemorySource({0: _fp32_copy(trainer.state_dict())})
-    old_logits = OldLogitEngine(
-        OldLogitsConfig(model=spec, dtype="float32"),
-        SnapshotStore(history, budget_bytes=1 << 30, dtype=torch.float32),
-    )
-    current_model = load_model(spec, "float32")
+    history = InMemorySource({0: _fp32_copy(engine.state_dict())})
     task = make_task(settings.task, {}, TaskContext(cache_dir=Path.home() / ".cache"))
-    params = SamplingParams(
-        temperature=settings.temperature,
-        max_new_tokens=task.max_new_tokens,
-        stop_token_ids=tuple(task.stop_token_ids),
+    return Rig(
+        trainer=engine,
+        runner=StepRunner(engine, config, pad_id=PAD_ID),
+        generator=Engine(
+            load_model(spec, "bfloat16"), model_path=spec, seed=seed, eos_token_ids=[EOS_ID]
+        ),
+        history=history,
+        old_logits=OldLogitEngine(
+            OldLogitsConfig(model=spec, dtype="float32"),
+            SnapshotStore(history, budget_bytes=1 << 30, dtype=torch.float32),
+        ),
+        current_model=load_model(spec, "float32"),
+        task=task,
+        params=SamplingParams(
+            temperature=settings.temperature,
+            max_new_tokens=task.max_new_tokens,
+            stop_token_ids=tuple(task.stop_token_ids),
+        ),
+        rng=random.Random(seed),
     )
+
+
+def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> CellResult:
+    """Train one cell; see the module doc."""
+    import numpy as np
+    import torch
+
+    from core.logprobs import response_logprobs
+    from schemas.trajectory import OldLogitsStatus, Trajectory
+    from streams.operators import Keep, apply_chain, build_chain
+
+    rig = build_rig(route, seed, settings)
+    trainer, runner, generator = rig.trainer, rig.runner, rig.generator
+    old_logits, current_model, task, params, rng = (
+        rig.old_logits, rig.current_model, rig.task, rig.params, rig.rng
+    )  # fmt: skip
     chain = build_chain(list(settings.operators))
+    stats = curriculum = None
+    if settings.curriculum:
+        from producers.config import CurriculumConfig
+        from producers.curriculum import Curriculum
+
+        stats = GeneratedStats()
+        config = CurriculumConfig(enabled=True, **dict(settings.curriculum))
+        curriculum = Curriculum(config, stats.view)
     result = CellResult(route.name, staleness, seed, [], [], [], [], [], [], [])
     started = time.process_time()
     for step in range(settings.steps):
         version = max(0, step - staleness)
-        state = history.load(version)
-        generator.model.load_state_dict({k: v.to(torch.bfloat16) for k, v in state.items()})
+        rig.generate_at(version)
         groups: list[list[Trajectory]] = []
-        generated = 0
+        generated = flat = 0
         while len(groups) < settings.prompts_per_step and generated < 4 * settings.prompts_per_step:
             batch = _generate_groups(
-                generator, task, rng, params, settings, version, f"{step}-{generated}"
+                generator,
+                task,
+                rng,
+                params,
+                settings,
+                version,
+                f"{step}-{generated}",
+                curriculum,
+                count=settings.prompts_per_step - len(groups),
             )
+            if stats is not None:
+                stats.add(batch)
+            flat += sum(_flat(g) for g in batch)
             generated += len(batch)
             groups.extend(
                 g for g in batch if not chain or isinstance(apply_chain(chain, g).decision, Keep)
             )
         groups = groups[: settings.prompts_per_step] or batch_fallback(batch)
         rewards = [t.reward for g in groups for t in g]
-        result.zero_adv.append(
-            sum(max(t.reward for t in g) == min(t.reward for t in g) for g in groups) / len(groups)
-        )
+        result.zero_adv.append(sum(_flat(g) for g in groups) / len(groups))
         result.generated.append(generated)
+        result.generated_flat.append(flat)
         records = [t for g in groups for t in g]
         records = [r for r in records if r.num_response_tokens > 0]
         if route.old_logits == "exact":
@@ -215,10 +284,7 @@ def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> Cel
             off = OldLogitsStatus.OFF.value
             records = [dataclasses.replace(r, old_logits_status=off) for r in records]
         metrics = runner.train_step([records], step=step).metrics
-        history.states[step + 1] = _fp32_copy(trainer.state_dict())
-        for old in [v for v in history.states if v < step + 1 - staleness]:
-            del history.states[old]
-        old_logits.snapshots.retain(step + 1 - staleness)
+        rig.record_version(step + 1, keep_from=step + 1 - staleness)
 
         tokens = np.concatenate([r.logp_infer for r in records])
         result.rewards.append(float(np.mean(rewards)))
@@ -242,12 +308,21 @@ def _generate_groups(
     settings: Settings,
     version: int,
     prefix: str,
+    curriculum: Any = None,
+    count: int | None = None,
 ) -> list[list[Any]]:
-    """``prompts_per_step`` GRPO groups sampled at ``version``, with advantages."""
+    """``prompts_per_step`` GRPO groups sampled at ``version``, with advantages (prompts
+    drawn through ``curriculum``, a ``producers.curriculum.Curriculum``, if given)."""
     from core.advantages import group_advantages
     from schemas.trajectory import Trajectory
 
-    prompts = [task.sample(rng) for _ in range(settings.prompts_per_step)]
+    def draw() -> Any:
+        return task.sample(rng)
+
+    prompts = [
+        curriculum.choose(draw) if curriculum is not None else draw()
+        for _ in range(count or settings.prompts_per_step)
+    ]
     inputs = [p.ids for p in prompts for _ in range(settings.group_size)]
     outputs = generator.generate(inputs, params, return_logprob=True)
     rewards = [
@@ -283,6 +358,35 @@ def _generate_groups(
             ).with_advantage(float(advantages[i]))
         )
     return [g for g in groups if g]
+
+
+def _flat(group: list[Any]) -> bool:
+    """All rewards equal: zero advantage, zero gradient."""
+    return max(t.reward for t in group) == min(t.reward for t in group)
+
+
+class GeneratedStats:
+    """Per-prompt statistics of every generated group, as the stream would publish them
+    (one partition), folded into a ``producers.curriculum.PromptStatsView``."""
+
+    def __init__(self, pass_threshold: float = 1.0) -> None:
+        from producers.curriculum import PromptStatsView
+
+        self.view = PromptStatsView("bench")
+        self.pass_threshold = pass_threshold
+        self.totals: dict[str, tuple[int, int, float]] = {}
+
+    def add(self, groups: list[list[Any]]) -> None:
+        from schemas.control import PromptStats, prompt_key
+
+        for group in groups:
+            key = prompt_key(group[0].prompt_ids)
+            n, passes, total = self.totals.get(key, (0, 0, 0.0))
+            n += len(group)
+            passes += sum(t.reward >= self.pass_threshold for t in group)
+            total += sum(t.reward for t in group)
+            self.totals[key] = (n, passes, total)
+            self.view.apply(PromptStats("bench", key, 0, n, passes, total, 0).to_json())
 
 
 def batch_fallback(batch: list[list[Any]]) -> list[list[Any]]:

@@ -9,6 +9,8 @@ factories; ``make_task(name, options, context)`` builds one. Built in:
   positions (EOS included) the response gets right, so 1.0 means an exact answer that
   stops where it should. A randomly initialised model learns the first in ~100 GRPO steps
   on one core.
+- ``repeat-digit``: ``BOS d SEP`` → ``d`` written ``2d + 1`` times: responses of 2 to 20
+  tokens (a long tail, for the staleness length-bias measurements).
 - ``arithmetic``: word problems with integer answers for SmolLM2-135M-Instruct, generated
   from templates with a seeded RNG (no dataset download), checked exactly. The model is
   asked to end with ``Answer: <number>``; ``format_ok`` tells whether it did.
@@ -173,6 +175,13 @@ def copy_first_digit_twice(context: TaskContext, num_digits: int = 3, **kw: Any)
 @register_task("reverse-3-digits")
 def reverse_3_digits(context: TaskContext, **kw: Any) -> DigitsTask:
     return DigitsTask("reverse-3-digits", 3, lambda d: list(reversed(d)), **kw)
+
+
+@register_task("repeat-digit")
+def repeat_digit(context: TaskContext, **kw: Any) -> DigitsTask:
+    """``d`` written ``2d + 1`` times: a long tail of response lengths (2 to 20 tokens)."""
+    kw.setdefault("max_new_tokens", 24)
+    return DigitsTask("repeat-digit", 1, lambda d: [d[0]] * (2 * d[0] + 1), **kw)
 
 
 # --- arithmetic word problems (SmolLM2) ---------------------------------------------------

@@ -266,3 +266,17 @@ def test_producers_config_rejects_unknown_keys_and_parses_toml(tmp_path):
         "stop_token_ids": [2],
         "ignore_eos": False,
     }
+
+
+def test_repeat_digit_has_a_long_tail_of_answer_lengths(context):
+    task = make_task("repeat-digit", {}, context)
+    rng = random.Random(0)
+    lengths = set()
+    for _ in range(200):
+        prompt = task.sample(rng)
+        (d,) = prompt.meta["digits"]
+        answer = [DIGIT0_ID + d] * (2 * d + 1) + [EOS_ID]
+        assert task.reward(prompt, answer)[0] == 1.0
+        assert task.reward(prompt, answer[:-2] + [EOS_ID])[0] < 1.0 or d == 0
+        lengths.add(len(answer))
+    assert min(lengths) == 2 and max(lengths) == 20 and task.max_new_tokens >= 20

@@ -1,20 +1,23 @@
-"""Run the data-operator benchmarks (all, or those named on the command line)."""
+"""Run the data-operator benchmarks: ``python -m bench.dataops [NAME ...] [--option ...]``
+(all when none is named; the options go to each benchmark, which ignores unknown ones)."""
 
 from __future__ import annotations
 
 import sys
 
-from bench.dataops import sampling, throughput
+from bench.dataops import longtail, sampling, throughput
 
-BENCHMARKS = {"throughput": throughput.main, "sampling": sampling.main}
+BENCHMARKS = {"throughput": throughput.main, "sampling": sampling.main, "longtail": longtail.main}
 
 
 def main() -> None:
-    names = [a for a in sys.argv[1:] if not a.startswith("-")] or list(BENCHMARKS)
+    args = sys.argv[1:]
+    first_option = next((i for i, a in enumerate(args) if a.startswith("-")), len(args))
+    names = args[:first_option] or list(BENCHMARKS)
     unknown = sorted(set(names) - set(BENCHMARKS))
     if unknown:
         raise SystemExit(f"unknown benchmarks {unknown}; known: {sorted(BENCHMARKS)}")
-    sys.argv = [sys.argv[0], *[a for a in sys.argv[1:] if a.startswith("-")]]
+    sys.argv = [sys.argv[0], *args[first_option:]]  # the options, for each benchmark
     for name in names:
         print(f"== {name}", flush=True)
         BENCHMARKS[name]()

@@ -1,11 +1,14 @@
-"""Dynamic sampling on the tiny task: zero-advantage groups trained, with and without.
+"""Dynamic sampling and the curriculum on the tiny task: how much generation is wasted.
 
 Runs ``bench.learning`` cells (engine bf16, exact old logits, decoupled MIS, staleness
-``--staleness``) for ``--steps`` steps with and without the ``zero_variance`` operator
-(groups generated until a step's 16 pass, at most 4x, as DAPO fills its batch). Reports,
-per setting and over ``--seeds`` seeds: the share of trained groups whose rewards are all
-equal (zero advantage, zero gradient; target 0 with the operator), groups generated per
-trained group, final reward and CPU seconds.
+``--staleness``, ``--task``) for ``--steps`` steps under four settings: nothing; the
+``zero_variance`` operator (groups generated until a step's 16 pass, at most 4x, as DAPO
+fills its batch); the curriculum (``producers.curriculum.Curriculum`` skips prompts whose
+pass rate reached 0.9 after 8 samples, fed with every generated group's statistics as the
+stream publishes them); both. Reports, over ``--seeds`` seeds: the share of trained groups
+whose rewards are all equal (zero advantage, zero gradient; target 0 with the operator),
+the share of *generated* groups with zero advantage (the generation wasted), groups
+generated per trained group, final reward and CPU seconds.
 """
 
 from __future__ import annotations
@@ -17,9 +20,15 @@ from dataclasses import replace
 
 from bench.learning import ROUTES, CellResult, Settings, _run
 
-SETTINGS = {
-    "off": (),
-    "zero_variance": ({"name": "zero_variance"},),
+#: name -> (operators, curriculum)
+SETTINGS: dict[str, tuple[tuple, tuple]] = {
+    "off": ((), ()),
+    "zero_variance": (({"name": "zero_variance"},), ()),
+    "curriculum": ((), (("max_pass_rate", 0.9), ("min_pass_rate", 0.0), ("min_samples", 8))),
+    "curriculum + zero_variance": (
+        ({"name": "zero_variance"},),
+        (("max_pass_rate", 0.9), ("min_pass_rate", 0.0), ("min_samples", 8)),
+    ),
 }
 
 
@@ -29,30 +38,32 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--staleness", type=int, default=2)
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--task", default="copy-first-digit-twice")
     args, _ = parser.parse_known_args()
     route = next(r for r in ROUTES if r.name == "decoupled-mis")
-    base = Settings(steps=args.steps)
+    base = Settings(steps=args.steps, task=args.task)
     jobs = [
-        (route, args.staleness, seed, replace(base, operators=ops))
-        for ops in SETTINGS.values()
+        (route, args.staleness, seed, replace(base, operators=ops, curriculum=cur))
+        for ops, cur in SETTINGS.values()
         for seed in range(args.seeds)
     ]
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         cells: list[CellResult] = list(pool.map(_run, jobs))
-    print(f"tiny reverse-3-digits, staleness {args.staleness}, {args.steps} steps, "
+    print(f"tiny {args.task}, staleness {args.staleness}, {args.steps} steps, "
           f"{args.seeds} seeds")  # fmt: skip
-    print("| setting | zero-advantage share of trained groups | generated / trained groups "
-          "| final reward | CPU s |")  # fmt: skip
-    print("|---|---|---|---|---|")
+    print("| setting | zero-advantage share of trained groups | of generated groups | "
+          "generated / trained groups | final reward | CPU s |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     for i, name in enumerate(SETTINGS):
         mine = cells[i * args.seeds : (i + 1) * args.seeds]
         zero = statistics.fmean(x for c in mine for x in c.zero_adv)
         ratio = sum(sum(c.generated) for c in mine) / (
             len(mine) * args.steps * base.prompts_per_step
         )
+        wasted = sum(sum(c.generated_flat) for c in mine) / sum(sum(c.generated) for c in mine)
         final = statistics.fmean(c.final() for c in mine)
         cpu = statistics.fmean(c.cpu_s[-1] for c in mine)
-        print(f"| {name} | {zero:.3f} | {ratio:.2f} | {final:.2f} | {cpu:.0f} |")
+        print(f"| {name} | {zero:.3f} | {wasted:.3f} | {ratio:.2f} | {final:.2f} | {cpu:.0f} |")
 
 
 if __name__ == "__main__":
