@@ -26,6 +26,8 @@ def test_declared_topics_cover_the_data_flow() -> None:
         "rollouts.scored",
         "rollouts.stale",
         "rollouts.dlq",
+        "rollouts.filtered",
+        "prompts.stats",
         "policy.versions",
     }
     assert POLICY_VERSIONS.configs()["cleanup.policy"] == "compact"
