@@ -26,7 +26,8 @@ sampling. CPU seconds (``time.process_time``) rather than wall-clock: the machin
 shared and noisy, CPU time is what a cell costs.
 
 Writes ``docs/learning.md`` (table and short story are written by hand around the
-generated block between its markers) and ``docs/learning/reward_k<k>.png``.
+generated block between its markers), ``docs/learning/reward_k<k>.png``, and every cell's
+per-step series to ``~/.cache/rollstream/bench/learning-cells.json``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "learning.md"
 PLOTS = ROOT / "docs" / "learning"
+RAW = Path.home() / ".cache" / "rollstream" / "bench" / "learning-cells.json"  # 1 MB: not in git
 BEGIN, END = "<!-- bench.learning: begin -->", "<!-- bench.learning: end -->"
 
 
@@ -486,6 +488,14 @@ def write_doc(text: str) -> None:
     DOC.write_text(doc)
 
 
+def _rounded(cell: dict[str, Any]) -> dict[str, Any]:
+    """Per-step series at 4 decimals: the raw data stays small enough to keep in docs/."""
+    return {
+        k: [round(x, 4) if isinstance(x, float) else x for x in v] if isinstance(v, list) else v
+        for k, v in cell.items()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--staleness", default="0,2,4,8", help="comma-separated k values")
@@ -542,9 +552,9 @@ def main() -> None:
         plots = plot(cells, PLOTS)
         images = "\n".join(f"![{p.stem}](learning/{p.name})" for p in plots)
         write_doc(report + "\n\n" + images)
-        raw = PLOTS / "cells.json"
-        raw.write_text(json.dumps([asdict(c) for c in cells]))
-        print(f"wrote {DOC.relative_to(ROOT)}, {len(plots)} plots and {raw.relative_to(ROOT)}")
+        RAW.parent.mkdir(parents=True, exist_ok=True)
+        RAW.write_text(json.dumps([_rounded(asdict(c)) for c in cells], separators=(",", ":")))
+        print(f"wrote {DOC.relative_to(ROOT)}, {len(plots)} plots; per-step data in {RAW}")
     if any(math.isnan(c.final()) for c in cells):
         raise SystemExit("a cell produced NaN rewards")
 
