@@ -92,6 +92,7 @@ class Settings:
     temperature: float = 1.0
     target: float = 0.5  # 10-step mean reward
     task: str = "reverse-3-digits"
+    task_options: tuple[tuple[str, Any], ...] = ()
     #: stream data operators applied to each group before training (``streams.operators``);
     #: groups are generated until ``prompts_per_step`` pass (at most 4x), as DAPO does
     operators: tuple[dict[str, Any], ...] = ()
@@ -196,7 +197,8 @@ def build_rig(route: Route, seed: int, settings: Settings, **trainer: Any) -> Ri
         frozen_copies=StepRunner.frozen_copies_needed(config),
     )
     history = InMemorySource({0: _fp32_copy(engine.state_dict())})
-    task = make_task(settings.task, {}, TaskContext(cache_dir=Path.home() / ".cache"))
+    options = dict(settings.task_options)
+    task = make_task(settings.task, options, TaskContext(cache_dir=Path.home() / ".cache"))
     return Rig(
         trainer=engine,
         runner=StepRunner(engine, config, pad_id=PAD_ID),

@@ -101,12 +101,13 @@ class CurriculumConfig(StrictModel):
     topic: str = Field(
         default="prompts.stats", description="The stream's per-prompt statistics topic."
     )
-    min_pass_rate: float = Field(
-        default=0.0,
+    min_pass_rate: float | None = Field(
+        default=None,
         ge=0.0,
         le=1.0,
         description="Skip a prompt whose pass rate is at or below this (hopeless) once it has "
-        "min_samples; 0 skips only prompts never passed.",
+        "min_samples; 0 skips prompts never passed. Empty (default): never skip as hopeless "
+        "(early in training every prompt has a pass rate of 0).",
     )
     max_pass_rate: float = Field(
         default=1.0,
@@ -127,7 +128,7 @@ class CurriculumConfig(StrictModel):
 
     @model_validator(mode="after")
     def _band(self) -> CurriculumConfig:
-        if self.min_pass_rate >= self.max_pass_rate:
+        if self.min_pass_rate is not None and self.min_pass_rate >= self.max_pass_rate:
             raise ValueError(
                 f"min_pass_rate {self.min_pass_rate} must be below max_pass_rate "
                 f"{self.max_pass_rate}"

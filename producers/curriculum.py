@@ -6,7 +6,7 @@ The stream publishes, per prompt and per stream partition, what its groups score
 thread (from its start: compaction keeps the latest value of every key) and folds the
 partitions of each prompt of this run into a ``PromptStatsView``. Before a group starts,
 the worker asks ``Curriculum.choose`` for a prompt: a prompt with at least ``min_samples``
-samples whose pass rate is at or above ``max_pass_rate`` (solved) or at or below
+samples whose pass rate is at or above ``max_pass_rate`` (solved) or, if set, at or below
 ``min_pass_rate`` (hopeless) is skipped and another one is drawn, at most ``max_skips``
 times; then the last one drawn is used, so generation never stalls when every prompt is
 outside the band. Prompts the stream has not seen are always taken.
@@ -102,7 +102,7 @@ class Curriculum:
         rate = totals.pass_rate
         if rate >= self.config.max_pass_rate:
             return "solved"
-        if rate <= self.config.min_pass_rate:
+        if self.config.min_pass_rate is not None and rate <= self.config.min_pass_rate:
             return "hopeless"
         return None
 

@@ -277,6 +277,6 @@ def test_repeat_digit_has_a_long_tail_of_answer_lengths(context):
         (d,) = prompt.meta["digits"]
         answer = [DIGIT0_ID + d] * (2 * d + 1) + [EOS_ID]
         assert task.reward(prompt, answer)[0] == 1.0
-        assert task.reward(prompt, answer[:-2] + [EOS_ID])[0] < 1.0 or d == 0
+        assert task.reward(prompt, [*answer[:-2], EOS_ID])[0] < 1.0 or d == 0
         lengths.add(len(answer))
     assert min(lengths) == 2 and max(lengths) == 20 and task.max_new_tokens >= 20

@@ -8,7 +8,9 @@ engine and trainer step (``bench.learning.build_rig``):
 
 - every step the engine generates 16 groups at the current version; a group becomes
   ready ``max response tokens // --tokens-per-version`` versions later (generation time
-  in trainer steps), and waits in a queue until then;
+  in trainer steps; 6 tokens a version by default: with the window of 2, answers of 18
+  tokens or more, the right answers for 8 and 9 among them, arrive over the window), and
+  waits in a queue until then;
 - the trainer takes at most 16 ready groups a step, by arrival (first ready first) or by
   deadline (oldest version first, ``[trainer.batch] order = "deadline"``); a group over
   the window (``max_staleness``) is discarded (``over_window = "route"``) or trained with
@@ -99,7 +101,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--window", type=int, default=2)
-    parser.add_argument("--tokens-per-version", type=int, default=4)
+    parser.add_argument("--tokens-per-version", type=int, default=6)
     parser.add_argument("--jobs", type=int, default=2)
     args, _ = parser.parse_known_args()
     jobs = [
@@ -121,10 +123,13 @@ def main() -> None:
         trained = [x for r in mine for x in r.trained_lengths]
         share = len(discarded) / max(len(discarded) + len(trained), 1)
         mean_d = f"{statistics.fmean(discarded):.1f}" if discarded else "-"
-        stale = statistics.fmean(x for r in mine for x in r.trained_staleness)
-        final = statistics.fmean(statistics.fmean(r.rewards[-20:]) for r in mine)
+        lags = [x for r in mine for x in r.trained_staleness]
+        stale = statistics.fmean(lags) if lags else float("nan")
+        finals = [statistics.fmean(r.rewards[-20:]) for r in mine if r.rewards]
+        final = statistics.fmean(finals) if finals else float("nan")
         print(f"| {order} | {over} | {share:.1%} | {mean_d} | "
-              f"{statistics.fmean(trained):.1f} | {stale:.2f} | {final:.2f} |")  # fmt: skip
+              f"{statistics.fmean(trained) if trained else float('nan'):.1f} | {stale:.2f} | "
+              f"{final:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
