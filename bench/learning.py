@@ -251,6 +251,7 @@ def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> Cel
         rig.generate_at(version)
         groups: list[list[Trajectory]] = []
         generated = flat = 0
+        train = True
         while len(groups) < settings.prompts_per_step and generated < 4 * settings.prompts_per_step:
             batch = _generate_groups(
                 generator,
@@ -270,11 +271,14 @@ def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> Cel
             groups.extend(
                 g for g in batch if not chain or isinstance(apply_chain(chain, g).decision, Keep)
             )
-        groups = groups[: settings.prompts_per_step] or batch_fallback(batch)
-        rewards = [t.reward for g in groups for t in g]
-        result.zero_adv.append(sum(_flat(g) for g in groups) / len(groups))
+        groups = groups[: settings.prompts_per_step]
         result.generated.append(generated)
         result.generated_flat.append(flat)
+        if groups:
+            result.zero_adv.append(sum(_flat(g) for g in groups) / len(groups))
+        else:  # operators filtered every group generated: the stream would emit nothing
+            groups, train = batch, False
+        rewards = [t.reward for g in groups for t in g]
         records = [t for g in groups for t in g]
         records = [r for r in records if r.num_response_tokens > 0]
         if route.old_logits == "exact":
@@ -287,7 +291,7 @@ def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> Cel
         else:
             off = OldLogitsStatus.OFF.value
             records = [dataclasses.replace(r, old_logits_status=off) for r in records]
-        metrics = runner.train_step([records], step=step).metrics
+        metrics = runner.train_step([records], step=step).metrics if train else {}
         rig.record_version(step + 1, keep_from=step + 1 - staleness)
 
         tokens = np.concatenate([r.logp_infer for r in records])
@@ -391,12 +395,6 @@ class GeneratedStats:
             total += sum(t.reward for t in group)
             self.totals[key] = (n, passes, total)
             self.view.apply(PromptStats("bench", key, 0, n, passes, total, 0).to_json())
-
-
-def batch_fallback(batch: list[list[Any]]) -> list[list[Any]]:
-    """When every generated group was filtered, train the last batch anyway (as a stream
-    that let nothing through would stall the trainer): a step is never empty."""
-    return batch
 
 
 def _fp32_copy(state: dict[str, Any]) -> dict[str, Any]:
