@@ -24,3 +24,12 @@ def test_every_route_trains(route) -> None:
     assert len(cell.clip_frac) == 2
     assert all(0.0 <= m <= 1.0 for m in cell.mask_frac)
     assert "| 1 | " + route.name + " |" in table([cell], SHORT)
+
+
+def test_dynamic_sampling_cells_train_no_zero_advantage_group() -> None:
+    settings = Settings(
+        steps=3, prompts_per_step=4, group_size=4, operators=({"name": "zero_variance"},)
+    )
+    cell = run_cell(ROUTES[2], staleness=0, seed=3, settings=settings)
+    assert cell.zero_adv and all(share == 0.0 for share in cell.zero_adv)
+    assert all(g >= 4 for g in cell.generated) and len(cell.generated_flat) == 3
