@@ -255,6 +255,8 @@ def _print_sends(
                 f"{where} → stale {send.topic}: staleness {stale.staleness} > "
                 f"{stale.max_staleness} at trainer version {stale.trainer_version}"
             )
+        elif not send.value.startswith(b"RSTM"):  # prompts.stats: a JSON document
+            console.print(f"{where} → prompt statistics {send.topic}: {send.value.decode()}")
         elif FILTERED_HEADER in keys:
             note = FilteredGroup.from_headers(send.headers)
             console.print(
