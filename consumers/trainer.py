@@ -123,7 +123,6 @@ class Trainer:
         self.pending_ledger: list[tuple[int, list[str]]] = []
         self.last_checkpoint_step = 0
         self.pending_stale: list[StaleGroup] = []
-        self.over_window: set[str] = set()  # ids of this step's groups trained relaxed
         window = self.config.staleness.max_staleness or 0
         self.recent_producers: deque[set[str]] = deque(maxlen=window + 1)
         self.restored: TrainerState | None = None
@@ -288,10 +287,9 @@ class Trainer:
         gathered = self._gather(cfg.engine.grad_accum_steps)
         if gathered is None:
             return False
-        micro_batches, covered, stale = gathered
+        micro_batches, covered, stale, relaxed = gathered
         computed = time.perf_counter()
         version = self.step  # the weights being trained are version `step`
-        relaxed, self.over_window = self.over_window, set()
         result = self.runner.train_step(micro_batches, step=self.step, relaxed=relaxed)
         trained_at = time.perf_counter()
         self.step += 1
@@ -346,16 +344,20 @@ class Trainer:
 
     def _gather(
         self, count: int
-    ) -> tuple[list[list[Trajectory]], dict[TopicPartition, int], list[StaleGroup]] | None:
+    ) -> (
+        tuple[list[list[Trajectory]], dict[TopicPartition, int], list[StaleGroup], set[str]] | None
+    ):
         """``count`` non-empty micro-batches, the offsets they (and any empty ones between
-        them) cover, and the groups set aside as too stale to train at version ``step``;
-        None if a stop was requested first (nothing is set aside then: the offsets do not
-        move, and the same records are judged again)."""
+        them) cover, the groups set aside as too stale to train at version ``step``, and
+        the ids of records over the window trained with the relaxed clip
+        (``over_window = "relaxed_clip"``); None if a stop was requested first (nothing is
+        set aside then: the offsets do not move, and the same records are judged again)."""
         window = self.config.staleness.max_staleness
         limit = self.config.staleness.route_limit()
         batches: list[list[Trajectory]] = []
         covered: dict[TopicPartition, int] = {}
         stale: list[StaleGroup] = []
+        relaxed: set[str] = set()
         while len(batches) < count:
             micro = self.source.next_micro_batch(self.stop_event)
             if micro is None:
@@ -370,12 +372,12 @@ class Trainer:
                         continue
                     fresh.append(group)
                     if window is not None and lag > window:  # over_window = relaxed_clip
-                        self.over_window.update(t.trajectory_id for t in group.trajectories)
+                        relaxed.update(t.trajectory_id for t in group.trajectories)
                 micro.groups = fresh
             kept, _dropped = self.runner.select(micro.trajectories)
             if kept:  # a micro-batch left empty (route=drop, stale) only advances the offsets
                 batches.append(micro.trajectories)
-        return batches, covered, stale
+        return batches, covered, stale, relaxed
 
     # --- checkpoints --------------------------------------------------------------------
 

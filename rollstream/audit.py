@@ -197,6 +197,10 @@ class TopicView:
     records: int = 0
     unidentified: int = 0  # records of unknown run whose ids could not be read
 
+    def reason_counts(self) -> Counter[str]:
+        """How many ids each reason (DLQ reason, operator:reason) holds."""
+        return Counter(self.reasons.get(tid, "?") for tid in self.ids)
+
 
 def read_ids(
     client_config: Mapping[str, str],
@@ -385,7 +389,7 @@ class AuditReport:
         return {tid for tid in waiting if progress.in_trainer(positions[tid])}
 
     def dlq_reasons(self) -> Counter[str]:
-        return Counter(self.dlq.reasons.get(tid, "?") for tid in self.dlq.ids)
+        return self.dlq.reason_counts()
 
     def problems(self) -> list[str]:
         """Violations of exactly-once accounting; empty when the run reconciles."""
@@ -425,9 +429,7 @@ class AuditReport:
             "dlq_of_delivered": len(dlq & self.delivered),
             "dlq_reasons": dict(self.dlq_reasons()),
             "filtered": len(self.filtered.ids),
-            "filtered_reasons": dict(
-                Counter(self.filtered.reasons.get(t, "?") for t in self.filtered.ids)
-            ),
+            "filtered_reasons": dict(self.filtered.reason_counts()),
             "missing": len(self.missing),
             "trained_twice": len(self.trained_twice),
             "unproduced": len(self.unproduced),

@@ -526,18 +526,16 @@ class Processor:
         filtered = [(op, "removed", t) for op, t in chain.removed]
         if isinstance(chain.decision, Drop):
             dropped_by = chain.dropped_by or "?"
-            kept_before = {t.trajectory_id for _, t in chain.removed}
+            taken_out = {t.trajectory_id for _, t in chain.removed}
             filtered += [
                 (dropped_by, chain.decision.reason, t)
                 for t in ordered
-                if t.trajectory_id not in kept_before
+                if t.trajectory_id not in taken_out
             ]
-        for operator, reason, traj in filtered:
-            value = raw.get(traj.trajectory_id)
-            if value is None:  # an operator can only take out samples of the group
-                raise OperatorError(operator, f"unknown sample {traj.trajectory_id}")
+        for operator, reason, traj in filtered:  # apply_chain: only samples of the group
             note = FilteredGroup(state.group_id, operator, reason)
             headers = (*routing_headers(traj), note.header())
+            value = raw[traj.trajectory_id]
             sends.append(Send(self.topics.filtered, state.group_id.encode(), value, headers))
         if isinstance(chain.decision, Keep):
             group = build_scored_group(

@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import random
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ from support.streams import (
     keyed,
     produce,
     stream_topics,
-    synthetic,
+    synthetic_group,
     worker_config,
 )
 from test_streams_logic import Harness
@@ -40,20 +39,9 @@ OPEN = [1, 8, 9, 10, 3]
 
 
 def group(name: str, prompt: list[int], rewards: list[float], run: str = RUN) -> list:
-    return [
-        dataclasses.replace(
-            synthetic(
-                run_id=run,
-                group_id=name,
-                group_size=len(rewards),
-                sample_index=i,
-                reward=r,
-                seed=zlib.crc32(name.encode()) + i,
-            ),
-            prompt_ids=np.asarray(prompt, dtype=np.int32),
-        )
-        for i, r in enumerate(rewards)
-    ]
+    """A group whose samples all answer ``prompt``, as a producer's do."""
+    ids = np.asarray(prompt, dtype=np.int32)
+    return [dataclasses.replace(t, prompt_ids=ids) for t in synthetic_group(run, name, rewards)]
 
 
 # --- the stream's side ------------------------------------------------------------------

@@ -6,7 +6,6 @@ with their original bytes and reasons; the others are scored; nothing is lost or
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from collections import Counter
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from support.streams import (
     produce,
     read_topic,
     stream_topics,
-    synthetic,
+    synthetic_group,
     worker_config,
 )
 
@@ -33,17 +32,7 @@ RUN = "run-operators"
 
 
 def group(name: str, rewards: list[float]) -> list:
-    return [
-        synthetic(
-            run_id=RUN,
-            group_id=name,
-            group_size=len(rewards),
-            sample_index=i,
-            reward=r,
-            seed=zlib.crc32(name.encode()) + i,
-        )
-        for i, r in enumerate(rewards)
-    ]
+    return synthetic_group(RUN, name, rewards)
 
 
 def test_a_chain_of_operators_in_the_worker(

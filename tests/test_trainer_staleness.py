@@ -50,6 +50,16 @@ def settings_for(tmp: Path, topics: dict[str, str], kafka: KafkaConfig, **extra:
     return TrainerSettings(run_id=RUN, kafka=kafka.client_config(), trainer=config)
 
 
+def topics_with_stale(kafka: KafkaConfig, unique_name: Callable[[str], str]) -> dict[str, str]:
+    """The trainer's topics plus a stale topic of its own."""
+    topics = make_topics(kafka, unique_name)
+    topics["stale"] = unique_name("rollouts.stale")
+    ensure_topics(
+        kafka.client_config(), [dataclasses.replace(ROLLOUTS_STALE, name=topics["stale"])]
+    )
+    return topics
+
+
 def s3_table(s3: S3Config) -> dict:
     secret = s3.secret_access_key.get_secret_value() if s3.secret_access_key else None
     table = {
@@ -71,11 +81,7 @@ def metrics_lines(tmp: Path) -> list[dict]:
 def test_groups_too_stale_by_training_time_are_routed_not_trained(
     kafka_config: KafkaConfig, unique_name: Callable[[str], str], tmp_path: Path
 ) -> None:
-    topics = make_topics(kafka_config, unique_name)
-    topics["stale"] = unique_name("rollouts.stale")
-    ensure_topics(
-        kafka_config.client_config(), [dataclasses.replace(ROLLOUTS_STALE, name=topics["stale"])]
-    )
+    topics = topics_with_stale(kafka_config, unique_name)
     # run 1: three steps on fresh version-0 groups (2 groups a step)
     first = synthetic_groups(6, seed=31, run_id=RUN, version=0)
     produce(kafka_config, topics["scored"], group_records(first))
@@ -142,11 +148,7 @@ def test_stale_groups_of_a_checkpoint_cut_short_by_kill_9_are_routed_once_after_
     unique_name: Callable[[str], str],
     tmp_path: Path,
 ) -> None:
-    topics = make_topics(kafka_config, unique_name)
-    topics["stale"] = unique_name("rollouts.stale")
-    ensure_topics(
-        kafka_config.client_config(), [dataclasses.replace(ROLLOUTS_STALE, name=topics["stale"])]
-    )
+    topics = topics_with_stale(kafka_config, unique_name)
     one_a_step = {
         "batch": {"max_groups": 1, "max_wait_s": 30.0},
         "checkpoint": {"dir": str(tmp_path / "ckpt"), "every": 1},
@@ -218,11 +220,7 @@ def test_stale_groups_of_a_checkpoint_cut_short_by_kill_9_are_routed_once_after_
 def test_over_window_groups_train_with_the_relaxed_clip_up_to_the_hard_limit(
     kafka_config: KafkaConfig, unique_name: Callable[[str], str], tmp_path: Path
 ) -> None:
-    topics = make_topics(kafka_config, unique_name)
-    topics["stale"] = unique_name("rollouts.stale")
-    ensure_topics(
-        kafka_config.client_config(), [dataclasses.replace(ROLLOUTS_STALE, name=topics["stale"])]
-    )
+    topics = topics_with_stale(kafka_config, unique_name)
     staleness = {"max_staleness": 1, "over_window": "relaxed_clip", "relaxed_max_staleness": 3}
 
     def settings(**extra: object) -> TrainerSettings:

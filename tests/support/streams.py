@@ -141,6 +141,24 @@ def synthetic(
 REPO_ROOT = Path(__file__).resolve().parents[2]  # tests/support/streams.py -> the repository
 
 
+def synthetic_group(run_id: str, group_id: str, rewards: Sequence[float]) -> list[Trajectory]:
+    """One group of ``len(rewards)`` valid records, sample ``i`` with reward ``rewards[i]``;
+    the same group id gives the same records."""
+    import zlib
+
+    return [
+        synthetic(
+            run_id=run_id,
+            group_id=group_id,
+            group_size=len(rewards),
+            sample_index=i,
+            reward=r,
+            seed=zlib.crc32(group_id.encode()) + i,
+        )
+        for i, r in enumerate(rewards)
+    ]
+
+
 class WorkerProcess:
     """A stream worker in a subprocess: ``rollstream stream --no-supervisor`` (or,
     supervised, ``rollstream stream``) with a TOML config written to ``workdir``; its output goes to
