@@ -56,12 +56,23 @@ from consumers.train_engine import TrainEngine, barrier, rank
 log = logging.getLogger(__name__)
 
 LATEST_NAME = "LATEST"
-_TAG = re.compile(r"step(\d{9})")
+_TAG = re.compile(r"step(\d{9})(?:-(\d+))?")
 _CLIENT_KEY = "rollstream"
 
 
-def tag_for(step: int) -> str:
-    return f"step{step:09d}"
+def tag_for(step: int, revision: int = 0) -> str:
+    """``step000000042``; a later checkpoint of the same step (records set aside at a
+    stop, with no step trained since) is ``step000000042-1``: the durable one is never
+    overwritten."""
+    return f"step{step:09d}" + (f"-{revision}" if revision else "")
+
+
+def tag_order(tag: str) -> tuple[int, int] | None:
+    """``(step, revision)`` of a checkpoint directory name; None for anything else."""
+    match = _TAG.fullmatch(tag)
+    if match is None:
+        return None
+    return int(match.group(1)), int(match.group(2) or 0)
 
 
 @dataclass
@@ -151,6 +162,10 @@ class CheckpointManager:
     def save(self, engine: TrainEngine, state: TrainerState) -> str:
         """Write a checkpoint of ``engine`` + ``state`` and mark it LATEST once durable."""
         tag = tag_for(state.step)
+        latest = self.latest()
+        if latest is not None and latest[1] == state.step:
+            _step, revision = tag_order(latest[0]) or (state.step, 0)
+            tag = tag_for(state.step, revision + 1)
         target = self.dir / tag
         if rank() == 0 and target.exists():  # a torn attempt from before a crash
             shutil.rmtree(target)
@@ -186,14 +201,15 @@ class CheckpointManager:
     def _prune(self, keep_tag: str) -> None:
         """Keep the newest ``config.keep`` complete checkpoints up to LATEST; remove
         older ones and any torn directory newer than LATEST."""
-        keep_step = int(keep_tag[4:])
+        keep = tag_order(keep_tag)
+        assert keep is not None, keep_tag
         tags = sorted(
-            (int(m.group(1)), p)
+            (order, p)
             for p in self.dir.iterdir()
-            if p.is_dir() and (m := _TAG.fullmatch(p.name))
+            if p.is_dir() and (order := tag_order(p.name)) is not None
         )
-        complete = [(s, p) for s, p in tags if s <= keep_step]
-        doomed = [p for s, p in tags if s > keep_step]
+        complete = [(s, p) for s, p in tags if s <= keep]
+        doomed = [p for s, p in tags if s > keep]
         doomed += [p for _, p in complete[: max(0, len(complete) - self.config.keep)]]
         for path in doomed:
             shutil.rmtree(path, ignore_errors=True)

@@ -123,6 +123,7 @@ class Trainer:
         self.pending_ledger: list[tuple[int, list[str]]] = []
         self.last_checkpoint_step = 0
         self.pending_stale: list[StaleGroup] = []
+        self.set_aside = False  # offsets moved past records set aside, not checkpointed yet
         window = self.config.staleness.max_staleness or 0
         self.recent_producers: deque[set[str]] = deque(maxlen=window + 1)
         self.restored: TrainerState | None = None
@@ -361,6 +362,8 @@ class Trainer:
         while len(batches) < count:
             micro = self.source.next_micro_batch(self.stop_event)
             if micro is None:
+                if not batches:
+                    self._set_aside(covered, stale)
                 return None
             covered = merge_offsets(covered, micro.next_offsets)
             if limit is not None:
@@ -378,6 +381,19 @@ class Trainer:
             if kept:  # a micro-batch left empty (route=drop, stale) only advances the offsets
                 batches.append(micro.trajectories)
         return batches, covered, stale, relaxed
+
+    def _set_aside(self, covered: dict[TopicPartition, int], stale: list[StaleGroup]) -> None:
+        """At a stop, keep what was consumed without anything to train (groups over the
+        window, or nothing kept): the final checkpoint routes those groups and moves the
+        offsets past them, so a finished run leaves nothing in flight in the trainer.
+        Their step is the next one, so a crash before that checkpoint's routing routes
+        them again on restart."""
+        if not covered and not stale:
+            return
+        self.offsets = merge_offsets(self.offsets, covered)
+        self.pending_stale.extend(stale)
+        self.summary.stale_groups += len(stale)
+        self.set_aside = True
 
     # --- checkpoints --------------------------------------------------------------------
 
@@ -401,6 +417,7 @@ class Trainer:
             self.ledger.append(self.pending_ledger, self.pending_stale)
         self.pending_ledger = []
         self.pending_stale = []
+        self.set_aside = False
         self.last_checkpoint_step = self.step
         self.summary.checkpoints += 1
         self.source.commit(self.offsets)
@@ -409,7 +426,7 @@ class Trainer:
         return seconds
 
     def _checkpoint_if_behind(self) -> None:
-        if self.step > self.last_checkpoint_step:
+        if self.step > self.last_checkpoint_step or self.set_aside:
             self._checkpoint()
 
     def _close(self) -> None:

@@ -71,8 +71,15 @@ def _config(tmp_path: Path) -> tuple[RollstreamConfig, Ports]:
     return build_config(base, up, RUN, run_dir, ports), ports
 
 
-def _wait(what: str, done: Callable[[], bool], timeout_s: float, roles: list[RoleProcess]) -> None:
-    """Poll ``done``; fail at once, with its log tail, if one of ``roles`` exits meanwhile."""
+def _wait(
+    what: str,
+    done: Callable[[], bool],
+    timeout_s: float,
+    roles: list[RoleProcess],
+    describe: Callable[[], str] = str,
+) -> None:
+    """Poll ``done``; fail at once, with its log tail, if one of ``roles`` exits meanwhile;
+    on a timeout, say what ``describe`` says about the state."""
     deadline = time.monotonic() + timeout_s
     while not done():
         for role in roles:
@@ -82,7 +89,7 @@ def _wait(what: str, done: Callable[[], bool], timeout_s: float, roles: list[Rol
                     f"{_tail(role)}"
                 )
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}")
+            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{describe()}")
         time.sleep(0.5)
 
 
@@ -201,12 +208,19 @@ def test_kill_every_role_and_restart_broker_then_reconcile(
         assert producer.returncode() == 0, _tail(producer)
         run.events.append(f"producer delivered {GROUPS} groups at trainer step {run.last_step()}")
         sources = AuditSources.from_config(config)
+        last: list[AuditReport] = []
 
         def streamed() -> bool:
-            report = audit(sources, timeout_s=30)
-            return bool(report.raw and report.raw.ids) and not report.unprocessed
+            last[:] = [audit(sources, timeout_s=30)]
+            return bool(last[0].raw and last[0].raw.ids) and not last[0].unprocessed
 
-        _wait("the stream to process every raw record", streamed, 150, others)
+        def stream_state() -> str:
+            if not last:
+                return ""
+            waiting = sorted(last[0].unprocessed)[:8]
+            return f"{last[0].counts()}\nunprocessed: {waiting}\n{_tail(run.role('streams'))}"
+
+        _wait("the stream to process every raw record", streamed, 150, others, stream_state)
         idle_since = [time.monotonic(), run.steps()]
 
         def trainer_idle() -> bool:

@@ -16,6 +16,7 @@ from consumers.checkpoint import (
     TrainerState,
     TrainingLedger,
     tag_for,
+    tag_order,
 )
 from consumers.config import TrainerConfig
 from consumers.step import StepRunner
@@ -95,6 +96,24 @@ def test_a_torn_checkpoint_is_never_latest_and_gets_removed(tmp_path: Path) -> N
     state = manager.load(engine)
     assert state is not None and state.step == 4
     assert not torn.exists()
+
+
+def test_a_second_checkpoint_of_the_same_step_never_overwrites_the_first(tmp_path: Path) -> None:
+    config = TrainerConfig.model_validate(
+        {"engine": {"lr": 1e-3}, "checkpoint": {"dir": str(tmp_path), "keep": 2}}
+    )
+    engine, _runner = build(config)
+    manager = CheckpointManager(config.checkpoint)
+    manager.save(engine, TrainerState(step=4, offsets={("scored", 0): 10}))
+    # records set aside at a stop: the same step, offsets further on
+    tag = manager.save(engine, TrainerState(step=4, offsets={("scored", 0): 13}))
+    assert tag == tag_for(4, 1) == "step000000004-1"
+    assert (tmp_path / tag_for(4)).exists()  # the durable one stays until the new is LATEST
+    assert manager.save(engine, TrainerState(step=4)) == tag_for(4, 2)
+    manager.save(engine, TrainerState(step=5, offsets={("scored", 0): 20}))
+    kept = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert kept == [tag_for(4, 2), tag_for(5)]  # keep = 2, ordered by (step, revision)
+    assert tag_order("step000000004-2") == (4, 2) and tag_order("step4") is None
 
 
 def test_client_state_without_trainer_state_is_refused() -> None:

@@ -142,6 +142,48 @@ def test_groups_too_stale_by_training_time_are_routed_not_trained(
 
 
 @pytest.mark.slow
+def test_stale_groups_with_nothing_left_to_train_are_routed_when_the_trainer_stops(
+    kafka_config: KafkaConfig, unique_name: Callable[[str], str], tmp_path: Path
+) -> None:
+    topics = topics_with_stale(kafka_config, unique_name)
+    first = synthetic_groups(6, seed=51, run_id=RUN, version=0)
+    produce(kafka_config, topics["scored"], group_records(first))
+    assert Trainer(settings_for(tmp_path, topics, kafka_config, max_steps=3)).run().step == 3
+
+    # the end of a run: only groups over the window arrive, so no step is ever gathered
+    late = synthetic_groups(4, seed=52, run_id=RUN, version=0)  # two full micro-batches
+    produce(kafka_config, topics["scored"], group_records(late))
+    trainer = Trainer(settings_for(tmp_path, topics, kafka_config))
+    thread = threading.Thread(target=trainer.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        source = getattr(trainer, "source", None)
+        if source is not None and sum(source.positions.values()) >= 10:
+            break  # all ten groups read (six trained before, four late)
+        time.sleep(0.2)
+    time.sleep(1.0)  # the last micro-batch closes and is judged
+    trainer.request_stop()
+    thread.join(60)
+    assert not thread.is_alive()
+    assert trainer.step == 3 and trainer.summary.stale_groups == 4, trainer.summary
+
+    # routed, and the offsets moved past them in a new checkpoint of the same step that
+    # never overwrote the durable one
+    records = read_all(kafka_config, topics["stale"], expected=4)
+    routed = [s.trajectory_id for m in records for s in decode_group(m.value()).samples]
+    assert sorted(routed) == sorted(ids_of(late))
+    ends, committed = end_and_committed(
+        kafka_config, topics["scored"], f"trainer-{topics['scored']}"
+    )
+    assert committed == ends
+    manager = CheckpointManager(trainer.config.checkpoint)
+    assert manager.latest() == ("step000000003-1", 3)
+    trained = [i for _, ids in TrainingLedger.read(tmp_path / "ledger.jsonl") for i in ids]
+    assert sorted(trained) == sorted(ids_of(first))
+
+
+@pytest.mark.slow
 def test_stale_groups_of_a_checkpoint_cut_short_by_kill_9_are_routed_once_after_restart(
     kafka_config: KafkaConfig,
     s3_config: S3Config,
