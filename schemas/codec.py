@@ -4,24 +4,33 @@ Why not JSON: a record is mostly token ids and log-probs; raw little-endian arra
 several times faster to write and read than JSON number lists and barely larger than the
 arrays themselves (``python -m bench.codec`` measures both).
 
-Layout of schema version 1 (all integers little-endian)::
+Layout of schema version 2 (all integers little-endian)::
 
     preamble  magic b"RSTM" | schema version u8 | record kind u8 | flags u16
     header    total length u32 (whole record, checksum included)
               group_size i32 | sample_index i32
-              element counts u32 x6: prompt_ids, response_ids, logp_infer, logp_old,
-                                     segment_versions, segment_lengths
+              element counts u32 x8: prompt_ids, response_ids, logp_infer, logp_old,
+                                     segment_versions, segment_lengths,
+                                     turn_lengths, turn_kinds
               created_at_ms i64 | finished_at_ms i64 | reward f64 | advantage f64
-              UTF-8 byte lengths u16 x8: run_id, trajectory_id, group_id, producer_id,
-                                         region, task, finish_reason, old_logits_status
-              reward_details byte length u32           (96 bytes in all)
+              UTF-8 byte lengths u16 x9: run_id, trajectory_id, group_id, producer_id,
+                                         region, task, finish_reason, old_logits_status,
+                                         episode_end
+              2 zero bytes | reward_details byte length u32 | tool_calls i32
+                                                       (112 bytes in all)
     arrays    segment_versions i64 | segment_lengths i32 | prompt_ids i32 |
-              response_ids i32 | logp_infer f32 | logp_old f32 (only if flag 1)
-    strings   the eight strings in header order, then reward_details as orjson bytes
+              response_ids i32 | logp_infer f32 | logp_old f32 (only if flag 1) |
+              turn_lengths i32 | turn_kinds u8 (both only if flag 4)
+    strings   the nine strings in header order, then reward_details as orjson bytes
     checksum  low 32 bits of XXH3-64 of every byte before it, u32
 
-Flags: bit 0 ``logp_old`` present, bit 1 ``advantage`` present. The 96-byte header keeps
-the int64 array 8-byte aligned. The preamble is checked before the checksum, so a reader
+Flags: bit 0 ``logp_old`` present, bit 1 ``advantage`` present, bit 2 turns present (a
+multi-turn record; without it the record is a single policy turn). The 112-byte header
+keeps the int64 array 8-byte aligned.
+
+Schema version 1 is version 2 without the turns: counts u32 x6, string lengths u16 x8, no
+padding or ``tool_calls`` (96-byte header). Version-1 bytes still decode, as single-turn
+records; only version 2 is written. The preamble is checked before the checksum, so a reader
 meeting a newer schema version or record kind says so instead of "checksum mismatch".
 
 The codec carries any record the dataclass can hold, including invalid ones (a
@@ -48,13 +57,15 @@ from schemas.trajectory import (
     SCHEMA_VERSION,
     SEGMENT_LENGTH_DTYPE,
     TOKEN_DTYPE,
+    TURN_KIND_DTYPE,
+    TURN_LENGTH_DTYPE,
     VERSION_DTYPE,
     Trajectory,
     wire_array,
 )
 
 MAGIC = b"RSTM"
-SUPPORTED_SCHEMA_VERSIONS: tuple[int, ...] = (SCHEMA_VERSION,)
+SUPPORTED_SCHEMA_VERSIONS: tuple[int, ...] = (1, SCHEMA_VERSION)
 MAX_RECORD_BYTES = 4 * 1024 * 1024
 """Default size limit for one encoded record (Kafka's own default limit is 1 MiB)."""
 
@@ -97,13 +108,18 @@ class DecodeError(ValueError):
 
 FLAG_LOGP_OLD = 1
 FLAG_ADVANTAGE = 2
-_KNOWN_FLAGS = FLAG_LOGP_OLD | FLAG_ADVANTAGE
+FLAG_TURNS = 4
+_KNOWN_FLAGS = FLAG_LOGP_OLD | FLAG_ADVANTAGE | FLAG_TURNS
+_KNOWN_FLAGS_V1 = FLAG_LOGP_OLD | FLAG_ADVANTAGE
 
 _PREFIX = MAGIC + bytes([SCHEMA_VERSION, RecordKind.TRAJECTORY])  # what decode() expects
-_HEADER = struct.Struct("<6sH I ii 6I qq dd 8H I")  # 96 bytes, a multiple of 8
+_PREFIX_V1 = MAGIC + bytes([1, RecordKind.TRAJECTORY])
+_HEADER = struct.Struct("<6sH I ii 8I qq dd 9H 2x I i")  # 112 bytes, a multiple of 8
+_HEADER_V1 = struct.Struct("<6sH I ii 6I qq dd 8H I")  # 96 bytes
 _CHECKSUM = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size
 _MIN_SIZE = HEADER_SIZE + _CHECKSUM.size
+_MIN_SIZE_V1 = _HEADER_V1.size + _CHECKSUM.size
 
 _STRING_FIELDS = (
     "run_id",
@@ -114,6 +130,7 @@ _STRING_FIELDS = (
     "task",
     "finish_reason",
     "old_logits_status",
+    "episode_end",
 )
 _MAX_STRING_BYTES = 0xFFFF
 
@@ -125,11 +142,23 @@ def _record_size(
     n_logp_old: int,
     n_versions: int,
     n_lengths: int,
+    n_turn_lengths: int,
+    n_turn_kinds: int,
     text_bytes: int,
+    header_size: int = HEADER_SIZE,
 ) -> int:
     """Bytes of a whole record: the one place that does the layout's arithmetic."""
-    four_byte_values = n_prompt + n_response + n_logp_infer + n_logp_old + n_lengths
-    return HEADER_SIZE + 8 * n_versions + 4 * four_byte_values + text_bytes + _CHECKSUM.size
+    four_byte_values = (
+        n_prompt + n_response + n_logp_infer + n_logp_old + n_lengths + n_turn_lengths
+    )
+    return (
+        header_size
+        + 8 * n_versions
+        + 4 * four_byte_values
+        + n_turn_kinds
+        + text_bytes
+        + _CHECKSUM.size
+    )
 
 
 def record_checksum(body: bytes | memoryview) -> int:
@@ -179,6 +208,13 @@ def _encode_parts(traj: Trajectory) -> tuple[int, list[bytes | np.ndarray]]:
         flags |= FLAG_LOGP_OLD
     if traj.advantage is not None:
         flags |= FLAG_ADVANTAGE
+    turn_lengths, turn_kinds = traj.turn_lengths, traj.turn_kinds
+    if (turn_lengths is None) != (turn_kinds is None):
+        raise ValueError("turn_lengths and turn_kinds must both be arrays or both None")
+    if turn_lengths is not None and turn_kinds is not None:
+        arrays.append(wire_array(turn_lengths, TURN_LENGTH_DTYPE, "turn_lengths"))
+        arrays.append(wire_array(turn_kinds, TURN_KIND_DTYPE, "turn_kinds"))
+        flags |= FLAG_TURNS
     try:
         strings = [  # the order of _STRING_FIELDS, spelled out: this runs for every record
             traj.run_id.encode(),
@@ -189,6 +225,7 @@ def _encode_parts(traj: Trajectory) -> tuple[int, list[bytes | np.ndarray]]:
             traj.task.encode(),
             traj.finish_reason.encode(),
             traj.old_logits_status.encode(),
+            traj.episode_end.encode(),
         ]
     except (AttributeError, UnicodeEncodeError) as exc:
         raise _string_problem(traj) or ValueError(f"string fields: {exc}") from exc
@@ -206,6 +243,8 @@ def _encode_parts(traj: Trajectory) -> tuple[int, list[bytes | np.ndarray]]:
         0 if traj.logp_old is None else len(traj.logp_old),
         len(traj.segment_versions),
         len(traj.segment_lengths),
+        0 if turn_lengths is None else len(turn_lengths),
+        0 if turn_kinds is None else len(turn_kinds),
     )
     string_lengths = list(map(len, strings))
     total = _record_size(*counts, sum(string_lengths) + len(details))
@@ -223,11 +262,13 @@ def _encode_parts(traj: Trajectory) -> tuple[int, list[bytes | np.ndarray]]:
             0.0 if traj.advantage is None else traj.advantage,
             *string_lengths,
             len(details),
+            traj.tool_calls,
         )
     except struct.error as exc:
         raise _string_problem(traj) or ValueError(
-            f"header field out of range or of the wrong type ({exc}): group_size and "
-            "sample_index are int32, timestamps int64, reward and advantage floats"
+            f"header field out of range or of the wrong type ({exc}): group_size, "
+            "sample_index and tool_calls are int32, timestamps int64, reward and advantage "
+            "floats"
         ) from exc
     return total, [header, *arrays, *strings, details]
 
@@ -261,28 +302,55 @@ def decode(
     if not isinstance(data, bytes):
         data = bytes(data)
     size = len(data)
-    if not data.startswith(_PREFIX) or not _MIN_SIZE <= size <= max_bytes:
+    if data.startswith(_PREFIX) and _MIN_SIZE <= size <= max_bytes:
+        (
+            _preamble,
+            flags,
+            total,
+            group_size,
+            sample_index,
+            *counts,
+            created_at_ms,
+            finished_at_ms,
+            reward,
+            advantage,
+            run_id_n,
+            trajectory_id_n,
+            group_id_n,
+            producer_id_n,
+            region_n,
+            task_n,
+            finish_n,
+            status_n,
+            episode_end_n,
+            n_details,
+            tool_calls,
+        ) = _HEADER.unpack_from(data)
+        string_lengths = [
+            run_id_n,
+            trajectory_id_n,
+            group_id_n,
+            producer_id_n,
+            region_n,
+            task_n,
+            finish_n,
+            status_n,
+            episode_end_n,
+        ]
+        header_size, known_flags = HEADER_SIZE, _KNOWN_FLAGS
+    elif data.startswith(_PREFIX_V1) and _MIN_SIZE_V1 <= size <= max_bytes:
+        fields = _HEADER_V1.unpack_from(data)
+        _preamble, flags, total, group_size, sample_index = fields[:5]
+        counts = list(fields[5:11])
+        created_at_ms, finished_at_ms, reward, advantage = fields[11:15]
+        string_lengths = list(fields[15:23])
+        n_details = fields[23]
+        counts += [0, 0]
+        string_lengths.append(0)
+        tool_calls = 0
+        header_size, known_flags = _HEADER_V1.size, _KNOWN_FLAGS_V1
+    else:
         _reject_framing(data, max_bytes)
-
-    (
-        _preamble,
-        flags,
-        total,
-        group_size,
-        sample_index,
-        n_prompt,
-        n_response,
-        n_logp_infer,
-        n_logp_old,
-        n_versions,
-        n_lengths,
-        created_at_ms,
-        finished_at_ms,
-        reward,
-        advantage,
-        *string_lengths,
-        n_details,
-    ) = _HEADER.unpack_from(data)
     if size < total:
         raise DecodeError(DecodeReason.TRUNCATED, f"expected {total} bytes, have {size}")
     if size > total:
@@ -298,26 +366,21 @@ def decode(
         )
 
     # The checksum only proves the writer wrote this; check the writer's arithmetic too.
-    if flags & ~_KNOWN_FLAGS:
-        raise DecodeError(DecodeReason.BAD_LAYOUT, f"unknown flag bits {flags & ~_KNOWN_FLAGS:#x}")
+    n_prompt, n_response, n_logp_infer, n_logp_old, n_versions, n_lengths, n_tl, n_tk = counts
+    if flags & ~known_flags:
+        raise DecodeError(DecodeReason.BAD_LAYOUT, f"unknown flag bits {flags & ~known_flags:#x}")
     if not flags & FLAG_LOGP_OLD and n_logp_old:
         raise DecodeError(DecodeReason.BAD_LAYOUT, f"{n_logp_old} logp_old values but no flag")
-    expected = _record_size(
-        n_prompt,
-        n_response,
-        n_logp_infer,
-        n_logp_old,
-        n_versions,
-        n_lengths,
-        sum(string_lengths) + n_details,
-    )
+    if not flags & FLAG_TURNS and (n_tl or n_tk):
+        raise DecodeError(DecodeReason.BAD_LAYOUT, f"{n_tl} + {n_tk} turn values but no flag")
+    expected = _record_size(*counts, sum(string_lengths) + n_details, header_size)
     if expected != total:
         raise DecodeError(
             DecodeReason.BAD_LAYOUT, f"header counts imply {expected} bytes, record has {total}"
         )
 
     # Zero-copy views; read-only because ``data`` is immutable bytes.
-    offset = HEADER_SIZE
+    offset = header_size
     segment_versions = np.frombuffer(data, VERSION_DTYPE, n_versions, offset)
     offset += 8 * n_versions
     segment_lengths = np.frombuffer(data, SEGMENT_LENGTH_DTYPE, n_lengths, offset)
@@ -332,6 +395,12 @@ def decode(
     if flags & FLAG_LOGP_OLD:
         logp_old = np.frombuffer(data, LOGPROB_DTYPE, n_logp_old, offset)
         offset += 4 * n_logp_old
+    turn_lengths = turn_kinds = None
+    if flags & FLAG_TURNS:
+        turn_lengths = np.frombuffer(data, TURN_LENGTH_DTYPE, n_tl, offset)
+        offset += 4 * n_tl
+        turn_kinds = np.frombuffer(data, TURN_KIND_DTYPE, n_tk, offset)
+        offset += n_tk
 
     strings: list[str] = []
     try:
@@ -341,7 +410,7 @@ def decode(
     except UnicodeDecodeError as exc:
         name = _STRING_FIELDS[len(strings)]
         raise DecodeError(DecodeReason.BAD_UTF8, f"{name} is not UTF-8 ({exc.reason})") from exc
-    run_id, trajectory_id, group_id, producer_id, region, task, finish, status = strings
+    run_id, trajectory_id, group_id, producer_id, region, task, finish, status, end = strings
     reward_details = _decode_details(data[offset : offset + n_details])
 
     # Positional, in field order: keyword arguments cost 30% of decode()'s own time.
@@ -367,6 +436,10 @@ def decode(
         logp_old,
         status,
         advantage if flags & FLAG_ADVANTAGE else None,
+        turn_lengths,
+        turn_kinds,
+        tool_calls,
+        end,
     )
 
 
@@ -395,7 +468,8 @@ def _reject_framing(data: bytes, max_bytes: int) -> NoReturn:
             f"record kind {data[5]}{name}; this reader decodes {int(RecordKind.TRAJECTORY)} "
             "(trajectory)",
         )
-    raise DecodeError(DecodeReason.TRUNCATED, f"expected at least {_MIN_SIZE} bytes, have {size}")
+    least = _MIN_SIZE_V1 if size > 4 and data[4] == 1 else _MIN_SIZE
+    raise DecodeError(DecodeReason.TRUNCATED, f"expected at least {least} bytes, have {size}")
 
 
 def _decode_details(raw: bytes) -> dict:
@@ -430,6 +504,10 @@ class RoutingHeaders:
     max_version: int
     producer_id: str
     region: str
+    #: turns and policy-generated response tokens; ``None`` from a writer older than
+    #: schema version 2, which did not send them
+    turns: int | None = None
+    policy_tokens: int | None = None
 
 
 _HEADER_KEYS = {
@@ -441,8 +519,11 @@ _HEADER_KEYS = {
     "max_version": "rs-max-version",
     "producer_id": "rs-producer-id",
     "region": "rs-region",
+    "turns": "rs-turns",
+    "policy_tokens": "rs-policy-tokens",
 }
-_INT_HEADERS = ("schema_version", "min_version", "max_version")
+_INT_HEADERS = ("schema_version", "min_version", "max_version", "turns", "policy_tokens")
+_OPTIONAL_HEADERS = ("turns", "policy_tokens")
 
 
 def routing_headers(traj: Trajectory) -> list[tuple[str, bytes]]:
@@ -456,6 +537,8 @@ def routing_headers(traj: Trajectory) -> list[tuple[str, bytes]]:
         "max_version": traj.max_version,
         "producer_id": traj.producer_id,
         "region": traj.region,
+        "turns": traj.num_turns,
+        "policy_tokens": traj.num_policy_tokens,
     }
     return [(key, str(values[name]).encode()) for name, key in _HEADER_KEYS.items()]
 
@@ -490,7 +573,8 @@ def header_disagreements(traj: Trajectory, headers: KafkaHeaders) -> list[str]:
 
 
 def parse_headers(headers: KafkaHeaders) -> RoutingHeaders:
-    """The routing headers of a message; other headers are ignored.
+    """The routing headers of a message; other headers are ignored. ``rs-turns`` and
+    ``rs-policy-tokens`` may be absent (a schema version 1 writer).
 
     Raises ``DecodeError`` (reason ``bad_headers``) naming the missing, duplicated or
     malformed header.
@@ -499,6 +583,8 @@ def parse_headers(headers: KafkaHeaders) -> RoutingHeaders:
     values: dict[str, int | str] = {}
     for name, key in _HEADER_KEYS.items():
         raw = found.get(key)
+        if raw is None and name in _OPTIONAL_HEADERS:
+            continue
         if raw is None:
             raise DecodeError(DecodeReason.BAD_HEADERS, f"header {key} is missing")
         try:

@@ -16,7 +16,14 @@ import numpy as np
 import orjson
 
 from schemas.codec import MAX_RECORD_BYTES, DecodeError, DecodeReason, decode, encoded_size
-from schemas.trajectory import ARRAY_DTYPES, FinishReason, OldLogitsStatus, Trajectory
+from schemas.trajectory import (
+    ARRAY_DTYPES,
+    EpisodeEnd,
+    FinishReason,
+    OldLogitsStatus,
+    Trajectory,
+    TurnKind,
+)
 
 
 class Reason(StrEnum):
@@ -34,6 +41,17 @@ class Reason(StrEnum):
     BAD_REWARD = "bad_reward"
     BAD_FIELD = "bad_field"
     DECODE_ERROR = "decode_error"  # detail starts with the codec's DecodeReason
+    # Multi-turn episodes.
+    TURN_MISMATCH = "turn_mismatch"  # turn_lengths/turn_kinds counts, or sum != response
+    EMPTY_TURN = "empty_turn"  # a turn of length <= 0
+    UNKNOWN_TURN_KIND = "unknown_turn_kind"
+    FIRST_TURN_NOT_POLICY = "first_turn_not_policy"
+    ADJACENT_SAME_KIND = "adjacent_same_kind"  # two policy (or env) turns in a row
+    SEGMENT_IN_ENV_TURN = "segment_in_env_turn"  # a version change inside an env turn
+    ENV_LOGPROB_NONZERO = "env_logprob_nonzero"  # logp_infer/logp_old != 0.0 at env tokens
+    BAD_TOOL_CALLS = "bad_tool_calls"
+    UNKNOWN_EPISODE_END = "unknown_episode_end"
+    EPISODE_END_MISMATCH = "episode_end_mismatch"  # multi-turn without a reason, or vice versa
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +93,8 @@ _ID_FIELDS = ("run_id", "trajectory_id", "group_id", "producer_id", "region", "t
 _FINISH_REASONS = frozenset(FinishReason)
 _STATUSES = frozenset(OldLogitsStatus)
 _STATUSES_WITH_LOGITS = frozenset({OldLogitsStatus.EXACT, OldLogitsStatus.APPROX})
+_EPISODE_ENDS = frozenset(EpisodeEnd)
+_TURN_ARRAYS = ("turn_lengths", "turn_kinds")
 
 
 def validate(traj: Trajectory, limits: ValidationLimits) -> list[Defect]:
@@ -86,6 +106,7 @@ def validate(traj: Trajectory, limits: ValidationLimits) -> list[Defect]:
     _check_tokens(arrays, limits, defects)
     _check_logprobs(arrays, limits, defects)
     _check_segments(arrays, limits, defects)
+    _check_turns(traj, arrays, defects)
     _check_size(traj, limits, defects)
     return defects
 
@@ -109,7 +130,7 @@ def _check_arrays(traj: Trajectory, defects: list[Defect]) -> dict[str, np.ndarr
     good: dict[str, np.ndarray] = {}
     for name, dtype in ARRAY_DTYPES.items():
         value = getattr(traj, name)
-        if value is None and name == "logp_old":
+        if value is None and (name == "logp_old" or name in _TURN_ARRAYS):
             continue
         if not isinstance(value, np.ndarray):
             problem = f"is a {type(value).__name__}"
@@ -337,6 +358,139 @@ def _check_segments(
             "segment_versions",
             f"segment_versions span [{low}, {high}], allowed {allowed}",
         )
+
+
+def _check_turns(traj: Trajectory, arrays: dict[str, np.ndarray], defects: list[Defect]) -> None:
+    """The multi-turn layout: alternating turns from a policy turn, covering the response,
+    with segment boundaries only at policy tokens and 0.0 log-probs at env tokens."""
+    tool_calls, end = traj.tool_calls, traj.episode_end
+    if not _is_int(tool_calls) or not 0 <= tool_calls <= _INT32_MAX:
+        _add(
+            defects,
+            Reason.BAD_TOOL_CALLS,
+            "tool_calls",
+            f"tool_calls must be in [0, {_INT32_MAX}], got {tool_calls!r}",
+        )
+    if not isinstance(end, str) or end not in _EPISODE_ENDS:
+        _add(
+            defects,
+            Reason.UNKNOWN_EPISODE_END,
+            "episode_end",
+            f"episode_end {end!r} is not one of {sorted(_EPISODE_ENDS)}",
+        )
+    if (traj.turn_lengths is None) != (traj.turn_kinds is None):
+        _add(
+            defects,
+            Reason.TURN_MISMATCH,
+            "turn_kinds",
+            "turn_lengths and turn_kinds must both be arrays or both None",
+        )
+        return
+    if traj.turn_lengths is None:  # the canonical single policy turn
+        if _is_int(tool_calls) and tool_calls > 0:
+            _add(
+                defects,
+                Reason.EPISODE_END_MISMATCH,
+                "tool_calls",
+                f"tool_calls = {tool_calls} on a single-turn record (no environment turn)",
+            )
+        return
+    lengths_array, kinds_array = arrays.get("turn_lengths"), arrays.get("turn_kinds")
+    if lengths_array is None or kinds_array is None:
+        return  # a wrong dtype, reported by _check_arrays
+    lengths, kinds = lengths_array.tolist(), kinds_array.tolist()
+    if len(lengths) != len(kinds):
+        _add(
+            defects,
+            Reason.TURN_MISMATCH,
+            "turn_kinds",
+            f"{len(lengths)} turn_lengths but {len(kinds)} turn_kinds",
+        )
+        return
+    response = arrays.get("response_ids")
+    if response is not None and sum(lengths) != len(response):
+        _add(
+            defects,
+            Reason.TURN_MISMATCH,
+            "turn_lengths",
+            f"turn_lengths sum to {sum(lengths)}, response_ids has {len(response)} tokens",
+        )
+    short = [i for i, length in enumerate(lengths) if length <= 0]
+    if short:
+        _add(
+            defects,
+            Reason.EMPTY_TURN,
+            "turn_lengths",
+            f"turn_lengths[{short[0]}] = {lengths[short[0]]}, turns must be at least 1 token",
+        )
+    known = {int(kind) for kind in TurnKind}
+    unknown = [i for i, kind in enumerate(kinds) if kind not in known]
+    if unknown:
+        _add(
+            defects,
+            Reason.UNKNOWN_TURN_KIND,
+            "turn_kinds",
+            f"turn_kinds[{unknown[0]}] = {kinds[unknown[0]]}, expected one of "
+            f"{sorted(known)} (POLICY, ENV)",
+        )
+        return
+    if kinds and kinds[0] != TurnKind.POLICY:
+        _add(
+            defects,
+            Reason.FIRST_TURN_NOT_POLICY,
+            "turn_kinds",
+            "turn_kinds[0] is ENV: an episode starts with a policy turn",
+        )
+    repeats = [i for i in range(1, len(kinds)) if kinds[i] == kinds[i - 1]]
+    if repeats:
+        i = repeats[0]
+        _add(
+            defects,
+            Reason.ADJACENT_SAME_KIND,
+            "turn_kinds",
+            f"turn_kinds[{i - 1}] and turn_kinds[{i}] are both {TurnKind(kinds[i]).name}: "
+            "turns alternate",
+        )
+    if len(kinds) > 1 and end == EpisodeEnd.NONE:
+        _add(
+            defects,
+            Reason.EPISODE_END_MISMATCH,
+            "episode_end",
+            f"a record of {len(kinds)} turns needs an episode_end",
+        )
+    if short or response is None or sum(lengths) != len(response):
+        return  # positions are meaningless without a layout that covers the response
+    env = np.repeat(kinds_array != TurnKind.POLICY, lengths_array)
+    if not env.any():
+        return
+    for name in ("logp_infer", "logp_old"):
+        values = arrays.get(name)
+        if values is None or len(values) != len(env):
+            continue
+        # Bitwise: -0.0 or a NaN is not the 0.0 the format promises at env positions.
+        bad = np.flatnonzero(env & (values.view(np.uint32) != 0))
+        if bad.size:
+            _add(
+                defects,
+                Reason.ENV_LOGPROB_NONZERO,
+                name,
+                f"{name}[{bad[0]}] = {values[bad[0]]} at an environment token, expected 0.0 "
+                f"({bad.size} such tokens)",
+            )
+    seg_lengths = arrays.get("segment_lengths")
+    if seg_lengths is not None and len(seg_lengths) > 1 and (seg_lengths > 0).all():
+        starts = np.cumsum(seg_lengths)[:-1]
+        inside = starts[(starts < len(env))]
+        bad_starts = inside[env[inside]]
+        if bad_starts.size:
+            _add(
+                defects,
+                Reason.SEGMENT_IN_ENV_TURN,
+                "segment_lengths",
+                f"segment_lengths start a segment at response token {bad_starts[0]}, inside an "
+                "environment turn: an env turn belongs to the segment of the policy token "
+                "before it",
+            )
 
 
 def _check_size(traj: Trajectory, limits: ValidationLimits, defects: list[Defect]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import struct
+from pathlib import Path
 
 import numpy as np
 import orjson
@@ -24,6 +25,7 @@ from schemas.codec import (
     decode,
     encode,
     encoded_size,
+    header_disagreements,
     headers_to_dict,
     parse_headers,
     record_checksum,
@@ -35,7 +37,9 @@ from schemas.control import (
     StaleRecord,
     VersionAnnouncement,
 )
-from schemas.trajectory import NO_VERSION, Trajectory
+from schemas.trajectory import NO_VERSION, EpisodeEnd, Trajectory, TurnKind
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 # Bit patterns the codec must carry untouched: quiet/signalling NaNs with payloads, both
 # infinities, both zeros, the smallest subnormal, the largest finite value.
@@ -107,6 +111,11 @@ def trajectories(draw: st.DrawFn) -> Trajectory:
     logp_old = None
     if draw(st.booleans()):
         logp_old = random_float32(rng, draw(st.sampled_from([n_response, 0, 3])))
+    turn_lengths = turn_kinds = None
+    if draw(st.booleans()):  # a multi-turn layout, well-formed or not
+        n_turns = draw(st.integers(0, 12))
+        turn_lengths = rng.integers(-5, 300, n_turns, dtype=np.int32)
+        turn_kinds = rng.integers(0, 256, draw(st.sampled_from([n_turns, 0, 2])), dtype=np.uint8)
     return Trajectory(
         run_id=draw(text),
         trajectory_id=draw(text),
@@ -129,6 +138,10 @@ def trajectories(draw: st.DrawFn) -> Trajectory:
         logp_old=logp_old,
         old_logits_status=draw(st.sampled_from(["missing", "exact", "approx", "off"]) | text),
         advantage=draw(st.none() | st.floats()),
+        turn_lengths=turn_lengths,
+        turn_kinds=turn_kinds,
+        tool_calls=draw(int32),
+        episode_end=draw(st.sampled_from(["", "done", "max_turns", "tool_timeout"]) | text),
     )
 
 
@@ -289,7 +302,7 @@ def test_unknown_schema_version_says_which() -> None:
     error = decode_error(bytes(data))
     assert error.reason == DecodeReason.UNKNOWN_SCHEMA_VERSION
     assert "schema version 9" in str(error)
-    assert "[1]" in str(error)
+    assert "[1, 2]" in str(error)
 
 
 @pytest.mark.parametrize(("kind", "named"), [(2, "scored_group"), (77, "77")])
@@ -424,7 +437,7 @@ def test_routing_headers_round_trip() -> None:
     assert all(isinstance(k, str) and isinstance(v, bytes) for k, v in headers)
     parsed = parse_headers([("traceparent", b"00-abc"), *headers])  # foreign headers ignored
     assert parsed == RoutingHeaders(
-        schema_version=1,
+        schema_version=2,
         run_id="run-7",
         group_id="group-0001",
         trajectory_id="traj-0001",
@@ -432,6 +445,8 @@ def test_routing_headers_round_trip() -> None:
         max_version=42,
         producer_id="gen-a-0",
         region="region-a",
+        turns=1,
+        policy_tokens=512,
     )
     assert parse_headers(dict(headers)) == parsed  # Faust hands over a mapping
 
@@ -567,3 +582,103 @@ def test_stale_records_say_which_stage_filtered_them() -> None:
     assert StaleRecord.from_headers([trainer.header()]) == trainer
     with pytest.raises(ValueError, match="stage"):
         dataclasses.replace(stream, stage="elsewhere")
+
+
+# --- schema version 2: multi-turn episodes -----------------------------------------------
+
+
+def multi_turn_record(**changes: object) -> Trajectory:
+    """Policy 5, env 3, policy 4 tokens: the producer's call, spelled as producers spell it."""
+    logp = np.array([-0.5] * 5 + [0.0] * 3 + [-0.25] * 4, np.float32)
+    record = Trajectory.create(
+        **{
+            **{f.name: getattr(realistic_record(), f.name) for f in dataclasses.fields(Trajectory)},
+            "response_ids": np.arange(100, 112),
+            "logp_infer": logp,
+            "segment_versions": [41, 42],
+            "segment_lengths": [8, 4],
+            "turn_lengths": [5, 3, 4],
+            "turn_kinds": [TurnKind.POLICY, TurnKind.ENV, TurnKind.POLICY],
+            "tool_calls": 1,
+            "episode_end": "done",
+        }
+    )
+    return dataclasses.replace(record, **changes)
+
+
+def test_multi_turn_record_properties_and_round_trip() -> None:
+    record = multi_turn_record()
+    assert record.turn_lengths.dtype == np.int32 and record.turn_kinds.dtype == np.uint8
+    assert record.num_turns == 3 and record.num_policy_turns == 2 and record.is_multi_turn
+    assert record.num_policy_tokens == 9 and record.num_env_tokens == 3
+    assert record.loss_mask.tolist() == [True] * 5 + [False] * 3 + [True] * 4
+    assert record.turns() == [
+        (TurnKind.POLICY, 0, 5),
+        (TurnKind.ENV, 5, 8),
+        (TurnKind.POLICY, 8, 12),
+    ]
+    back = decode(encode(record))
+    assert_bitwise_equal(back, record)
+    assert back.tool_calls == 1 and back.episode_end == EpisodeEnd.DONE
+    assert encoded_size(record) == len(encode(record))
+
+
+def test_single_turn_has_one_canonical_form() -> None:
+    """Omitting turns and naming the one policy turn build equal records."""
+    plain = realistic_record()
+    spelled = Trajectory.create(
+        **{f.name: getattr(plain, f.name) for f in dataclasses.fields(Trajectory)}
+        | {"turn_lengths": [512], "turn_kinds": [TurnKind.POLICY]}
+    )
+    assert plain.turn_lengths is None and spelled == plain
+    assert plain.num_turns == 1 and plain.num_policy_tokens == 512 and not plain.is_multi_turn
+    assert plain.loss_mask.all() and plain.turns() == [(TurnKind.POLICY, 0, 512)]
+    assert decode(encode(spelled)) == plain
+    empty = realistic_record(response_ids=np.empty(0, np.int32))
+    assert empty.num_turns == 0 and empty.turns() == [] and empty.loss_mask.shape == (0,)
+
+
+def test_version_1_bytes_still_decode_as_single_turn() -> None:
+    """Bytes written by the schema version 1 encoder (committed fixture)."""
+    data = (FIXTURES / "trajectory_v1.bin").read_bytes()
+    assert data[4] == 1 and len(data) == 234
+    record = decode(data)
+    assert record.trajectory_id == "traj-v1" and record.response_ids.tolist() == [8, 9, 10, 11]
+    assert record.logp_old is not None and record.logp_old.tolist() == [-0.5, -0.25, -1.0, -2.0]
+    assert record.advantage == 0.5 and record.segment_versions.tolist() == [3, 4]
+    assert record.turn_lengths is None and record.turn_kinds is None
+    assert record.tool_calls == 0 and record.episode_end == ""
+    assert record.num_turns == 1 and record.num_policy_tokens == 4
+    reencoded = encode(record)
+    assert reencoded[4] == 2 and decode(reencoded) == record  # re-encoded as version 2
+
+
+def test_version_1_bytes_are_checked_like_version_2() -> None:
+    data = bytearray((FIXTURES / "trajectory_v1.bin").read_bytes())
+    assert decode_error(bytes(data[:-1])).reason == DecodeReason.TRUNCATED
+    data[6] |= 4  # the turns flag did not exist in version 1
+    assert decode_error(reseal(data)).reason == DecodeReason.BAD_LAYOUT
+
+
+def test_turn_values_without_the_turns_flag_are_a_layout_error() -> None:
+    data = bytearray(encode(multi_turn_record()))
+    data[6] &= ~4
+    assert decode_error(reseal(data)).reason == DecodeReason.BAD_LAYOUT
+
+
+def test_half_a_turn_layout_cannot_be_encoded() -> None:
+    with pytest.raises(ValueError, match="both"):
+        encode(multi_turn_record(turn_kinds=None))
+
+
+def test_routing_headers_carry_turns_and_policy_tokens() -> None:
+    record = multi_turn_record()
+    headers = dict(routing_headers(record))
+    assert headers["rs-turns"] == b"3" and headers["rs-policy-tokens"] == b"9"
+    parsed = parse_headers(headers)
+    assert parsed.turns == 3 and parsed.policy_tokens == 9
+    lying = [(k, b"12" if k == "rs-policy-tokens" else v) for k, v in headers.items()]
+    assert header_disagreements(record, lying) == ["rs-policy-tokens='12', body '9'"]
+    # a version-1 writer sent neither header
+    old = {k: v for k, v in headers.items() if k not in ("rs-turns", "rs-policy-tokens")}
+    assert parse_headers(old).turns is None and header_disagreements(record, old) == []

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from schemas.parquet import read_parquet, write_parquet
 from schemas.trajectory import TRAJECTORY_ARROW_SCHEMA, Trajectory, from_arrow, to_arrow
 
+FIXTURES = Path(__file__).parent / "fixtures"
+
 
 def random_record(seed: int, max_tokens: int = 300) -> Trajectory:
     """A record with random lengths; optional fields present or absent by seed."""
@@ -43,6 +45,11 @@ def random_record(seed: int, max_tokens: int = 300) -> Trajectory:
         logp_old=-rng.random(n_response, dtype=np.float32) if seed % 3 == 0 else None,
         old_logits_status="exact" if seed % 3 == 0 else "missing",
         advantage=float(seed) / 7 if seed % 2 else None,
+        # every fourth record multi-turn (turns need not be valid to round-trip)
+        turn_lengths=np.array([cut, n_response - cut], np.int32) if seed % 4 == 1 else None,
+        turn_kinds=np.array([0, 1], np.uint8) if seed % 4 == 1 else None,
+        tool_calls=seed % 4,
+        episode_end="done" if seed % 4 == 1 else "",
     )
 
 
@@ -66,7 +73,7 @@ def test_parquet_file_has_typed_columns_and_schema_version(tmp_path: Path) -> No
     assert schema.field("prompt_ids").type == pa.list_(pa.int32())
     assert schema.field("logp_infer").type == pa.list_(pa.float32())
     assert schema.field("segment_versions").type == pa.list_(pa.int64())
-    assert schema.metadata[b"rollstream.schema_version"] == b"1"
+    assert schema.metadata[b"rollstream.schema_version"] == b"2"
     assert pq.read_metadata(path).num_rows == 1
 
 
@@ -130,3 +137,33 @@ def test_foreign_tables_are_refused_with_the_reason() -> None:
 
 def _fields(record: Trajectory) -> dict:
     return {name: getattr(record, name) for name in TRAJECTORY_ARROW_SCHEMA.names}
+
+
+def test_turn_columns_round_trip_nulls_and_arrays() -> None:
+    records = [random_record(seed) for seed in range(8)]
+    table = to_arrow(records)
+    assert table.schema.field("turn_kinds").type == pa.list_(pa.uint8())
+    assert table.column("turn_lengths").null_count == 6  # single-turn records stay None
+    back = from_arrow(table)
+    assert back == records
+    assert back[1].turn_kinds is not None and back[1].turn_kinds.tolist() == [0, 1]
+    assert back[1].episode_end == "done" and back[1].tool_calls == 1
+
+
+def test_version_1_parquet_reads_as_single_turn_records() -> None:
+    """A file exported before multi-turn episodes (committed fixture) still reads."""
+    (record,) = read_parquet(FIXTURES / "trajectory_v1.parquet")
+    assert record.trajectory_id == "traj-v1"
+    assert record.response_ids.tolist() == [8, 9, 10, 11]
+    assert record.turn_lengths is None and record.turn_kinds is None
+    assert record.tool_calls == 0 and record.episode_end == ""
+    assert record.loss_mask.tolist() == [True] * 4 and record.num_turns == 1
+    # and it is written back as version 2
+    assert from_arrow(to_arrow([record])) == [record]
+
+
+def test_version_1_table_with_a_version_2_column_is_refused() -> None:
+    table = pq.read_table(FIXTURES / "trajectory_v1.parquet")
+    table = table.append_column("tool_calls", pa.array([0], pa.int32()))
+    with pytest.raises(ValueError, match="schema version 1: unexpected columns"):
+        from_arrow(table)

@@ -54,6 +54,39 @@ def exact_old(**changes: Any) -> dict[str, Any]:
     return {"logp_old": np.full(512, -0.5, np.float32), "old_logits_status": "exact", **changes}
 
 
+MT_LENGTHS = [100, 50, 200, 62, 100]  # policy, env, policy, env, policy: 512 tokens
+MT_KINDS = [0, 1, 0, 1, 0]
+
+
+def multi_turn(
+    lengths: list[int] = MT_LENGTHS, kinds: list[int] = MT_KINDS, **changes: Any
+) -> dict[str, Any]:
+    """Changes that make ``valid_record`` a valid multi-turn episode (env log-probs 0.0);
+    ``changes`` then override any field."""
+    logp = valid_record().logp_infer.copy()
+    if sum(lengths) == len(logp) and all(n >= 0 for n in lengths):
+        logp[np.repeat(np.array(kinds) != 0, lengths)] = 0.0
+    return {
+        "logp_infer": logp,
+        "turn_lengths": np.array(lengths, np.int32),
+        "turn_kinds": np.array(kinds, np.uint8),
+        "tool_calls": 2,
+        "episode_end": "tool_timeout",
+        **changes,
+    }
+
+
+def env_nonzero(index: int, value: float = -0.3) -> np.ndarray:
+    logp = multi_turn()["logp_infer"].copy()
+    logp[index] = value
+    return logp
+
+
+ONE_SEGMENT = {
+    "segment_versions": np.array([4], np.int64),
+    "segment_lengths": np.array([512], np.int32),
+}
+
 # (case id, field changes, limits changes, expected reason, field the detail must name)
 # fmt: off
 CASES: list[tuple[str, dict[str, Any], dict[str, Any], Reason, str]] = [
@@ -118,6 +151,38 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], Reason, str]] = [
     ("details_not_json", {"reward_details": {"f": object()}}, {},
      Reason.BAD_FIELD, "reward_details"),
     ("group_size_int32", {"group_size": 2**31}, {}, Reason.BAD_FIELD, "group_size"),
+    # multi-turn layouts
+    ("turn_sum", multi_turn(turn_lengths=np.array([100, 50, 200, 62, 99], np.int32)), {},
+     Reason.TURN_MISMATCH, "turn_lengths"),
+    ("turn_counts", multi_turn(turn_kinds=np.array([0, 1, 0, 1], np.uint8)), {},
+     Reason.TURN_MISMATCH, "turn_kinds"),
+    ("turn_half_none", multi_turn(turn_kinds=None), {}, Reason.TURN_MISMATCH, "turn_kinds"),
+    ("turn_zero", multi_turn([100, 0, 250, 62, 100]), {}, Reason.EMPTY_TURN, "turn_lengths[1]"),
+    ("turn_negative", multi_turn([100, 50, 200, -1, 163]), {},
+     Reason.EMPTY_TURN, "turn_lengths[3]"),
+    ("turn_kind_unknown", multi_turn(kinds=[0, 1, 0, 7, 0]), {},
+     Reason.UNKNOWN_TURN_KIND, "turn_kinds[3]"),
+    ("turn_kind_dtype", multi_turn(turn_kinds=np.array(MT_KINDS, np.int64)), {},
+     Reason.BAD_FIELD, "turn_kinds"),
+    ("first_turn_env", multi_turn([100, 50, 362], [1, 0, 1], **ONE_SEGMENT), {},
+     Reason.FIRST_TURN_NOT_POLICY, "turn_kinds"),
+    ("adjacent_policy", multi_turn([100, 50, 362], [0, 0, 1], **ONE_SEGMENT), {},
+     Reason.ADJACENT_SAME_KIND, "turn_kinds[1]"),
+    ("adjacent_env", multi_turn([100, 50, 362], [0, 1, 1], **ONE_SEGMENT), {},
+     Reason.ADJACENT_SAME_KIND, "turn_kinds[2]"),
+    ("env_logp_infer", multi_turn(logp_infer=env_nonzero(120)), {},
+     Reason.ENV_LOGPROB_NONZERO, "logp_infer[120]"),
+    ("env_logp_infer_negzero", multi_turn(logp_infer=env_nonzero(400, -0.0)), {},
+     Reason.ENV_LOGPROB_NONZERO, "logp_infer[400]"),
+    ("env_logp_old", multi_turn(**exact_old()), {}, Reason.ENV_LOGPROB_NONZERO, "logp_old[100]"),
+    ("segment_in_env_turn", multi_turn(segment_lengths=np.array([120, 392], np.int32)), {},
+     Reason.SEGMENT_IN_ENV_TURN, "segment_lengths"),
+    ("tool_calls_negative", multi_turn(tool_calls=-1), {}, Reason.BAD_TOOL_CALLS, "tool_calls"),
+    ("episode_end_unknown", multi_turn(episode_end="crashed"), {},
+     Reason.UNKNOWN_EPISODE_END, "episode_end"),
+    ("multi_turn_without_end", multi_turn(episode_end=""), {},
+     Reason.EPISODE_END_MISMATCH, "episode_end"),
+    ("single_turn_with_tools", {"tool_calls": 1}, {}, Reason.EPISODE_END_MISMATCH, "tool_calls"),
 ]
 # fmt: on
 
@@ -142,6 +207,17 @@ def test_each_defect_is_reported_alone_with_its_field(
     assert [d.reason for d in defects] == [reason], defects
     assert named in defects[0].detail
     assert defects[0].field == named.split("[")[0]
+
+
+def test_multi_turn_records_are_valid() -> None:
+    assert validate(valid_record(**multi_turn()), LIMITS) == []
+    logp_old = multi_turn()["logp_infer"] - 0.0  # 0.0 stays +0.0
+    changes = multi_turn(logp_old=logp_old, old_logits_status="exact")
+    assert validate(valid_record(**changes), LIMITS) == []
+    # a last env turn (an observation that ended the episode) is fine
+    assert validate(valid_record(**multi_turn([300, 212], [0, 1])), LIMITS) == []
+    # a single-turn record may still say why its episode ended (the policy answered at once)
+    assert validate(valid_record(episode_end="done"), LIMITS) == []
 
 
 def test_every_reason_has_a_case() -> None:
