@@ -58,6 +58,7 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
 
 # --- services: detached, found again by pid file -------------------------------------------
 
+
 class ServiceError(RuntimeError):
     """A service failed to start, answer or stop; the message points at its log."""
 
@@ -194,8 +195,6 @@ def pid_alive(pid: int) -> bool:
 
 
 # --- roles: started, watched and stopped by `rollstream up` ----------------------------
-
-
 
 
 class LaunchError(RuntimeError):
@@ -372,7 +371,6 @@ class Launcher:
 
 
 # --- a worker restarted when it crashes ----------------------------------------------------
-
 
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

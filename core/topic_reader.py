@@ -75,9 +75,7 @@ def whole_topic(
     from confluent_kafka import TopicPartition
 
     wanted = topic_partitions(consumer, topic) if partitions is None else partitions
-    return {
-        p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30) for p in wanted
-    }
+    return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30) for p in wanted}
 
 
 _TRANSIENT = frozenset(

@@ -73,6 +73,12 @@ class EngineConfig(StrictModel):
     )
     torch_threads: int | None = Field(default=None, ge=1, description="None: torch default.")
     seed: int | None = Field(default=None, description="Seed of the sampling RNG.")
+    prefix_cache_tokens: int = Field(
+        default=8192,
+        ge=0,
+        description="Tokens of finished sequences whose KV cache is kept for requests "
+        "that extend them (multi-turn episodes prefill only their new tokens); 0 disables.",
+    )
     max_pending_requests: int = Field(
         default=1024,
         ge=1,
@@ -136,6 +142,28 @@ class CurriculumConfig(StrictModel):
         return self
 
 
+class EpisodeConfig(StrictModel):
+    """Overrides of a multi-turn environment's own limits (``EpisodeLimits``); empty
+    keeps the environment's value."""
+
+    max_turns: int | None = Field(default=None, ge=1, description="Policy turns per episode.")
+    max_total_tokens: int | None = Field(
+        default=None, ge=1, description="Response tokens per episode, policy and environment."
+    )
+    episode_timeout_s: float | None = Field(
+        default=None, gt=0, description="Wall time of an episode, checked between turns."
+    )
+    tool_timeout_s: float | None = Field(
+        default=None, gt=0, description="Time one environment step (a tool call) may take."
+    )
+    max_observation_tokens: int | None = Field(
+        default=None, ge=0, description="Tokens one observation may add to the history."
+    )
+
+    def overrides(self) -> dict[str, float | int]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
 class RolloutConfig(StrictModel):
     """What the rollout worker (``rollstream produce``) generates and where it publishes."""
 
@@ -157,6 +185,10 @@ class RolloutConfig(StrictModel):
     seed: int | None = Field(default=None, description="Prompt sampling seed; None: random.")
     curriculum: CurriculumConfig = Field(
         default_factory=CurriculumConfig, description="[producers.rollout.curriculum]"
+    )
+    episode: EpisodeConfig = Field(
+        default_factory=EpisodeConfig,
+        description="[producers.rollout.episode]: limits of multi-turn episodes.",
     )
     staleness_window: int = Field(
         default=4,

@@ -8,7 +8,9 @@ decode step**: they are prefilled on their own, and their KV cache is appended t
 running one, the shorter of the two left-padded and masked out. Rows leave the batch as
 they finish, so a batch costs what its live rows cost, and a GRPO group arriving while
 another one decodes does not wait for it (continuous batching, in its simplest form;
-no paging, no prefix cache). Between decode steps the scheduler releases the GIL, so the
+no paging). The KV of finished sequences is kept in a bounded ``PrefixCache``: a request
+that extends one (the next turn of a multi-turn episode, or another sample of the same
+prompt) prefills only its new tokens. Between decode steps the scheduler releases the GIL, so the
 HTTP server's thread (or a worker's event loop) stays responsive during long batches.
 
 Numerics, as SGLang's sampler defines them (``python/sglang/srt/layers/sampler.py``):
@@ -47,6 +49,7 @@ from typing import Any
 import torch
 
 from core.models import load_model, load_tokenizer, model_directory, parse_model_spec
+from producers.prefix_cache import PrefixCache, PrefixHit
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +171,7 @@ class GenerateResult:
     finish_reason: dict[str, Any]
     weight_version: str
     e2e_latency: float
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     def to_sglang(self, text: str = "") -> dict[str, Any]:
         """The JSON object SGLang's ``/generate`` returns for one input."""
@@ -176,7 +180,7 @@ class GenerateResult:
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
+            "cached_tokens": self.cached_tokens,
             "weight_version": self.weight_version,
             "e2e_latency": self.e2e_latency,
         }
@@ -199,6 +203,7 @@ class _Request:
     aborted: bool = False
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -275,6 +280,8 @@ class EngineStats:
     aborted: int = 0
     max_batch_seen: int = 0
     rejected_busy: int = 0  # requests refused because max_pending were in flight
+    prefill_tokens: int = 0  # tokens run through a prefill forward pass
+    reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache instead
 
 
 class Engine:
@@ -302,6 +309,7 @@ class Engine:
         num_threads: int | None = None,
         max_pending: int = 1024,
         busy_retry_after_s: float = 1.0,
+        prefix_cache_tokens: int = 0,
     ) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
@@ -328,6 +336,7 @@ class Engine:
         self.generator = torch.Generator()
         self.generator.manual_seed(seed if seed is not None else torch.seed() & (2**63 - 1))
         self.stats = EngineStats()
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self._queue: collections.deque[_Request | _Control] = collections.deque()
         self._pending: dict[str, _Request] = {}  # queued or running, by rid
         self._cv = threading.Condition()
@@ -472,6 +481,7 @@ class Engine:
 
         def apply() -> int:
             load_state_dict_checked(self.model, state_dict)
+            self._forget_prefixes()
             if weight_version is not None:
                 self.weight_version = str(weight_version)
             return aborted
@@ -491,12 +501,18 @@ class Engine:
 
         def apply() -> int:
             load_state_dict_checked(self.model, read_weights(Path(model_path)))
+            self._forget_prefixes()
             if weight_version is not None:
                 self.weight_version = str(weight_version)
             return aborted
 
         aborted = self.abort(abort_all=True) if abort_all_requests else 0
         return self._control(apply)
+
+    def _forget_prefixes(self) -> None:
+        """Cached KV was computed by the old weights: never reuse it with new ones."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def _control(self, fn: Any) -> Future:
         item = _Control(fn)
@@ -602,6 +618,7 @@ class Engine:
             join = join and all(_is_dynamic_layer(layer) for layer in cache.layers)
             while True:
                 tokens, keep = self._sample_step(live, logits, knobs)
+                self._keep_prefixes(live, keep, cache, mask)
                 if len(keep) < len(live):
                     if not keep:
                         return
@@ -670,6 +687,10 @@ class Engine:
         """Left-padded prefill: the KV cache, last logits, attention mask, last positions."""
         from transformers import DynamicCache
 
+        hits = [self._cached_prefix(r.input_ids) for r in live]
+        if any(hit is not None for hit in hits):
+            return self._prefill_after_prefixes(live, hits)
+        self.stats.prefill_tokens += sum(len(r.input_ids) for r in live)
         width = max(len(r.input_ids) for r in live)
         ids = torch.full((len(live), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(live), width), dtype=torch.long)
@@ -688,6 +709,75 @@ class Engine:
             logits_to_keep=1,
         )
         return cache, out.logits[:, -1, :].float(), mask, positions[:, -1]
+
+    def _cached_prefix(self, ids: list[int]) -> PrefixHit | None:
+        return None if self.prefix_cache is None else self.prefix_cache.lookup(ids)
+
+    def _prefill_after_prefixes(
+        self, live: list[_Request], hits: list[PrefixHit | None]
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prefill only what follows each row's cached prefix. The cache starts as the
+        prefixes, left-padded to the longest; the new tokens follow, left-padded too, so
+        a row's padding may sit between its prefix and its new tokens: the attention mask
+        hides it and positions count only real tokens, as the prefix was computed."""
+        from transformers import DynamicCache
+
+        reused = [0 if hit is None else hit.length for hit in hits]
+        prefix = max(reused)
+        width = max(len(r.input_ids) - n for r, n in zip(live, reused, strict=True))
+        rows = len(live)
+        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((rows, prefix + width), dtype=torch.long)
+        for row, (request, n) in enumerate(zip(live, reused, strict=True)):
+            request.cached_tokens = n
+            new = request.input_ids[n:]
+            ids[row, width - len(new) :] = torch.tensor(new)
+            mask[row, prefix - n : prefix] = 1
+            mask[row, prefix + width - len(new) :] = 1
+        cache = DynamicCache(config=self.model.config)
+        template = next(hit for hit in hits if hit is not None)
+        for layer, (keys, values) in enumerate(template.layers):
+            heads, _, dim = keys.shape
+            all_keys = keys.new_zeros((rows, heads, prefix, dim))
+            all_values = values.new_zeros((rows, heads, prefix, values.shape[-1]))
+            for row, hit in enumerate(hits):
+                if hit is not None:
+                    all_keys[row, :, prefix - hit.length :] = hit.layers[layer][0]
+                    all_values[row, :, prefix - hit.length :] = hit.layers[layer][1]
+            cache.update(all_keys, all_values, layer)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions[:, prefix:],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.stats.reused_tokens += sum(reused)
+        self.stats.prefill_tokens += sum(len(r.input_ids) for r in live) - sum(reused)
+        return cache, out.logits[:, -1, :].float(), mask, positions[:, -1]
+
+    def _keep_prefixes(
+        self, rows: list[_Request], keep: list[int], cache: Any, mask: torch.Tensor
+    ) -> None:
+        """Store the KV of the rows that just finished: every token fed so far (the
+        prompt and all output but the last sampled token, which was never fed)."""
+        if self.prefix_cache is None or len(keep) == len(rows):
+            return
+        kept = set(keep)
+        for row, request in enumerate(rows):
+            if row in kept:
+                continue
+            valid = mask[row].bool()
+            fed = request.input_ids + request.output_ids[:-1]
+            if int(valid.sum()) != len(fed):
+                continue  # not the layout this row was prefilled with: never guess
+            layers = [
+                (layer.keys[row][:, valid].clone(), layer.values[row][:, valid].clone())
+                for layer in cache.layers
+            ]
+            self.prefix_cache.store(fed, layers)
 
     def _sample_step(
         self, live: list[_Request], logits: torch.Tensor, knobs: _Knobs
@@ -725,6 +815,7 @@ class Engine:
         new_cache, new_logits, new_mask, new_last = self._prefill(joiners)
         new_knobs = _Knobs.of(joiners, self.vocab_size)
         new_tokens, keep = self._sample_step(joiners, new_logits, new_knobs)
+        self._keep_prefixes(joiners, keep, new_cache, new_mask)
         if not keep:
             return live, tokens, mask, last, knobs
         if len(keep) < len(joiners):
@@ -792,6 +883,7 @@ class Engine:
             finish_reason=reason,
             weight_version=self.weight_version,
             e2e_latency=time.perf_counter() - request.created,
+            cached_tokens=request.cached_tokens,
         )
         if not request.future.done():
             request.future.set_result(result)
@@ -885,4 +977,5 @@ def engine_from_config(config: Any, cache_dir: Path) -> Engine:
         num_threads=config.torch_threads,
         max_pending=config.max_pending_requests,
         busy_retry_after_s=config.busy_retry_after_s,
+        prefix_cache_tokens=config.prefix_cache_tokens,
     )

@@ -82,6 +82,16 @@ class ProducerMetrics:
             ["reason"],
             registry=r,
         )
+        self.episodes = Counter(
+            p + "episodes",
+            "Multi-turn episodes published, by why they ended (done, max_turns, a tool "
+            "failure, ...).",
+            ["end"],
+            registry=r,
+        )
+        self.tool_calls = Counter(
+            p + "tool_calls", "Tool calls made by the policy in published episodes.", registry=r
+        )
         self.engine_errors = Counter(
             p + "engine_errors", "Engine calls failed after retries.", registry=r
         )

@@ -105,12 +105,20 @@ def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
     return decorate
 
 
+def _register_builtin_environments() -> None:
+    """The multi-turn environments live in their own module, which imports this one."""
+    import producers.environments  # noqa: F401  (registers them)
+
+
 def available_tasks() -> list[str]:
+    _register_builtin_environments()
     return sorted(_REGISTRY)
 
 
 def make_task(name: str, options: dict[str, Any] | None, context: TaskContext) -> Task:
-    """Build a registered task, or one whose factory is given as ``module:attr``."""
+    """Build a registered task or environment, or one whose factory is given as
+    ``module:attr``."""
+    _register_builtin_environments()
     factory = _REGISTRY.get(name)
     if factory is None:
         if ":" not in name and "." not in name:
@@ -235,11 +243,20 @@ def score_arithmetic(text: str, answer: int) -> tuple[float, dict[str, Any]]:
     return (1.0 if correct else 0.0), details
 
 
-def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+def chat_stop_ids(tokenizer: Any) -> list[int]:
+    """EOS and the chat template's end-of-turn token, where the tokenizer has one."""
+    stops = {tokenizer.eos_token_id}
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(end, int) and end != tokenizer.unk_token_id:
+        stops.add(end)
+    return sorted(t for t in stops if t is not None)
 
 
 @dataclass
@@ -251,11 +268,7 @@ class ArithmeticTask:
 
     def __post_init__(self) -> None:
         if not self.stop_token_ids:
-            stops = {self.tokenizer.eos_token_id}
-            end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-            if isinstance(end, int) and end != self.tokenizer.unk_token_id:
-                stops.add(end)
-            self.stop_token_ids = sorted(t for t in stops if t is not None)
+            self.stop_token_ids = chat_stop_ids(self.tokenizer)
 
     def sample(self, rng: random.Random) -> Prompt:
         question, answer = make_word_problem(rng)
@@ -263,14 +276,14 @@ class ArithmeticTask:
             {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": question},
         ]
-        return Prompt(_chat_ids(self.tokenizer, messages), {"answer": answer}, question)
+        return Prompt(chat_ids(self.tokenizer, messages), {"answer": answer}, question)
 
     def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> tuple[float, dict]:
         text = self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
         return score_arithmetic(text, prompt.meta["answer"])
 
 
-def _hf_tokenizer(context: TaskContext, tokenizer: str | None) -> Any:
+def hf_tokenizer(context: TaskContext, tokenizer: str | None) -> Any:
     """The engine's tokenizer when none is named, else that of the model spec ``tokenizer``
     (``core.models.load_tokenizer``); SmolLM2's when neither exists."""
     if tokenizer is None and context.tokenizer is not None:
@@ -283,7 +296,7 @@ def arithmetic(context: TaskContext, tokenizer: str | None = None, **kw: Any) ->
     """Options: ``tokenizer`` (a model spec whose tokenizer to use, see ``core.models``;
     default: the engine's, else SmolLM2-135M-Instruct's), ``max_new_tokens``,
     ``stop_token_ids``."""
-    return ArithmeticTask(_hf_tokenizer(context, tokenizer), **kw)
+    return ArithmeticTask(hf_tokenizer(context, tokenizer), **kw)
 
 
 # --- user prompts from a file -------------------------------------------------------------
@@ -331,7 +344,7 @@ class FileTask:
                 raise ValueError("text prompts need a tokenizer (task option 'tokenizer')")
             text = str(example["prompt"])
             if self.chat:
-                ids = _chat_ids(self.tokenizer, [{"role": "user", "content": text}])
+                ids = chat_ids(self.tokenizer, [{"role": "user", "content": text}])
             else:
                 ids = list(self.tokenizer.encode(text))
         else:
@@ -372,7 +385,7 @@ def file_task(
     if tokenizer is None and context.tokenizer is None:
         tok = None
     else:
-        tok = _hf_tokenizer(context, tokenizer)
+        tok = hf_tokenizer(context, tokenizer)
     stops = kw.pop("stop_token_ids", None)
     if stops is None:
         eos = getattr(tok, "eos_token_id", None)

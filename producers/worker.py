@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import socket
@@ -74,6 +75,8 @@ from producers.backends import Backend
 from producers.client import EngineError, EngineUnavailable, GenerateOutput
 from producers.config import ProducersConfig, RolloutConfig
 from producers.curriculum import Curriculum, PromptStatsReader, PromptStatsView
+from producers.environments import EpisodeLimits, is_environment
+from producers.episodes import EpisodeResult, EpisodeRunner, GenerateTurn
 from producers.group_publisher import GroupPublisher
 from producers.metrics import ProducerMetrics, Progress
 from producers.tasks import Prompt, Task
@@ -138,6 +141,7 @@ class RolloutWorker:
         mark: Callable[[], Mapping[int, int]] | None = None,
         limits: ValidationLimits | None = None,
         curriculum: Curriculum | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.config = config
         self.curriculum = curriculum
@@ -152,6 +156,11 @@ class RolloutWorker:
         self.announced_version = announced_version
         self.announcement = announcement
         self.limits = limits or ValidationLimits()
+        self.episodes: EpisodeRunner | None = None
+        if is_environment(task):
+            env_limits: EpisodeLimits = task.limits  # type: ignore[attr-defined]
+            env_limits = dataclasses.replace(env_limits, **config.episode.overrides())
+            self.episodes = EpisodeRunner(task, env_limits, vocab_size)  # type: ignore[arg-type]
         self._mark = mark
         self.rng = random.Random(config.seed)
         # NO_VERSION until the first version is loaded, when the engine's own weights
@@ -457,14 +466,23 @@ class RolloutWorker:
         self.metrics.inflight_groups.inc()
         began = time.perf_counter()
         try:
-            samples = await self._generate_group(prompt, group_id, size, params)
+            if self.episodes is not None:
+                episodes = await self._generate_episodes(self.episodes, prompt, group_id, size)
+            else:
+                samples = await self._generate_group(prompt, group_id, size, params)
         finally:
             self.metrics.inflight_groups.dec()
         generated = time.perf_counter() - began
-        trajectories = [
-            self._trajectory(prompt, group_id, i, size, sample, created_ms)
-            for i, sample in enumerate(samples)
-        ]
+        if self.episodes is not None:
+            trajectories = [
+                self._episode_trajectory(prompt, group_id, i, size, episode, created_ms)
+                for i, episode in enumerate(episodes)
+            ]
+        else:
+            trajectories = [
+                self._trajectory(prompt, group_id, i, size, sample, created_ms)
+                for i, sample in enumerate(samples)
+            ]
         began = time.perf_counter()
         await self.publisher.publish_async(group_id, trajectories)
         self.metrics.publish_seconds.observe(time.perf_counter() - began)
@@ -476,6 +494,66 @@ class RolloutWorker:
         reward, details = self.task.reward(prompt, sample.response_ids)
         if sample.interruptions:
             details = {**details, "interruptions": sample.interruptions}
+        return self._record(
+            prompt,
+            group_id,
+            index,
+            size,
+            created_ms,
+            response_ids=sample.response_ids,
+            logp_infer=sample.logprobs,
+            segment_versions=[v for v, _ in sample.segments],
+            segment_lengths=[n for _, n in sample.segments],
+            reward=float(reward),
+            reward_details=details,
+            finish_reason=sample.finish_type,
+            finished_at_ms=max(created_ms, sample.finished_at_ms),
+        )
+
+    def _episode_trajectory(
+        self,
+        prompt: Prompt,
+        group_id: str,
+        index: int,
+        size: int,
+        episode: EpisodeResult,
+        created_ms: int,
+    ) -> Trajectory:
+        details = dict(episode.details)
+        if episode.interruptions:
+            details["interruptions"] = episode.interruptions
+        self.metrics.episodes.labels(end=episode.end.value).inc()
+        self.metrics.tool_calls.inc(episode.tool_calls)
+        return self._record(
+            prompt,
+            group_id,
+            index,
+            size,
+            created_ms,
+            response_ids=episode.response_ids,
+            logp_infer=episode.logprobs,
+            segment_versions=[v for v, _ in episode.segments],
+            segment_lengths=[n for _, n in episode.segments],
+            turn_lengths=episode.turn_lengths,
+            turn_kinds=episode.turn_kinds,
+            tool_calls=episode.tool_calls,
+            episode_end=episode.end,
+            reward=float(episode.reward),
+            reward_details=details,
+            finish_reason=episode.finish_type,
+            finished_at_ms=max(created_ms, _now_ms()),
+        )
+
+    def _record(
+        self,
+        prompt: Prompt,
+        group_id: str,
+        index: int,
+        size: int,
+        created_ms: int,
+        **fields: Any,
+    ) -> Trajectory:
+        """A validated record of one sample of a group."""
         traj = Trajectory.create(
             run_id=self.run_id,
             trajectory_id=f"{group_id}-{index}",
@@ -486,15 +564,8 @@ class RolloutWorker:
             region=self.region,
             task=self.task.name,
             prompt_ids=prompt.ids,
-            response_ids=sample.response_ids,
-            logp_infer=sample.logprobs,
-            segment_versions=[v for v, _ in sample.segments],
-            segment_lengths=[n for _, n in sample.segments],
-            reward=float(reward),
-            reward_details=details,
-            finish_reason=sample.finish_type,
             created_at_ms=created_ms,
-            finished_at_ms=max(created_ms, sample.finished_at_ms),
+            **fields,
         )
         defects = validate(traj, self.limits)
         if defects:
@@ -511,18 +582,34 @@ class RolloutWorker:
         return list(
             await asyncio.gather(
                 *(
-                    self._complete(prompt.ids, params, group_id, i, out, version, swaps)
+                    self._complete(prompt.ids, params, f"{group_id}-{i}", out, version, swaps)
                     for i, out in enumerate(outputs)
                 )
             )
         )
 
+    async def _generate_episodes(
+        self, runner: EpisodeRunner, prompt: Prompt, group_id: str, size: int
+    ) -> list[EpisodeResult]:
+        """The G episodes of a group, side by side: their turns reach the engine
+        concurrently, so it batches them as it batches a single-turn group."""
+
+        def turn_of(index: int) -> GenerateTurn:
+            async def generate_turn(history: list[int], max_new_tokens: int, turn: int) -> Sample:
+                params = self.config.sampling.to_sglang(max_new_tokens, self.task.stop_token_ids)
+                rid = f"{group_id}-{index}-t{turn}"
+                outputs, version, swaps = await self._call([history], [params], [f"{rid}-0"])
+                return await self._complete(history, params, rid, outputs[0], version, swaps)
+
+            return generate_turn
+
+        return list(await asyncio.gather(*(runner.run(prompt, turn_of(i)) for i in range(size))))
+
     async def _complete(
         self,
         prompt_ids: list[int],
         params: dict[str, Any],
-        group_id: str,
-        index: int,
+        rid_prefix: str,
         out: GenerateOutput,
         version: int,
         swaps: int,
@@ -559,7 +646,7 @@ class RolloutWorker:
             remaining = limit - len(ids)
             if remaining <= 0:
                 return Sample(ids, logprobs, segments, "length", _now_ms(), interruptions)
-            rid = f"{group_id}-{index}-{interruptions}"
+            rid = f"{rid_prefix}-{interruptions}"
             more = {**params, "max_new_tokens": remaining}
             outputs, version, swaps = await self._call([prompt_ids + ids], [more], [rid])
             out = outputs[0]
@@ -744,6 +831,7 @@ async def run_producer(
 
     backend: Backend
     tokenizer = None
+    vocab_size: int | None = None  # an engine's vocabulary, to check observations against
     if rollout.engine_url:
         client = EngineClient(
             rollout.engine_url,
@@ -761,6 +849,7 @@ async def run_producer(
         engine = await asyncio.to_thread(engine_from_config, producers.engine, config.cache_dir)
         engine.weight_version = str(rollout.initial_version)
         tokenizer = engine.tokenizer
+        vocab_size = engine.vocab_size
         backend = LocalBackend(engine)
 
     ledger = Ledger(
@@ -810,6 +899,7 @@ async def run_producer(
             announcement=lambda: watcher.latest if watcher is not None else None,
             wait_for_first_version=rollout.follow_weights,
             mark=lambda: end_offsets(client_config, rollout.topic),
+            vocab_size=vocab_size,
         )
         if rollout.follow_weights:
             follower, watcher = _start_follower(config, worker, stop_following)
