@@ -61,7 +61,8 @@ class SampleDiagnostics:
     version (``NO_VERSION`` when the trainer version was not known yet). ``k3_kl``: mean
     over response tokens of ``exp(x) - 1 - x`` with ``x = logp_old - logp_infer`` (an
     estimate of KL(π_infer ‖ π_old), ≥ 0). ``d_mean``/``d_min``/``d_max``: of the per-token
-    discrepancy ``d = exp(x)``. All four are NaN without ``logp_old``.
+    discrepancy ``d = exp(x)``. All four are over policy tokens only (environment tokens of
+    a multi-turn episode were never sampled) and NaN without ``logp_old`` or policy tokens.
     """
 
     staleness: int
@@ -77,6 +78,11 @@ class SampleDiagnostics:
             nan = math.nan
             return cls(int(staleness), nan, nan, nan, nan)
         x = traj.logp_old.astype(np.float64) - traj.logp_infer.astype(np.float64)
+        if traj.turn_kinds is not None:
+            x = x[traj.loss_mask]
+            if len(x) == 0:
+                nan = math.nan
+                return cls(int(staleness), nan, nan, nan, nan)
         d = np.exp(x)
         return cls(
             int(staleness),

@@ -9,6 +9,10 @@ are fetched once and its units run as a few padded batches (at most
 ``max_batch_sequences`` rows and ``max_batch_tokens`` padded tokens each), in input
 order, through ``core.logprobs.response_logprobs`` — the trainer's function.
 
+A multi-turn episode goes through the same passes (environment turns are part of the
+context the policy conditioned on), then its environment positions are set to exactly
+``0.0``: nobody sampled those tokens, and the wire format promises ``0.0`` there.
+
 A trajectory gets ``logp_old`` only when *every* one of its versions is available; if one
 is not (never published, deleted from S3, refused), it is marked
 ``old_logits_status="missing"`` and the trainer takes its approximate route (PPO-EWMA).
@@ -207,7 +211,9 @@ class OldLogitEngine:
             self.metrics.oldlogit_rate.set(tokens / max(seconds, 1e-9))
 
         results = []
-        for row in range(len(trajectories)):
+        for row, traj in enumerate(trajectories):
+            if traj.turn_kinds is not None and row not in missing:
+                out[row][~traj.loss_mask] = 0.0
             if row in missing:
                 results.append(
                     OldLogits(None, OldLogitsStatus.MISSING.value, tuple(sorted(missing[row])))

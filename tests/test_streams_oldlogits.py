@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,9 @@ from support.streams import rollout
 from core.config import S3Config
 from core.logprobs import PADDED_BATCH_ATOL
 from core.models import build_tiny_llama
+from schemas.group import SampleDiagnostics
+from schemas.trajectory import Trajectory, TurnKind
+from schemas.validation import ValidationLimits, validate
 from streams.config import OldLogitsConfig
 from streams.metrics import StreamMetrics
 from streams.oldlogits import OldLogitEngine, Unit, plan_batches, segment_units
@@ -230,3 +235,79 @@ def test_follower_source_rebuilds_versions_from_s3(s3_config: S3Config) -> None:
     with pytest.raises(VersionUnavailable):
         source.load(9)
     assert snapshots.get(9) is None
+
+
+def multi_turn_rollout(model, states) -> Trajectory:
+    """A 5-turn episode of 14 tokens (policy 3 / env 2 / policy 5 / env 2 / policy 2; the
+    first 9 at v3, the rest at v4): policy tokens sampled under their versions, the
+    environment's written over with tool output the policy never sampled, and 0.0
+    log-probs at env positions."""
+    traj = rollout(model, states, [1, 5, 6], [(3, 9), (4, 5)], seed=11)
+    kinds = [TurnKind.POLICY, TurnKind.ENV, TurnKind.POLICY, TurnKind.ENV, TurnKind.POLICY]
+    lengths = [3, 2, 5, 2, 2]
+    env = np.repeat(np.array(kinds) == TurnKind.ENV, lengths)
+    response = traj.response_ids.copy()
+    response[env] = [10, 11, 12, 13]  # "tool output"
+    logp_infer = traj.logp_infer.copy()
+    logp_infer[env] = 0.0
+    return dataclasses.replace(
+        traj,
+        response_ids=response,
+        logp_infer=logp_infer,
+        turn_lengths=np.array(lengths, np.int32),
+        turn_kinds=np.array(kinds, np.uint8),
+        tool_calls=2,
+        episode_end="done",
+    )
+
+
+def plain_transformers_logprobs(states, version: int, traj: Trajectory) -> np.ndarray:
+    """Log-probs of every response token under ``version``: one forward pass of
+    prompt + response, log_softmax, gather (no rollstream code on the path)."""
+    model = build_tiny_llama(seed=0)
+    model.load_state_dict(states[version])
+    ids = torch.tensor([[*traj.prompt_ids.tolist(), *traj.response_ids.tolist()]])
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits.float()[0]
+    p = traj.num_prompt_tokens
+    logp = torch.log_softmax(logits[p - 1 : -1], dim=-1)
+    targets = torch.tensor(traj.response_ids.tolist())
+    return logp.gather(1, targets[:, None])[:, 0].numpy()
+
+
+def test_a_multi_turn_episode_gets_exact_logp_old_at_policy_tokens(states, model) -> None:
+    traj = multi_turn_rollout(model, states)
+    assert validate(traj, ValidationLimits()) == []
+    engine, _, _ = engine_for(states, model)
+    (got,) = engine.attach([traj])
+    assert got.old_logits_status == "exact"
+    assert validate(got, ValidationLimits()) == []
+    mask = traj.loss_mask
+    # Environment positions: exactly +0.0, bit for bit.
+    assert got.logp_old[~mask].view(np.uint32).tolist() == [0] * int((~mask).sum())
+    # Policy positions: each token under the version of its segment (the env turn at 3..5
+    # belongs to segment 0, v3; segment 1, v4, starts at policy token 9, mid-turn).
+    versions = traj.token_versions()
+    for version in (3, 4):
+        want = plain_transformers_logprobs(states, version, traj)
+        at = mask & (versions == version)
+        assert at.any()
+        np.testing.assert_allclose(got.logp_old[at], want[at], atol=PADDED_BATCH_ATOL)
+    # The first policy turn came before any tool output: it matches what was sampled.
+    np.testing.assert_allclose(got.logp_old[:3], traj.logp_infer[:3], atol=1e-5)
+    # The per-sample diagnostics count policy tokens only.
+    x = got.logp_old[mask].astype(np.float64) - traj.logp_infer[mask]
+    diag = SampleDiagnostics.of(got, staleness=0)
+    np.testing.assert_allclose(diag.k3_kl, np.mean(np.expm1(x) - x), rtol=1e-9)
+    assert diag.d_min == np.exp(x).min() and diag.d_max == np.exp(x).max()
+
+
+def test_diagnostics_ignore_env_tokens(states, model) -> None:
+    """A discrepancy planted at policy tokens shows undiluted by the env tokens."""
+    traj = multi_turn_rollout(model, states)
+    mask = traj.loss_mask
+    logp_old = traj.logp_infer.copy()
+    logp_old[mask] += np.float32(0.1)
+    diag = SampleDiagnostics.of(traj.with_old_logits(logp_old), staleness=0)
+    np.testing.assert_allclose([diag.d_min, diag.d_max, diag.d_mean], [np.exp(0.1)] * 3, rtol=1e-5)
+    np.testing.assert_allclose(diag.k3_kl, np.expm1(0.1) - 0.1, rtol=1e-4)
