@@ -93,7 +93,7 @@ class PlainLoop:
                 logp_new=logp,
                 logp_infer=batch.logp_infer,
                 advantages=batch.advantages,
-                mask=batch.response_mask,
+                mask=batch.loss_mask,
             ),
         )
         out.loss.backward()

@@ -10,7 +10,8 @@ Three pieces, none of them touching Kafka:
   exceed ``max_tokens``, or ``max_wait_s`` after its first group arrived (a slow
   partition never stalls training). Groups are never split.
 - ``pack`` and ``response_logprobs``: response-aligned ``[B, T]`` tensors (``T`` the
-  longest response, a response mask) and ``logp_new`` computed by
+  longest response, a response mask, and a loss mask that leaves out the environment
+  tokens of multi-turn episodes: conditioned on, never trained) and ``logp_new`` computed by
   ``core.logprobs.response_logprobs_tensor``, the function the stream's old-logit
   service uses for ``logp_old``: same right-padded layout, position ids, float32
   log-softmax and temperature, so ``s = exp(logp_new - logp_old)`` carries no layout noise.
@@ -214,12 +215,14 @@ class BatchAssembler:
 @dataclass(frozen=True)
 class PackedBatch:
     """A micro-batch as response-aligned ``[B, T]`` tensors (``T`` = longest response):
-    response_mask, logp_infer, logp_old (0 where absent); ``[B]``: old_exact (the record's
-    ``logp_old`` is exact), advantages. ``pairs`` are the (prompt_ids, response_ids) rows
-    handed to ``core.logprobs`` in the same order."""
+    response_mask (every response token), loss_mask (the policy's tokens: what the loss,
+    its denominators and token metrics cover), logp_infer, logp_old (0 where absent);
+    ``[B]``: old_exact (the record's ``logp_old`` is exact), advantages. ``pairs`` are the
+    (prompt_ids, response_ids) rows handed to ``core.logprobs`` in the same order."""
 
     pairs: tuple[tuple[np.ndarray, np.ndarray], ...]
     response_mask: torch.Tensor
+    loss_mask: torch.Tensor
     logp_infer: torch.Tensor
     logp_old: torch.Tensor
     old_exact: torch.Tensor
@@ -234,6 +237,7 @@ class PackedBatch:
         return PackedBatch(
             pairs=self.pairs,
             response_mask=self.response_mask.to(device),
+            loss_mask=self.loss_mask.to(device),
             logp_infer=self.logp_infer.to(device),
             logp_old=self.logp_old.to(device),
             old_exact=self.old_exact.to(device),
@@ -251,6 +255,7 @@ def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
     batch = len(trajectories)
     width = max(max(t.num_response_tokens for t in trajectories), 1)
     resp_mask = np.zeros((batch, width), dtype=bool)
+    loss_mask = np.zeros((batch, width), dtype=bool)
     logp_infer = np.zeros((batch, width), dtype=np.float32)
     logp_old = np.zeros((batch, width), dtype=np.float32)
     old_exact = np.zeros(batch, dtype=bool)
@@ -258,6 +263,7 @@ def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
     for i, traj in enumerate(trajectories):
         r = traj.num_response_tokens
         resp_mask[i, :r] = True
+        loss_mask[i, :r] = traj.loss_mask if traj.turn_kinds is not None else True
         logp_infer[i, :r] = traj.logp_infer
         if traj.logp_old is not None and traj.old_logits_status == OldLogitsStatus.EXACT:
             logp_old[i, :r] = traj.logp_old
@@ -268,6 +274,7 @@ def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
     return PackedBatch(
         pairs=tuple((t.prompt_ids, t.response_ids) for t in trajectories),
         response_mask=torch.from_numpy(resp_mask),
+        loss_mask=torch.from_numpy(loss_mask),
         logp_infer=torch.from_numpy(logp_infer),
         logp_old=torch.from_numpy(logp_old),
         old_exact=torch.from_numpy(old_exact),
@@ -321,4 +328,13 @@ def check_trainable(traj: Trajectory, vocab_size: int, max_length: int) -> str |
         return "nonfinite_logprob: logp_old"
     if int(np.sum(traj.segment_lengths)) != traj.num_response_tokens:
         return "segment_mismatch: segment lengths do not sum to the response length"
+    if traj.turn_lengths is not None or traj.turn_kinds is not None:
+        if traj.turn_lengths is None or traj.turn_kinds is None:
+            return "turn_mismatch: turn_lengths and turn_kinds must both be present"
+        if len(traj.turn_lengths) != len(traj.turn_kinds) or (
+            int(np.sum(traj.turn_lengths)) != traj.num_response_tokens
+        ):
+            return "turn_mismatch: turns do not cover the response"
+        if (traj.turn_lengths <= 0).any():
+            return "empty_turn: a turn of no tokens"
     return None

@@ -11,7 +11,7 @@ Data metrics (``data_metrics``), over the trajectories trained in the step:
 ``reward/mean``, ``reward/std``  reward of the trained trajectories
 ``response/length_mean|max``     response tokens per trajectory
 ``prompt/length_mean``           prompt tokens per trajectory
-``staleness/mean``               mean over response tokens of (trainer version − the version
+``staleness/mean``               mean over policy tokens of (trainer version − the version
                                  of the segment that generated the token)
 ``staleness/max``                largest token staleness
 ``staleness/hist/<b>``           trajectories whose staleness (trainer version − oldest
@@ -19,6 +19,13 @@ Data metrics (``data_metrics``), over the trajectories trained in the step:
 ``staleness/region/<r>``         mean token staleness of region r's trajectories (version lag
                                  per region)
 ``data/groups``, ``data/trajectories``  trained in the step
+``episode/turns_mean|max``       turns per trajectory (1 for a single-turn record)
+``episode/policy_token_share``   policy tokens / response tokens (trained); ``env_token_share``
+                                 the rest: environment tokens, conditioned on, not trained
+``episode/tool_calls_mean``      tool calls per trajectory; ``tool_calls_total`` their sum
+``episode/length_mean|max``      prompt + response tokens: the context an episode ended with
+``episode/end/<reason>``         trajectories whose multi-turn episode ended for that reason
+                                 (``done``, ``max_turns``, ``tool_timeout`` ...)
 ==============================  ===============================================================
 
 Loss metrics come from ``consumers.losses`` (see its table): ``loss/total``,
@@ -88,6 +95,7 @@ def data_metrics(trajectories: Sequence[Trajectory], version: int) -> dict[str, 
         "response/length_max": float(resp.max()),
         "prompt/length_mean": float(prompt.mean()),
     }
+    out.update(episode_metrics(trajectories))
     for name, _, _ in STALENESS_BUCKETS:
         out[f"staleness/hist/{name}"] = 0.0
     token_staleness: list[np.ndarray] = []
@@ -97,6 +105,8 @@ def data_metrics(trajectories: Sequence[Trajectory], version: int) -> dict[str, 
             oldest = version - int(traj.segment_versions.min())
             out[f"staleness/hist/{staleness_bucket(oldest)}"] += 1.0
         per_token = version - traj.token_versions()
+        if traj.turn_kinds is not None:
+            per_token = per_token[traj.loss_mask]  # staleness of what is trained
         token_staleness.append(per_token)
         by_region.setdefault(traj.region, []).append(per_token)
     all_tokens = np.concatenate(token_staleness) if token_staleness else np.empty(0)
@@ -107,6 +117,32 @@ def data_metrics(trajectories: Sequence[Trajectory], version: int) -> dict[str, 
         joined = np.concatenate(parts)
         if joined.size:
             out[f"staleness/region/{region}"] = float(joined.mean())
+    return out
+
+
+def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Turns, policy/environment token shares, tool calls, lengths and end reasons."""
+    turns = np.array([t.num_turns for t in trajectories], dtype=np.float64)
+    policy = sum(t.num_policy_tokens for t in trajectories)
+    response = sum(t.num_response_tokens for t in trajectories)
+    tools = np.array([t.tool_calls for t in trajectories], dtype=np.float64)
+    length = np.array(
+        [t.num_prompt_tokens + t.num_response_tokens for t in trajectories], dtype=np.float64
+    )
+    out = {
+        "episode/turns_mean": float(turns.mean()),
+        "episode/turns_max": float(turns.max()),
+        "episode/policy_token_share": policy / response if response else 1.0,
+        "episode/env_token_share": (response - policy) / response if response else 0.0,
+        "episode/tool_calls_mean": float(tools.mean()),
+        "episode/tool_calls_total": float(tools.sum()),
+        "episode/length_mean": float(length.mean()),
+        "episode/length_max": float(length.max()),
+    }
+    for traj in trajectories:
+        if traj.episode_end:
+            key = f"episode/end/{traj.episode_end}"
+            out[key] = out.get(key, 0.0) + 1.0
     return out
 
 

@@ -20,6 +20,10 @@ The EWMA is created the first time a batch needs it (θ_prox = the current weigh
 fresh average) and, from then on, updated after every trainer step (one scored batch,
 whatever its number of optimiser steps), or reset by its reset rule. ``mismatch/k3_kl`` is always
 computed over exact records only (k3 of logp_old − logp_infer), whatever the anchor.
+
+Every loss sees the batch's loss mask: the environment tokens of a multi-turn episode
+(tool results the policy conditioned on) carry no gradient and count in no denominator or
+token metric; ``tokens/env`` counts them.
 """
 
 from __future__ import annotations
@@ -40,7 +44,13 @@ from consumers.train_engine import TrainEngine
 from schemas.trajectory import OldLogitsStatus, Trajectory
 
 #: Metrics summed over micro-batches (the others are response-token-weighted means).
-_SUMMED = ("tokens/response", "mis/masked_seqs", "veto/catastrophic_seqs", "nav/vetoed_seqs")
+_SUMMED = (
+    "tokens/response",
+    "tokens/env",
+    "mis/masked_seqs",
+    "veto/catastrophic_seqs",
+    "nav/vetoed_seqs",
+)
 
 
 @dataclass(frozen=True)
@@ -292,7 +302,7 @@ def anchored_inputs(
         logp_old=logp_old,
         logp_infer=batch.logp_infer,
         advantages=batch.advantages,
-        mask=batch.response_mask,
+        mask=batch.loss_mask,
         logp_ref=logp_ref,
         logp_prox=logp_prox if is_ppo_ewma else None,
     )
@@ -303,20 +313,24 @@ def step_metrics(
     loss_metrics: dict[str, float], batch: PackedBatch, anchored_on_prox: torch.Tensor | None
 ) -> dict[str, float]:
     """The loss's metrics with ``mismatch/k3_kl`` over exact records only, plus the
-    fractions of exact and proximal-anchored tokens."""
+    fractions of exact and proximal-anchored tokens (policy tokens, like the loss) and the
+    number of environment tokens left out of the loss."""
     metrics = dict(loss_metrics)
     metrics.pop("mismatch/k3_kl", None)
     exact = batch.old_exact[:, None]
     with torch.no_grad():
-        exact_mask = batch.response_mask & exact
+        trained = batch.loss_mask
+        n_trained = max(int(trained.sum()), 1)
+        exact_mask = trained & exact
         n_exact = int(exact_mask.sum())
         if n_exact:
             log_d = torch.where(exact_mask, batch.logp_old - batch.logp_infer, 0.0)
             metrics["mismatch/k3_kl"] = float(k3(log_d).sum()) / n_exact
-        metrics["data/exact_old_frac"] = n_exact / max(int(batch.response_mask.sum()), 1)
+        metrics["data/exact_old_frac"] = n_exact / n_trained
         if anchored_on_prox is not None:
-            n_prox = int((batch.response_mask & anchored_on_prox).sum())
-            metrics["data/anchor_prox_frac"] = n_prox / max(int(batch.response_mask.sum()), 1)
+            n_prox = int((trained & anchored_on_prox).sum())
+            metrics["data/anchor_prox_frac"] = n_prox / n_trained
+        metrics["tokens/env"] = float((batch.response_mask & ~trained).sum())
     return metrics
 
 
