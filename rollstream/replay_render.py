@@ -8,6 +8,12 @@ id, text, version, ``logp_infer``, ``logp_old``, ``log d = logp_old - logp_infer
 discrepancy ratio ``d = exp(log d)`` (rows with ``d`` outside [0.5, 2]
 are highlighted). A scored group shows its advantages and per-sample diagnostics first.
 
+A multi-turn episode also shows its turns (``P0 [0:5) v3`` = policy turn 0, response
+tokens 0 to 4, generated at version 3; ``E1 [5:8) env`` = the environment's tokens), its
+tool calls and why it ended; each turn's text is decoded on its own line, and the token
+table names every token's turn, with the environment's tokens dimmed and marked ``env``
+(they carry no ``log d``: nobody sampled them, and the trainer never trains them).
+
 Tokenizers (``--tokenizer``): ``auto`` picks one from the record's task
 (``producers.tasks``): the tiny vocabulary for the digit tasks, SmolLM2's for
 ``arithmetic`` when its converted checkpoint is already in the cache (replay never
@@ -28,7 +34,7 @@ from rich.table import Table
 
 from rollstream.records import ReplayRecord
 from schemas.group import SampleDiagnostics, ScoredGroup
-from schemas.trajectory import Trajectory
+from schemas.trajectory import Trajectory, TurnKind
 
 TINY_TASKS = frozenset({"copy-first-digit-twice", "reverse-3-digits"})
 HIGHLIGHT_D = (0.5, 2.0)
@@ -165,12 +171,33 @@ class Renderer:
             self.console.print(
                 f"  k3 KL(infer‖old) {_f(diagnostics.k3_kl)}  d mean {_f(diagnostics.d_mean)} "
                 f"min {_f(diagnostics.d_min)} max {_f(diagnostics.d_max)}"
+                + ("  (policy tokens)" if traj.turn_kinds is not None else "")
             )
+        turns = _turn_spans(traj)
+        if traj.turn_kinds is not None or traj.tool_calls or traj.episode_end:
+            self.console.print(
+                _escape(
+                    f"  turns {len(turns) if turns is not None else '?'}  policy tokens "
+                    f"{_policy_tokens(traj)}/{traj.num_response_tokens}  tool calls "
+                    f"{traj.tool_calls}  episode_end {traj.episode_end or '-'}"
+                )
+            )
+            if turns is not None:
+                self.console.print(
+                    "  " + _escape("  ".join(_turn_label(traj, *span) for span in turns))
+                )
         prompt = self.text(traj.task, traj.prompt_ids)
         if prompt is not None:
             self.console.print(f"  prompt   {_escape(repr(prompt))}")
-            response = self.text(traj.task, traj.response_ids)
-            self.console.print(f"  response {_escape(repr(response))}")
+            if traj.turn_kinds is not None and turns is not None:
+                for i, (kind, start, end) in enumerate(turns):
+                    text = self.text(traj.task, traj.response_ids[start:end])
+                    who = "policy" if kind == TurnKind.POLICY else "env   "
+                    style = "" if kind == TurnKind.POLICY else "[dim]"
+                    self.console.print(f"  {style}turn {i} {who} {_escape(repr(text))}")
+            else:
+                response = self.text(traj.task, traj.response_ids)
+                self.console.print(f"  response {_escape(repr(response))}")
         else:
             self.console.print(f"  prompt ids {traj.prompt_ids.tolist()}")
         if self.options.tokens:
@@ -179,8 +206,13 @@ class Renderer:
     def token_table(self, traj: Trajectory) -> Table:
         """One row per response token: version, logp_infer, logp_old, log d and d."""
         table = Table(box=None, pad_edge=False, header_style="bold")
-        for name in ("#", "id", "token", "v", "logp_infer", "logp_old", "log d", "d"):
-            table.add_column(name, justify="left" if name == "token" else "right")
+        multi = traj.turn_kinds is not None
+        names = ("#", "turn", "id", "token", "v", "logp_infer", "logp_old", "log d", "d")
+        for name in names if multi else tuple(n for n in names if n != "turn"):
+            table.add_column(name, justify="left" if name in ("token", "turn") else "right")
+        turn_of: list[str] = []
+        for i, (kind, start, end) in enumerate(_turn_spans(traj) or []):
+            turn_of += [f"{'P' if kind == TurnKind.POLICY else 'E'}{i}"] * (end - start)
         versions = (
             traj.token_versions()
             if int(np.sum(traj.segment_lengths)) == traj.num_response_tokens
@@ -191,22 +223,26 @@ class Renderer:
         for i, token in enumerate(traj.response_ids.tolist()):
             infer = float(traj.logp_infer[i]) if i < len(traj.logp_infer) else math.nan
             row_old = float(old[i]) if old is not None and i < len(old) else None
-            log_d = None if row_old is None else row_old - infer
+            turn = turn_of[i] if i < len(turn_of) else "?"
+            env = turn.startswith("E")
+            log_d = None if row_old is None or env else row_old - infer
             d = None if log_d is None else math.exp(log_d)
-            style = None
+            style = "dim" if env else None
             if d is not None and not HIGHLIGHT_D[0] <= d <= HIGHLIGHT_D[1]:
                 style = "bold red"
-            table.add_row(
+            cells = [
                 str(i),
                 str(token),
                 _escape(repr(tok.decode([token]))) if tok is not None else "",
-                str(int(versions[i])) if versions is not None else "?",
+                "env" if env else (str(int(versions[i])) if versions is not None else "?"),
                 f"{infer:.5f}",
                 "-" if row_old is None else f"{row_old:.5f}",
                 "-" if log_d is None else f"{log_d:+.5f}",
                 "-" if d is None else f"{d:.5f}",
-                style=style,
-            )
+            ]
+            if multi:
+                cells.insert(1, turn)
+            table.add_row(*cells, style=style)
         return table
 
     def group(self, group: ScoredGroup) -> None:
@@ -225,6 +261,7 @@ class Renderer:
             "advantage",
             "staleness",
             "segments",
+            "turns",
             "logp_old",
             "k3 KL",
             "d mean",
@@ -244,6 +281,7 @@ class Renderer:
                     f"v{int(v)}×{int(n)}"
                     for v, n in zip(traj.segment_versions, traj.segment_lengths, strict=False)
                 ),
+                _turns_cell(traj),
                 traj.old_logits_status,
                 _f(diag.k3_kl),
                 _f(diag.d_mean),
@@ -263,6 +301,45 @@ class Renderer:
         for name in sorted(metrics):
             table.add_row(name, repr(float(metrics[name])))
         self.console.print(table)
+
+
+def _turn_spans(traj: Trajectory) -> list[tuple[TurnKind, int, int]] | None:
+    """The record's turns, or None when its layout is broken (a dead letter can be)."""
+    try:
+        spans = traj.turns()
+    except (ValueError, TypeError):
+        return None
+    if spans and spans[-1][2] != traj.num_response_tokens:
+        return None
+    return spans
+
+
+def _policy_tokens(traj: Trajectory) -> str:
+    try:
+        return str(traj.num_policy_tokens)
+    except (ValueError, TypeError, IndexError):
+        return "?"
+
+
+def _turn_label(traj: Trajectory, kind: TurnKind, start: int, end: int) -> str:
+    """``P0 [0:5) v3`` for a policy turn (its versions), ``E1 [5:8) env`` for the env's."""
+    index = next(i for i, span in enumerate(traj.turns()) if span[1] == start)
+    if kind != TurnKind.POLICY:
+        return f"E{index} [{start}:{end}) env"
+    label = f"P{index} [{start}:{end})"
+    if int(np.sum(traj.segment_lengths)) != traj.num_response_tokens:
+        return f"{label} v?"
+    versions = sorted(set(traj.token_versions()[start:end].tolist()))
+    return f"{label} " + "→".join(f"v{v}" for v in versions)
+
+
+def _turns_cell(traj: Trajectory) -> str:
+    """Turns, tool calls and episode end of a group's sample, in one short cell."""
+    if traj.turn_kinds is None and not traj.tool_calls and not traj.episode_end:
+        return "1"
+    turns = _turn_spans(traj)
+    count = "?" if turns is None else str(len(turns))
+    return f"{count} ({traj.tool_calls} tools, {traj.episode_end or '-'})"
 
 
 def _is_terminal() -> bool:

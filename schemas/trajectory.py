@@ -168,8 +168,9 @@ class Trajectory:
             and lengths.tolist() == [len(response)]
         ):
             fields["turn_lengths"] = fields["turn_kinds"] = None  # the canonical single turn
-        if isinstance(fields.get("episode_end"), EpisodeEnd):
-            fields["episode_end"] = fields["episode_end"].value
+        end = fields.get("episode_end")
+        if isinstance(end, str) and type(end) is not str:  # an EpisodeEnd (any StrEnum)
+            fields["episode_end"] = str(end)
         return cls(**fields)
 
     @property
