@@ -172,8 +172,9 @@ def build_rig(route: Route, seed: int, settings: Settings, **trainer: Any) -> Ri
     from consumers.step import StepRunner
     from consumers.train_engine import TrainEngine
     from core.models import EOS_ID, PAD_ID, load_model
+    from producers.catalog import make_task
     from producers.inference_engine import Engine, SamplingParams
-    from producers.tasks import TaskContext, make_task
+    from producers.tasks import TaskContext
     from streams.config import OldLogitsConfig
     from streams.oldlogits import OldLogitEngine
     from streams.snapshots import InMemorySource, SnapshotStore

@@ -181,11 +181,12 @@ def bench_publish(model: str, groups: int, bootstrap: str | None, threads: int) 
 def _publish_run(engine, model, groups, client_config, topic, workdir, fsync: bool) -> None:
     from core.config import default_cache_dir
     from producers.backends import LocalBackend
+    from producers.catalog import make_task
     from producers.config import RolloutConfig
     from producers.group_publisher import GroupPublisher
     from producers.ledger import Ledger
     from producers.metrics import ProducerMetrics
-    from producers.tasks import TaskContext, make_task
+    from producers.tasks import TaskContext
     from producers.worker import RolloutWorker
 
     tiny = parse_model_spec(model).is_tiny

@@ -1,7 +1,7 @@
 """Tasks: where prompts come from and how responses are scored.
 
 A task is a prompt source plus a reward function (``Task``). The registry maps names to
-factories; ``make_task(name, options, context)`` builds one. Built in:
+factories; ``producers.catalog.make_task(name, options, context)`` builds one. Built in:
 
 - ``copy-first-digit-twice`` and ``reverse-3-digits``: synthetic tasks for the tiny model
   (``core.models``: vocab PAD BOS EOS SEP ``+`` 0-9). Prompt ``BOS d1 d2 d3 SEP``; the target
@@ -105,30 +105,12 @@ def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
     return decorate
 
 
-def _register_builtin_environments() -> None:
-    """The multi-turn environments live in their own module, which imports this one."""
-    import producers.environments  # noqa: F401  (registers them)
+def registered_factory(name: str) -> TaskFactory | None:
+    return _REGISTRY.get(name)
 
 
-def available_tasks() -> list[str]:
-    _register_builtin_environments()
+def registered_names() -> list[str]:
     return sorted(_REGISTRY)
-
-
-def make_task(name: str, options: dict[str, Any] | None, context: TaskContext) -> Task:
-    """Build a registered task or environment, or one whose factory is given as
-    ``module:attr``."""
-    _register_builtin_environments()
-    factory = _REGISTRY.get(name)
-    if factory is None:
-        if ":" not in name and "." not in name:
-            raise KeyError(f"unknown task {name!r}; registered: {available_tasks()}")
-        factory = load_object(name)
-    task = factory(context, **(options or {}))
-    for attr in ("name", "max_new_tokens", "stop_token_ids", "sample", "reward"):
-        if not hasattr(task, attr):
-            raise TypeError(f"task {name!r} built by {factory!r} has no {attr!r}")
-    return task
 
 
 # --- synthetic digit tasks (tiny model) ----------------------------------------------------
@@ -401,12 +383,12 @@ __all__ = [
     "Prompt",
     "Task",
     "TaskContext",
-    "available_tasks",
     "load_object",
-    "make_task",
     "make_word_problem",
     "read_examples",
     "register_task",
+    "registered_factory",
+    "registered_names",
     "score_arithmetic",
     "score_digits",
 ]

@@ -817,9 +817,10 @@ async def run_producer(
 
     from core.topic_reader import end_offsets
     from producers.backends import HttpBackend, LocalBackend
+    from producers.catalog import make_task
     from producers.client import EngineClient
     from producers.ledger import Ledger, recover
-    from producers.tasks import TaskContext, make_task
+    from producers.tasks import TaskContext
 
     rollout = producers.rollout
     producer_id = rollout.producer_id or default_producer_id()

@@ -26,9 +26,10 @@ from support.streams import (
 from test_streams_logic import Harness
 
 from core.config import KafkaConfig
+from producers.catalog import make_task
 from producers.config import CurriculumConfig, RolloutConfig, SamplingConfig
 from producers.curriculum import Curriculum, PromptStatsReader, PromptStatsView
-from producers.tasks import Prompt, TaskContext, make_task
+from producers.tasks import Prompt, TaskContext
 from producers.worker import RolloutWorker
 from schemas.codec import encode
 from schemas.control import PromptStats, prompt_key

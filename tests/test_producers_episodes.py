@@ -13,6 +13,7 @@ from support.envs import BrokenEnvironment
 from support.fake_engine import FakeBackend, FakePublisher
 
 from core.models import BOS_ID, DIGIT0_ID, EOS_ID, SEP_ID
+from producers.catalog import make_task
 from producers.config import RolloutConfig, SamplingConfig
 from producers.environments import (
     CalculatorEpisode,
@@ -22,7 +23,7 @@ from producers.environments import (
     evaluate_expression,
 )
 from producers.episodes import EpisodeResult, EpisodeRunner
-from producers.tasks import Prompt, TaskContext, make_task
+from producers.tasks import Prompt, TaskContext
 from producers.worker import RolloutWorker
 from schemas.trajectory import EpisodeEnd, Trajectory, TurnKind
 from schemas.validation import ValidationLimits, validate

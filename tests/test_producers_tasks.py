@@ -12,11 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from core.models import BOS_ID, DIGIT0_ID, EOS_ID, SEP_ID, TinyTokenizer
+from producers.catalog import available_tasks, make_task
 from producers.config import ProducersConfig, RolloutConfig, SamplingConfig
 from producers.tasks import (
     TaskContext,
-    available_tasks,
-    make_task,
     make_word_problem,
     register_task,
     score_arithmetic,

@@ -23,11 +23,12 @@ from core.config import default_cache_dir
 from core.models import build_tiny_llama
 from core.topic_reader import end_offsets
 from infra.topics import ensure_topics
+from producers.catalog import make_task
 from producers.config import EngineConfig, ProducersConfig, RolloutConfig, SamplingConfig
 from producers.inference_engine import Engine
 from producers.ledger import Ledger, read_ledger, recover
 from producers.server import ServerThread
-from producers.tasks import TaskContext, make_task
+from producers.tasks import TaskContext
 from producers.worker import ledger_dir, run_producer
 from rollstream.config import RollstreamConfig
 from schemas.codec import decode, encode, parse_headers, routing_headers

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from support.fake_engine import TOKEN, FakeBackend, FakePublisher
 
+from producers.catalog import make_task
 from producers.config import RolloutConfig, SamplingConfig
-from producers.tasks import TaskContext, make_task
+from producers.tasks import TaskContext
 from producers.worker import RolloutWorker
 
 TOKENS = 6  # per sample

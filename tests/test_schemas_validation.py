@@ -182,7 +182,6 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], Reason, str]] = [
      Reason.UNKNOWN_EPISODE_END, "episode_end"),
     ("multi_turn_without_end", multi_turn(episode_end=""), {},
      Reason.EPISODE_END_MISMATCH, "episode_end"),
-    ("single_turn_with_tools", {"tool_calls": 1}, {}, Reason.EPISODE_END_MISMATCH, "tool_calls"),
 ]
 # fmt: on
 
