@@ -35,9 +35,12 @@ class SamplingConfig(StrictModel):
     )
     ignore_eos: bool = False
 
-    def to_sglang(self, max_new_tokens: int, stop_token_ids: list[int]) -> dict[str, Any]:
-        """The ``sampling_params`` object of one ``/generate`` request."""
-        return {
+    def to_sglang(
+        self, max_new_tokens: int, stop_token_ids: list[int], stop: list[str] | None = None
+    ) -> dict[str, Any]:
+        """The ``sampling_params`` object of one ``/generate`` request; ``stop`` strings
+        (an environment's end of a tool call) only when there are some."""
+        params: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -48,6 +51,9 @@ class SamplingConfig(StrictModel):
             ),
             "ignore_eos": self.ignore_eos,
         }
+        if stop:
+            params["stop"] = list(stop)
+        return params
 
 
 class EngineConfig(StrictModel):

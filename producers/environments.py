@@ -92,6 +92,8 @@ class Environment(Task, Protocol):
     ``stop_token_ids`` apply to each policy turn; ``Task.reward`` is not used."""
 
     limits: EpisodeLimits
+    # Optional: ``stop: list[str]``, strings that end a policy turn (SGLang's ``stop``;
+    # e.g. the end of a tool call, so the tool answers before the policy goes on).
 
     def start(self, prompt: Prompt) -> Episode: ...
 
@@ -270,6 +272,7 @@ class CalculatorArithmetic:
     name: str = "arithmetic-calculator"
     max_new_tokens: int = 96
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=lambda: ["</calc>"])  # the tool answers here
     limits: EpisodeLimits = field(
         default_factory=lambda: EpisodeLimits(max_turns=4, max_total_tokens=512)
     )

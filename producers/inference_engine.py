@@ -63,6 +63,7 @@ _SUPPORTED = {
     "min_p": 0.0,
     "max_new_tokens": 128,
     "stop_token_ids": None,
+    "stop": None,
     "ignore_eos": False,
 }
 # Accepted and ignored: they only shape the detokenized text, never the tokens.
@@ -70,7 +71,6 @@ _TEXT_ONLY = frozenset({"skip_special_tokens", "spaces_between_special_tokens", 
 # Accepted only at their neutral value: anything else would change the sampled tokens.
 _NEUTRAL = {
     "n": (1,),
-    "stop": (None, "", ()),
     "frequency_penalty": (0, 0.0),
     "presence_penalty": (0, 0.0),
     "repetition_penalty": (1, 1.0),
@@ -100,6 +100,20 @@ class EngineBusy(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+MAX_STOP_CHARS = 64
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    """SGLang's ``stop``: one string or a list of them (empty: none)."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list | tuple) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise TypeError(f"stop must be a string or a list of strings, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """The subset of SGLang's ``sampling_params`` that this engine implements."""
@@ -110,6 +124,7 @@ class SamplingParams:
     min_p: float = 0.0
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings: generation ends once the output text has one
     ignore_eos: bool = False
 
     @classmethod
@@ -136,6 +151,7 @@ class SamplingParams:
                 min_p=float(merged["min_p"]),
                 max_new_tokens=int(merged["max_new_tokens"]),
                 stop_token_ids=tuple(int(t) for t in merged["stop_token_ids"] or ()),
+                stop=_stop_strings(merged["stop"]),
                 ignore_eos=bool(merged["ignore_eos"]),
             )
         except (TypeError, ValueError) as exc:
@@ -154,6 +170,10 @@ class SamplingParams:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_new_tokens < 0:
             raise RequestError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in self.stop) or len(self.stop) > 16:
+            raise RequestError(
+                f"stop must be at most 16 strings of 1 to {MAX_STOP_CHARS} characters"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -465,6 +485,8 @@ class Engine:
                 f"{self.context_length} tokens"
             )
         params.check()
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need the engine's tokenizer; this engine has none")
         return _Request(rid or uuid.uuid4().hex, ids, params, bool(logprob))
 
     # --- weights -----------------------------------------------------------------------
@@ -866,6 +888,13 @@ class Engine:
             not params.ignore_eos and token in self.eos_token_ids
         ):
             return {"type": "stop", "matched": token}
+        if params.stop:
+            # a stop string spans at most its length in tokens, plus one partly decoded
+            window = max(len(s) for s in params.stop) + 1
+            tail = self.tokenizer.decode(request.output_ids[-window:])
+            for stop in params.stop:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
         if len(request.output_ids) >= params.max_new_tokens:
             return {"type": "length", "length": params.max_new_tokens}
         if len(request.input_ids) + len(request.output_ids) >= self.context_length:

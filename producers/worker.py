@@ -596,7 +596,9 @@ class RolloutWorker:
 
         def turn_of(index: int) -> GenerateTurn:
             async def generate_turn(history: list[int], max_new_tokens: int, turn: int) -> Sample:
-                params = self.config.sampling.to_sglang(max_new_tokens, self.task.stop_token_ids)
+                params = self.config.sampling.to_sglang(
+                    max_new_tokens, self.task.stop_token_ids, getattr(self.task, "stop", None)
+                )
                 rid = f"{group_id}-{index}-t{turn}"
                 outputs, version, swaps = await self._call([history], [params], [f"{rid}-0"])
                 return await self._complete(history, params, rid, outputs[0], version, swaps)

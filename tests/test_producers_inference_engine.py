@@ -197,7 +197,9 @@ def test_sampling_params_follow_sglang_and_refuse_what_they_cannot_honour():
         ({"n": 4}, "n=4"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"regex": "a+"}, "regex"),
-        ({"stop": ["###"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["x" * 65]}, "stop"),
+        ({"stop": [3]}, "stop"),
         ({"bogus": 1}, "bogus"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
@@ -205,6 +207,31 @@ def test_sampling_params_follow_sglang_and_refuse_what_they_cannot_honour():
     ]:
         with pytest.raises(RequestError, match=message):
             SamplingParams.from_dict(bad)
+
+
+def test_stop_strings_end_generation_where_the_output_text_has_one():
+    from core.models import TinyTokenizer
+
+    engine = Engine(
+        build_tiny_llama(seed=0), model_path="tiny", seed=3, tokenizer=TinyTokenizer()
+    ).start()
+    try:
+        engine.generator.manual_seed(3)
+        free = engine.generate(PROMPTS, SamplingParams(max_new_tokens=30, ignore_eos=True))
+        # a stop string the free run produced: the first two tokens' text
+        text = engine.tokenizer.decode(free[0].output_ids[1:3])
+        params = SamplingParams(max_new_tokens=30, ignore_eos=True, stop=(text,))
+        engine.generator.manual_seed(3)  # the same draws, as long as row 0 runs
+        stopped = engine.generate(PROMPTS, params)[0]
+        assert stopped.finish_reason == {"type": "stop", "matched": text}
+        assert text in engine.tokenizer.decode(stopped.output_ids)
+        assert text not in engine.tokenizer.decode(stopped.output_ids[:-1])
+        assert SamplingParams.from_dict({"stop": "ab"}).stop == ("ab",)
+    finally:
+        engine.shutdown()
+    bare = Engine(build_tiny_llama(seed=0), model_path="tiny")
+    with pytest.raises(RequestError, match="tokenizer"):
+        bare.generate([PROMPTS[0]], SamplingParams(stop=("1",)))
 
 
 def test_invalid_requests_raise_before_anything_is_queued(engine):
