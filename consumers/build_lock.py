@@ -10,6 +10,10 @@ trainer waits for it forever. Torch cannot tell a live holder from a dead one; a
 ``flock`` can, because the kernel drops it with its process. So rollstream loads ops
 inside ``op_build_guard``: while it holds an exclusive flock on the extensions root, no
 other rollstream process is loading, and any baton it finds is stale and removed.
+Trainer ranks rendezvous with each other while they initialise ``deepspeed.comm``, so
+none may hold the guard then (the one holding it would wait for a rank waiting for it):
+``preload_ops`` builds and loads the op under the guard first, and the ranks initialise
+afterwards inside ``extensions_dir`` only, where the op is found built.
 
 The ops live in rollstream's own root (``<cache>/torch_extensions``, unless the user set
 ``TORCH_EXTENSIONS_DIR``), so no other program's builds share those batons. DeepSpeed's
@@ -50,7 +54,7 @@ def extensions_root(cache_dir: Path | None = None) -> Path:
 
 
 @contextmanager
-def _extensions_dir(root: Path) -> Iterator[None]:
+def extensions_dir(root: Path) -> Iterator[None]:
     """``TORCH_EXTENSIONS_DIR=root`` for the block (the only way to tell DeepSpeed's
     builder where to build), then the previous value (or none) again."""
     with _ENV_LOCK:
@@ -76,7 +80,7 @@ def op_build_guard(root: Path) -> Iterator[None]:
     """Hold rollstream's exclusive build lock on ``root`` and clear batons that dead
     processes left; DeepSpeed ops are loaded inside this block, and built under ``root``."""
     root.mkdir(parents=True, exist_ok=True)
-    with _extensions_dir(root), (root / GUARD_FILE).open("a") as guard:
+    with extensions_dir(root), (root / GUARD_FILE).open("a") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         try:
             for baton in stale_batons(root):
@@ -89,3 +93,15 @@ def op_build_guard(root: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(guard, fcntl.LOCK_UN)
+
+
+def preload_ops(root: Path) -> None:
+    """Build (once) and load DeepSpeed's CPU communication op under the guard, so that
+    initialising ``deepspeed.comm`` afterwards only finds it."""
+    with op_build_guard(root):
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+            builder.load(verbose=False)

@@ -156,6 +156,12 @@ class EngineConfig(StrictModel):
     dist_backend: str | None = Field(
         default=None, description="torch.distributed backend; empty: nccl on cuda, gloo on cpu."
     )
+    dist_timeout_s: float = Field(
+        default=86_400.0,
+        gt=0,
+        description="How long a trainer rank waits in a collective: the ranks besides 0 wait "
+        "there while rank 0 waits for data, so this bounds how long a run may sit idle.",
+    )
     zero_stage: int = Field(
         default=1, ge=0, le=3, description="ZeRO stage (0-2 on CPU; 3 needs GPUs)."
     )

@@ -96,6 +96,8 @@ class StepRunner:
         micro_batches: Sequence[Sequence[Trajectory]],
         step: int = 0,
         relaxed: Collection[str] = frozenset(),
+        *,
+        empty_ok: bool = False,
     ) -> StepResult:
         """Train one scored batch: ``grad_accum_steps`` micro-batches of whole groups.
 
@@ -105,7 +107,9 @@ class StepRunner:
         ``grad_accum_steps`` micro-batches, one optimiser step each. ``step`` seeds the
         per-pass shuffle so a replay of the same step reproduces it. ``relaxed``: ids of
         records past the staleness window, clipped with ``[trainer.staleness]
-        relaxed_clip_bounds`` (``over_window = "relaxed_clip"``).
+        relaxed_clip_bounds`` (``over_window = "relaxed_clip"``). ``empty_ok``: a trainer
+        rank whose share of a micro-batch is empty runs a zero-gradient micro-step in its
+        place, so every rank takes part in every gradient all-reduce (``consumers.ranks``).
         """
         accum = self.engine.config.grad_accum_steps
         if len(micro_batches) != accum:
@@ -115,7 +119,7 @@ class StepRunner:
         for records in micro_batches:
             kept, n_dropped = self.select(records)
             dropped += n_dropped
-            if not kept:
+            if not kept and not empty_ok:
                 raise ValueError("a micro-batch with nothing to train (select() it first)")
             kept_batches.append(kept)
         trained = [t for batch in kept_batches for t in batch]
@@ -136,6 +140,10 @@ class StepRunner:
         for minibatch in plan:
             boundary = False
             for records in minibatch:
+                if not records:
+                    self._idle_micro_step()
+                    boundary = self.engine.step()
+                    continue
                 packed = pack(records).to(self.engine.device)
                 rows = [t.trajectory_id in relaxed for t in records] if relaxed else None
                 parts.append(self._micro_step(packed, rows))
@@ -145,7 +153,7 @@ class StepRunner:
             grad_norm = self.engine.grad_norm()
             if grad_norm is not None:
                 grad_norms.append(grad_norm)
-        metrics = combine_metrics(parts)
+        metrics = combine_metrics(parts) if parts else {}
         for name in _SUMMED:  # every pass sees the same tokens: report them once
             if name in metrics:
                 metrics[name] /= ppo.epochs
@@ -178,6 +186,12 @@ class StepRunner:
         out = compute_loss(self.loss_config, inputs)
         self.engine.backward(out.loss)
         return step_metrics(out.metrics, batch, anchored_on_prox)
+
+    def _idle_micro_step(self) -> None:
+        """A backward of a zero loss over every trainable parameter: zero gradients that
+        still take part in DeepSpeed's reductions."""
+        params = [p for p in self.engine.module.parameters() if p.requires_grad]
+        self.engine.backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
 
     def _logp(self, model: Any, batch: PackedBatch) -> torch.Tensor:
         return response_logprobs(

@@ -15,6 +15,7 @@ started without a launcher gets single-process defaults for ``RANK``/``WORLD_SIZ
 from __future__ import annotations
 
 import copy
+import datetime
 import logging
 import os
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from consumers.build_lock import extensions_root, op_build_guard
+from consumers.build_lock import extensions_dir, extensions_root, preload_ops
 from consumers.config import EngineConfig
 from core.config import merge_tables
 from core.models import cast_parameters
@@ -68,11 +69,16 @@ def init_distributed(config: EngineConfig) -> str:
     if not torch.distributed.is_initialized():
         backend = config.dist_backend or ("nccl" if accelerator == "cuda" else "gloo")
         # deepspeed.comm compiles or re-checks its C++ op here; see build_lock for why
-        # that happens under rollstream's build guard.
-        with op_build_guard(extensions_root()):
+        # it is built under rollstream's build guard first, and the ranks meet outside it.
+        root = extensions_root()
+        preload_ops(root)
+        with extensions_dir(root):
             for attempt in range(PORT_ATTEMPTS):
                 try:
-                    deepspeed.init_distributed(dist_backend=backend)
+                    deepspeed.init_distributed(
+                        dist_backend=backend,
+                        timeout=datetime.timedelta(seconds=config.dist_timeout_s),
+                    )
                     break
                 except torch.distributed.DistNetworkError as err:
                     # The port was free when chosen, but another process (any outgoing

@@ -17,6 +17,10 @@ Reads like pseudocode on purpose (``Trainer.run``)::
         metrics: JSONL, Prometheus, progress line
     on stop (SIGTERM/SIGINT, max_steps): finish the step, checkpoint, close
 
+With several data-parallel ranks (a launcher's ``WORLD_SIZE`` > 1) rank 0 runs the loop
+above and hands each step's records out to the ranks (``consumers.ranks``); the others
+follow its orders: train their share, save checkpoints together, stop.
+
 Crash safety: offsets are committed only after the checkpoint that covers them is
 durable, and a restart seeks to the offsets stored in that checkpoint, so every record
 is trained into the surviving weights exactly once (``consumers.checkpoint``).
@@ -41,11 +45,21 @@ from consumers.batching import StaleGroup, TopicPartition, merge_offsets
 from consumers.checkpoint import CheckpointManager, TrainerState, TrainingLedger
 from consumers.config import CheckpointConfig, TrainerConfig
 from consumers.metrics import MetricsSink, data_metrics
+from consumers.ranks import (
+    CheckpointOrder,
+    RankChannel,
+    StopOrder,
+    TrainOrder,
+    WeightsOrder,
+    split_for_ranks,
+    token_imbalance,
+)
 from core.config import S3Config, WeightsConfig
 from core.models import load_model
 from schemas.trajectory import Trajectory
 
 if TYPE_CHECKING:
+    from consumers.step import StepResult
     from weights.announce import Announcer
 
 log = logging.getLogger(__name__)
@@ -136,7 +150,7 @@ class Trainer:
         import torch
 
         from consumers.step import StepRunner
-        from consumers.train_engine import TrainEngine, world_size
+        from consumers.train_engine import TrainEngine, rank, world_size
 
         cfg = self.config
         torch.manual_seed(cfg.engine.seed)
@@ -151,13 +165,18 @@ class Trainer:
         self.engine = TrainEngine(
             model, cfg.engine, frozen_copies=StepRunner.frozen_copies_needed(cfg)
         )
-        if world_size() > 1:
-            raise NotImplementedError(
-                "the Kafka trainer runs as one process (world size 1); data-parallel ranks "
-                "fed from rank 0 are not implemented yet"
+        self.rank, self.world = rank(), world_size()
+        if self.world > 1 and cfg.ppo.minibatches > 1:
+            raise ValueError(
+                "[trainer.ppo] minibatches > 1 needs a world of one rank: the ranks' "
+                "shares could split into different numbers of optimiser steps"
             )
+        self.channel = RankChannel(self.rank, self.world) if self.world > 1 else None
         self.runner = StepRunner(self.engine, cfg, pad_id=int(pad))
         self.checkpoints = CheckpointManager(self.settings.checkpoint_config())
+        if self.rank != 0:
+            return  # Kafka, the ledger, publishing and metrics are rank 0's
+        log.info("trainer rank 0 of a world of %d", self.world)
         self.ledger = (
             TrainingLedger(cfg.ledger_file, fsync=cfg.checkpoint.fsync)
             if cfg.ledger_file is not None
@@ -240,7 +259,7 @@ class Trainer:
                 keep_versions=self.settings.weights.keep_versions,
                 orphan_grace_s=self.settings.weights.orphan_grace_s,
             )
-            first = self.publisher.resume(self.step, self.engine.state_dict)
+            first = self.publisher.resume(self.step, self._full_weights)
             if first is not None:
                 self.summary.published.append(first.version)
 
@@ -268,14 +287,19 @@ class Trainer:
         """Train until ``max_steps`` or a stop request; always ends on a checkpoint."""
         self._build()
         try:
-            self._restore()
-            self._connect()
-            self._settle_restored()
-            max_steps = self.config.max_steps
-            while not self.stop_event.is_set() and (max_steps is None or self.step < max_steps):
-                if not self._one_step():
-                    break
-            self._checkpoint_if_behind()
+            self._restore()  # every rank: DeepSpeed's load is collective
+            if self.rank != 0:
+                self._follow()
+            else:
+                self._connect()
+                self._settle_restored()
+                max_steps = self.config.max_steps
+                while not self.stop_event.is_set() and (max_steps is None or self.step < max_steps):
+                    if not self._one_step():
+                        break
+                self._checkpoint_if_behind()
+                if self.channel is not None:
+                    self.channel.scatter([StopOrder()] * self.world)
         finally:
             self._close()
         self.summary.step = self.step
@@ -291,7 +315,10 @@ class Trainer:
         micro_batches, covered, stale, relaxed = gathered
         computed = time.perf_counter()
         version = self.step  # the weights being trained are version `step`
-        result = self.runner.train_step(micro_batches, step=self.step, relaxed=relaxed)
+        if self.channel is None:
+            result = self.runner.train_step(micro_batches, step=self.step, relaxed=relaxed)
+        else:
+            result = self._train_across_ranks(micro_batches, relaxed)
         trained_at = time.perf_counter()
         self.step += 1
         self.offsets = merge_offsets(self.offsets, covered)
@@ -324,7 +351,7 @@ class Trainer:
             metrics["lag/total"] = float(sum(lag.values()))
 
         if self.publisher is not None and self.publisher.due(self.step):
-            published = self.publisher.publish(self.step, self.engine.state_dict())
+            published = self.publisher.publish(self.step, self._full_weights())
             metrics["time/publish_s"] = published.seconds
             self.summary.published.append(self.step)
         if self.step % cfg.checkpoint.every == 0:
@@ -333,6 +360,69 @@ class Trainer:
         self.summary.steps_this_run += 1
         self.summary.trained += len(result.trained)
         return True
+
+    # --- ranks --------------------------------------------------------------------------
+
+    def _train_across_ranks(
+        self, micro_batches: list[list[Trajectory]], relaxed: set[str]
+    ) -> StepResult:
+        """Rank 0's side of a step: every micro-batch split over the ranks by tokens,
+        each rank's share sent, its own trained, every rank's metrics combined."""
+        from consumers.step import StepResult, combine_metrics
+
+        assert self.channel is not None
+        kept = [self.runner.select(batch)[0] for batch in micro_batches]
+        dropped = sum(len(b) for b in micro_batches) - sum(len(b) for b in kept)
+        splits = [split_for_ranks(batch, self.world) for batch in kept]
+        orders = [
+            TrainOrder(self.step, [split[r] for split in splits], relaxed)
+            for r in range(self.world)
+        ]
+        own = self.channel.scatter(orders)
+        assert isinstance(own, TrainOrder)
+        metrics = self._train_order(own)
+        parts = self.channel.gather_metrics(metrics)
+        assert parts is not None
+        combined = combine_metrics([p for p in parts if p])
+        for name in ("grad/norm", "grad/norm_max", "optim/lr", "ppo/optimizer_steps"):
+            if name in metrics:
+                combined[name] = metrics[name]  # the same on every rank
+        combined["ranks/world"] = float(self.world)
+        combined["ranks/token_imbalance"] = max(token_imbalance(split) for split in splits)
+        combined["ranks/empty_shares"] = float(
+            sum(not share for split in splits for share in split)
+        )
+        trained = [t for batch in kept for t in batch]
+        return StepResult(metrics=combined, trained=trained, dropped=dropped)
+
+    def _train_order(self, order: TrainOrder) -> dict[str, float]:
+        """One rank's share of a step (an empty share: a zero-gradient micro-step, so the
+        gradient all-reduce has every rank)."""
+        result = self.runner.train_step(
+            order.micro_batches, step=order.step, relaxed=order.relaxed, empty_ok=True
+        )
+        return result.metrics
+
+    def _follow(self) -> None:
+        """Ranks other than 0: do what rank 0 says until it says stop."""
+        assert self.channel is not None
+        while True:
+            order = self.channel.scatter([])
+            if isinstance(order, TrainOrder):
+                self.channel.gather_metrics(self._train_order(order))
+                self.step = order.step + 1
+            elif isinstance(order, CheckpointOrder):
+                self.checkpoints.save(self.engine, order.state)
+            elif isinstance(order, WeightsOrder):
+                self.engine.state_dict()
+            elif isinstance(order, StopOrder):
+                return
+
+    def _full_weights(self) -> dict[str, Any]:
+        """The trained weights on rank 0; under ZeRO-3 every rank takes part."""
+        if self.channel is not None and self.config.engine.zero_stage == 3:
+            self.channel.scatter([WeightsOrder()] * self.world)
+        return self.engine.state_dict()
 
     def _count_producers(self, trained: list[Trajectory]) -> None:
         """Producers whose groups were trained over the last window + 1 steps: they share
@@ -409,6 +499,8 @@ class Trainer:
             last_published=None if self.publisher is None else self.publisher.last_version,
             stale=list(self.pending_stale),
         )
+        if self.channel is not None:
+            self.channel.scatter([CheckpointOrder(state)] * self.world)
         tag = self.checkpoints.save(self.engine, state)
         _failpoint("after_checkpoint", self.step)
         if self.pending_stale:  # their offsets are durable now: never trained after a restart

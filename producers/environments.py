@@ -182,9 +182,11 @@ def echo_digits(context: TaskContext, turns: int = 3, **kw: Any) -> EchoDigits:
 CALC_CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
 CALC_OPEN = "<calc>"
 CALCULATOR_PROMPT = (
-    "You are a careful math assistant. You may use a calculator: write "
-    "<calc>expression</calc> (numbers, + - * / and parentheses) and stop; the result comes "
-    "back as <result>value</result>. When you know the answer, end with 'Answer: <number>'."
+    "You are a careful math assistant with a calculator. To use it, write "
+    "<calc>expression</calc> (numbers, + - * / and parentheses); the result comes back as "
+    "<result>value</result>. When you know the answer, end with 'Answer: <number>'.\n"
+    "Example. Question: A box holds 12 pens. How many pens are in 7 boxes?\n"
+    "You: <calc>12*7</calc>\n<result>84</result>\nAnswer: 84"
 )
 
 _OPERATORS: dict[type, Callable[..., Any]] = {

@@ -47,6 +47,11 @@ class UpConfig(StrictModel):
     stream_workers: int = Field(
         default=1, ge=1, description="Stream workers sharing the raw topic's partitions."
     )
+    trainer_ranks: int = Field(
+        default=1,
+        ge=1,
+        description="Data-parallel trainer ranks, started by torch's launcher (torchrun).",
+    )
     stop_timeout_s: float = Field(
         default=30.0, gt=0, description="SIGTERM grace per role before SIGKILL."
     )

@@ -417,10 +417,14 @@ def role_specs(
                 cpus.get("streams"),
             )
         )
+    train = [*rs, "train"]
+    if config.up.trainer_ranks > 1:  # torch's own launcher starts and watches the ranks
+        train = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={config.up.trainer_ranks}", "-m", *rs[2:], "train",
+        ]
     specs.append(
-        RoleSpec(
-            "trainer", [*rs, "train"], env, _port_probe(ports.trainer_metrics), cpus.get("trainer")
-        )
+        RoleSpec("trainer", train, env, _port_probe(ports.trainer_metrics), cpus.get("trainer"))
     )
     for i, (engine, metrics) in enumerate(
         zip(ports.engines, ports.all_producer_metrics, strict=True)
@@ -682,6 +686,9 @@ PROFILE_OPTIONS = ("sync", "model", "task", "staleness_window", "groups_per_step
 @click.option("--restarts", type=int, help="Start a crashed role again this many times.")
 @click.option("--producers", type=int, help="Producers, each with its own engine (default 1).")
 @click.option("--stream-workers", type=int, help="Stream workers (default 1).")
+@click.option(
+    "--trainer-ranks", type=int, help="Data-parallel trainer ranks via torchrun (default 1)."
+)
 @click.pass_context
 def up(ctx: click.Context, run_id: str | None, run_dir: Path | None, **options: Any) -> None:
     """Run producers, streams and trainer as separate processes on this machine, with

@@ -24,7 +24,7 @@ ENV_WRITERS = frozenset({"update", "setdefault", "pop", "popitem", "clear", "__s
 ENV_ALLOWED = {
     # scoped to the guarded block and restored: DeepSpeed's JIT builder has no
     # build-directory argument, torch reads TORCH_EXTENSIONS_DIR at every build
-    ("consumers/build_lock.py", "_extensions_dir"),
+    ("consumers/build_lock.py", "extensions_dir"),
     # DeepSpeed reads DS_ACCELERATOR and the torch.distributed rendezvous variables
     # (RANK, WORLD_SIZE, MASTER_ADDR, ...) from the environment only
     ("consumers/train_engine.py", "resolve_accelerator"),

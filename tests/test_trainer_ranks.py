@@ -1,0 +1,193 @@
+"""The trainer as two data-parallel ranks (gloo on the CPU), started by torch's own
+launcher and fed from the real broker by rank 0 (``consumers.ranks``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from support.synthetic import synthetic_groups
+from test_trainer_kafka import (
+    REPO,
+    RUN,
+    end_and_committed,
+    group_records,
+    ids_of,
+    make_topics,
+    produce,
+    read_all,
+    trainer_config,
+    wait_for_step,
+    write_toml,
+)
+
+from consumers.config import TrainerConfig
+from consumers.ranks import split_for_ranks, token_imbalance
+from consumers.step import StepRunner
+from consumers.train_engine import TrainEngine
+from core.config import KafkaConfig
+from core.models import load_model
+from schemas.group import decode_group
+
+pytestmark = pytest.mark.slow
+
+FP32 = {"lr": 1e-2, "zero_stage": 1, "bf16": False}
+
+
+def launch(config_path: Path, log_path: Path, ranks: int = 2) -> subprocess.Popen:
+    """``torchrun --standalone --nproc-per-node N -m consumers --config ...``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env["PYTHONPATH"] = str(REPO)
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={ranks}", "-m", "consumers", "--config", str(config_path)],
+        cwd=REPO, env=env, stdout=log_path.open("ab"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def config_file(tmp: Path, kafka: KafkaConfig, trainer: dict) -> Path:
+    path = tmp / "rollstream.toml"
+    write_toml(
+        path,
+        {
+            "run_id": RUN,
+            "kafka": {"bootstrap_servers": kafka.bootstrap_servers},
+            "trainer": trainer,
+        },
+    )
+    return path
+
+
+def checkpoint_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """The module weights of the LATEST checkpoint, read from DeepSpeed's file (its
+    optimiser state is partitioned for two ranks: a world of one cannot load it)."""
+    import orjson
+
+    tag = orjson.loads((directory / "LATEST").read_bytes())["tag"]
+    state = torch.load(
+        directory / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False
+    )
+    return state["module"]
+
+
+def ledger_steps(path: Path) -> list[tuple[int, list[str]]]:
+    from consumers.checkpoint import TrainingLedger
+
+    return TrainingLedger.read(path)
+
+
+def test_split_for_ranks_balances_tokens_and_keeps_every_record_once() -> None:
+    groups = synthetic_groups(3, seed=1, group_size=4, response_len=9)
+    records = [t for g in groups for t in g]
+    shares = split_for_ranks(records, 2)
+    assert sorted(t.trajectory_id for s in shares for t in s) == sorted(ids_of(groups))
+    assert token_imbalance(shares) == 0.0  # equal lengths split evenly
+    assert split_for_ranks(records, 2) == shares  # deterministic
+    assert [len(s) for s in split_for_ranks(records[:1], 3)] == [1, 0, 0]
+
+
+def test_two_ranks_train_what_one_rank_trains_with_their_shares_as_micro_batches(
+    kafka_config: KafkaConfig, unique_name: Callable[[str], str], tmp_path: Path
+) -> None:
+    topics = make_topics(kafka_config, unique_name)
+    groups = synthetic_groups(4, seed=61, run_id=RUN, version=0)
+    produce(kafka_config, topics["scored"], group_records(groups))
+    trainer = trainer_config(
+        tmp_path,
+        topics,
+        engine=FP32,
+        batch={"max_groups": 4, "max_wait_s": 30.0},
+        max_steps=1,
+    )
+    log = tmp_path / "ranks.log"
+    proc = launch(config_file(tmp_path, kafka_config, trainer), log)
+    assert proc.wait(300) == 0, log.read_text()[-4000:]
+
+    [(step, trained)] = ledger_steps(tmp_path / "ledger.jsonl")
+    assert step == 1 and sorted(trained) == sorted(ids_of(groups))  # once each
+    two_ranks = checkpoint_weights(tmp_path / "ckpt")
+
+    # one rank, the same records, the two ranks' shares as its two micro-batches
+    by_id = {
+        t.trajectory_id: t
+        for m in read_all(kafka_config, topics["scored"], expected=4)
+        for t in decode_group(m.value()).samples
+    }
+    shares = split_for_ranks([by_id[i] for i in trained], 2)
+    assert all(shares)
+    one = TrainerConfig.model_validate(
+        {
+            **trainer,
+            "engine": {**FP32, "grad_accum_steps": 2},
+            "checkpoint": {"dir": str(tmp_path / "one")},
+        }
+    )
+    torch.manual_seed(one.engine.seed)
+    engine = TrainEngine(load_model(one.model.spec, "float32"), one.engine)
+    StepRunner(engine, one, pad_id=0).train_step(shares, step=0)
+    one_rank = engine.state_dict()
+    initial = load_model(one.model.spec, "float32").state_dict()
+    moved = 0.0
+    for name, value in one_rank.items():
+        torch.testing.assert_close(two_ranks[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        moved = max(moved, float((value - initial[name]).abs().max()))
+    assert moved > 1e-4  # the step changed the weights: the comparison means something
+
+    metrics = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert '"ranks/world":2.0' in metrics[0] and '"ranks/token_imbalance"' in metrics[0]
+
+
+def test_kill_9_of_one_rank_takes_the_world_down_and_a_restart_trains_each_record_once(
+    kafka_config: KafkaConfig, unique_name: Callable[[str], str], tmp_path: Path
+) -> None:
+    topics = make_topics(kafka_config, unique_name)
+    first = synthetic_groups(8, seed=71, run_id=RUN, version=0)
+    produce(kafka_config, topics["scored"], group_records(first))
+    trainer = trainer_config(
+        tmp_path, topics, checkpoint={"dir": str(tmp_path / "ckpt"), "every": 3}
+    )
+    path = config_file(tmp_path, kafka_config, trainer)
+    log = tmp_path / "ranks.log"
+    world = launch(path, log)
+    wait_for_step(tmp_path / "metrics.jsonl", 4, world)  # 8 groups, 2 a step: all trained
+    ranks = [
+        p
+        for p in psutil.Process(world.pid).children(recursive=True)
+        if p.environ().get("LOCAL_RANK") is not None
+    ]
+    assert len(ranks) == 2, [p.cmdline() for p in ranks]
+    follower = next(p for p in ranks if p.environ().get("RANK") == "1")
+    follower.send_signal(signal.SIGKILL)  # waiting for rank 0's next order
+    assert world.wait(120) != 0, log.read_text()[-3000:]  # the launcher stops the world
+    time.sleep(1.0)
+    assert not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    # checkpoint 3 is durable; step 4 was trained into weights that died with the world
+    assert [s for s, _ in ledger_steps(tmp_path / "ledger.jsonl")] == [1, 2, 3]
+
+    more = synthetic_groups(4, seed=72, run_id=RUN, version=0)
+    produce(kafka_config, topics["scored"], group_records(more))
+    trainer["max_steps"] = 6
+    path = config_file(tmp_path, kafka_config, trainer)
+    again = launch(path, log)
+    assert again.wait(300) == 0, log.read_text()[-4000:]
+    ledger = ledger_steps(tmp_path / "ledger.jsonl")
+    assert [s for s, _ in ledger] == [1, 2, 3, 4, 5, 6]
+    trained = [i for _, ids in ledger for i in ids]
+    assert sorted(trained) == sorted(ids_of(first + more))  # nothing lost, nothing twice
+    ends, committed = end_and_committed(
+        kafka_config, topics["scored"], f"trainer-{topics['scored']}"
+    )
+    assert committed == ends
