@@ -420,8 +420,14 @@ def role_specs(
     train = [*rs, "train"]
     if config.up.trainer_ranks > 1:  # torch's own launcher starts and watches the ranks
         train = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={config.up.trainer_ranks}", "-m", *rs[2:], "train",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={config.up.trainer_ranks}",
+            "-m",
+            *rs[2:],
+            "train",
         ]
     specs.append(
         RoleSpec("trainer", train, env, _port_probe(ports.trainer_metrics), cpus.get("trainer"))

@@ -184,3 +184,29 @@ def test_pipeline_learns_the_multi_turn_echo_environment_and_reconciles(
     assert figures["problems"] == [] and figures["missing"] == 0
     assert figures["trained"] == sum(row["data/trajectories"] for row in rows)
     assert figures["trained_twice"] == 0
+
+
+def test_pipeline_learns_with_two_trainer_ranks_and_reconciles(
+    kafka_config: KafkaConfig, s3_config: S3Config, unique_name, tmp_path: Path
+) -> None:
+    config = _config(tmp_path, kafka_config, s3_config, unique_name, unique_name("ranks"))
+    run_dir = tmp_path / "run"
+    proc = _up(config, run_dir, "--trainer-ranks", "2", "--max-steps", str(STEPS))
+    out = _finish(proc, timeout_s=600)
+    assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
+    rows = _rows(run_dir)
+    assert len(rows) == STEPS
+    first, last = _mean(rows[:10], "reward/mean"), _mean(rows[-10:], "reward/mean")
+    assert last >= first + MIN_GAIN, (first, last)
+    assert all(row["ranks/world"] == 2.0 for row in rows)
+    assert all(row["data/exact_old_frac"] == 1.0 for row in rows)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
+    audit = subprocess.run(
+        [sys.executable, "-m", "rollstream", "--config", str(run_dir / "rollstream.toml"),
+         "audit", "--json"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
+    figures = json.loads(audit.stdout)
+    assert figures["problems"] == [] and figures["missing"] == 0
+    assert figures["trained"] == sum(row["data/trajectories"] for row in rows)
