@@ -210,3 +210,22 @@ def test_pipeline_learns_with_two_trainer_ranks_and_reconciles(
     figures = json.loads(audit.stdout)
     assert figures["problems"] == [] and figures["missing"] == 0
     assert figures["trained"] == sum(row["data/trajectories"] for row in rows)
+
+
+def test_smollm2_runs_the_calculator_environment_end_to_end(
+    kafka_config: KafkaConfig, s3_config: S3Config, unique_name, tmp_path: Path
+) -> None:
+    config = _config(tmp_path, kafka_config, s3_config, unique_name, unique_name("calc"))
+    run_dir = tmp_path / "run"
+    proc = _up(
+        config, run_dir, "--model", "smollm2-135m", "--task", "arithmetic-calculator",
+        "--max-steps", "2", "--groups-per-step", "2",
+    )  # fmt: skip
+    out = _finish(proc, timeout_s=600)
+    assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
+    rows = _rows(run_dir)
+    assert len(rows) == 2
+    for row in rows:  # episodes, scored per episode, old logits exact over policy tokens
+        assert row["data/trajectories"] == 8 and row["data/exact_old_frac"] == 1.0
+        assert "episode/tool_calls_total" in row and "episode/turns_mean" in row
+        assert sum(v for k, v in row.items() if k.startswith("episode/end/")) == 8

@@ -191,3 +191,47 @@ def test_kill_9_of_one_rank_takes_the_world_down_and_a_restart_trains_each_recor
         kafka_config, topics["scored"], f"trainer-{topics['scored']}"
     )
     assert committed == ends
+
+
+def test_two_ranks_under_zero_2_publish_versions_equal_to_their_weights(
+    kafka_config: KafkaConfig, s3_config, unique_name: Callable[[str], str], tmp_path: Path
+) -> None:
+    from test_trainer_staleness import s3_table
+
+    from weights.follower import WeightFollower
+    from weights.store import WeightStore
+
+    run = unique_name("ranks-publish")
+    topics = make_topics(kafka_config, unique_name)
+    groups = synthetic_groups(4, seed=81, run_id=run, version=0)
+    produce(kafka_config, topics["scored"], group_records(groups))
+    trainer = trainer_config(
+        tmp_path,
+        topics,
+        engine={**FP32, "zero_stage": 2},
+        checkpoint={"dir": str(tmp_path / "ckpt"), "every": 1},
+        max_steps=2,
+    )
+    path = tmp_path / "rollstream.toml"
+    write_toml(
+        path,
+        {
+            "run_id": run,
+            "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
+            "s3": s3_table(s3_config),
+            "trainer": trainer,
+        },
+    )
+    log = tmp_path / "ranks.log"
+    proc = launch(path, log)
+    assert proc.wait(300) == 0, log.read_text()[-4000:]
+
+    store = WeightStore.from_config(s3_config, run)
+    assert store.versions() == [0, 1, 2]  # rank 0 alone published, once per version
+    snapshot = WeightFollower(store).sync(2)
+    assert snapshot is not None and snapshot.version == 2
+    weights = checkpoint_weights(tmp_path / "ckpt")
+    initial = load_model("tiny", "float32").state_dict()
+    assert any(not torch.equal(weights[n], initial[n]) for n in weights)
+    for name, value in weights.items():
+        assert torch.equal(snapshot.state[name], value), name  # bit for bit
