@@ -89,6 +89,22 @@ def _mean(rows: list[dict[str, float]], key: str) -> float:
     return sum(row[key] for row in rows) / len(rows)
 
 
+def _assert_reconciles(run_dir: Path, rows: list[dict[str, float]]) -> None:
+    """``rollstream audit`` of the run: nothing lost, nothing twice, every trained record
+    in the trainer's metrics."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
+    audit = subprocess.run(
+        [sys.executable, "-m", "rollstream", "--config", str(run_dir / "rollstream.toml"),
+         "audit", "--json"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
+    figures = json.loads(audit.stdout)
+    assert figures["problems"] == [] and figures["missing"] == 0
+    assert figures["trained_twice"] == 0
+    assert figures["trained"] == sum(row["data/trajectories"] for row in rows)
+
+
 def test_pipeline_learns_the_tiny_task(
     kafka_config: KafkaConfig, s3_config: S3Config, unique_name, tmp_path: Path
 ) -> None:
@@ -173,17 +189,7 @@ def test_pipeline_learns_the_multi_turn_echo_environment_and_reconciles(
     assert all(row["data/exact_old_frac"] == 1.0 for row in rows)
     assert max(row["mismatch/k3_kl"] for row in rows) < 1e-6
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
-    audit = subprocess.run(
-        [sys.executable, "-m", "rollstream", "--config", str(run_dir / "rollstream.toml"),
-         "audit", "--json"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
-    figures = json.loads(audit.stdout)
-    assert figures["problems"] == [] and figures["missing"] == 0
-    assert figures["trained"] == sum(row["data/trajectories"] for row in rows)
-    assert figures["trained_twice"] == 0
+    _assert_reconciles(run_dir, rows)
 
 
 def test_pipeline_learns_with_two_trainer_ranks_and_reconciles(
@@ -200,16 +206,7 @@ def test_pipeline_learns_with_two_trainer_ranks_and_reconciles(
     assert last >= first + MIN_GAIN, (first, last)
     assert all(row["ranks/world"] == 2.0 for row in rows)
     assert all(row["data/exact_old_frac"] == 1.0 for row in rows)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
-    audit = subprocess.run(
-        [sys.executable, "-m", "rollstream", "--config", str(run_dir / "rollstream.toml"),
-         "audit", "--json"],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
-    figures = json.loads(audit.stdout)
-    assert figures["problems"] == [] and figures["missing"] == 0
-    assert figures["trained"] == sum(row["data/trajectories"] for row in rows)
+    _assert_reconciles(run_dir, rows)
 
 
 def test_smollm2_runs_the_calculator_environment_end_to_end(

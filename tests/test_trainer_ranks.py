@@ -58,7 +58,9 @@ def launch(config_path: Path, log_path: Path, ranks: int = 2) -> subprocess.Pope
     )  # fmt: skip
 
 
-def config_file(tmp: Path, kafka: KafkaConfig, trainer: dict) -> Path:
+def config_file(tmp: Path, kafka: KafkaConfig, trainer: dict, **sections: object) -> Path:
+    """The run's config file: ``run_id`` (default ``RUN``), Kafka, the trainer, and any
+    other sections (``s3``)."""
     path = tmp / "rollstream.toml"
     write_toml(
         path,
@@ -66,6 +68,7 @@ def config_file(tmp: Path, kafka: KafkaConfig, trainer: dict) -> Path:
             "run_id": RUN,
             "kafka": {"bootstrap_servers": kafka.bootstrap_servers},
             "trainer": trainer,
+            **sections,
         },
     )
     return path
@@ -212,16 +215,7 @@ def test_two_ranks_under_zero_2_publish_versions_equal_to_their_weights(
         checkpoint={"dir": str(tmp_path / "ckpt"), "every": 1},
         max_steps=2,
     )
-    path = tmp_path / "rollstream.toml"
-    write_toml(
-        path,
-        {
-            "run_id": run,
-            "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
-            "s3": s3_table(s3_config),
-            "trainer": trainer,
-        },
-    )
+    path = config_file(tmp_path, kafka_config, trainer, run_id=run, s3=s3_table(s3_config))
     log = tmp_path / "ranks.log"
     proc = launch(path, log)
     assert proc.wait(300) == 0, log.read_text()[-4000:]
