@@ -3,12 +3,14 @@ launcher and fed from the real broker by rank 0 (``consumers.ranks``)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -28,18 +30,34 @@ from test_trainer_kafka import (
     wait_for_step,
     write_toml,
 )
+from test_trainer_staleness import s3_table
 
 from consumers.config import TrainerConfig
 from consumers.ranks import split_for_ranks, token_imbalance
 from consumers.step import StepRunner
 from consumers.train_engine import TrainEngine
-from core.config import KafkaConfig
+from core.config import KafkaConfig, S3Config
 from core.models import load_model
 from schemas.group import decode_group
 
 pytestmark = pytest.mark.slow
 
 FP32 = {"lr": 1e-2, "zero_stage": 1, "bf16": False}
+
+
+@pytest.fixture()
+def launched() -> Iterator[list[subprocess.Popen]]:
+    """Launchers a test started: whatever is left of their process trees is killed at
+    teardown, so a failed test leaves no rank running."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree = psutil.Process(proc.pid)
+            for child in [*tree.children(recursive=True), tree]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+        proc.wait(30)
 
 
 def launch(config_path: Path, log_path: Path, ranks: int = 2) -> subprocess.Popen:
@@ -103,11 +121,14 @@ def test_split_for_ranks_balances_tokens_and_keeps_every_record_once() -> None:
 
 
 def test_two_ranks_train_what_one_rank_trains_with_their_shares_as_micro_batches(
-    kafka_config: KafkaConfig, unique_name: Callable[[str], str], tmp_path: Path
+    kafka_config: KafkaConfig,
+    s3_config: S3Config,
+    unique_name: Callable[[str], str],
+    tmp_path: Path,
+    launched: list[subprocess.Popen],
 ) -> None:
     topics = make_topics(kafka_config, unique_name)
     groups = synthetic_groups(4, seed=61, run_id=RUN, version=0)
-    produce(kafka_config, topics["scored"], group_records(groups))
     trainer = trainer_config(
         tmp_path,
         topics,
@@ -116,7 +137,12 @@ def test_two_ranks_train_what_one_rank_trains_with_their_shares_as_micro_batches
         max_steps=1,
     )
     log = tmp_path / "ranks.log"
-    proc = launch(config_file(tmp_path, kafka_config, trainer), log)
+    run = unique_name("ranks-equal")
+    groups = [[dataclasses.replace(t, run_id=run) for t in g] for g in groups]
+    produce(kafka_config, topics["scored"], group_records(groups))
+    path = config_file(tmp_path, kafka_config, trainer, run_id=run, s3=s3_table(s3_config))
+    proc = launch(path, log)
+    launched.append(proc)
     assert proc.wait(300) == 0, log.read_text()[-4000:]
 
     [(step, trained)] = ledger_steps(tmp_path / "ledger.jsonl")
@@ -154,7 +180,11 @@ def test_two_ranks_train_what_one_rank_trains_with_their_shares_as_micro_batches
 
 
 def test_kill_9_of_one_rank_takes_the_world_down_and_a_restart_trains_each_record_once(
-    kafka_config: KafkaConfig, unique_name: Callable[[str], str], tmp_path: Path
+    kafka_config: KafkaConfig,
+    s3_config: S3Config,
+    unique_name: Callable[[str], str],
+    tmp_path: Path,
+    launched: list[subprocess.Popen],
 ) -> None:
     topics = make_topics(kafka_config, unique_name)
     first = synthetic_groups(8, seed=71, run_id=RUN, version=0)
@@ -162,9 +192,10 @@ def test_kill_9_of_one_rank_takes_the_world_down_and_a_restart_trains_each_recor
     trainer = trainer_config(
         tmp_path, topics, checkpoint={"dir": str(tmp_path / "ckpt"), "every": 3}
     )
-    path = config_file(tmp_path, kafka_config, trainer)
+    path = config_file(tmp_path, kafka_config, trainer, s3=s3_table(s3_config))
     log = tmp_path / "ranks.log"
     world = launch(path, log)
+    launched.append(world)
     wait_for_step(tmp_path / "metrics.jsonl", 4, world)  # 8 groups, 2 a step: all trained
     ranks = [
         p
@@ -183,8 +214,9 @@ def test_kill_9_of_one_rank_takes_the_world_down_and_a_restart_trains_each_recor
     more = synthetic_groups(4, seed=72, run_id=RUN, version=0)
     produce(kafka_config, topics["scored"], group_records(more))
     trainer["max_steps"] = 6
-    path = config_file(tmp_path, kafka_config, trainer)
+    path = config_file(tmp_path, kafka_config, trainer, s3=s3_table(s3_config))
     again = launch(path, log)
+    launched.append(again)
     assert again.wait(300) == 0, log.read_text()[-4000:]
     ledger = ledger_steps(tmp_path / "ledger.jsonl")
     assert [s for s, _ in ledger] == [1, 2, 3, 4, 5, 6]
@@ -197,10 +229,12 @@ def test_kill_9_of_one_rank_takes_the_world_down_and_a_restart_trains_each_recor
 
 
 def test_two_ranks_under_zero_2_publish_versions_equal_to_their_weights(
-    kafka_config: KafkaConfig, s3_config, unique_name: Callable[[str], str], tmp_path: Path
+    kafka_config: KafkaConfig,
+    s3_config: S3Config,
+    unique_name: Callable[[str], str],
+    tmp_path: Path,
+    launched: list[subprocess.Popen],
 ) -> None:
-    from test_trainer_staleness import s3_table
-
     from weights.follower import WeightFollower
     from weights.store import WeightStore
 
@@ -218,6 +252,7 @@ def test_two_ranks_under_zero_2_publish_versions_equal_to_their_weights(
     path = config_file(tmp_path, kafka_config, trainer, run_id=run, s3=s3_table(s3_config))
     log = tmp_path / "ranks.log"
     proc = launch(path, log)
+    launched.append(proc)
     assert proc.wait(300) == 0, log.read_text()[-4000:]
 
     store = WeightStore.from_config(s3_config, run)
