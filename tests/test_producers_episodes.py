@@ -221,7 +221,7 @@ def test_the_calculator_answers_calls_and_ends_at_the_final_answer() -> None:
         asyncio.run(episode.step([3]))
 
 
-def _worker(backend: FakeBackend, publisher: FakePublisher, task) -> RolloutWorker:
+def _worker(backend: FakeBackend, publisher: FakePublisher, task, **rollout) -> RolloutWorker:
     config = RolloutConfig.model_validate(
         {
             "group_size": 2,
@@ -231,6 +231,7 @@ def _worker(backend: FakeBackend, publisher: FakePublisher, task) -> RolloutWork
             "ledger_fsync": False,
             "sampling": SamplingConfig(max_new_tokens=3, ignore_eos=True, stop_token_ids=[]),
             "episode": {"tool_timeout_s": 0.1},
+            **rollout,
         }
     )
     return RolloutWorker(
@@ -268,3 +269,28 @@ def test_echo_digits_is_a_registered_environment() -> None:
     assert isinstance(env, EchoDigits) and env.turns == 4
     with pytest.raises(ValueError, match="at least one turn"):
         make_task("echo-digits", {"turns": 0}, CONTEXT)
+
+
+def test_a_version_change_mid_episode_interrupts_the_turn_and_tags_both_versions() -> None:
+    async def scenario() -> tuple[FakeBackend, FakePublisher]:
+        task = make_task("echo-digits", {"turns": 3}, CONTEXT)
+        backend, publisher = FakeBackend(), FakePublisher(auto_ack=True)
+        worker = _worker(backend, publisher, task, max_inflight_groups=1)
+        backend.hold_after(4)  # the first group's two episodes parked in the middle of a turn
+        run = asyncio.create_task(worker.run(groups=2))
+        await backend.wait_generated(4)
+        await worker.on_new_version(1, {})  # interrupt: abort, load, continue each turn
+        backend.release()
+        await asyncio.wait_for(run, 30)
+        return backend, publisher
+
+    backend, publisher = asyncio.run(scenario())
+    assert backend.loaded == [1]
+    first, second = publisher.groups
+    for traj in first:
+        assert validate(traj, ValidationLimits(vocab_size=16)) == []
+        assert list(traj.segment_versions) == [0, 1]  # one episode, two policy versions
+        assert traj.reward_details["interruptions"] >= 1
+        assert list(traj.turn_kinds) == [TurnKind.POLICY, TurnKind.ENV] * 2 + [TurnKind.POLICY]
+    for traj in second:
+        assert list(traj.segment_versions) == [1]
