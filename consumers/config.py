@@ -363,7 +363,8 @@ class PublishConfig(StrictModel):
     every: int | None = Field(
         default=1,
         ge=1,
-        description="Publish version n after every step n divisible by this; empty: never.",
+        description="Publish version n after every step n divisible by this; 0 or empty: "
+        "never (TOML has no empty value: write 0).",
     )
     initial: bool = Field(
         default=True,
@@ -376,6 +377,11 @@ class PublishConfig(StrictModel):
         description="Apply the retention window ([weights] keep_versions) to the home store "
         "after every N published versions; empty: only `rollstream weights gc` deletes.",
     )
+
+    @field_validator("every", mode="before")
+    @classmethod
+    def _zero_is_never(cls, value: object) -> object:
+        return None if value in (0, "0", "") else value
 
 
 class TrainerConfig(StrictModel):

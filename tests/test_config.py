@@ -100,3 +100,13 @@ def test_topic_specs_use_the_names_the_sections_give() -> None:
     assert specs["scored-x"].partitions == specs["scored-y"].partitions == 4
     assert specs["versions-x"].cleanup_policy == "compact"
     assert "policy.versions" in specs and "rollouts.stale" in specs and "rollouts.raw" not in specs
+
+
+def test_publish_every_0_or_empty_means_never_so_a_toml_file_can_say_it() -> None:
+    from consumers.config import TrainerConfig
+
+    for never in (0, "0", ""):
+        assert TrainerConfig.model_validate({"publish": {"every": never}}).publish.every is None
+    assert TrainerConfig.model_validate({"publish": {"every": 2}}).publish.every == 2
+    with pytest.raises(ValueError, match="every"):
+        TrainerConfig.model_validate({"publish": {"every": -1}})
