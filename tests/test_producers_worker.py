@@ -480,7 +480,9 @@ def test_admission_waits_while_weights_lag_the_announced_version(
 def test_worker_rides_out_an_engine_outage(kafka_config, unique_name, tmp_path):
     topic = make_topic(kafka_config, unique_name)
     config = rs_config(kafka_config, tmp_path)
-    engine = Engine(build_tiny_llama(seed=0), model_path="tiny", seed=0)
+    # paced, so that groups are still being generated when the engine goes away (a fast
+    # machine could otherwise finish all of them while the server is being stopped)
+    engine = Engine(build_tiny_llama(seed=0), model_path="tiny", seed=0, step_delay_s=0.05)
     servers = [ServerThread(engine).start()]
     port = servers[0].port
     settings = ProducersConfig(
