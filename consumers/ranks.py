@@ -109,12 +109,6 @@ class RankChannel:
         )
         return received[0]
 
-    def broadcast(self, order: Order | None = None) -> Order:
-        """The same order for every rank (rank 0 gives it)."""
-        box: list[Any] = [order if self.rank == 0 else None]
-        torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
-
     def gather_metrics(self, metrics: dict[str, float]) -> list[dict[str, float]] | None:
         """Every rank's step metrics, on rank 0 (None elsewhere)."""
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None

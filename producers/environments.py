@@ -24,21 +24,20 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from core.models import BOS_ID, EOS_ID, SEP_ID
 from producers.tasks import (
     Prompt,
     Task,
     TaskContext,
-    chat_ids,
     chat_stop_ids,
     digits_to_ids,
     hf_tokenizer,
-    make_word_problem,
     register_task,
     score_arithmetic,
     score_digits,
+    word_problem_prompt,
 )
 
 
@@ -86,7 +85,6 @@ class Episode(Protocol):
         ...
 
 
-@runtime_checkable
 class Environment(Task, Protocol):
     """A task whose prompts start multi-turn episodes. ``max_new_tokens`` and
     ``stop_token_ids`` apply to each policy turn; ``Task.reward`` is not used."""
@@ -279,13 +277,12 @@ class CalculatorArithmetic:
         default_factory=lambda: EpisodeLimits(max_turns=4, max_total_tokens=512)
     )
 
+    def __post_init__(self) -> None:
+        if not self.stop_token_ids:
+            self.stop_token_ids = chat_stop_ids(self.tokenizer)
+
     def sample(self, rng: random.Random) -> Prompt:
-        question, answer = make_word_problem(rng)
-        messages = [
-            {"role": "system", "content": CALCULATOR_PROMPT},
-            {"role": "user", "content": question},
-        ]
-        return Prompt(chat_ids(self.tokenizer, messages), {"answer": answer}, question)
+        return word_problem_prompt(self.tokenizer, CALCULATOR_PROMPT, rng)
 
     def start(self, prompt: Prompt) -> CalculatorEpisode:
         return CalculatorEpisode(
@@ -304,7 +301,4 @@ class CalculatorArithmetic:
 def arithmetic_calculator(
     context: TaskContext, tokenizer: str | None = None, **kw: Any
 ) -> CalculatorArithmetic:
-    task = CalculatorArithmetic(hf_tokenizer(context, tokenizer), **kw)
-    if not task.stop_token_ids:
-        task.stop_token_ids = chat_stop_ids(task.tokenizer)
-    return task
+    return CalculatorArithmetic(hf_tokenizer(context, tokenizer), **kw)

@@ -73,6 +73,22 @@ class EpisodeResult:
         self.finish_type = turn.finish_type
         self.interruptions += turn.interruptions
 
+    def trajectory_fields(self) -> dict[str, Any]:
+        """What the episode fills of its record (``Trajectory.create`` keywords); the
+        caller adds the ids, timestamps and ``reward_details``."""
+        return {
+            "response_ids": self.response_ids,
+            "logp_infer": self.logprobs,
+            "segment_versions": [v for v, _ in self.segments],
+            "segment_lengths": [n for _, n in self.segments],
+            "turn_lengths": self.turn_lengths,
+            "turn_kinds": self.turn_kinds,
+            "tool_calls": self.tool_calls,
+            "episode_end": self.end,
+            "reward": float(self.reward),
+            "finish_reason": self.finish_type,
+        }
+
     def add_env_turn(self, ids: list[int]) -> None:
         self.response_ids += ids
         self.logprobs += [0.0] * len(ids)

@@ -43,15 +43,6 @@ class PrefixHit:
     layers: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass
-class PrefixCacheStats:
-    lookups: int = 0
-    hits: int = 0
-    reused_tokens: int = 0
-    stored: int = 0
-    evicted: int = 0
-
-
 class PrefixCache:
     """A bounded LRU of sequences and their KV; ``max_tokens`` bounds the memory."""
 
@@ -59,7 +50,6 @@ class PrefixCache:
         self.max_tokens = max_tokens
         self.entries: collections.OrderedDict[int, PrefixEntry] = collections.OrderedDict()
         self.tokens = 0
-        self.stats = PrefixCacheStats()
         self._next_key = 0
 
     def __len__(self) -> int:
@@ -82,15 +72,12 @@ class PrefixCache:
         self.entries[self._next_key] = PrefixEntry(key, layers)
         self._next_key += 1
         self.tokens += length
-        self.stats.stored += 1
         while self.tokens > self.max_tokens and self.entries:
             self._drop(next(iter(self.entries)))
-            self.stats.evicted += 1
 
     def lookup(self, ids: Sequence[int]) -> PrefixHit | None:
         """The longest cached prefix of ``ids`` that leaves at least its last token to
         prefill (the logits of the next token come from that forward pass)."""
-        self.stats.lookups += 1
         limit = len(ids) - 1
         if limit <= 0 or not self.entries:
             return None
@@ -108,8 +95,6 @@ class PrefixCache:
             return None
         entry = self.entries[best_key]
         self.entries.move_to_end(best_key)
-        self.stats.hits += 1
-        self.stats.reused_tokens += best_length
         return PrefixHit(
             best_length, [(k[:, :best_length], v[:, :best_length]) for k, v in entry.layers]
         )

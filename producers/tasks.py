@@ -241,6 +241,17 @@ def chat_stop_ids(tokenizer: Any) -> list[int]:
     return sorted(t for t in stops if t is not None)
 
 
+def word_problem_prompt(tokenizer: Any, system_prompt: str, rng: random.Random) -> Prompt:
+    """A word problem from ``rng`` as a chat prompt under ``system_prompt``; its integer
+    answer in ``meta["answer"]``."""
+    question, answer = make_word_problem(rng)
+    messages = [
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": question},
+    ]
+    return Prompt(chat_ids(tokenizer, messages), {"answer": answer}, question)
+
+
 @dataclass
 class ArithmeticTask:
     tokenizer: Any
@@ -253,12 +264,7 @@ class ArithmeticTask:
             self.stop_token_ids = chat_stop_ids(self.tokenizer)
 
     def sample(self, rng: random.Random) -> Prompt:
-        question, answer = make_word_problem(rng)
-        messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": question},
-        ]
-        return Prompt(chat_ids(self.tokenizer, messages), {"answer": answer}, question)
+        return word_problem_prompt(self.tokenizer, SYSTEM_PROMPT, rng)
 
     def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> tuple[float, dict]:
         text = self.tokenizer.decode(list(response_ids), skip_special_tokens=True)

@@ -530,17 +530,8 @@ class RolloutWorker:
             index,
             size,
             created_ms,
-            response_ids=episode.response_ids,
-            logp_infer=episode.logprobs,
-            segment_versions=[v for v, _ in episode.segments],
-            segment_lengths=[n for _, n in episode.segments],
-            turn_lengths=episode.turn_lengths,
-            turn_kinds=episode.turn_kinds,
-            tool_calls=episode.tool_calls,
-            episode_end=episode.end,
-            reward=float(episode.reward),
+            **episode.trajectory_fields(),
             reward_details=details,
-            finish_reason=episode.finish_type,
             finished_at_ms=max(created_ms, _now_ms()),
         )
 

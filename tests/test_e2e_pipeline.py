@@ -89,6 +89,24 @@ def _mean(rows: list[dict[str, float]], key: str) -> float:
     return sum(row[key] for row in rows) / len(rows)
 
 
+def _run_up(
+    tmp_path: Path, config: Path, timeout_s: float, *args: str
+) -> tuple[Path, list[dict[str, float]]]:
+    """``rollstream up *args`` to its end; the run directory and the trainer's rows."""
+    run_dir = tmp_path / "run"
+    proc = _up(config, run_dir, *args)
+    out = _finish(proc, timeout_s=timeout_s)
+    assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
+    return run_dir, _rows(run_dir)
+
+
+def _assert_learned(rows: list[dict[str, float]], steps: int, min_gain: float) -> None:
+    """Every step ran, and the mean reward of the last 10 beats the first 10's."""
+    assert len(rows) == steps
+    first, last = _mean(rows[:10], "reward/mean"), _mean(rows[-10:], "reward/mean")
+    assert last >= first + min_gain, (first, last)
+
+
 def _assert_reconciles(run_dir: Path, rows: list[dict[str, float]]) -> None:
     """``rollstream audit`` of the run: nothing lost, nothing twice, every trained record
     in the trainer's metrics."""
@@ -109,15 +127,8 @@ def test_pipeline_learns_the_tiny_task(
     kafka_config: KafkaConfig, s3_config: S3Config, unique_name, tmp_path: Path
 ) -> None:
     config = _config(tmp_path, kafka_config, s3_config, unique_name, unique_name("e2e"))
-    run_dir = tmp_path / "run"
-    proc = _up(config, run_dir, "--max-steps", str(STEPS))
-    out = _finish(proc, timeout_s=420)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
-    rows = _rows(run_dir)
-    assert len(rows) == STEPS
-    first, last = _mean(rows[:10], "reward/mean"), _mean(rows[-10:], "reward/mean")
-    assert last >= first + MIN_GAIN, (first, last)
+    run_dir, rows = _run_up(tmp_path, config, 420, "--max-steps", str(STEPS))
+    _assert_learned(rows, STEPS, MIN_GAIN)
     # exact old logits on every record, engine and trainer numerics agree (both fp32)
     assert all(row["data/exact_old_frac"] == 1.0 for row in rows)
     assert max(row["mismatch/k3_kl"] for row in rows) < 1e-6
@@ -174,14 +185,9 @@ def test_pipeline_learns_the_multi_turn_echo_environment_and_reconciles(
     kafka_config: KafkaConfig, s3_config: S3Config, unique_name, tmp_path: Path
 ) -> None:
     config = _config(tmp_path, kafka_config, s3_config, unique_name, unique_name("echo"))
-    run_dir = tmp_path / "run"
-    proc = _up(config, run_dir, "--task", "echo-digits", "--max-steps", str(ECHO_STEPS))
-    out = _finish(proc, timeout_s=600)
-    assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
-    rows = _rows(run_dir)
-    assert len(rows) == ECHO_STEPS
-    first, last = _mean(rows[:10], "reward/mean"), _mean(rows[-10:], "reward/mean")
-    assert last >= first + ECHO_MIN_GAIN, (first, last)
+    args = ("--task", "echo-digits", "--max-steps", str(ECHO_STEPS))
+    run_dir, rows = _run_up(tmp_path, config, 600, *args)
+    _assert_learned(rows, ECHO_STEPS, ECHO_MIN_GAIN)
     # episodes of three policy turns and two environment turns, every one ended by the
     # environment; exact old logits over policy tokens, engine and trainer agree
     assert all(row["episode/end/done"] == row["data/trajectories"] for row in rows)
@@ -196,14 +202,9 @@ def test_pipeline_learns_with_two_trainer_ranks_and_reconciles(
     kafka_config: KafkaConfig, s3_config: S3Config, unique_name, tmp_path: Path
 ) -> None:
     config = _config(tmp_path, kafka_config, s3_config, unique_name, unique_name("ranks"))
-    run_dir = tmp_path / "run"
-    proc = _up(config, run_dir, "--trainer-ranks", "2", "--max-steps", str(STEPS))
-    out = _finish(proc, timeout_s=600)
-    assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
-    rows = _rows(run_dir)
-    assert len(rows) == STEPS
-    first, last = _mean(rows[:10], "reward/mean"), _mean(rows[-10:], "reward/mean")
-    assert last >= first + MIN_GAIN, (first, last)
+    args = ("--trainer-ranks", "2", "--max-steps", str(STEPS))
+    run_dir, rows = _run_up(tmp_path, config, 600, *args)
+    _assert_learned(rows, STEPS, MIN_GAIN)
     assert all(row["ranks/world"] == 2.0 for row in rows)
     assert all(row["data/exact_old_frac"] == 1.0 for row in rows)
     _assert_reconciles(run_dir, rows)
@@ -213,14 +214,9 @@ def test_smollm2_runs_the_calculator_environment_end_to_end(
     kafka_config: KafkaConfig, s3_config: S3Config, unique_name, tmp_path: Path
 ) -> None:
     config = _config(tmp_path, kafka_config, s3_config, unique_name, unique_name("calc"))
-    run_dir = tmp_path / "run"
-    proc = _up(
-        config, run_dir, "--model", "smollm2-135m", "--task", "arithmetic-calculator",
-        "--max-steps", "2", "--groups-per-step", "2",
-    )  # fmt: skip
-    out = _finish(proc, timeout_s=600)
-    assert proc.returncode == 0, out.decode(errors="replace")[-4000:]
-    rows = _rows(run_dir)
+    args = ("--model", "smollm2-135m", "--task", "arithmetic-calculator",
+            "--max-steps", "2", "--groups-per-step", "2")  # fmt: skip
+    _run_dir, rows = _run_up(tmp_path, config, 600, *args)
     assert len(rows) == 2
     for row in rows:  # episodes, scored per episode, old logits exact over policy tokens
         assert row["data/trajectories"] == 8 and row["data/exact_old_frac"] == 1.0

@@ -4,7 +4,6 @@ launcher and fed from the real broker by rank 0 (``consumers.ranks``)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import signal
 import subprocess
@@ -45,23 +44,15 @@ pytestmark = pytest.mark.slow
 FP32 = {"lr": 1e-2, "zero_stage": 1, "bf16": False}
 
 
+Launch = Callable[[Path, Path], subprocess.Popen]
+
+
 @pytest.fixture()
-def launched() -> Iterator[list[subprocess.Popen]]:
-    """Launchers a test started: whatever is left of their process trees is killed at
-    teardown, so a failed test leaves no rank running."""
+def launch() -> Iterator[Launch]:
+    """Starts ``torchrun --standalone --nproc-per-node 2 -m consumers --config <path>``,
+    output to a log; whatever is left of those process trees is killed at teardown, so a
+    failed test leaves no rank running."""
     started: list[subprocess.Popen] = []
-    yield started
-    for proc in started:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            tree = psutil.Process(proc.pid)
-            for child in [*tree.children(recursive=True), tree]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    child.kill()
-        proc.wait(30)
-
-
-def launch(config_path: Path, log_path: Path, ranks: int = 2) -> subprocess.Popen:
-    """``torchrun --standalone --nproc-per-node N -m consumers --config ...``."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -69,11 +60,24 @@ def launch(config_path: Path, log_path: Path, ranks: int = 2) -> subprocess.Pope
     }
     env["PYTHONPATH"] = str(REPO)
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={ranks}", "-m", "consumers", "--config", str(config_path)],
-        cwd=REPO, env=env, stdout=log_path.open("ab"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+
+    def start(config_path: Path, log_path: Path) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node=2", "-m", "consumers", "--config", str(config_path)],
+            cwd=REPO, env=env, stdout=log_path.open("ab"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            tree = psutil.Process(proc.pid)
+            for child in [*tree.children(recursive=True), tree]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+        proc.wait(30)
 
 
 def config_file(tmp: Path, kafka: KafkaConfig, trainer: dict, **sections: object) -> Path:
@@ -125,10 +129,11 @@ def test_two_ranks_train_what_one_rank_trains_with_their_shares_as_micro_batches
     s3_config: S3Config,
     unique_name: Callable[[str], str],
     tmp_path: Path,
-    launched: list[subprocess.Popen],
+    launch: Launch,
 ) -> None:
+    run = unique_name("ranks-equal")
     topics = make_topics(kafka_config, unique_name)
-    groups = synthetic_groups(4, seed=61, run_id=RUN, version=0)
+    groups = synthetic_groups(4, seed=61, run_id=run, version=0)
     trainer = trainer_config(
         tmp_path,
         topics,
@@ -137,12 +142,9 @@ def test_two_ranks_train_what_one_rank_trains_with_their_shares_as_micro_batches
         max_steps=1,
     )
     log = tmp_path / "ranks.log"
-    run = unique_name("ranks-equal")
-    groups = [[dataclasses.replace(t, run_id=run) for t in g] for g in groups]
     produce(kafka_config, topics["scored"], group_records(groups))
     path = config_file(tmp_path, kafka_config, trainer, run_id=run, s3=s3_table(s3_config))
     proc = launch(path, log)
-    launched.append(proc)
     assert proc.wait(300) == 0, log.read_text()[-4000:]
 
     [(step, trained)] = ledger_steps(tmp_path / "ledger.jsonl")
@@ -184,7 +186,7 @@ def test_kill_9_of_one_rank_takes_the_world_down_and_a_restart_trains_each_recor
     s3_config: S3Config,
     unique_name: Callable[[str], str],
     tmp_path: Path,
-    launched: list[subprocess.Popen],
+    launch: Launch,
 ) -> None:
     topics = make_topics(kafka_config, unique_name)
     first = synthetic_groups(8, seed=71, run_id=RUN, version=0)
@@ -195,7 +197,6 @@ def test_kill_9_of_one_rank_takes_the_world_down_and_a_restart_trains_each_recor
     path = config_file(tmp_path, kafka_config, trainer, s3=s3_table(s3_config))
     log = tmp_path / "ranks.log"
     world = launch(path, log)
-    launched.append(world)
     wait_for_step(tmp_path / "metrics.jsonl", 4, world)  # 8 groups, 2 a step: all trained
     ranks = [
         p
@@ -216,7 +217,6 @@ def test_kill_9_of_one_rank_takes_the_world_down_and_a_restart_trains_each_recor
     trainer["max_steps"] = 6
     path = config_file(tmp_path, kafka_config, trainer, s3=s3_table(s3_config))
     again = launch(path, log)
-    launched.append(again)
     assert again.wait(300) == 0, log.read_text()[-4000:]
     ledger = ledger_steps(tmp_path / "ledger.jsonl")
     assert [s for s, _ in ledger] == [1, 2, 3, 4, 5, 6]
@@ -233,7 +233,7 @@ def test_two_ranks_under_zero_2_publish_versions_equal_to_their_weights(
     s3_config: S3Config,
     unique_name: Callable[[str], str],
     tmp_path: Path,
-    launched: list[subprocess.Popen],
+    launch: Launch,
 ) -> None:
     from weights.follower import WeightFollower
     from weights.store import WeightStore
@@ -252,7 +252,6 @@ def test_two_ranks_under_zero_2_publish_versions_equal_to_their_weights(
     path = config_file(tmp_path, kafka_config, trainer, run_id=run, s3=s3_table(s3_config))
     log = tmp_path / "ranks.log"
     proc = launch(path, log)
-    launched.append(proc)
     assert proc.wait(300) == 0, log.read_text()[-4000:]
 
     store = WeightStore.from_config(s3_config, run)
