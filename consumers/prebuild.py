@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from consumers.build_lock import extensions_root
 from consumers.config import EngineConfig
-from consumers.train_engine import init_distributed
+from consumers.train_engine import init_distributed, shutdown_distributed
 
 
 def main() -> None:
     """Initialise ``deepspeed.comm`` once under the build lock, then tear it down."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     accelerator = init_distributed(EngineConfig())
-    torch.distributed.destroy_process_group()
+    shutdown_distributed(together=False)
     print(f"DeepSpeed ops ready for {accelerator} under {extensions_root()}")
 
 

@@ -250,6 +250,20 @@ class TrainEngine:
         return dict(client_state or {})
 
 
+def shutdown_distributed(together: bool) -> None:
+    """Tear the process group down before the interpreter exits.
+
+    Left to interpreter exit, a gloo group's threads can be destroyed while still joinable
+    and the process aborts (SIGABRT), which the launcher reports as a failed rank. With
+    ``together`` the ranks first meet, so none tears down while another still talks to it;
+    after an error they do not (the others may never arrive)."""
+    if not torch.distributed.is_initialized():
+        return
+    if together:
+        barrier()
+    torch.distributed.destroy_process_group()
+
+
 def barrier() -> None:
     """A barrier across ranks (no-op for a world of one)."""
     if torch.distributed.is_initialized() and world_size() > 1:

@@ -286,6 +286,7 @@ class Trainer:
     def run(self) -> TrainSummary:
         """Train until ``max_steps`` or a stop request; always ends on a checkpoint."""
         self._build()
+        finished = False
         try:
             self._restore()  # every rank: DeepSpeed's load is collective
             if self.rank != 0:
@@ -300,8 +301,13 @@ class Trainer:
                 self._checkpoint_if_behind()
                 if self.channel is not None:
                     self.channel.scatter([StopOrder()] * self.world)
+            finished = True
         finally:
             self._close()
+            if self.channel is not None:
+                from consumers.train_engine import shutdown_distributed
+
+                shutdown_distributed(together=finished)
         self.summary.step = self.step
         return self.summary
 
