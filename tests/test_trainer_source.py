@@ -83,8 +83,11 @@ def test_a_backlog_is_served_fairly_across_partitions_and_lag_is_reported(
         # other partitions stood still for hundreds of groups
         fair = sum(taken.values()) / PARTITIONS
         assert all(0.75 * fair <= taken[p] <= 1.25 * fair for p in range(PARTITIONS)), taken
-        for window in windows[1:]:  # after the first fetch, every window serves everyone
-            assert set(window) == set(range(PARTITIONS)), windows
+        # after the first window no partition stands still: a partition served ahead of
+        # the others while they were still being fetched may rightly wait one window
+        # (oldest first), but not longer
+        for earlier, later in zip(windows[1:], windows[2:], strict=False):
+            assert set(earlier) | set(later) == set(range(PARTITIONS)), windows
 
         lag = source.lag({})  # nothing trained: the lag counts from the read positions
         topic = source.topics.scored
