@@ -9,6 +9,8 @@ Data metrics (``data_metrics``), over the trajectories trained in the step:
 
 ==============================  ===============================================================
 ``reward/mean``, ``reward/std``  reward of the trained trajectories
+``reward/<key>_frac``            share of them whose ``reward_details[key]`` is true, for
+                                 every flag the task reports (``correct``, ``format_ok``)
 ``response/length_mean|max``     response tokens per trajectory
 ``prompt/length_mean``           prompt tokens per trajectory
 ``staleness/mean``               mean over policy tokens of (trainer version − the version
@@ -96,6 +98,7 @@ def data_metrics(trajectories: Sequence[Trajectory], version: int) -> dict[str, 
         "prompt/length_mean": float(prompt.mean()),
     }
     out.update(episode_metrics(trajectories))
+    out.update(reward_flag_metrics(trajectories))
     for name, _, _ in STALENESS_BUCKETS:
         out[f"staleness/hist/{name}"] = 0.0
     token_staleness: list[np.ndarray] = []
@@ -118,6 +121,22 @@ def data_metrics(trajectories: Sequence[Trajectory], version: int) -> dict[str, 
         if joined.size:
             out[f"staleness/region/{region}"] = float(joined.mean())
     return out
+
+
+#: At most this many flags per step: a task whose details carry per-record keys cannot
+#: flood the metrics.
+MAX_REWARD_FLAGS = 16
+
+
+def reward_flag_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """What a reward is made of, per step: for each ``reward_details`` key whose value
+    is a bool, the share of the trajectories carrying it where it is true."""
+    seen: dict[str, list[bool]] = {}
+    for traj in trajectories:
+        for key, value in traj.reward_details.items():
+            if isinstance(value, bool) and (key in seen or len(seen) < MAX_REWARD_FLAGS):
+                seen.setdefault(key, []).append(value)
+    return {f"reward/{key}_frac": sum(flags) / len(flags) for key, flags in seen.items()}
 
 
 def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:

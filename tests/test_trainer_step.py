@@ -6,6 +6,7 @@ on hand-made scored groups (``support.synthetic``).
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 
 import numpy as np
@@ -285,6 +286,27 @@ def test_data_metrics_staleness_histogram_and_regions() -> None:
     assert metrics["staleness/max"] == 5.0
     assert metrics["data/groups"] == 2.0 and metrics["data/trajectories"] == 3.0
     assert [staleness_bucket(s) for s in (0, 3, 9, 40, -1)] == ["0", "3", "8-15", "16+", "0"]
+
+
+def test_data_metrics_report_the_share_of_each_reward_flag() -> None:
+    records = flat(synthetic_groups(1, group_size=4, seed=14, version=1))
+    details = [
+        {"correct": True, "format_ok": True, "parsed": 7},
+        {"correct": False, "format_ok": True, "parsed": None},
+        {"correct": False, "format_ok": "yes"},  # not a flag: not counted
+        {},
+    ]
+    records = [
+        dataclasses.replace(t, reward_details=d) for t, d in zip(records, details, strict=True)
+    ]
+    metrics = data_metrics(records, version=1)
+    assert metrics["reward/correct_frac"] == pytest.approx(1 / 3)
+    assert metrics["reward/format_ok_frac"] == 1.0
+    assert not [k for k in metrics if k.startswith("reward/parsed")]
+    many = flat(synthetic_groups(1, group_size=2, seed=15, version=1))
+    many[0] = dataclasses.replace(many[0], reward_details={f"flag{i}": True for i in range(40)})
+    flags = [k for k in data_metrics(many, version=1) if k.endswith("_frac")]
+    assert len(flags) == 16
 
 
 def test_metrics_sink_writes_jsonl_and_prometheus(tmp_path) -> None:
