@@ -13,7 +13,8 @@ factories; ``producers.catalog.make_task(name, options, context)`` builds one. B
   tokens (a long tail, for the staleness length-bias measurements).
 - ``arithmetic``: word problems with integer answers for SmolLM2-135M-Instruct, generated
   from templates with a seeded RNG (no dataset download), checked exactly. The model is
-  asked to end with ``Answer: <number>``; ``format_ok`` tells whether it did.
+  asked to end with ``Answer: <number>``; ``format_ok`` tells whether it did. By default
+  one-step problems after one worked example, with a format reward (``ArithmeticTask``).
 - ``file``: your own prompts (JSONL or Parquet) with your own reward function by dotted
   path, signature ``reward(response_text: str, response_ids: list[int], example: dict)
   -> float | tuple[float, dict]``.
@@ -186,9 +187,33 @@ _ANSWER = re.compile(r"answer\s*[:=]\s*\$?\s*(-?\d[\d,]*)", re.I)
 _NUMBER = re.compile(r"-?\d[\d,]*")
 
 
-def make_word_problem(rng: random.Random) -> tuple[str, int]:
-    """A word problem with an integer answer, from a seeded ``rng``."""
+ARITHMETIC_LEVELS = ("easy", "mixed")
+
+#: One worked example shown before the question (``one_shot``): a 135M model rarely meets
+#: the ``Answer: N`` format from the instruction alone (measured: ~0 of 32 responses),
+#: and meets it in about half of them after one example.
+ONE_SHOT_EXAMPLE = (
+    "Mia has 3 apples and gets 4 more. How many apples does Mia have now?",
+    "3 + 4 = 7\nAnswer: 7",
+)
+
+
+def make_word_problem(rng: random.Random, level: str = "mixed") -> tuple[str, int]:
+    """A word problem with an integer answer, from a seeded ``rng``. ``easy``: one
+    addition or subtraction of small numbers; ``mixed``: the four operations, numbers up
+    to 90."""
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    if level == "easy":
+        a, b = rng.randint(2, 12), rng.randint(1, 9)
+        if rng.random() < 0.5:
+            question = (
+                f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?"
+            )
+            return question, a + b
+        a += b
+        return f"{name} has {a} {item} and gives away {b}. How many {item} are left?", a - b
+    if level != "mixed":
+        raise ValueError(f"unknown arithmetic level {level!r}; one of {ARITHMETIC_LEVELS}")
     kind = rng.randrange(4)
     if kind == 0:
         a, b = rng.randint(2, 60), rng.randint(2, 40)
@@ -208,9 +233,12 @@ def make_word_problem(rng: random.Random) -> tuple[str, int]:
     )
 
 
-def score_arithmetic(text: str, answer: int) -> tuple[float, dict[str, Any]]:
-    """1.0 for the exact answer. Prefers an ``Answer: N`` line (``format_ok``), else takes
-    the last number in the text."""
+def score_arithmetic(
+    text: str, answer: int, format_reward: float = 0.0
+) -> tuple[float, dict[str, Any]]:
+    """The exact answer earns ``1 - format_reward``, an ``Answer: N`` line
+    (``format_ok``) earns ``format_reward``: with 0, 1.0 for the exact answer alone. The
+    answer line is preferred; without one the last number in the text counts."""
     matches = _ANSWER.findall(text)
     format_ok = bool(matches)
     candidates = matches or _NUMBER.findall(text)
@@ -222,7 +250,61 @@ def score_arithmetic(text: str, answer: int) -> tuple[float, dict[str, Any]]:
             parsed = None
     correct = parsed == answer
     details = {"parsed": parsed, "answer": answer, "correct": correct, "format_ok": format_ok}
-    return (1.0 if correct else 0.0), details
+    reward = (1.0 - format_reward) * correct + format_reward * format_ok
+    return reward, details
+
+
+def word_problem_prompt(
+    tokenizer: Any,
+    system_prompt: str,
+    rng: random.Random,
+    level: str = "mixed",
+    example: tuple[str, str] | None = None,
+) -> Prompt:
+    """A word problem from ``rng`` as a chat prompt under ``system_prompt``, after the
+    worked ``example`` (question, answer) if one is given; its integer answer in
+    ``meta["answer"]``."""
+    question, answer = make_word_problem(rng, level)
+    messages = [{"role": "system", "content": system_prompt}]
+    if example is not None:
+        messages += [
+            {"role": "user", "content": example[0]},
+            {"role": "assistant", "content": example[1]},
+        ]
+    messages.append({"role": "user", "content": question})
+    return Prompt(chat_ids(tokenizer, messages), {"answer": answer}, question)
+
+
+@dataclass
+class ArithmeticTask:
+    """Word problems for a small instruction-tuned model. The defaults are the ones a
+    135M model learns from on 2 cores (``easy`` problems, one worked example, a format
+    reward, 32 new tokens); ``level="mixed"``, ``one_shot=False``, ``format_reward=0``
+    and ``max_new_tokens=96`` ask for more."""
+
+    tokenizer: Any
+    name: str = "arithmetic"
+    level: str = "easy"
+    one_shot: bool = True
+    format_reward: float = 0.2
+    max_new_tokens: int = 32
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.level not in ARITHMETIC_LEVELS:
+            raise ValueError(f"unknown arithmetic level {self.level!r}; one of {ARITHMETIC_LEVELS}")
+        if not 0.0 <= self.format_reward <= 1.0:
+            raise ValueError(f"format_reward must be within [0, 1], got {self.format_reward}")
+        if not self.stop_token_ids:
+            self.stop_token_ids = chat_stop_ids(self.tokenizer)
+
+    def sample(self, rng: random.Random) -> Prompt:
+        example = ONE_SHOT_EXAMPLE if self.one_shot else None
+        return word_problem_prompt(self.tokenizer, SYSTEM_PROMPT, rng, self.level, example)
+
+    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> tuple[float, dict]:
+        text = self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
+        return score_arithmetic(text, prompt.meta["answer"], self.format_reward)
 
 
 def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
@@ -241,36 +323,6 @@ def chat_stop_ids(tokenizer: Any) -> list[int]:
     return sorted(t for t in stops if t is not None)
 
 
-def word_problem_prompt(tokenizer: Any, system_prompt: str, rng: random.Random) -> Prompt:
-    """A word problem from ``rng`` as a chat prompt under ``system_prompt``; its integer
-    answer in ``meta["answer"]``."""
-    question, answer = make_word_problem(rng)
-    messages = [
-        {"role": "system", "content": system_prompt},
-        {"role": "user", "content": question},
-    ]
-    return Prompt(chat_ids(tokenizer, messages), {"answer": answer}, question)
-
-
-@dataclass
-class ArithmeticTask:
-    tokenizer: Any
-    name: str = "arithmetic"
-    max_new_tokens: int = 96
-    stop_token_ids: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.stop_token_ids:
-            self.stop_token_ids = chat_stop_ids(self.tokenizer)
-
-    def sample(self, rng: random.Random) -> Prompt:
-        return word_problem_prompt(self.tokenizer, SYSTEM_PROMPT, rng)
-
-    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> tuple[float, dict]:
-        text = self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
-        return score_arithmetic(text, prompt.meta["answer"])
-
-
 def hf_tokenizer(context: TaskContext, tokenizer: str | None) -> Any:
     """The engine's tokenizer when none is named, else that of the model spec ``tokenizer``
     (``core.models.load_tokenizer``); SmolLM2's when neither exists."""
@@ -282,7 +334,8 @@ def hf_tokenizer(context: TaskContext, tokenizer: str | None) -> Any:
 @register_task("arithmetic")
 def arithmetic(context: TaskContext, tokenizer: str | None = None, **kw: Any) -> ArithmeticTask:
     """Options: ``tokenizer`` (a model spec whose tokenizer to use, see ``core.models``;
-    default: the engine's, else SmolLM2-135M-Instruct's), ``max_new_tokens``,
+    default: the engine's, else SmolLM2-135M-Instruct's), ``level`` (``easy`` or
+    ``mixed``), ``one_shot``, ``format_reward`` (0 to 1), ``max_new_tokens``,
     ``stop_token_ids``."""
     return ArithmeticTask(hf_tokenizer(context, tokenizer), **kw)
 

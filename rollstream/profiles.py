@@ -13,7 +13,9 @@ Two profiles, measured on this machine kind (2 cores):
   3e-3. The pipeline trains on data up to two versions old; 3e-3 reached a 10-step mean
   reward of ~0.77 in 100 steps where 1e-3 was at ~0.16 after 60.
 - ``language-model``: a real model (SmolLM2-135M-Instruct or a checkpoint), bf16, 4 prompts
-  x 4 samples per step, lr 1e-5.
+  x 8 samples per step, lr 2e-5: SmolLM2 on the default ``arithmetic`` task went from a
+  10-step mean reward of 0.31 to 0.83 in 30 steps (4 prompts x 4 at 1e-5 on the earlier
+  task defaults: almost no reward signal).
 
 ``auto`` (the default) picks ``tiny`` for a tiny model spec and ``language-model`` for any
 other; ``none`` applies nothing (every setting comes from the file or the defaults).
@@ -102,7 +104,7 @@ def profile_sections(profile: ProfileConfig) -> dict[str, Any]:
             "engine": {"model": profile.model, "dtype": dtype, "torch_threads": 1},
             "rollout": {
                 "task": profile.task or ("copy-first-digit-twice" if tiny else "arithmetic"),
-                "group_size": 8 if tiny else 4,
+                "group_size": 8,
                 "staleness_window": window,
                 # no groups_per_version: producers take the trainer's announced pace,
                 # shared between however many of them run
@@ -116,7 +118,7 @@ def profile_sections(profile: ProfileConfig) -> dict[str, Any]:
         },
         "trainer": {
             "model": {"spec": profile.model},
-            "engine": {"bf16": not tiny, "lr": 3e-3 if tiny else 1e-5, "zero_stage": 0},
+            "engine": {"bf16": not tiny, "lr": 3e-3 if tiny else 2e-5, "zero_stage": 0},
             "loss": {"type": "decoupled"},
             "staleness": {"max_staleness": window},  # checked again at training time
             # sync: a step waits for all of its groups; async: never wait long for stragglers

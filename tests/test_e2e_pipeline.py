@@ -215,10 +215,27 @@ def test_smollm2_runs_the_calculator_environment_end_to_end(
 ) -> None:
     config = _config(tmp_path, kafka_config, s3_config, unique_name, unique_name("calc"))
     args = ("--model", "smollm2-135m", "--task", "arithmetic-calculator",
-            "--max-steps", "2", "--groups-per-step", "2")  # fmt: skip
+            "--max-steps", "2", "--groups-per-step", "1")  # fmt: skip
     _run_dir, rows = _run_up(tmp_path, config, 600, *args)
     assert len(rows) == 2
     for row in rows:  # episodes, scored per episode, old logits exact over policy tokens
         assert row["data/trajectories"] == 8 and row["data/exact_old_frac"] == 1.0
         assert "episode/tool_calls_total" in row and "episode/turns_mean" in row
         assert sum(v for k, v in row.items() if k.startswith("episode/end/")) == 8
+
+
+def test_smollm2_trains_the_arithmetic_profile_and_reconciles(
+    kafka_config: KafkaConfig, s3_config: S3Config, unique_name, tmp_path: Path
+) -> None:
+    """What a new user runs first on a real model (``--model smollm2-135m``, the default
+    task and profile), a few steps: every step trains whole groups with exact old logits
+    and a reward signal (the format reward alone makes a zero-reward step all but
+    impossible), and the audit reconciles. The longer run is in the docs."""
+    config = _config(tmp_path, kafka_config, s3_config, unique_name, unique_name("smol"))
+    args = ("--model", "smollm2-135m", "--max-steps", "3", "--groups-per-step", "2")
+    run_dir, rows = _run_up(tmp_path, config, 600, *args)
+    assert len(rows) == 3
+    for row in rows:
+        assert row["data/trajectories"] == 16 and row["data/exact_old_frac"] == 1.0
+        assert row["reward/mean"] > 0.0
+    _assert_reconciles(run_dir, rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import textwrap
 from pathlib import Path
 
@@ -86,15 +87,54 @@ def test_copy_and_reverse_tasks(context):
     assert copy.sample(random.Random(9)) == copy.sample(random.Random(9))
 
 
-def test_word_problems_are_seeded_and_integer():
-    first = [make_word_problem(random.Random(11)) for _ in range(3)]
+@pytest.mark.parametrize("level", ["easy", "mixed"])
+def test_word_problems_are_seeded_and_integer(level):
+    first = [make_word_problem(random.Random(11), level) for _ in range(3)]
     assert first[0] == first[1] == first[2]
     rng = random.Random(0)
-    problems = [make_word_problem(rng) for _ in range(200)]
+    problems = [make_word_problem(rng, level) for _ in range(200)]
     assert len({q for q, _ in problems}) > 150
     assert all(isinstance(a, int) and a >= 0 for _, a in problems)
-    question, _ = make_word_problem(random.Random(5))
+    question, _ = make_word_problem(random.Random(5), level)
     assert question.endswith("?")
+
+
+def test_easy_word_problems_are_one_small_addition_or_subtraction():
+    rng = random.Random(3)
+    for _ in range(200):
+        question, answer = make_word_problem(rng, "easy")
+        a, b = (int(n) for n in re.findall(r"\d+", question))
+        assert answer == (a + b if "more" in question else a - b)
+        assert 0 < answer <= 21 and b <= 9
+
+
+@pytest.mark.parametrize(
+    ("text", "reward"),
+    [
+        ("3 + 4 = 7\nAnswer: 7", 1.0),  # right, in the format
+        ("So she has 7 now.", 0.8),  # right, no answer line
+        ("Answer: 8", 0.2),  # the format only
+        ("I think eight", 0.0),
+    ],
+)
+def test_the_format_reward_is_a_share_of_the_reward(text, reward):
+    value, _ = score_arithmetic(text, 7, format_reward=0.2)
+    assert value == pytest.approx(reward)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"level": "hard"}, "unknown arithmetic level"),
+        ({"level": None}, "unknown arithmetic level"),
+        ({"format_reward": 1.5}, "format_reward must be within"),
+        ({"format_reward": -0.1}, "format_reward must be within"),
+        ({"difficulty": "easy"}, "difficulty"),
+    ],
+)
+def test_bad_arithmetic_options_are_refused_with_a_clear_error(context, options, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        make_task("arithmetic", options, TaskContext(context.cache_dir, _ChatTokenizer()))
 
 
 @pytest.mark.parametrize(
@@ -138,6 +178,12 @@ def test_arithmetic_task_with_a_tokenizer(context):
     assert task.stop_token_ids == [2, 3]
     prompt = task.sample(random.Random(1))
     assert prompt.ids[0] == 1 and prompt.text.endswith("?")
+    # system, the worked example (question and answer), the question
+    assert len(prompt.ids) == 6
+    bare = make_task(
+        "arithmetic", {"one_shot": False}, TaskContext(context.cache_dir, _ChatTokenizer())
+    )
+    assert len(bare.sample(random.Random(1)).ids) == 4
     answer = prompt.meta["answer"]
     reward, details = task.reward(prompt, [int(c) for c in str(answer)])
     assert reward == 1.0 and details == {

@@ -67,7 +67,7 @@ def test_sync_and_language_model_profiles() -> None:
     assert sync.trainer.batch.max_wait_s == 120.0
     lm = load_config(None, profile={"model": "smollm2-135m-instruct"})
     assert lm.profile.resolved_name == "language-model"
-    assert lm.trainer.engine.bf16 and lm.trainer.engine.lr == 1e-5
+    assert lm.trainer.engine.bf16 and lm.trainer.engine.lr == 2e-5
     assert lm.producers.rollout.task == "arithmetic"
     assert lm.streams.old_logits.dtype == lm.producers.engine.dtype == "bfloat16"
 
