@@ -1,0 +1,105 @@
+"""The end-to-end benchmark's pure parts: busy time per phase from the roles' counters,
+the overlap bounds, the run's config, and the pipeline cell's reading of trainer metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.e2e import Phases, RunSpec, Sample, busy_per_step, pin_groups
+from bench.learning import ROUTES, Settings
+from bench.learning_pipeline import (
+    cell_of_rows,
+    curve_gap,
+    pipeline_settings,
+    staleness_histogram,
+)
+from core.config import to_toml
+from rollstream.config import load_config
+
+
+def _row(step: int, **values: float) -> dict[str, float]:
+    return {"step": float(step), "version": float(step - 1), "reward/mean": 0.5, **values}
+
+
+def test_busy_per_step_uses_the_counters_between_warmup_and_the_last_sample() -> None:
+    samples = [
+        Sample(0, 0.0, 0.0),  # start-up: left out
+        Sample(2, 5.0, 0.5),  # first at or past the warm-up of 2 steps
+        Sample(4, 6.0, 0.7),
+        Sample(6, 7.0, 0.9),
+    ]
+    rows = [_row(s, **{"time/step_s": 0.3}) for s in range(1, 7)]
+    rows[3]["time/publish_s"] = 0.1  # step 4
+    rows[5]["time/checkpoint_s"] = 0.5  # step 6
+    phases = busy_per_step(samples, rows, warmup=2)
+    assert phases is not None
+    assert phases.generate == pytest.approx((7.0 - 5.0) / 4)
+    assert phases.old_logits == pytest.approx((0.9 - 0.5) / 4)
+    assert phases.train == pytest.approx((4 * 0.3 + 0.1 + 0.5) / 4)  # steps 3..6 only
+
+
+def test_busy_per_step_needs_two_samples_a_step_apart() -> None:
+    rows = [_row(1, **{"time/step_s": 0.3})]
+    assert busy_per_step([Sample(0, 1.0, 1.0), Sample(5, 2.0, 2.0)], rows, warmup=2) is None
+    assert busy_per_step([Sample(3, 1.0, 1.0), Sample(3, 2.0, 2.0)], rows, warmup=2) is None
+
+
+def test_overlap_bound_is_sum_over_max_and_cores_and_pinning_lower_it() -> None:
+    phases = Phases(generate=0.6, old_logits=0.1, train=0.3)
+    assert phases.total == pytest.approx(1.0)
+    assert phases.bottleneck() == "generate"
+    assert phases.overlap_bound() == pytest.approx(1.0 / 0.6)
+    assert phases.bound_on_cores(2) == pytest.approx(1.0 / 0.6)  # generation still dominates
+    assert phases.bound_on_cores(1) == pytest.approx(1.0)  # one core: nothing to overlap
+    balanced = Phases(generate=0.4, old_logits=0.3, train=0.3)
+    assert balanced.overlap_bound() == pytest.approx(2.5)
+    assert balanced.bound_on_cores(2) == pytest.approx(2.0)  # the work spread over 2 cores
+    assert balanced.bound_pinned(pin_groups(2)) == pytest.approx(1.0 / 0.6)  # 0.3 + 0.3
+    assert Phases.median([phases, balanced, balanced]) == balanced
+
+
+def test_both_modes_get_the_seed_and_the_trust_region(tmp_path: Path) -> None:
+    settings = {"trainer": {"ppo": {"minibatches": 2}}}
+    for mode in ("async", "sync"):
+        spec = RunSpec(mode, 10, seed=3, settings=settings)
+        path = tmp_path / f"{mode}.toml"
+        path.write_text(to_toml(spec.config(tmp_path, tmp_path / "run")))
+        config = load_config(path)
+        assert config.trainer.ppo.minibatches == 2
+        assert config.profile.model == "tiny:seed=3"
+        assert config.trainer.engine.seed == 3
+        assert config.producers.engine.seed == config.producers.rollout.seed == 3
+        assert config.trainer.ledger_file == tmp_path / "run" / "ledger.jsonl"
+
+
+def test_the_pipeline_cell_runs_the_grid_cells_settings(tmp_path: Path) -> None:
+    route = next(r for r in ROUTES if r.name == "decoupled-mis")
+    grid = Settings()
+    spec = RunSpec("async", 300, seed=1, task=grid.task, settings=pipeline_settings(route, grid, 2))
+    path = tmp_path / "cell.toml"
+    path.write_text(to_toml(spec.config(tmp_path, tmp_path / "run")))
+    config = load_config(path)
+    assert config.producers.rollout.task == "reverse-3-digits"
+    assert config.producers.rollout.group_size == grid.group_size
+    assert config.trainer.batch.max_groups == grid.prompts_per_step
+    assert config.trainer.engine.lr == grid.lr
+    assert (config.trainer.ppo.epochs, config.trainer.ppo.minibatches) == (1, 2)
+    loss = config.trainer.loss
+    assert (loss.type, loss.correction, loss.mis_weight) == ("decoupled", "mis", "discrepancy")
+    assert config.streams.staleness.max_staleness == config.trainer.staleness.max_staleness == 2
+
+
+def test_trainer_rows_become_a_cell_and_a_staleness_histogram() -> None:
+    rows = [
+        _row(1, **{"staleness/hist/0": 16.0, "staleness/hist/1": 0.0, "clip/frac": 0.1}),
+        _row(2, **{"staleness/hist/0": 8.0, "staleness/hist/2": 8.0, "mis/masked_frac": 0.5}),
+    ]
+    cell = cell_of_rows("decoupled-mis", 2, 0, rows)
+    assert cell.rewards == [0.5, 0.5] and cell.versions == [0, 1]
+    assert cell.clip_frac == [0.1, 0.0] and cell.mask_frac == [0.0, 0.5]
+    assert staleness_histogram(rows) == {"0": 24, "1": 0, "2": 8}
+    other = cell_of_rows("x", 2, 1, [{**r, "reward/mean": 0.7} for r in rows])
+    assert curve_gap([cell], [other]) == pytest.approx(0.2)
+    assert curve_gap([cell], [cell]) == 0.0
