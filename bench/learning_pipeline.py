@@ -180,6 +180,7 @@ def main() -> None:
     k = args.staleness
     piped, local = [], []
     hist: Counter[str] = Counter()
+    token_staleness: list[float] = []
     with tempfile.TemporaryDirectory(prefix="rollstream-bench-cell-") as tmp:
         for seed in range(args.seeds):
             spec = RunSpec(
@@ -189,6 +190,7 @@ def main() -> None:
             rows = with_infra(Path(tmp), spec).rows
             piped.append(cell_of_rows(route.name, k, seed, rows))
             hist.update(staleness_histogram(rows))
+            token_staleness += [row["staleness/mean"] for row in rows if "staleness/mean" in row]
             print(f"  seed {seed} pipeline: final {piped[-1].final():.2f}", flush=True)
             local.append(run_cell(route, k, seed, settings))
             print(f"  seed {seed} in process: final {local[-1].final():.2f}", flush=True)
@@ -208,6 +210,8 @@ def main() -> None:
     order = sorted(hist, key=lambda b: int(b.split("-")[0].rstrip("+")))
     shares = ", ".join(f"{b}: {hist[b] / trained:.1%}" for b in order if hist[b])
     print(f"\npipeline's trained staleness (trajectories, {trained}): {shares}")
+    if token_staleness:
+        print(f"  mean token staleness, mean over steps: {statistics.fmean(token_staleness):.2f}")
     if args.plot:
         path = PLOTS / f"pipeline_k{k}.png"
         plot(sides, k, path)
