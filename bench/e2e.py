@@ -95,6 +95,10 @@ class Sample:
     step: int
     generate_s: float  # the engine's busy_s
     old_logits_s: float  # the stream's old-logit forward-pass seconds
+    tokens: float = 0.0  # the engine's tokens_generated
+    #: CPU seconds (user + system) of each role's process, and ``machine``: of every
+    #: process on the machine's cores (the broker, the store and anything else included)
+    cpu_s: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -143,10 +147,10 @@ def busy_per_step(
     """Busy seconds per trained step of each phase between the first sample at or past
     ``warmup`` steps and the last one (start-up and the first steps left out); None when
     the run gave fewer than two such samples a step apart."""
-    usable = [s for s in samples if s.step >= warmup]
-    if len(usable) < 2 or usable[-1].step <= usable[0].step:
+    span = _span(samples, warmup)
+    if span is None:
         return None
-    first, last = usable[0], usable[-1]
+    first, last = span
     steps = last.step - first.step
     trained = [row for row in rows if first.step < row["step"] <= last.step]
     train = sum(
@@ -159,6 +163,46 @@ def busy_per_step(
         old_logits=(last.old_logits_s - first.old_logits_s) / steps,
         train=train / max(1, len(trained)),
     )
+
+
+def _span(samples: Sequence[Sample], warmup: int) -> tuple[Sample, Sample] | None:
+    """The first sample at or past ``warmup`` steps and the last, if a step apart."""
+    usable = [s for s in samples if s.step >= warmup]
+    if len(usable) < 2 or usable[-1].step <= usable[0].step:
+        return None
+    return usable[0], usable[-1]
+
+
+def cpu_per_step(samples: Sequence[Sample], warmup: int) -> dict[str, float]:
+    """CPU seconds per trained step of each process (``Sample.cpu_s``) and engine tokens
+    per trained step (``tokens``), over the same span as ``busy_per_step``."""
+    span = _span(samples, warmup)
+    if span is None:
+        return {}
+    first, last = span
+    steps = last.step - first.step
+    out = {name: (last.cpu_s[name] - first.cpu_s[name]) / steps for name in last.cpu_s
+           if name in first.cpu_s}  # fmt: skip
+    out["tokens"] = (last.tokens - first.tokens) / steps
+    return out
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process (all its threads), from ``/proc``."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu_s() -> float:
+    """CPU seconds every process spent on this machine's cores (``/proc/stat``: all but
+    idle and iowait)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (
+        int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    )
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def _role_ports(run_dir: Path) -> tuple[int, int] | None:
@@ -181,11 +225,17 @@ def sample_roles(run_dir: Path, steps: int) -> Sample | None:
     try:
         url = f"http://127.0.0.1:{engine}/get_server_info"
         with urllib.request.urlopen(url, timeout=2.0) as answer:
-            busy = float(json.loads(answer.read())["busy_s"])
+            info = json.loads(answer.read())
+        busy, tokens = float(info["busy_s"]), float(info["tokens_generated"])
+        pids = json.loads((run_dir / "pids.json").read_text())
     except (OSError, ValueError, KeyError):
         return None
     old_logits = scrape(streams, timeout_s=2.0).get(_OLDLOGIT_S)
-    return None if old_logits is None else Sample(steps, busy, old_logits)
+    if old_logits is None:
+        return None
+    cpu = {name: found for name, pid in pids.items() if (found := process_cpu_s(pid)) is not None}
+    cpu["machine"] = machine_cpu_s()
+    return Sample(steps, busy, old_logits, tokens, cpu)
 
 
 # --- one run -------------------------------------------------------------------------
@@ -233,8 +283,15 @@ class Run:
     def rows(self) -> list[dict[str, float]]:
         return _rows(self.run_dir)
 
+    @property
+    def warmup(self) -> int:
+        return max(2, self.spec.steps // 10)
+
     def phases(self) -> Phases | None:
-        return busy_per_step(self.samples, self.rows, warmup=max(2, self.spec.steps // 10))
+        return busy_per_step(self.samples, self.rows, self.warmup)
+
+    def cpu(self) -> dict[str, float]:
+        return cpu_per_step(self.samples, self.warmup)
 
 
 def run_up(state_dir: Path, tmp: Path, spec: RunSpec, poll_s: float = 1.0) -> Run:
@@ -470,6 +527,21 @@ def report(
         f"  bottleneck: {neck} ({phases['async'].values()[neck]:.3f}s of async's "
         f"{wall['async']:.3f}s wall per step)"
     )
+    cpu = {m: [c for pair in runs.values() if (c := pair[m].cpu())] for m in MODES}
+    names = sorted({name for m in MODES for c in cpu[m] for name in c} - {"tokens"})
+    print("  CPU seconds per trained step (user + system, median over seeds):")
+    for name in names:
+        print(f"    {name:10s} " + " ".join(f"{_median_of(cpu[m], name):7.3f}s" for m in MODES))
+    print(
+        "    cores busy (machine CPU s / wall s): "
+        + ", ".join(f"{m} {_median_of(cpu[m], 'machine') / wall[m]:.2f}" for m in MODES)
+    )
+    print(
+        "  engine tokens per trained step: "
+        + ", ".join(f"{m} {_median_of(cpu[m], 'tokens'):.0f}" for m in MODES)
+        + "; per busy second: "
+        + ", ".join(f"{m} {_median_of(cpu[m], 'tokens') / phases[m].generate:.0f}" for m in MODES)
+    )
     if pin and cores < len(PHASES) + 1:
         print(
             f"  note: {cores} cores cannot give each of the 4 roles its own core; --pin-cores "
@@ -492,6 +564,11 @@ def report(
                 f"  {mode:5s}: p50 {_percentile(prop, 0.5) * 1000:.0f}ms  "
                 f"p99 {_percentile(prop, 0.99) * 1000:.0f}ms  ({len(prop)} versions)"
             )
+
+
+def _median_of(found: Sequence[Mapping[str, float]], key: str) -> float:
+    values = [c[key] for c in found if key in c]
+    return statistics.median(values) if values else float("nan")
 
 
 def _median_value(values: Sequence[float]) -> float | None:

@@ -3,11 +3,22 @@ the overlap bounds, the run's config, and the pipeline cell's reading of trainer
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
 
-from bench.e2e import Phases, RunSpec, Sample, busy_per_step, pin_groups
+from bench.e2e import (
+    Phases,
+    RunSpec,
+    Sample,
+    busy_per_step,
+    cpu_per_step,
+    machine_cpu_s,
+    pin_groups,
+    process_cpu_s,
+)
 from bench.learning import ROUTES, Settings
 from bench.learning_pipeline import (
     cell_of_rows,
@@ -44,6 +55,27 @@ def test_busy_per_step_needs_two_samples_a_step_apart() -> None:
     rows = [_row(1, **{"time/step_s": 0.3})]
     assert busy_per_step([Sample(0, 1.0, 1.0), Sample(5, 2.0, 2.0)], rows, warmup=2) is None
     assert busy_per_step([Sample(3, 1.0, 1.0), Sample(3, 2.0, 2.0)], rows, warmup=2) is None
+
+
+def test_cpu_per_step_spans_the_same_samples_and_skips_processes_not_seen_at_both_ends() -> None:
+    samples = [
+        Sample(1, 0.0, 0.0, tokens=0.0, cpu_s={"engine": 1.0}),
+        Sample(2, 0.0, 0.0, tokens=100.0, cpu_s={"engine": 2.0, "machine": 10.0}),
+        Sample(6, 0.0, 0.0, tokens=500.0, cpu_s={"engine": 4.0, "machine": 14.0, "x": 1.0}),
+    ]
+    assert cpu_per_step(samples, warmup=2) == {"engine": 0.5, "machine": 1.0, "tokens": 100.0}
+    assert cpu_per_step(samples[:1], warmup=0) == {}
+
+
+def test_process_and_machine_cpu_seconds_grow_with_work() -> None:
+    mine, machine = process_cpu_s(os.getpid()), machine_cpu_s()
+    assert mine is not None
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:
+        pass
+    assert process_cpu_s(os.getpid()) >= mine + 0.2  # clock ticks: 10 ms resolution
+    assert machine_cpu_s() >= machine + 0.2
+    assert process_cpu_s(2**22 + 1) is None  # no such process
 
 
 def test_overlap_bound_is_sum_over_max_and_cores_and_pinning_lower_it() -> None:
