@@ -488,6 +488,8 @@ def report(
     print(f"  async speed-up in steps/s (median): {_median(rates)}x")
     for mode in MODES:
         print(f"  final 10-step reward {mode:5s}: {_spread(finals[mode])} (mean ± sd over seeds)")
+    lower = statistics.fmean(finals["async"]) < statistics.fmean(finals["sync"])
+    print(f"  target, async's final reward no lower than sync's: {'missed' if lower else 'met'}")
 
     print("\n2. busy seconds per trained step (median over seeds; warm-up steps left out)")
     measured = {
@@ -522,6 +524,13 @@ def report(
             f"wall-clock to reward {speedup / bound:.2f} of it, " if speedup is not None else ""
         )
         print(f"    {name}: {bound:.2f}x; achieved: {achieved}steps/s {rate / bound:.2f} of it")
+    tightest = min(bounds.values())
+    if speedup is not None:
+        share = speedup / tightest
+        print(
+            f"  target, >= 0.90 of the tightest bound ({tightest:.2f}x) to the same reward: "
+            f"{share:.2f}, {'met' if share >= 0.9 else 'missed'}"
+        )
     neck = phases["async"].bottleneck()
     print(
         f"  bottleneck: {neck} ({phases['async'].values()[neck]:.3f}s of async's "

@@ -3,6 +3,7 @@ the overlap bounds, the run's config, and the pipeline cell's reading of trainer
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from bench.e2e import (
     Phases,
+    Run,
     RunSpec,
     Sample,
     busy_per_step,
@@ -18,6 +20,7 @@ from bench.e2e import (
     machine_cpu_s,
     pin_groups,
     process_cpu_s,
+    report,
 )
 from bench.learning import ROUTES, Settings
 from bench.learning_pipeline import (
@@ -135,3 +138,49 @@ def test_trainer_rows_become_a_cell_and_a_staleness_histogram() -> None:
     other = cell_of_rows("x", 2, 1, [{**r, "reward/mean": 0.7} for r in rows])
     assert curve_gap([cell], [other]) == pytest.approx(0.2)
     assert curve_gap([cell], [cell]) == 0.0
+
+
+def _fake_run(tmp_path: Path, mode: str, seed: int, step_s: float, reward: float) -> Run:
+    """A finished run's files as ``rollstream up`` leaves them, and its samples."""
+    run_dir = tmp_path / f"{mode}-{seed}"
+    (run_dir / "logs").mkdir(parents=True)
+    for role in ("trainer", "producer"):
+        (run_dir / "logs" / f"{role}.log").write_text("")
+    rows = [
+        {
+            "step": float(s),
+            "reward/mean": reward * s / 20,
+            "time/unix_s": 1000.0 + s * step_s,
+            "time/step_s": 0.05,
+        }
+        for s in range(1, 21)
+    ]
+    (run_dir / "trainer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples = [
+        Sample(s, 0.1 * s, 0.05 * s, 100.0 * s, {"engine": 0.1 * s, "machine": 0.3 * s})
+        for s in range(0, 21, 2)
+    ]
+    return Run(RunSpec(mode, 20, seed), run_dir, samples, seconds=30.0)
+
+
+def test_the_report_prints_the_bound_the_fraction_and_the_verdicts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = {
+        seed: {
+            "async": _fake_run(tmp_path, "async", seed, step_s=0.25, reward=0.8),
+            "sync": _fake_run(tmp_path, "sync", seed, step_s=0.5, reward=0.6),
+        }
+        for seed in (0, 1)
+    }
+    report(runs, {"async": [0.5, 1.0], "sync": [0.4]}, cores=2, pin=True)
+    out = capsys.readouterr().out
+    # phases 0.1 + 0.05 + 0.05 = 0.2 s a step, largest 0.1: bound 2x; pinned 2x too
+    assert "overlap bound, sum / max (a core per phase): 2.00x" in out
+    assert "async speed-up in steps/s (median): 2.00x" in out  # 0.5 s vs 0.25 s a step
+    assert "steps/s 1.00 of it" in out
+    assert "bottleneck: generate" in out
+    assert "final reward no lower than sync's: met" in out
+    # target 0.9 x 0.465 (sync's best 10-step mean): async at step 15 (3.5 s), sync 19 (9 s)
+    assert "to the same reward: 1.29, met" in out
+    assert "cores busy (machine CPU s / wall s): async 1.20, sync 0.60" in out
