@@ -26,7 +26,11 @@ interval made that wait most of a tiny-model sync step. Reported:
    cores also by the cores: sum / max(max phase, sum / c); pinned, by the busiest core.
    Printed: each bound, the speed-up (to the reward, and in steps/s) as a fraction of
    it, the bottleneck phase, and wall time per step minus the busy sum (what a step spends
-   in no phase: Kafka hops, the commit wait, weight propagation, contention).
+   in no phase: Kafka hops, the commit wait, weight propagation, contention). Beside
+   them, CPU seconds per trained step of each role's process tree and of the whole
+   machine (``/proc``: the broker and the store included), how many cores the run kept
+   busy, the speed-up async's CPU per step would allow on the machine's cores, and the
+   engine's tokens per trained step and per busy second.
 3. **Record latency, produce -> trained**, p50/p99: ``created_at_ms`` (the producer's
    timestamp when the group's generation started, carried in every record) to the
    wall-clock time at the end of the trainer step that trained it (``time/unix_s`` of the
@@ -174,26 +178,59 @@ def _span(samples: Sequence[Sample], warmup: int) -> tuple[Sample, Sample] | Non
 
 
 def cpu_per_step(samples: Sequence[Sample], warmup: int) -> dict[str, float]:
-    """CPU seconds per trained step of each process (``Sample.cpu_s``) and engine tokens
-    per trained step (``tokens``), over the same span as ``busy_per_step``."""
+    """CPU seconds per trained step of each process (``Sample.cpu_s``), each over the
+    samples past ``warmup`` that saw it (a role that ended first, such as the trainer at
+    its last step, counts up to then), and engine tokens per trained step (``tokens``)."""
     span = _span(samples, warmup)
     if span is None:
         return {}
+    out: dict[str, float] = {}
+    for name in {name for sample in samples for name in sample.cpu_s}:
+        seen = [s for s in samples if s.step >= warmup and name in s.cpu_s]
+        if len(seen) >= 2 and seen[-1].step > seen[0].step:
+            spent = seen[-1].cpu_s[name] - seen[0].cpu_s[name]
+            out[name] = spent / (seen[-1].step - seen[0].step)
     first, last = span
-    steps = last.step - first.step
-    out = {name: (last.cpu_s[name] - first.cpu_s[name]) / steps for name in last.cpu_s
-           if name in first.cpu_s}  # fmt: skip
-    out["tokens"] = (last.tokens - first.tokens) / steps
+    out["tokens"] = (last.tokens - first.tokens) / (last.step - first.step)
     return out
 
 
 def process_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of a process (all its threads), from ``/proc``."""
+    found = _proc_stat(pid)
+    return None if found is None else found[1]
+
+
+def _proc_stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, user + system CPU seconds) of a live process."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(pids: Mapping[str, int]) -> dict[str, float]:
+    """CPU seconds of each named process and its live descendants (a role's supervisor
+    starts its worker as a child); names whose process has ended are left out."""
+    stats = {int(d.name): _proc_stat(int(d.name)) for d in Path("/proc").iterdir()
+             if d.name.isdigit()}  # fmt: skip
+    children: dict[int, list[int]] = {}
+    for pid, stat in stats.items():
+        if stat is not None:
+            children.setdefault(stat[0], []).append(pid)
+    out: dict[str, float] = {}
+    for name, root in pids.items():
+        if stats.get(root) is None:
+            continue
+        total, todo = 0.0, [root]
+        while todo:
+            pid = todo.pop()
+            stat = stats.get(pid)
+            total += stat[1] if stat is not None else 0.0
+            todo += children.get(pid, [])
+        out[name] = total
+    return out
 
 
 def machine_cpu_s() -> float:
@@ -233,8 +270,7 @@ def sample_roles(run_dir: Path, steps: int) -> Sample | None:
     old_logits = scrape(streams, timeout_s=2.0).get(_OLDLOGIT_S)
     if old_logits is None:
         return None
-    cpu = {name: found for name, pid in pids.items() if (found := process_cpu_s(pid)) is not None}
-    cpu["machine"] = machine_cpu_s()
+    cpu = {**tree_cpu_s(pids), "machine": machine_cpu_s()}
     return Sample(steps, busy, old_logits, tokens, cpu)
 
 
@@ -545,6 +581,14 @@ def report(
         "    cores busy (machine CPU s / wall s): "
         + ", ".join(f"{m} {_median_of(cpu[m], 'machine') / wall[m]:.2f}" for m in MODES)
     )
+    machine = _median_of(cpu["async"], "machine")
+    if machine == machine and rate is not None:  # not NaN
+        floor = machine / cores
+        print(
+            f"  async's CPU on the machine ({machine:.3f}s a step over {cores} cores) allows at "
+            f"best {floor:.3f}s a step: a speed-up of {wall['sync'] / floor:.2f}x over sync; "
+            f"steps/s achieved {rate / (wall['sync'] / floor):.2f} of it"
+        )
     print(
         "  engine tokens per trained step: "
         + ", ".join(f"{m} {_median_of(cpu[m], 'tokens'):.0f}" for m in MODES)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from bench.e2e import (
     pin_groups,
     process_cpu_s,
     report,
+    tree_cpu_s,
 )
 from bench.learning import ROUTES, Settings
 from bench.learning_pipeline import (
@@ -60,13 +63,14 @@ def test_busy_per_step_needs_two_samples_a_step_apart() -> None:
     assert busy_per_step([Sample(3, 1.0, 1.0), Sample(3, 2.0, 2.0)], rows, warmup=2) is None
 
 
-def test_cpu_per_step_spans_the_same_samples_and_skips_processes_not_seen_at_both_ends() -> None:
+def test_cpu_per_step_counts_each_process_over_the_samples_that_saw_it() -> None:
     samples = [
-        Sample(1, 0.0, 0.0, tokens=0.0, cpu_s={"engine": 1.0}),
-        Sample(2, 0.0, 0.0, tokens=100.0, cpu_s={"engine": 2.0, "machine": 10.0}),
-        Sample(6, 0.0, 0.0, tokens=500.0, cpu_s={"engine": 4.0, "machine": 14.0, "x": 1.0}),
+        Sample(1, 0.0, 0.0, tokens=0.0, cpu_s={"engine": 1.0}),  # before the warm-up
+        Sample(2, 0.0, 0.0, tokens=100.0, cpu_s={"engine": 2.0, "trainer": 1.0}),
+        Sample(4, 0.0, 0.0, tokens=300.0, cpu_s={"engine": 3.0, "trainer": 2.0}),
+        Sample(6, 0.0, 0.0, tokens=500.0, cpu_s={"engine": 4.0, "x": 1.0}),  # trainer ended
     ]
-    assert cpu_per_step(samples, warmup=2) == {"engine": 0.5, "machine": 1.0, "tokens": 100.0}
+    assert cpu_per_step(samples, warmup=2) == {"engine": 0.5, "trainer": 0.5, "tokens": 100.0}
     assert cpu_per_step(samples[:1], warmup=0) == {}
 
 
@@ -79,6 +83,23 @@ def test_process_and_machine_cpu_seconds_grow_with_work() -> None:
     assert process_cpu_s(os.getpid()) >= mine + 0.2  # clock ticks: 10 ms resolution
     assert machine_cpu_s() >= machine + 0.2
     assert process_cpu_s(2**22 + 1) is None  # no such process
+
+
+def test_a_roles_cpu_includes_its_children() -> None:
+    burn = "import time\nt = time.process_time() + 0.3\nwhile time.process_time() < t: pass"
+    child = subprocess.Popen([sys.executable, "-c", burn + "\ntime.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while (process_cpu_s(child.pid) or 0.0) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        mine = process_cpu_s(os.getpid())
+        assert mine is not None
+        found = tree_cpu_s({"me": os.getpid(), "gone": 2**22 + 1})
+        assert set(found) == {"me"}
+        assert found["me"] >= mine + 0.3
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_overlap_bound_is_sum_over_max_and_cores_and_pinning_lower_it() -> None:
@@ -184,3 +205,4 @@ def test_the_report_prints_the_bound_the_fraction_and_the_verdicts(
     # target 0.9 x 0.465 (sync's best 10-step mean): async at step 15 (3.5 s), sync 19 (9 s)
     assert "to the same reward: 1.29, met" in out
     assert "cores busy (machine CPU s / wall s): async 1.20, sync 0.60" in out
+    assert "allows at best 0.150s a step: a speed-up of 3.33x over sync" in out  # 0.5 / 0.15
