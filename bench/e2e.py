@@ -65,6 +65,7 @@ MODES = ("async", "sync")
 PHASES = ("generate", "old_logits", "train")
 _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*?(published|applied) v(\d+)")
 _OLDLOGIT_S = "rollstream_streams_oldlogit_seconds_total"
+_INTERRUPTED = "rollstream_producer_interrupted_samples_total"
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -100,6 +101,8 @@ class Sample:
     generate_s: float  # the engine's busy_s
     old_logits_s: float  # the stream's old-logit forward-pass seconds
     tokens: float = 0.0  # the engine's tokens_generated
+    records: float = 0.0  # the producer's records acknowledged by Kafka
+    interrupted: float = 0.0  # the producer's samples cut by a version change
     #: CPU seconds (user + system) of each role's process, and ``machine``: of every
     #: process on the machine's cores (the broker, the store and anything else included)
     cpu_s: Mapping[str, float] = field(default_factory=dict)
@@ -191,7 +194,10 @@ def cpu_per_step(samples: Sequence[Sample], warmup: int) -> dict[str, float]:
             spent = seen[-1].cpu_s[name] - seen[0].cpu_s[name]
             out[name] = spent / (seen[-1].step - seen[0].step)
     first, last = span
-    out["tokens"] = (last.tokens - first.tokens) / (last.step - first.step)
+    steps = last.step - first.step
+    out["tokens"] = (last.tokens - first.tokens) / steps
+    out["records"] = (last.records - first.records) / steps
+    out["interrupted"] = (last.interrupted - first.interrupted) / steps
     return out
 
 
@@ -242,11 +248,16 @@ def machine_cpu_s() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def _role_ports(run_dir: Path) -> tuple[int, int] | None:
-    """The engine's and the stream worker's ports, once ``up`` wrote the run's config."""
+def _role_ports(run_dir: Path) -> tuple[int, int, int] | None:
+    """The engine's, the stream worker's and the producer's metrics ports, once ``up``
+    wrote the run's config."""
     try:
         data = tomllib.loads((run_dir / "rollstream.toml").read_text())
-        return int(data["producers"]["engine"]["port"]), int(data["streams"]["metrics_port"])
+        return (
+            int(data["producers"]["engine"]["port"]),
+            int(data["streams"]["metrics_port"]),
+            int(data["producers"]["rollout"]["metrics_port"]),
+        )
     except (OSError, tomllib.TOMLDecodeError, KeyError):
         return None
 
@@ -258,7 +269,7 @@ def sample_roles(run_dir: Path, steps: int) -> Sample | None:
     ports = _role_ports(run_dir)
     if ports is None:
         return None
-    engine, streams = ports
+    engine, streams, producer = ports
     try:
         url = f"http://127.0.0.1:{engine}/get_server_info"
         with urllib.request.urlopen(url, timeout=2.0) as answer:
@@ -268,10 +279,13 @@ def sample_roles(run_dir: Path, steps: int) -> Sample | None:
     except (OSError, ValueError, KeyError):
         return None
     old_logits = scrape(streams, timeout_s=2.0).get(_OLDLOGIT_S)
-    if old_logits is None:
+    made = scrape(producer, timeout_s=2.0)
+    records = made.get("rollstream_producer_trajectories_total")
+    if old_logits is None or records is None:
         return None
+    cut = sum(v for k, v in made.items() if k.startswith(_INTERRUPTED))
     cpu = {**tree_cpu_s(pids), "machine": machine_cpu_s()}
-    return Sample(steps, busy, old_logits, tokens, cpu)
+    return Sample(steps, busy, old_logits, tokens, records, cut, cpu)
 
 
 # --- one run -------------------------------------------------------------------------
@@ -573,7 +587,9 @@ def report(
         f"{wall['async']:.3f}s wall per step)"
     )
     cpu = {m: [c for pair in runs.values() if (c := pair[m].cpu())] for m in MODES}
-    names = sorted({name for m in MODES for c in cpu[m] for name in c} - {"tokens"})
+    names = sorted(
+        {n for m in MODES for c in cpu[m] for n in c} - {"tokens", "records", "interrupted"}
+    )
     print("  CPU seconds per trained step (user + system, median over seeds):")
     for name in names:
         print(f"    {name:10s} " + " ".join(f"{_median_of(cpu[m], name):7.3f}s" for m in MODES))
@@ -594,6 +610,18 @@ def report(
         + ", ".join(f"{m} {_median_of(cpu[m], 'tokens'):.0f}" for m in MODES)
         + "; per busy second: "
         + ", ".join(f"{m} {_median_of(cpu[m], 'tokens') / phases[m].generate:.0f}" for m in MODES)
+    )
+    trained = {m: statistics.median(statistics.fmean(r.get("data/trajectories", 0.0)
+                                                     for r in pair[m].rows)
+                                     for pair in runs.values()) for m in MODES}  # fmt: skip
+    print(
+        "  records produced per trained step: "
+        + ", ".join(f"{m} {_median_of(cpu[m], 'records'):.1f}" for m in MODES)
+        + " (trained: "
+        + ", ".join(f"{m} {trained[m]:.1f}" for m in MODES)
+        + ")"
+        + "; samples cut by a version change per step: "
+        + ", ".join(f"{m} {_median_of(cpu[m], 'interrupted'):.1f}" for m in MODES)
     )
     if pin and cores < len(PHASES) + 1:
         print(

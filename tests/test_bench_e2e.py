@@ -68,9 +68,15 @@ def test_cpu_per_step_counts_each_process_over_the_samples_that_saw_it() -> None
         Sample(1, 0.0, 0.0, tokens=0.0, cpu_s={"engine": 1.0}),  # before the warm-up
         Sample(2, 0.0, 0.0, tokens=100.0, cpu_s={"engine": 2.0, "trainer": 1.0}),
         Sample(4, 0.0, 0.0, tokens=300.0, cpu_s={"engine": 3.0, "trainer": 2.0}),
-        Sample(6, 0.0, 0.0, tokens=500.0, cpu_s={"engine": 4.0, "x": 1.0}),  # trainer ended
-    ]
-    assert cpu_per_step(samples, warmup=2) == {"engine": 0.5, "trainer": 0.5, "tokens": 100.0}
+        Sample(6, 0.0, 0.0, tokens=500.0, records=24.0, cpu_s={"engine": 4.0, "x": 1.0}),
+    ]  # the trainer ended before the last sample
+    assert cpu_per_step(samples, warmup=2) == {
+        "engine": 0.5,
+        "trainer": 0.5,
+        "tokens": 100.0,
+        "records": 6.0,
+        "interrupted": 0.0,
+    }
     assert cpu_per_step(samples[:1], warmup=0) == {}
 
 
@@ -178,7 +184,15 @@ def _fake_run(tmp_path: Path, mode: str, seed: int, step_s: float, reward: float
     ]
     (run_dir / "trainer.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     samples = [
-        Sample(s, 0.1 * s, 0.05 * s, 100.0 * s, {"engine": 0.1 * s, "machine": 0.3 * s})
+        Sample(
+            s,
+            0.1 * s,
+            0.05 * s,
+            tokens=100.0 * s,
+            records=9.0 * s,
+            interrupted=0.5 * s,
+            cpu_s={"engine": 0.1 * s, "machine": 0.3 * s},
+        )
         for s in range(0, 21, 2)
     ]
     return Run(RunSpec(mode, 20, seed), run_dir, samples, seconds=30.0)
@@ -205,4 +219,6 @@ def test_the_report_prints_the_bound_the_fraction_and_the_verdicts(
     # target 0.9 x 0.465 (sync's best 10-step mean): async at step 15 (3.5 s), sync 19 (9 s)
     assert "to the same reward: 1.29, met" in out
     assert "cores busy (machine CPU s / wall s): async 1.20, sync 0.60" in out
+    assert "records produced per trained step: async 9.0, sync 9.0" in out
+    assert "samples cut by a version change per step: async 0.5, sync 0.5" in out
     assert "allows at best 0.150s a step: a speed-up of 3.33x over sync" in out  # 0.5 / 0.15
