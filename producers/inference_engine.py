@@ -36,11 +36,12 @@ without bound.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -302,6 +303,9 @@ class EngineStats:
     rejected_busy: int = 0  # requests refused because max_pending were in flight
     prefill_tokens: int = 0  # tokens run through a prefill forward pass
     reused_tokens: int = 0  # prompt tokens whose KV came from the prefix cache instead
+    #: seconds spent computing (batches and weight updates, under the compute lock): the
+    #: generation phase's busy time, which benchmarks divide by trainer steps
+    busy_s: float = 0.0
 
 
 class Engine:
@@ -550,10 +554,13 @@ class Engine:
         return item.future
 
     def _run_control(self, item: _Control) -> None:
+        began = time.perf_counter()
         try:
             item.future.set_result(item.fn())
         except Exception as exc:  # handed to the caller through the future
             item.future.set_exception(exc)
+        finally:
+            self.stats.busy_s += time.perf_counter() - began
 
     def model_info(self) -> dict[str, Any]:
         """SGLang's ``/get_model_info`` object."""
@@ -632,7 +639,7 @@ class Engine:
         live = self._startable(requests)
         if not live:
             return
-        with self._compute, torch.inference_mode():
+        with self._compute, torch.inference_mode(), self._busy():
             self.stats.batches += 1
             cache, logits, mask, last = self._prefill(live)
             knobs = _Knobs.of(live, self.vocab_size)
@@ -676,6 +683,15 @@ class Engine:
                     logits_to_keep=1,
                 )
                 logits = out.logits[:, -1, :].float()
+
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        """Add the block's wall-clock seconds to ``stats.busy_s``."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.busy_s += time.perf_counter() - began
 
     def _startable(self, requests: list[_Request]) -> list[_Request]:
         """The requests that still need compute; the others are finished here."""

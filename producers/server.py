@@ -21,7 +21,8 @@ a drop-in for the same client:
   "preferred_sampling_params", "weight_version"}``; ``GET /get_weight_version``.
 - ``GET /health`` and ``/health_generate``: 200 while the scheduler runs (the latter
   generates one token), 503 otherwise. ``GET /get_server_info``: engine settings and
-  counters (not SGLang's fields).
+  counters (not SGLang's fields; ``busy_s``: seconds spent computing batches and weight
+  updates).
 
 When the engine already holds ``max_pending`` requests (queued or running), ``/generate``
 answers **503** with a ``Retry-After`` header (whole seconds) and queues nothing; the
@@ -254,6 +255,7 @@ async def get_server_info(request: web.Request) -> web.Response:
             "max_batch_seen": stats.max_batch_seen,
             "max_pending": engine.max_pending,
             "rejected_busy": stats.rejected_busy,
+            "busy_s": stats.busy_s,
         }
     )
 

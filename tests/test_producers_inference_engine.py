@@ -97,6 +97,20 @@ def test_stop_tokens_length_and_finish_reasons(engine):
     assert len(capped.output_ids) == 3
 
 
+def test_busy_seconds_count_compute_not_idle_time(engine):
+    assert engine.stats.busy_s == 0.0
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    began = time.perf_counter()
+    engine.submit(PROMPTS[0], params).result(timeout=30)
+    generated = time.perf_counter() - began
+    assert 0.0 < engine.stats.busy_s <= generated
+    busy = engine.stats.busy_s
+    time.sleep(0.2)  # idle: the scheduler waits, nothing is computed
+    assert engine.stats.busy_s == busy
+    engine.update_weights(engine.model.state_dict(), "1").result(timeout=30)
+    assert engine.stats.busy_s > busy  # a weight update occupies the engine too
+
+
 def test_context_limit_ends_with_length(engine):
     prompt = [BOS_ID] + [5] * 60  # the tiny model has 64 positions
     result = engine.generate([prompt], SamplingParams(max_new_tokens=50, ignore_eos=True))[0]

@@ -90,7 +90,9 @@ def test_model_info_health_and_server_info(server):
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/health_generate").status_code == 200
     assert httpx.get(server.url + "/get_weight_version").json() == {"weight_version": "0"}
-    assert "SGLang v0.5.3" in httpx.get(server.url + "/get_server_info").json()["version"]
+    server_info = httpx.get(server.url + "/get_server_info").json()
+    assert "SGLang v0.5.3" in server_info["version"]
+    assert server_info["busy_s"] > 0.0  # /health_generate computed one token
 
 
 def test_client_round_trip_and_log_probs(server):
