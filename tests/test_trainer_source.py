@@ -4,6 +4,7 @@ backlog, and the per-partition lag it reports."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -86,7 +87,7 @@ def test_a_backlog_is_served_fairly_across_partitions_and_lag_is_reported(
         # after the first window no partition stands still: a partition served ahead of
         # the others while they were still being fetched may rightly wait one window
         # (oldest first), but not longer
-        for earlier, later in zip(windows[1:], windows[2:], strict=False):
+        for earlier, later in itertools.pairwise(windows[1:]):
             assert set(earlier) | set(later) == set(range(PARTITIONS)), windows
 
         lag = source.lag({})  # nothing trained: the lag counts from the read positions
