@@ -554,13 +554,11 @@ class Engine:
         return item.future
 
     def _run_control(self, item: _Control) -> None:
-        began = time.perf_counter()
-        try:
-            item.future.set_result(item.fn())
-        except Exception as exc:  # handed to the caller through the future
-            item.future.set_exception(exc)
-        finally:
-            self.stats.busy_s += time.perf_counter() - began
+        with self._busy():
+            try:
+                item.future.set_result(item.fn())
+            except Exception as exc:  # handed to the caller through the future
+                item.future.set_exception(exc)
 
     def model_info(self) -> dict[str, Any]:
         """SGLang's ``/get_model_info`` object."""
