@@ -411,7 +411,8 @@ def _run(args: tuple[Route, int, int, Settings]) -> CellResult:
 # --- the report -----------------------------------------------------------------------
 
 
-def _spread(values: Sequence[float]) -> str:
+def spread(values: Sequence[float]) -> str:
+    """``mean ± sd`` of ``values`` (the one value, or ``-`` for none)."""
     if len(values) < 2:
         return f"{values[0]:.2f}" if values else "-"
     return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}"
@@ -435,7 +436,7 @@ def table(cells: list[CellResult], settings: Settings) -> str:
             f"| {k} | {route} | "
             f"{statistics.median(reached) if reached else '-'} ({len(reached)}/{len(group)}) | "
             f"{f'{statistics.median(cpu):.0f}' if cpu else '-'} | "
-            f"{_spread([c.final() for c in group])} | "
+            f"{spread([c.final() for c in group])} | "
             f"{sum(c.collapsed(settings.target) for c in group)}/{len(group)} | "
             f"{statistics.fmean(x for c in group for x in c.clip_frac):.3f} | "
             f"{statistics.fmean(x for c in group for x in c.mask_frac):.3f} | "

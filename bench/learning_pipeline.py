@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e import RunSpec, with_infra
-from bench.learning import PLOTS, ROUTES, CellResult, Route, Settings, run_cell
+from bench.learning import PLOTS, ROUTES, CellResult, Route, Settings, run_cell, spread
 
 HIST_PREFIX = "staleness/hist/"
 
@@ -118,12 +118,6 @@ def _mean_curve(cells: Sequence[CellResult]) -> list[float]:
     return [statistics.fmean(c[i] for c in curves) for i in range(n)]
 
 
-def _spread(values: Sequence[float]) -> str:
-    if len(values) < 2:
-        return f"{values[0]:.2f}" if values else "-"
-    return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}"
-
-
 def summary(sides: Sequence[Side], target: float) -> str:
     """A markdown table, one row per side."""
     lines = [
@@ -136,7 +130,7 @@ def summary(sides: Sequence[Side], target: float) -> str:
         reached = [s for s in steps if s is not None]
         lines.append(
             f"| {side.name} | {statistics.median(reached) if reached else '-'} "
-            f"({len(reached)}/{len(steps)}) | {_spread([c.final() for c in side.cells])} | "
+            f"({len(reached)}/{len(steps)}) | {spread([c.final() for c in side.cells])} | "
             f"{statistics.fmean(x for c in side.cells for x in c.clip_frac):.3f} | "
             f"{statistics.fmean(x for c in side.cells for x in c.mask_frac):.3f} |"
         )
