@@ -65,7 +65,6 @@ from streams.staleness import StalenessPolicy, VersionTracker
 from streams.txn import EffectWriter, check_faust_internals
 from streams.versions import VersionReader
 from weights.announce import AnnouncementListener
-from weights.follower import Snapshot
 
 log = logging.getLogger("streams")
 
@@ -347,15 +346,6 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
             CONFIG.processing_guarantee,
         )
 
-    def _on_snapshot(snapshot: Snapshot) -> None:
-        """A version in the weight store was published, so the trainer has reached it:
-        it moves the staleness clock as its announcement would. The announcement can be
-        late (a broker outage delays it while producers already follow the store), and a
-        record of that version must not be dead-lettered as never published."""
-        snapshots.on_snapshot(snapshot)
-        if tracker.observe(snapshot.version):
-            _on_new_version(snapshot.version)
-
     def _start_follower() -> None:
         from weights.follower import FollowerMetrics, WeightFollower
         from weights.store import WeightStore
@@ -364,7 +354,7 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
         follower = WeightFollower.from_config(
             store,
             WEIGHTS,
-            on_version=_on_snapshot,
+            on_version=snapshots.on_snapshot,
             metrics=FollowerMetrics(metrics.registry),
         )
         listener = AnnouncementListener(KAFKA, RUN_ID, TOPICS.versions)

@@ -19,9 +19,8 @@ A raw record goes through, in order:
    the group id (``key_mismatch``: the group could be split across partitions), a
    routing header (``rs-run-id``, ``rs-group-id``, ...) that contradicts the body
    (``header_mismatch``);
-4. **versions** (``StalenessPolicy``, against the newest version announced on
-   ``policy.versions`` or seen in the weight store): a version never published (ahead
-   by more than ``future_allowance``) → DLQ ``future_version``;
+4. **versions** (``StalenessPolicy``, against the newest announced version): a version
+   never published (ahead by more than ``future_allowance``) → DLQ ``future_version``;
    too stale → ``rollouts.stale`` with ``StaleRecord``;
 5. **assembly**: the sample joins its group's table entry; a duplicate
    (``duplicate_sample``), a taken sample index (``duplicate_sample_index``), a group size

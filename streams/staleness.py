@@ -57,8 +57,7 @@ class Verdict:
 class StalenessPolicy:
     """Applies ``StalenessConfig`` to a record's segment versions.
 
-    One clock (``VersionTracker``): the newest version announced on ``policy.versions``,
-    or seen in the weight store by the stream's weight follower, whichever is newer.
+    One clock: the newest version announced on ``policy.versions`` (``VersionTracker``).
     Staleness = that version - the record's oldest segment version, floored at 0: a
     record may come from a version up to ``future_allowance`` versions *ahead* of the
     clock (its announcement is still on its way to the stream) and then counts as fresh
