@@ -58,6 +58,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bench.figures import moving_mean, spread, trainer_rows
 from core.config import merge_tables, to_toml
 from rollstream.config import load_config
 
@@ -73,20 +74,8 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _rows(run_dir: Path) -> list[dict[str, float]]:
-    text = (run_dir / "trainer.jsonl").read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
 def _smoothed(rows: list[dict[str, float]], window: int = 10) -> list[float]:
-    rewards = [row["reward/mean"] for row in rows]
-    return [statistics.fmean(rewards[max(0, i - window + 1) : i + 1]) for i in range(len(rewards))]
-
-
-def _spread(values: Sequence[float]) -> str:
-    if len(values) < 2:
-        return f"{values[0]:.3f}" if values else "-"
-    return f"{statistics.fmean(values):.3f} ± {statistics.stdev(values):.3f}"
+    return moving_mean([row["reward/mean"] for row in rows], window)
 
 
 # --- busy time per phase -------------------------------------------------------------
@@ -331,7 +320,7 @@ class Run:
 
     @property
     def rows(self) -> list[dict[str, float]]:
-        return _rows(self.run_dir)
+        return trainer_rows(self.run_dir)
 
     @property
     def warmup(self) -> int:
@@ -417,7 +406,7 @@ def latencies(run_dir: Path, config_path: Path, run_id: str) -> list[float]:
 
     from schemas.codec import decode
 
-    step_end = {int(row["step"]): row["time/unix_s"] for row in _rows(run_dir)}
+    step_end = {int(row["step"]): row["time/unix_s"] for row in trainer_rows(run_dir)}
     trained: dict[str, float] = {}
     for line in (run_dir / "ledger.jsonl").read_text().splitlines():
         entry = json.loads(line)
@@ -537,7 +526,8 @@ def report(
     )
     print(f"  async speed-up in steps/s (median): {_median(rates)}x")
     for mode in MODES:
-        print(f"  final 10-step reward {mode:5s}: {_spread(finals[mode])} (mean ± sd over seeds)")
+        final = spread(finals[mode], digits=3)
+        print(f"  final 10-step reward {mode:5s}: {final} (mean ± sd over seeds)")
     lower = statistics.fmean(finals["async"]) < statistics.fmean(finals["sync"])
     print(f"  target, async's final reward no lower than sync's: {'missed' if lower else 'met'}")
 

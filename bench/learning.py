@@ -42,12 +42,13 @@ import platform
 import random
 import statistics
 import time
-from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from bench.figures import moving_mean, spread
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "learning.md"
@@ -118,8 +119,7 @@ class CellResult:
     generated_flat: list[int] = field(default_factory=list)  # of which rewards all equal
 
     def smoothed(self, window: int = 10) -> list[float]:
-        r = self.rewards
-        return [statistics.fmean(r[max(0, i - window + 1) : i + 1]) for i in range(len(r))]
+        return moving_mean(self.rewards, window)
 
     def step_to(self, target: float) -> int | None:
         for i, value in enumerate(self.smoothed()):
@@ -409,13 +409,6 @@ def _run(args: tuple[Route, int, int, Settings]) -> CellResult:
 
 
 # --- the report -----------------------------------------------------------------------
-
-
-def spread(values: Sequence[float]) -> str:
-    """``mean ± sd`` of ``values`` (the one value, or ``-`` for none)."""
-    if len(values) < 2:
-        return f"{values[0]:.2f}" if values else "-"
-    return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values):.2f}"
 
 
 def table(cells: list[CellResult], settings: Settings) -> str:

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e import RunSpec, with_infra
-from bench.learning import PLOTS, ROUTES, CellResult, Route, Settings, run_cell, spread
+from bench.figures import spread
+from bench.learning import PLOTS, ROUTES, CellResult, Route, Settings, run_cell
 
 HIST_PREFIX = "staleness/hist/"
 

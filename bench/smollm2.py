@@ -13,7 +13,6 @@ summarises a run that already finished.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -21,6 +20,8 @@ import sys
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
+
+from bench.figures import moving_mean, trainer_rows
 
 WINDOW = 10
 CURVES = (
@@ -42,11 +43,6 @@ def run_up(run_dir: Path, steps: int) -> float:
     return (datetime.now(UTC) - started).total_seconds()
 
 
-def read_rows(run_dir: Path) -> list[dict[str, float]]:
-    path = run_dir / "trainer.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def windows(rows: list[dict[str, float]]) -> list[dict[str, float]]:
     """Means over consecutive windows of ``WINDOW`` steps."""
     out = []
@@ -58,10 +54,6 @@ def windows(rows: list[dict[str, float]]) -> list[dict[str, float]]:
             summary[key] = statistics.fmean(values) if values else float("nan")
         out.append(summary)
     return out
-
-
-def moving_mean(values: list[float], window: int = WINDOW) -> list[float]:
-    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
 
 
 def plot(rows: list[dict[str, float]], path: Path) -> None:
@@ -97,7 +89,7 @@ def main() -> None:
     if not args.no_run:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         wall = run_up(run_dir, args.steps)
-    rows = read_rows(run_dir)
+    rows = trainer_rows(run_dir)
     took = f" in {wall:.0f} s (start-up included)" if wall else ""
     print(f"bench.smollm2, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores; "
           f"{len(rows)} steps{took}")  # fmt: skip
