@@ -198,10 +198,17 @@ ONE_SHOT_EXAMPLE = (
 )
 
 
+def check_level(level: str) -> None:
+    """Refuse a level ``make_word_problem`` does not know, with the ones it does."""
+    if level not in ARITHMETIC_LEVELS:
+        raise ValueError(f"unknown arithmetic level {level!r}; one of {ARITHMETIC_LEVELS}")
+
+
 def make_word_problem(rng: random.Random, level: str = "mixed") -> tuple[str, int]:
     """A word problem with an integer answer, from a seeded ``rng``. ``easy``: one
     addition or subtraction of small numbers; ``mixed``: the four operations, numbers up
     to 90."""
+    check_level(level)
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
     if level == "easy":
         a, b = rng.randint(2, 12), rng.randint(1, 9)
@@ -212,8 +219,6 @@ def make_word_problem(rng: random.Random, level: str = "mixed") -> tuple[str, in
             return question, a + b
         a += b
         return f"{name} has {a} {item} and gives away {b}. How many {item} are left?", a - b
-    if level != "mixed":
-        raise ValueError(f"unknown arithmetic level {level!r}; one of {ARITHMETIC_LEVELS}")
     kind = rng.randrange(4)
     if kind == 0:
         a, b = rng.randint(2, 60), rng.randint(2, 40)
@@ -291,8 +296,7 @@ class ArithmeticTask:
     stop_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.level not in ARITHMETIC_LEVELS:
-            raise ValueError(f"unknown arithmetic level {self.level!r}; one of {ARITHMETIC_LEVELS}")
+        check_level(self.level)  # at construction, not at the first sample
         if not 0.0 <= self.format_reward <= 1.0:
             raise ValueError(f"format_reward must be within [0, 1], got {self.format_reward}")
         if not self.stop_token_ids:
