@@ -54,7 +54,7 @@ from consumers.ranks import (
     split_for_ranks,
     token_imbalance,
 )
-from core.config import S3Config, WeightsConfig
+from core.config import PresenceConfig, S3Config, WeightsConfig
 from core.models import load_model
 from schemas.trajectory import Trajectory
 
@@ -99,6 +99,7 @@ class TrainerSettings:
     weights: WeightsConfig = field(default_factory=WeightsConfig)
     cache_dir: Path | None = None
     state_dir: Path | None = None  # default home of checkpoints
+    presence: PresenceConfig | None = None  # None: no heartbeats
 
     def checkpoint_config(self) -> CheckpointConfig:
         """``trainer.checkpoint`` with its directory resolved."""
@@ -142,6 +143,7 @@ class Trainer:
         self.recent_producers: deque[set[str]] = deque(maxlen=window + 1)
         self.restored: TrainerState | None = None
         self.summary = TrainSummary(0, 0, 0, 0, 0, 0, [])
+        self.beacon: Any = None  # core.presence.Beacon of rank 0
 
     # --- setup --------------------------------------------------------------------------
 
@@ -229,6 +231,19 @@ class Trainer:
 
         cfg = self.config
         self._ensure_topics()
+        presence = self.settings.presence
+        if presence is not None and presence.enabled:
+            from core.presence import Beacon
+
+            self.beacon = Beacon(
+                self.settings.kafka,
+                presence.topic,
+                run=self.settings.run_id,
+                role="trainer",
+                instance=cfg.topics.group_instance_id or None,
+                interval_s=presence.interval_s,
+                detail=lambda: {"step": self.step, "world": self.world},
+            ).start()
         self.source = ScoredSource(
             self.settings.kafka,
             cfg.topics,
@@ -538,6 +553,8 @@ class Trainer:
         sink = getattr(self, "sink", None)
         if sink is not None:
             sink.close()
+        if self.beacon is not None:
+            self.beacon.leave()
         self.summary.dead_letters = self.source.dlq.sent if hasattr(self, "source") else 0
 
     # --- stopping -----------------------------------------------------------------------

@@ -218,6 +218,17 @@ class RestartConfig(StrictModel):
     max_backoff_s: float = Field(default=30.0, ge=0, description="Longest wait between restarts.")
 
 
+class PresenceConfig(StrictModel):
+    """Role heartbeats on a compacted topic (``core.presence``): how a run learns which
+    producers, stream workers and trainers are there, wherever they were started."""
+
+    topic: str = Field(default="rollstream.roles", description="The heartbeat topic.")
+    interval_s: float = Field(
+        default=5.0, gt=0, description="Seconds between heartbeats of a running role."
+    )
+    enabled: bool = Field(default=True, description="Send heartbeats at all.")
+
+
 class SharedConfig(BaseSettings):
     """The sections every role reads: the run, where state lives, Kafka, S3 and weights.
 
@@ -243,6 +254,7 @@ class SharedConfig(BaseSettings):
     kafka: KafkaConfig = Field(default_factory=KafkaConfig)
     s3: S3Config = Field(default_factory=S3Config)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    presence: PresenceConfig = Field(default_factory=PresenceConfig)
 
 
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -185,3 +186,57 @@ def read_range(
                     finish(tp.partition)
             if pending and time.monotonic() - last_progress > idle_timeout_s:
                 raise ReadStalled(topic, pending, idle_timeout_s)
+
+
+@dataclass(frozen=True)
+class MemberLag:
+    """One consumer-group member's share of a topic: its partitions and how many records
+    of them its group has not committed yet (high watermark minus committed offset)."""
+
+    client_id: str
+    host: str
+    partitions: tuple[int, ...]
+    lag: int
+
+
+def group_lag(
+    client_config: Mapping[str, str], group: str, topic: str, timeout_s: float = 10.0
+) -> list[MemberLag]:
+    """Lag per member of ``group`` on ``topic``, as Kafka's own group tooling shows it:
+    who holds which partitions now, and the records past the group's committed offsets
+    (a partition never committed counts from its low watermark). Members holding no
+    partition of ``topic`` are listed with lag 0; an unknown group gives no members."""
+    from confluent_kafka import Consumer, ConsumerGroupTopicPartitions, TopicPartition
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient(dict(client_config))
+    described = admin.describe_consumer_groups([group], request_timeout=timeout_s)
+    members = described[group].result(timeout=timeout_s).members
+    held = {
+        m.member_id: sorted(
+            tp.partition for tp in m.assignment.topic_partitions if tp.topic == topic
+        )
+        for m in members
+    }
+    wanted = [TopicPartition(topic, p) for parts in held.values() for p in parts]
+    committed: dict[int, int] = {}
+    if wanted:
+        request = [ConsumerGroupTopicPartitions(group, wanted)]
+        answer = admin.list_consumer_group_offsets(request, request_timeout=timeout_s)
+        for tp in answer[group].result(timeout=timeout_s).topic_partitions:
+            committed[tp.partition] = tp.offset
+    consumer = Consumer(reader_config(client_config, "group-lag"))
+    try:
+        marks = whole_topic(consumer, topic, [tp.partition for tp in wanted])
+    finally:
+        consumer.close()
+
+    def lag(partition: int) -> int:
+        low, high = marks[partition]
+        start = committed.get(partition, -1)
+        return max(0, high - (start if start >= 0 else low))
+
+    return [
+        MemberLag(m.client_id, m.host, tuple(held[m.member_id]), sum(map(lag, held[m.member_id])))
+        for m in sorted(members, key=lambda m: m.client_id)
+    ]

@@ -218,6 +218,15 @@ class RolloutConfig(StrictModel):
         description="On a new version mid-generation: 'finish' on the old weights, "
         "'interrupt' and continue on the new ones (two segments), or 'abort' and regenerate.",
     )
+    stop_policy: Literal["abort", "finish"] = Field(
+        default="abort",
+        description="On SIGTERM/Ctrl-C: 'abort' the groups in flight (never published) or "
+        "'finish' them first (up to stop_finish_timeout_s, then abort the rest). The "
+        "ledger's last line says which groups went which way.",
+    )
+    stop_finish_timeout_s: float = Field(
+        default=60.0, gt=0, description="'finish': longest wait for groups in flight."
+    )
     follow_weights: bool = Field(
         default=True,
         description="Follow the run's published versions (WeightFollower on the [s3] store "

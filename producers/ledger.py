@@ -11,6 +11,10 @@ one event a line, flushed to the OS as it is written (enough to survive kill -9)
 - ``orphaned`` / ``lost``: written by recovery for a group left pending by a crash: some
   (orphaned) or none (lost) of its records reached the topic. Neither counts as
   delivered; consumers drop incomplete groups anyway.
+- ``stopped``: the producer stopped on request (SIGTERM, Ctrl-C): which groups that were
+  in flight it finished and published, which it aborted (never published, so never
+  trained), and which were published but left unacknowledged (recovery settles them).
+  A producer killed with SIGKILL writes none; its ``pending`` groups say the rest.
 
 Recovery (``recover``) runs at start-up, before producing. For each group left pending
 it scans the topic from the last mark written before the oldest pending line (a bounded
@@ -58,6 +62,17 @@ class PendingGroup:
     line: int  # index of its pending line among all lines
 
 
+@dataclass(frozen=True)
+class StopRecord:
+    """What a producer did with its groups in flight when asked to stop."""
+
+    policy: str  # "abort" or "finish" (producers.rollout.stop_policy)
+    finished: list[str]  # in flight at the request, then published
+    aborted: list[str]  # in flight at the request, dropped unpublished
+    unacknowledged: list[str]  # published, not acknowledged when the producer left
+    ts_ms: int = 0
+
+
 @dataclass
 class LedgerState:
     """What the ledger's lines say, folded."""
@@ -67,6 +82,7 @@ class LedgerState:
     lost: set[str] = field(default_factory=set)
     pending: dict[str, PendingGroup] = field(default_factory=dict)
     marks: list[tuple[int, dict[int, int]]] = field(default_factory=list)  # (line, offsets)
+    stops: list[StopRecord] = field(default_factory=list)
     lines: int = 0
 
     @property
@@ -178,6 +194,18 @@ class Ledger:
         self.state.pending.pop(group_id, None)
         self.state.lost.add(group_id)
 
+    def stopped(self, record: StopRecord) -> None:
+        """The last line of a producer that stopped on request."""
+        event = {
+            "kind": "stopped",
+            "policy": record.policy,
+            "finished": record.finished,
+            "aborted": record.aborted,
+            "unacknowledged": record.unacknowledged,
+        }
+        self._append(event, sync=True)
+        self.state.stops.append(record)
+
     def _append(self, event: dict[str, Any], *, sync: bool = False) -> None:
         if self._fh is None:
             raise RuntimeError("ledger is not open")
@@ -216,6 +244,16 @@ def read_ledger(path: Path) -> LedgerState:
             elif kind == "lost":
                 state.pending.pop(gid, None)
                 state.lost.add(gid)
+            elif kind == "stopped":
+                state.stops.append(
+                    StopRecord(
+                        event["policy"],
+                        event["finished"],
+                        event["aborted"],
+                        event["unacknowledged"],
+                        event.get("ts_ms", 0),
+                    )
+                )
             else:
                 raise ValueError(f"{path}:{line + 1}: unknown ledger event {kind!r}")
     return state

@@ -50,9 +50,11 @@ Failures: an unreachable engine is retried forever with backoff and a clear log 
 producer (admission pauses once ``max_undelivered_groups`` wait); an unreachable weight
 store pauses admission once the announced versions run ahead. A malformed engine
 answer, an invalid record or a delivery error stops the worker with that error.
-``request_stop`` (SIGINT/SIGTERM) stops admission, aborts generation in flight (those
-groups are dropped, never published), waits for acknowledgements of what was published,
-and returns.
+``request_stop`` (SIGINT/SIGTERM) stops admission and, by ``rollout.stop_policy``,
+aborts generation in flight (``abort``: those groups are dropped, never published) or lets
+it finish and publish (``finish``, up to ``stop_finish_timeout_s``); then it waits for
+acknowledgements of what was published and returns. ``run_producer`` writes which groups
+went which way as the ledger's ``stopped`` line.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from producers.curriculum import Curriculum, PromptStatsReader, PromptStatsView
 from producers.environments import EpisodeLimits, is_environment
 from producers.episodes import EpisodeResult, EpisodeRunner, GenerateTurn
 from producers.group_publisher import GroupPublisher
+from producers.ledger import Ledger, StopRecord
 from producers.metrics import ProducerMetrics, Progress
 from producers.tasks import Prompt, Task
 from schemas.control import VersionAnnouncement
@@ -116,6 +119,8 @@ class WorkerReport:
     interrupted_samples: int = 0
     versions_applied: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    stop_requested: bool = False
+    inflight_at_stop: list[str] = field(default_factory=list)  # group ids
 
 
 def _now_ms() -> int:
@@ -177,7 +182,10 @@ class RolloutWorker:
         self._gate.set()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._stop = asyncio.Event()
+        self._stop = asyncio.Event()  # no new groups
+        self._cancel = asyncio.Event()  # abandon the groups in flight too
+        self._stop_deadline: float | None = None
+        self._inflight_groups: set[str] = set()
         self._version_ready = asyncio.Event()
         self._pending_version: tuple[int, Mapping[str, Any]] | None = None
         # The weights the engine was last given: reloaded if it restarts and forgets them.
@@ -201,14 +209,39 @@ class RolloutWorker:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    @property
+    def inflight_groups(self) -> frozenset[str]:
+        """Ids of the groups being generated or published now."""
+        return frozenset(self._inflight_groups)
+
     def request_stop(self) -> None:
-        """Stop starting groups, abort generation in flight (safe from the loop only;
-        from other threads or signal handlers use ``request_stop_threadsafe``)."""
+        """Stop starting groups; abort generation in flight or let it finish, as
+        ``stop_policy`` says (safe from the loop only; from other threads or signal
+        handlers use ``request_stop_threadsafe``)."""
         if self._stop.is_set():
             return
-        logger.info("stopping: no new groups; aborting generation in flight")
+        self.report.stop_requested = True
+        self.report.inflight_at_stop = sorted(self._inflight_groups)
         self._stop.set()
         self._gate.set()  # wake anything waiting for a version change
+        if self.config.stop_policy == "finish":
+            logger.info(
+                "stopping: no new groups; finishing %d in flight (up to %.0fs)",
+                len(self._inflight_groups),
+                self.config.stop_finish_timeout_s,
+            )
+            self._stop_deadline = time.monotonic() + self.config.stop_finish_timeout_s
+        else:
+            logger.info("stopping: no new groups; aborting generation in flight")
+            self.cancel_inflight()
+
+    def cancel_inflight(self) -> None:
+        """Abandon the groups in flight: their engine requests are aborted and they are
+        never published."""
+        if self._cancel.is_set():
+            return
+        self._cancel.set()
+        self._gate.set()
         if self._inflight_rids:
             self._stop_abort = asyncio.ensure_future(self._abort(list(self._inflight_rids)))
 
@@ -266,6 +299,10 @@ class RolloutWorker:
                     self._lead += 1 / self._share
                 tasks.add(asyncio.create_task(self._group_task(), name=f"group-{started}"))
             while tasks:
+                if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
+                    logger.warning("groups in flight not finished in time: aborting them")
+                    self._stop_deadline = None
+                    self.cancel_inflight()
                 await self._reap(tasks)
             await self._drain()
         except BaseException:
@@ -432,6 +469,7 @@ class RolloutWorker:
         if self._failure is None:
             self._failure = exc
         self.request_stop()
+        self.cancel_inflight()
 
     # --- one group -----------------------------------------------------------------------
 
@@ -448,9 +486,9 @@ class RolloutWorker:
                 self.metrics.engine_errors.inc()
                 logger.warning("engine unavailable (%s); retrying the group in %.0fs", exc, backoff)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), backoff)
+                    await asyncio.wait_for(self._cancel.wait(), backoff)
                 backoff = min(backoff * 2, 30.0)
-                if self._stop.is_set():
+                if self._cancel.is_set():
                     self.report.groups_dropped += 1
                     return
 
@@ -464,12 +502,16 @@ class RolloutWorker:
         size = self.config.group_size
         params = self.config.sampling.to_sglang(self.task.max_new_tokens, self.task.stop_token_ids)
         self.metrics.inflight_groups.inc()
+        self._inflight_groups.add(group_id)
         began = time.perf_counter()
         try:
             if self.episodes is not None:
                 episodes = await self._generate_episodes(self.episodes, prompt, group_id, size)
             else:
                 samples = await self._generate_group(prompt, group_id, size, params)
+        except BaseException:  # aborted, or to be generated again under a new id
+            self._inflight_groups.discard(group_id)
+            raise
         finally:
             self.metrics.inflight_groups.dec()
         generated = time.perf_counter() - began
@@ -484,7 +526,10 @@ class RolloutWorker:
                 for i, sample in enumerate(samples)
             ]
         began = time.perf_counter()
-        await self.publisher.publish_async(group_id, trajectories)
+        try:
+            await self.publisher.publish_async(group_id, trajectories)
+        finally:
+            self._inflight_groups.discard(group_id)
         self.metrics.publish_seconds.observe(time.perf_counter() - began)
         self.metrics.generate_seconds.observe(generated)
 
@@ -624,7 +669,7 @@ class RolloutWorker:
                 logprobs += out.logprobs or []
             if not out.aborted:
                 return Sample(ids, logprobs, segments, out.finish_type, _now_ms(), interruptions)
-            if self._stop.is_set():
+            if self._cancel.is_set():
                 raise Stopped
             if swaps == self._swaps:
                 raise EngineError(
@@ -691,7 +736,7 @@ class RolloutWorker:
         version and swap counter in force when it was issued."""
         while not self._gate.is_set():
             await self._gate.wait()
-        if self._stop.is_set():
+        if self._cancel.is_set():
             raise Stopped
         version, swaps = self.version, self._swaps
         self._inflight_calls += 1
@@ -808,11 +853,12 @@ async def run_producer(
     """
     import signal
 
+    from core.presence import Beacon
     from core.topic_reader import end_offsets
     from producers.backends import HttpBackend, LocalBackend
     from producers.catalog import make_task
     from producers.client import EngineClient
-    from producers.ledger import Ledger, recover
+    from producers.ledger import recover
     from producers.tasks import TaskContext
 
     rollout = producers.rollout
@@ -854,6 +900,8 @@ async def run_producer(
     stats_reader: PromptStatsReader | None = None
     watcher: _WatchedListener | None = None
     follower: threading.Thread | None = None
+    beacon: Beacon | None = None
+    worker: RolloutWorker | None = None
     stop_following = threading.Event()
     try:
         await asyncio.to_thread(recover, ledger, client_config, rollout.topic)
@@ -899,6 +947,16 @@ async def run_producer(
             follower, watcher = _start_follower(config, worker, stop_following)
         if on_worker is not None:
             on_worker(worker)
+        if config.presence.enabled:
+            beacon = Beacon(
+                client_config,
+                config.presence.topic,
+                run=config.run_id,
+                role="producer",
+                instance=producer_id,
+                interval_s=config.presence.interval_s,
+                detail=_presence_detail(worker, rollout.engine_url),
+            ).start()
         loop = asyncio.get_running_loop()
         signals = (signal.SIGINT, signal.SIGTERM) if install_signals else ()
         for sig in signals:
@@ -906,11 +964,38 @@ async def run_producer(
         target = groups if groups is not None else rollout.groups
         progress = Progress(metrics, enabled=rollout.progress, total=target)
         try:
-            return await worker.run(target, progress=progress)
+            report = await worker.run(target, progress=progress)
         finally:
             for sig in signals:
                 loop.remove_signal_handler(sig)
+        if report.stop_requested:
+            record = stop_record(report, ledger, rollout.stop_policy)
+            ledger.stopped(record)
+            logger.info(
+                "stopped (%s): %d group(s) in flight finished, %d aborted, %d unacknowledged",
+                record.policy,
+                len(record.finished),
+                len(record.aborted),
+                len(record.unacknowledged),
+            )
+        return report
     finally:
+        if beacon is not None:
+            stops = ledger.state.stops
+            beacon.leave(
+                {
+                    **_presence_detail(worker, rollout.engine_url)(),
+                    **(
+                        {
+                            "stop_policy": stops[-1].policy,
+                            "finished": len(stops[-1].finished),
+                            "aborted": len(stops[-1].aborted),
+                        }
+                        if stops
+                        else {}
+                    ),
+                }
+            )
         stop_following.set()
         if follower is not None:
             await asyncio.to_thread(follower.join, 30)
@@ -922,6 +1007,39 @@ async def run_producer(
             await asyncio.to_thread(publisher.close)
         ledger.close()
         await backend.aclose()
+
+
+def stop_record(report: WorkerReport, ledger: Ledger, policy: str) -> StopRecord:
+    """Which groups in flight at the stop request were published (finished) and which
+    were not (aborted), by the ledger: a group counts as published once it has a
+    ``pending`` line, acknowledged or not."""
+    state = ledger.state
+    published = {gid for gid in report.inflight_at_stop if gid in state.delivered}
+    published |= {gid for gid in report.inflight_at_stop if gid in state.pending}
+    return StopRecord(
+        policy=policy,
+        finished=sorted(published),
+        aborted=sorted(set(report.inflight_at_stop) - published),
+        unacknowledged=sorted(state.pending),
+    )
+
+
+def _presence_detail(
+    worker: RolloutWorker | None, engine_url: str | None
+) -> Callable[[], dict[str, Any]]:
+    """What a producer's heartbeat says about it."""
+
+    def detail() -> dict[str, Any]:
+        if worker is None:
+            return {"engine": engine_url or "in-process"}
+        return {
+            "engine": engine_url or "in-process",
+            "version": worker.version,
+            "groups": worker.publisher.delivered_groups,
+            "inflight": len(worker.inflight_groups),
+        }
+
+    return detail
 
 
 class _WatchedListener:

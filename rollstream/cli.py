@@ -173,6 +173,7 @@ def _register_role_commands() -> None:
     from rollstream.produce_cli import produce, serve
     from rollstream.replay import replay
     from rollstream.report import report
+    from rollstream.roles import roles_command
     from rollstream.stream_cli import stream
     from rollstream.train_cli import train
     from rollstream.up import up
@@ -180,7 +181,7 @@ def _register_role_commands() -> None:
 
     for command in (weights, serve, produce, stream, train, up):
         main.add_command(command)
-    for command in (replay, inspect_group, report, audit_command):
+    for command in (replay, inspect_group, report, audit_command, roles_command):
         main.add_command(command)
 
 

@@ -25,6 +25,7 @@ from rollstream.profiles import ProfileConfig, profile_sections
 from schemas.topics import (
     POLICY_VERSIONS,
     PROMPTS_STATS,
+    ROLES,
     ROLLOUTS_DLQ,
     ROLLOUTS_FILTERED,
     ROLLOUTS_RAW,
@@ -107,6 +108,7 @@ class RollstreamConfig(SharedConfig):
                 POLICY_VERSIONS,
                 {self.weights.topic, self.streams.topics.versions, self.trainer.topics.versions},
             ),
+            (ROLES, {self.presence.topic}),
         ]
         return [
             dataclasses.replace(spec, name=name) for spec, given in names for name in sorted(given)
@@ -117,7 +119,16 @@ class RollstreamConfig(SharedConfig):
         own = {"engine": "producers", "producer": "producers", "stream": "streams"}.get(role, role)
         if own not in ("producers", "streams", "trainer"):
             raise ValueError(f"unknown role {role!r}: producers, streams or trainer")
-        shared = ("run_id", "state_dir", "cache_dir", "kafka", "s3", "weights", "profile")
+        shared = (
+            "run_id",
+            "state_dir",
+            "cache_dir",
+            "kafka",
+            "s3",
+            "weights",
+            "presence",
+            "profile",
+        )
         return self.model_dump(mode="json", include={*shared, own})
 
 

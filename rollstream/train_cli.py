@@ -33,6 +33,7 @@ def run_trainer(config: RollstreamConfig, trainer: TrainerConfig, weights: Weigh
         weights=weights,
         cache_dir=resolved.cache_dir,
         state_dir=resolved.state_dir,
+        presence=resolved.presence,
     )
     runner = Trainer(settings)
     runner.install_signal_handlers()

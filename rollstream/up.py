@@ -274,10 +274,13 @@ def _sum(samples: Mapping[str, float], prefix: str) -> float | None:
 class Dashboard:
     """One line per role, refreshed from the trainer log and the roles' endpoints."""
 
-    def __init__(self, config: RollstreamConfig, ports: Ports, log: TrainerLog) -> None:
+    def __init__(
+        self, config: RollstreamConfig, ports: Ports, log: TrainerLog, roles: Any = None
+    ) -> None:
         self.config = config
         self.ports = ports
         self.log = log
+        self.roles = roles  # rollstream.roles.RolesPoller: who is in the run, from Kafka
         self.started = time.monotonic()
         self.producer_groups = Rate()
         self.producer_tokens = Rate()
@@ -318,6 +321,11 @@ class Dashboard:
         engine = f"{_running(alive, 'engine')}  " + "  ".join(
             f"http://127.0.0.1:{port}" for port in self.ports.engines
         )
+        found = self.roles.latest if self.roles is not None else None
+        if found is not None:  # instances joined by hand count too
+            producer += f"  in run: {found.summary('producer')}"
+            streams += f"  in run: {found.summary('streams')}  lag {found.lag_line() or '-'}"
+            trainer += f"  in run: {found.summary('trainer')}"
         figures = {"trainer": trainer, "producer": producer, "streams": streams, "engine": engine}
         state = {kind: alive.get(kind, "-") for kind in ROLE_ORDER}
         return [(name, state[name], figures[name]) for name in ROLE_ORDER]
@@ -619,8 +627,11 @@ def _supervise(
     from rich.console import Console
     from rich.live import Live
 
+    from rollstream.roles import RolesPoller
+
     console = Console(stderr=True)
-    dashboard = Dashboard(config, ports, log)
+    roles = RolesPoller(config).start()
+    dashboard = Dashboard(config, ports, log, roles)
     restarts_left = dict.fromkeys(launcher.roles, restarts)
 
     def alive() -> dict[str, str]:
@@ -644,17 +655,20 @@ def _supervise(
         return None
 
     last_line = 0.0
-    if console.is_terminal:
-        with Live(dashboard.table(alive()), console=console, refresh_per_second=2) as live:
+    try:
+        if console.is_terminal:
+            with Live(dashboard.table(alive()), console=console, refresh_per_second=2) as live:
+                while not stop and (outcome := check()) is None:
+                    time.sleep(0.5)
+                    live.update(dashboard.table(alive()))
+        else:
             while not stop and (outcome := check()) is None:
                 time.sleep(0.5)
-                live.update(dashboard.table(alive()))
-    else:
-        while not stop and (outcome := check()) is None:
-            time.sleep(0.5)
-            if time.monotonic() - last_line > 10:
-                last_line = time.monotonic()
-                console.print(dashboard.line(alive()), soft_wrap=True)
+                if time.monotonic() - last_line > 10:
+                    last_line = time.monotonic()
+                    console.print(dashboard.line(alive()), soft_wrap=True)
+    finally:
+        roles.close()
     if stop:
         return f"stopped by {signal.Signals(stop.signum or 2).name}", False
     assert outcome is not None

@@ -13,6 +13,9 @@
   ``rollouts.filtered``, whose value is the original record bytes).
 - ``PromptStats``: per prompt, what the stream has seen (``prompts.stats``, compacted),
   read by producers that skip solved or hopeless prompts.
+- ``RoleHeartbeat``: one running role instance says it is there (``rollstream.roles``,
+  compacted, keyed ``<run>/<role>/<instance>``), so a run's display counts the producers,
+  stream workers and trainers that joined it from any machine, and sees which left.
 
 Construction checks types and ranges, so a message that exists is well-formed;
 ``from_json`` raises ``ValueError`` naming the missing, unknown or mistyped field. Fields
@@ -263,8 +266,69 @@ class PromptStats:
         return _from_json(cls, data)
 
 
+ROLE_KINDS = ("producer", "streams", "trainer")
+ROLE_STATES = ("up", "left")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RoleHeartbeat:
+    """A role instance's latest word: ``up`` every few seconds while it runs, ``left``
+    once when it stops cleanly (``detail`` then says what it did with its work in
+    flight). An instance that stops beating without ``left`` was killed.
+
+    ``detail``: small figures and words (groups delivered, aborted, its engine ...)."""
+
+    run: str
+    role: str
+    instance: str
+    host: str
+    pid: int
+    state: str
+    at_ms: int
+    interval_s: float
+    detail: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_str(self, "run")
+        _check_str(self, "instance")
+        _check_str(self, "host")
+        _check_int(self, "pid", minimum=0)
+        _check_int(self, "at_ms", minimum=0)
+        if self.role not in ROLE_KINDS:
+            raise ValueError(f"RoleHeartbeat.role must be one of {ROLE_KINDS}, got {self.role!r}")
+        if self.state not in ROLE_STATES:
+            raise ValueError(
+                f"RoleHeartbeat.state must be one of {ROLE_STATES}, got {self.state!r}"
+            )
+        if (
+            not isinstance(self.interval_s, int | float)
+            or isinstance(self.interval_s, bool)
+            or not self.interval_s > 0
+        ):
+            raise ValueError(f"RoleHeartbeat.interval_s must be > 0, got {self.interval_s!r}")
+        if not isinstance(self.detail, dict) or not all(isinstance(k, str) for k in self.detail):
+            raise ValueError(f"RoleHeartbeat.detail must be an object, got {self.detail!r}")
+
+    @property
+    def key(self) -> bytes:
+        return f"{self.run}/{self.role}/{self.instance}".encode()
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> RoleHeartbeat:
+        return _from_json(cls, data)
+
+
 _Message = TypeVar(
-    "_Message", VersionAnnouncement, DeadLetter, StaleRecord, FilteredGroup, PromptStats
+    "_Message",
+    VersionAnnouncement,
+    DeadLetter,
+    StaleRecord,
+    FilteredGroup,
+    PromptStats,
+    RoleHeartbeat,
 )
 
 

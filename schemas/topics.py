@@ -74,6 +74,15 @@ POLICY_VERSIONS = TopicSpec(
     extra_configs={"min.compaction.lag.ms": "0", "segment.ms": str(60 * 60 * 1000)},
 )
 
+# Who is running: one compacted key per role instance (schemas.control.RoleHeartbeat).
+ROLES = TopicSpec(
+    "rollstream.roles",
+    partitions=1,
+    cleanup_policy="compact",
+    max_message_bytes=1 * MIB,
+    extra_configs={"min.compaction.lag.ms": "0", "segment.ms": str(60 * 60 * 1000)},
+)
+
 ALL_TOPICS: tuple[TopicSpec, ...] = (
     ROLLOUTS_RAW,
     ROLLOUTS_SCORED,
@@ -82,4 +91,5 @@ ALL_TOPICS: tuple[TopicSpec, ...] = (
     ROLLOUTS_FILTERED,
     PROMPTS_STATS,
     POLICY_VERSIONS,
+    ROLES,
 )

@@ -42,6 +42,7 @@ from confluent_kafka.admin import AdminClient
 from faust.types import TP
 
 from core.config import SharedConfig
+from core.presence import Beacon, default_instance
 from infra.topics import ensure_topics
 from schemas.topics import (
     POLICY_VERSIONS,
@@ -132,6 +133,7 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
     KAFKA = SHARED.kafka.client_config()
     TOPICS = CONFIG.topics
 
+    INSTANCE = default_instance()  # its heartbeat key and Kafka client id
     RAW_PARTITIONS = prepare_topics(KAFKA, CONFIG)
     torch.set_num_threads(CONFIG.old_logits.torch_threads)
 
@@ -141,6 +143,9 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
         CONFIG.app_id,
         broker=broker_urls(SHARED.kafka),
         broker_credentials=broker_credentials(SHARED.kafka),
+        # Its consumer-group member shows this id, so lag per worker (`rollstream up`'s
+        # display) is told by instance.
+        broker_client_id=f"{CONFIG.app_id}-{INSTANCE}",
         store="memory://",
         processing_guarantee=CONFIG.processing_guarantee,
         broker_commit_interval=CONFIG.commit_interval_s,
@@ -327,10 +332,33 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
 
     # --- startup: version tracking, weight following, metrics ---------------------------------
 
+    def _presence_detail() -> dict[str, object]:
+        actives = app.assignor.assigned_actives()
+        return {"raw_partitions": sorted(tp.partition for tp in actives if tp.topic == TOPICS.raw)}
+
+    beacon: list[Beacon] = []  # started with the services, told to leave on shutdown
+
+    @app.on_before_shutdown.connect
+    async def _leave(app: faust.App, **_: object) -> None:
+        for b in beacon:
+            await asyncio.to_thread(b.leave)
+
     @app.task
     async def start_services() -> None:
         check_faust_internals(app.producer)
         versions.start()
+        if SHARED.presence.enabled:
+            beacon.append(
+                Beacon(
+                    KAFKA,
+                    SHARED.presence.topic,
+                    run=RUN_ID,
+                    role="streams",
+                    instance=INSTANCE,
+                    interval_s=SHARED.presence.interval_s,
+                    detail=_presence_detail,
+                ).start()
+            )
         if snapshot_source is not None and CONFIG.old_logits.source == "s3":
             _start_follower()
         if CONFIG.metrics_port is not None:

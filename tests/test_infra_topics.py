@@ -29,6 +29,7 @@ def test_declared_topics_cover_the_data_flow() -> None:
         "rollouts.filtered",
         "prompts.stats",
         "policy.versions",
+        "rollstream.roles",
     }
     assert POLICY_VERSIONS.configs()["cleanup.policy"] == "compact"
     assert "retention.ms" not in POLICY_VERSIONS.configs()  # compaction keeps the latest

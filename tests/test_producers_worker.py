@@ -597,7 +597,9 @@ def test_ledger_is_exclusive(tmp_path):
 # --- the worker as a process: kill -9, SIGTERM ------------------------------------------------
 
 
-def _spawn(kafka_config, tmp_path: Path, run_id: str, topic: str, groups: int):
+def _spawn(
+    kafka_config, tmp_path: Path, run_id: str, topic: str, groups: int, stop_policy: str = "abort"
+):
     settings = tmp_path / "rollstream.toml"
     settings.write_text(
         textwrap.dedent(
@@ -613,6 +615,7 @@ def _spawn(kafka_config, tmp_path: Path, run_id: str, topic: str, groups: int):
             producer_id = "worker-k"
             progress = false
             follow_weights = false
+            stop_policy = "{stop_policy}"
             """
         )
     )
@@ -679,11 +682,12 @@ def test_kill_9_and_restart_keep_ledger_and_topic_in_agreement(kafka_config, uni
     assert complete >= delivered_before + 2
 
 
-def test_sigterm_stops_cleanly(kafka_config, unique_name, tmp_path):
+@pytest.mark.parametrize("stop_policy", ["abort", "finish"])
+def test_sigterm_stops_cleanly(kafka_config, unique_name, tmp_path, stop_policy):
     topic = make_topic(kafka_config, unique_name)
     run_id = f"run-{uuid.uuid4().hex[:6]}"
     ledger_file = ledger_dir(tmp_path / "state", run_id, "worker-k") / "ledger.jsonl"
-    process = _spawn(kafka_config, tmp_path, run_id, topic, groups=100_000)
+    process = _spawn(kafka_config, tmp_path, run_id, topic, groups=100_000, stop_policy=stop_policy)
     try:
         _wait_for_deliveries(ledger_file, 2, process)
         process.send_signal(signal.SIGTERM)
@@ -695,4 +699,15 @@ def test_sigterm_stops_cleanly(kafka_config, unique_name, tmp_path):
     assert "SIGTERM received" in output
     complete, partial = _ledger_matches_topic(kafka_config, topic, ledger_file)
     assert partial == 0 and complete >= 2
-    assert len(read_ledger(ledger_file).orphaned) == 0
+    state = read_ledger(ledger_file)
+    assert len(state.orphaned) == 0
+    # The last line says what became of the groups in flight at the signal.
+    (stop,) = state.stops
+    assert stop.finished or stop.aborted  # two groups are always in flight (max_inflight)
+    assert stop.policy == stop_policy and stop.unacknowledged == []
+    assert set(stop.finished) <= set(state.delivered)  # finished ones are in the topic
+    assert not set(stop.aborted) & set(state.delivered)  # aborted ones never are
+    if stop_policy == "finish":
+        assert stop.aborted == []
+    in_topic = {decode(m.value()).group_id for m in read_topic(kafka_config, topic)}
+    assert not set(stop.aborted) & in_topic
