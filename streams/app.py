@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NoReturn
 
 import faust
 import torch
@@ -61,9 +63,10 @@ from streams.gaps import GAP_SWEEP_INTERVAL_S, GapGuard
 from streams.metrics import StreamMetrics
 from streams.oldlogits import OldLogitEngine, model_limits
 from streams.processor import Message, Processor, Step
+from streams.restore import read_changelog_partition
 from streams.snapshots import FollowerFeed, FollowerSource, SeededSource, SnapshotStore
 from streams.staleness import StalenessPolicy, VersionTracker
-from streams.txn import EffectWriter, check_faust_internals
+from streams.txn import EffectWriter, check_faust_internals, mirror_writes
 from streams.versions import VersionReader
 from weights.announce import AnnouncementListener
 
@@ -231,13 +234,25 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
     async def _seek_raw(partition: int, offset: int) -> None:
         await app.consumer.seek(TP(TOPICS.raw, partition), offset)
 
+    async def _restore_partition(partition: int) -> None:
+        changelog = groups.changelog_topic.get_topic_name()
+        writes, _end = await asyncio.to_thread(
+            read_changelog_partition, KAFKA, changelog, partition
+        )
+        mirror_writes(groups, partition, writes)
+
     gaps = GapGuard(
         groups.data,
         KAFKA,
         TOPICS.raw,
         _seek_raw,
         start_topic=CONFIG.start_topic if CONFIG.first_start == "committed" else None,
+        restore=_restore_partition,
     )
+
+    @app.on_partitions_revoked.connect
+    async def _revoked(app: faust.App, revoked: set[TP], **_: object) -> None:
+        gaps.revoked(tp.partition for tp in revoked if tp.topic == TOPICS.raw)
 
     # --- the agent ----------------------------------------------------------------------------
 
@@ -402,9 +417,28 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def run_worker(app: faust.App, datadir: Path, loglevel: str = "info") -> None:
-    """Run ``app`` as a Faust worker in this process until it is stopped."""
+def run_worker(app: faust.App, datadir: Path, loglevel: str = "info") -> NoReturn:
+    """Run ``app`` as a Faust worker in this process until it is stopped, then end the
+    process with the worker's exit code.
+
+    Why a hard exit: a worker stopped early (SIGTERM during its first transaction) can
+    leave Kafka client threads behind that the interpreter waits for at exit, so the
+    process lived on as a group member holding partitions it no longer processed. Once
+    Faust has stopped, nothing of the worker's needs the interpreter's shutdown: its
+    transactions are committed or aborted, and the broker drops the member.
+    """
     if app.conf.processing_guarantee.value == "exactly_once":
         quiet_commit_alarms(log)
     sys.argv = [sys.argv[0], f"--datadir={datadir}", "worker", "--without-web", "-l", loglevel]
-    app.main()
+    code = 0
+    try:
+        app.main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        log.exception("stream worker failed")
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -78,11 +78,16 @@ class GapGuard:
         start_topic: str | None = None,
         stall_after_s: float = STALL_AFTER_S,
         lookup_timeout_s: float = LOOKUP_TIMEOUT_S,
+        restore: Callable[[int], Awaitable[object]] | None = None,
     ) -> None:
         """``start_topic``: the control topic whose recorded offset, when there is one, is
         where a partition without a watermark starts (``first_start = "committed"``,
-        ``streams.start``)."""
+        ``streams.start``). ``restore``: rebuilds a partition's table state from the
+        changelog (``streams.restore``); asked once per assignment before a partition
+        without a watermark is taken as never processed."""
         self.table = table
+        self.restore = restore
+        self._restored: set[int] = set()  # restored since assigned: once per assignment
         self.start_topic = start_topic
         self._start_offsets: dict[int, int] | None = None
         self.stall_after_s = stall_after_s
@@ -132,6 +137,11 @@ class GapGuard:
             await self.seek(msg.partition, expected)
             self._sought[msg.partition] = (expected, now)
         return False
+
+    def revoked(self, partitions: Iterable[int]) -> None:
+        """``partitions`` left this worker: if they come back, their state is checked
+        (and rebuilt if lost) again."""
+        self._restored.difference_update(partitions)
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
@@ -194,8 +204,24 @@ class GapGuard:
         self._reread_until[partition] = max(self._reread_until.get(partition, 0), until)
 
     async def _expected(self, partition: int) -> int:
-        """The next offset the table needs from ``partition``."""
-        raw = self.table.get(offset_key(self.topic, partition))
+        """The next offset the table needs from ``partition``. Without a watermark, the
+        table may have lost the partition's state (``streams.restore``): it is rebuilt
+        from the changelog first, and only a partition still without one starts at its
+        start offset."""
+        key = offset_key(self.topic, partition)
+        raw = self.table.get(key)
+        if raw is None and self.restore is not None and partition not in self._restored:
+            self._restored.add(partition)
+            await self.restore(partition)
+            raw = self.table.get(key)
+            if raw is not None:
+                log.warning(
+                    "%s-%d: the table had lost this partition's state; rebuilt from the "
+                    "changelog, applied up to %d",
+                    self.topic,
+                    partition,
+                    int(raw),
+                )
         if raw is not None:
             return int(raw) + 1
         return await self._start_of(partition)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from aiokafka.structs import TopicPartition
@@ -139,20 +139,28 @@ class EffectWriter:
         return records
 
     def _update_memory(self, step: Step) -> None:
-        """Mirror the changelog records in the in-memory store, the way Faust's recovery
-        would apply them (including the key → partition map it uses on revocation)."""
-        store = self.table.data
-        data = store.data
-        key_partition = getattr(store, "_key_partition", None)
-        for key, value in step.writes:
-            if value is None:
-                data.pop(key, None)
-                if key_partition is not None:
-                    key_partition.pop(key, None)
-            else:
-                data[key] = value
-                if key_partition is not None:
-                    key_partition[key] = step.partition
+        mirror_writes(self.table, step.partition, step.writes)
+
+
+def mirror_writes(
+    table: Any, partition: int, writes: Iterable[tuple[bytes | None, bytes | None]]
+) -> None:
+    """Apply changelog records of ``partition`` to the table's in-memory store, the way
+    Faust's recovery would (including the key → partition map it uses on revocation)."""
+    store = table.data
+    data = store.data
+    key_partition = getattr(store, "_key_partition", None)
+    for key, value in writes:
+        if key is None:
+            continue
+        if value is None:
+            data.pop(key, None)
+            if key_partition is not None:
+                key_partition.pop(key, None)
+        else:
+            data[key] = value
+            if key_partition is not None:
+                key_partition[key] = partition
 
 
 def _log_failure(fut: Awaitable[Any]) -> None:

@@ -1,0 +1,63 @@
+"""A producer and a stream worker join a running ``rollstream up`` run by hand, with the
+run's config, then leave: one by SIGTERM, one by SIGKILL. Nothing is lost or trained
+twice (the audit), the presence topic tells who is there, the joined producer starts at
+the current version and says in its ledger what it did with its groups in flight.
+
+The scenario is ``bench.elastic`` (which prints the throughput of each phase), run short.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.elastic import run_elastic
+
+pytestmark = pytest.mark.slow
+
+
+def _instances(roles: dict, state: str, role: str) -> list[str]:
+    return sorted(b["instance"] for b in roles[state] if b["role"] == role)
+
+
+def test_a_producer_and_a_stream_worker_join_and_leave_a_running_run(tmp_path: Path) -> None:
+    report = run_elastic(tmp_path, phase_s=15.0, timeout_s=300.0)
+    for phase in report.phases:
+        print(phase)  # the figures, in the test's output
+
+    # While joined: two producers and two stream workers in the run, each worker holding
+    # raw partitions of its own, every partition held once.
+    joined = report.roles_joined
+    producer_id = f"{report.run_id}-producer-joined"
+    assert producer_id in _instances(joined, "active", "producer")
+    assert len(_instances(joined, "active", "producer")) == 2
+    assert len(_instances(joined, "active", "streams")) == 2
+    assert len(_instances(joined, "active", "trainer")) == 1
+    held = [p for worker in joined["stream_lag"] for p in worker["partitions"]]
+    assert len(joined["stream_lag"]) == 2 and sorted(held) == sorted(set(held))
+
+    # The joined producer loaded the current version before generating.
+    assert report.joined_groups >= 1
+    assert report.joined_first_version is not None
+    assert report.joined_first_version >= report.version_at_join
+
+    # SIGTERM: it left, saying what became of its groups in flight (abort by default).
+    stop = report.joined_stop
+    assert stop["policy"] == "abort" and stop["unacknowledged"] == []
+    after = report.roles_after
+    assert producer_id in _instances(after, "left", "producer")
+    left = next(b for b in after["left"] if b["instance"] == producer_id)
+    assert left["detail"]["aborted"] == len(stop["aborted"])
+    # SIGKILL: the stream worker never said goodbye; it went silent, its partitions
+    # went back to the first worker.
+    assert len(_instances(after, "active", "streams")) == 1
+    assert len(_instances(after, "silent", "streams")) == 1
+    assert len(after["stream_lag"]) == 1
+
+    # The run went on through both and the audit holds.
+    assert all(phase.steps_per_s > 0 for phase in report.phases)
+    assert report.up_exit == 130  # stopped by SIGTERM, as the scenario ends it
+    audit = report.audit
+    assert audit["problems"] == [] and audit["missing"] == 0
+    assert audit["trained_twice"] == 0 and audit["trained"] > 0
