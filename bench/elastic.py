@@ -197,6 +197,7 @@ def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> E
     state = tmp / "state"
     run_id = f"elastic-{int(time.time())}"
     run_dir = state / "runs" / run_id
+    tmp.mkdir(parents=True, exist_ok=True)
     base = tmp / "base.toml"
     # A killed stream worker's partitions move after its session times out.
     base.write_text(to_toml({"state_dir": str(state), "streams": {"session_timeout_s": 10.0}}))

@@ -46,7 +46,9 @@ def test_restore_reads_committed_changelog_records_only(
             producer.commit_transaction(30)
         else:
             producer.abort_transaction(30)
-    producer.produce(topic, key=b"other", value=b"x", partition=0)  # no transaction open
+    plain = Producer(kafka)
+    plain.produce(topic, key=b"other", value=b"x", partition=0)  # another partition
+    plain.flush(10)
     writes, end = read_changelog_partition(kafka, topic, 1)
     assert [k for k, _ in writes] == [b"g1", watermark, b"g2", b"g1", watermark]
     assert end > len(writes)  # transaction markers and aborted records occupy offsets
