@@ -35,7 +35,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -86,6 +86,14 @@ def trainer_announcer(kafka: Mapping[str, str], config: TrainerConfig) -> Announ
         groups_per_step=config.groups_per_step(),
         max_staleness=config.staleness.max_staleness,
     )
+
+
+def sharing_producers(recent: Iterable[set[str]], gone: set[str]) -> int | None:
+    """How many producers share the trainer's pace: those with groups trained over the
+    recent steps, less those whose heartbeat says they left or went silent (their last
+    groups may still be trained, but they start no more, so the others' shares grow at
+    once). None when there are none."""
+    return len(set().union(*recent) - gone) or None
 
 
 @dataclass(frozen=True)
@@ -144,6 +152,7 @@ class Trainer:
         self.restored: TrainerState | None = None
         self.summary = TrainSummary(0, 0, 0, 0, 0, 0, [])
         self.beacon: Any = None  # core.presence.Beacon of rank 0
+        self.presence: Any = None  # core.presence.Poller of the run's heartbeats
 
     # --- setup --------------------------------------------------------------------------
 
@@ -243,6 +252,12 @@ class Trainer:
                 instance=cfg.topics.group_instance_id or None,
                 interval_s=presence.interval_s,
                 detail=lambda: {"step": self.step, "world": self.world},
+            ).start()
+            from core.presence import Poller, read_presence
+
+            self.presence = Poller(
+                lambda: read_presence(self.settings.kafka, presence.topic, self.settings.run_id),
+                presence.interval_s,
             ).start()
         self.source = ScoredSource(
             self.settings.kafka,
@@ -446,13 +461,15 @@ class Trainer:
         return self.engine.state_dict()
 
     def _count_producers(self, trained: list[Trajectory]) -> None:
-        """Producers whose groups were trained over the last window + 1 steps: they share
-        this trainer's pace (announced with each version, ``producers.worker``)."""
+        """Producers whose groups were trained over the last window + 1 steps and that
+        have not left (heartbeats): they share this trainer's pace (announced with each
+        version, ``producers.worker``)."""
         self.recent_producers.append({t.producer_id for t in trained})
         announcer = self.publisher.announcer if self.publisher is not None else None
         if announcer is not None:
-            active = set().union(*self.recent_producers)
-            announcer.producers = len(active) or None
+            found = self.presence.latest if self.presence is not None else None
+            gone = found.gone("producer") if found is not None else set()
+            announcer.producers = sharing_producers(self.recent_producers, gone)
 
     def _gather(
         self, count: int
@@ -553,6 +570,8 @@ class Trainer:
         sink = getattr(self, "sink", None)
         if sink is not None:
             sink.close()
+        if self.presence is not None:
+            self.presence.close()
         if self.beacon is not None:
             self.beacon.leave()
         self.summary.dead_letters = self.source.dlq.sent if hasattr(self, "source") else 0

@@ -21,13 +21,15 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from schemas.control import RoleHeartbeat
 
 logger = logging.getLogger(__name__)
 
 SILENT_AFTER_INTERVALS = 3.0
+
+T = TypeVar("T")
 
 
 def default_instance() -> str:
@@ -139,6 +141,10 @@ class Presence:
         """Active instances of ``role``."""
         return sum(beat.role == role for beat in self.active)
 
+    def gone(self, role: str) -> set[str]:
+        """Instances of ``role`` that left or went silent."""
+        return {beat.instance for beat in (*self.left, *self.silent) if beat.role == role}
+
 
 def classify(beats: Mapping[bytes, RoleHeartbeat], now_ms: int) -> Presence:
     """Sort the newest heartbeat per instance into active, left and silent."""
@@ -188,3 +194,32 @@ def read_presence(
     presence = classify(newest, now_ms)
     presence.malformed = malformed
     return presence
+
+
+class Poller(Generic[T]):
+    """Calls ``fetch`` every ``interval_s`` on a daemon thread, so that a caller who wants
+    the answer (a display, the trainer's producer count) never waits on Kafka; ``latest``
+    is the newest answer (None before the first, kept while fetching fails)."""
+
+    def __init__(self, fetch: Callable[[], T], interval_s: float = 5.0) -> None:
+        self.fetch = fetch
+        self.interval_s = interval_s
+        self.latest: T | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="presence-poll", daemon=True)
+
+    def start(self) -> Poller[T]:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.latest = self.fetch()
+            except Exception:  # the broker is away: keep the last answer
+                logger.debug("presence: poll failed", exc_info=True)
+            if self._stop.wait(self.interval_s):
+                return
+
+    def close(self) -> None:
+        self._stop.set()

@@ -11,19 +11,15 @@ partitions each stream worker holds and how many records of them are not yet pro
 from __future__ import annotations
 
 import json
-import logging
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 import click
 
-from core.presence import Presence, read_presence
+from core.presence import Poller, Presence, read_presence
 from core.topic_reader import MemberLag, group_lag
 from rollstream.config import RollstreamConfig
 from schemas.control import ROLE_KINDS
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,34 +77,6 @@ def stream_worker_lag(members: list[MemberLag], app_id: str) -> list[StreamWorke
     ]
 
 
-class RolesPoller:
-    """``run_roles`` every ``interval_s`` on a daemon thread, so a display never waits
-    on Kafka; ``latest`` is the newest answer (None before the first)."""
-
-    def __init__(self, config: RollstreamConfig, interval_s: float = 5.0) -> None:
-        self.config = config
-        self.interval_s = interval_s
-        self.latest: RunRoles | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="roles", daemon=True)
-
-    def start(self) -> RolesPoller:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while True:
-            try:
-                self.latest = run_roles(self.config)
-            except Exception:  # the broker is away: keep the last answer
-                log.debug("roles: poll failed", exc_info=True)
-            if self._stop.wait(self.interval_s):
-                return
-
-    def close(self) -> None:
-        self._stop.set()
-
-
 def run_roles(config: RollstreamConfig) -> RunRoles:
     """Heartbeats and stream lag of ``config``'s run (its Kafka must be resolved)."""
     kafka = config.kafka.client_config()
@@ -120,6 +88,11 @@ def run_roles(config: RollstreamConfig) -> RunRoles:
     else:
         roles.stream_lag = stream_worker_lag(members, config.streams.app_id)
     return roles
+
+
+def roles_poller(config: RollstreamConfig) -> Poller[RunRoles]:
+    """``run_roles`` every heartbeat interval, off the caller's thread (``up``'s display)."""
+    return Poller(lambda: run_roles(config), config.presence.interval_s).start()
 
 
 @click.command("roles")

@@ -280,7 +280,7 @@ class Dashboard:
         self.config = config
         self.ports = ports
         self.log = log
-        self.roles = roles  # rollstream.roles.RolesPoller: who is in the run, from Kafka
+        self.roles = roles  # a core.presence.Poller of rollstream.roles.run_roles
         self.started = time.monotonic()
         self.producer_groups = Rate()
         self.producer_tokens = Rate()
@@ -627,10 +627,10 @@ def _supervise(
     from rich.console import Console
     from rich.live import Live
 
-    from rollstream.roles import RolesPoller
+    from rollstream.roles import roles_poller
 
     console = Console(stderr=True)
-    roles = RolesPoller(config).start()
+    roles = roles_poller(config)
     dashboard = Dashboard(config, ports, log, roles)
     restarts_left = dict.fromkeys(launcher.roles, restarts)
 

@@ -165,3 +165,22 @@ def test_group_lag_per_member(kafka_config: KafkaConfig, unique_name: Callable[[
     ]
     assert [(w.instance, w.lag) for w in stream_worker_lag(members, "app-worker")] == [("7", 8)]
     assert group_lag(kafka, unique_name("nobody"), topic) == []
+
+
+@pytest.mark.unit
+def test_producers_that_left_stop_counting_at_once() -> None:
+    from consumers.trainer import sharing_producers
+
+    beats = {
+        b"a": RoleHeartbeat(**{**GOOD, "instance": "a", "at_ms": 100_000}),
+        b"b": RoleHeartbeat(**{**GOOD, "instance": "b", "state": "left", "at_ms": 99_000}),
+        b"c": RoleHeartbeat(**{**GOOD, "instance": "c", "at_ms": 1_000}),  # silent
+        b"s": RoleHeartbeat(**{**GOOD, "instance": "s", "role": "streams", "state": "left"}),
+    }
+    gone = classify(beats, now_ms=100_000).gone("producer")
+    assert gone == {"b", "c"}
+    recent = [{"a", "b"}, {"a", "b", "c"}, {"a"}]
+    assert sharing_producers(recent, set()) == 3
+    assert sharing_producers(recent, gone) == 1  # b's last groups are still trained
+    assert sharing_producers([{"b"}], gone) is None
+    assert sharing_producers([], set()) is None
