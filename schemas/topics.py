@@ -59,29 +59,24 @@ ROLLOUTS_FILTERED = TopicSpec(
     # a filtered group's samples keep their raw bytes plus the rs-filtered header
     max_message_bytes=ROLLOUTS_RAW.max_message_bytes + 1 * MIB,
 )
-PROMPTS_STATS = TopicSpec(
-    "prompts.stats",
-    partitions=1,
-    cleanup_policy="compact",
-    max_message_bytes=1 * MIB,
-    extra_configs={"min.compaction.lag.ms": "0", "segment.ms": str(60 * 60 * 1000)},
-)
-POLICY_VERSIONS = TopicSpec(
-    "policy.versions",
-    partitions=1,
-    cleanup_policy="compact",
-    max_message_bytes=1 * MIB,
-    extra_configs={"min.compaction.lag.ms": "0", "segment.ms": str(60 * 60 * 1000)},
-)
 
+
+def control_topic(name: str) -> TopicSpec:
+    """A small compacted topic whose latest value per key is the current state; segments
+    roll hourly and compaction may act at once, so old values do not linger."""
+    return TopicSpec(
+        name,
+        partitions=1,
+        cleanup_policy="compact",
+        max_message_bytes=1 * MIB,
+        extra_configs={"min.compaction.lag.ms": "0", "segment.ms": str(60 * 60 * 1000)},
+    )
+
+
+PROMPTS_STATS = control_topic("prompts.stats")
+POLICY_VERSIONS = control_topic("policy.versions")
 # Who is running: one compacted key per role instance (schemas.control.RoleHeartbeat).
-ROLES = TopicSpec(
-    "rollstream.roles",
-    partitions=1,
-    cleanup_policy="compact",
-    max_message_bytes=1 * MIB,
-    extra_configs={"min.compaction.lag.ms": "0", "segment.ms": str(60 * 60 * 1000)},
-)
+ROLES = control_topic("rollstream.roles")
 
 ALL_TOPICS: tuple[TopicSpec, ...] = (
     ROLLOUTS_RAW,
