@@ -68,6 +68,7 @@ class ElasticReport:
     roles_after: dict[str, Any] = field(default_factory=dict)
     joined_stop: dict[str, Any] = field(default_factory=dict)  # the ledger's stopped line
     joined_groups: int = 0  # groups the joined producer delivered
+    joined_raw_partitions: int = 0  # the joined stream worker's own metric
     joined_first_version: int | None = None  # lowest version in its records
     version_at_join: int = 0  # the trainer's version when it was started
     audit: dict[str, Any] = field(default_factory=dict)
@@ -231,8 +232,9 @@ def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> E
             "--engine-url", f"http://127.0.0.1:{engine_port}", "--producer-id", producer_id,
             log=logs / "producer-joined.log",
         )  # fmt: skip
+        streams_metrics_port = free_port()
         joined["streams"] = _rollstream(
-            config_path, "--set", f"streams.metrics_port={free_port()}", "stream",
+            config_path, "--set", f"streams.metrics_port={streams_metrics_port}", "stream",
             f"--datadir={run_dir / 'streams' / 'joined'}", log=logs / "streams-joined.log",
         )  # fmt: skip
         ledger = state / "producers" / run_id / producer_id / LEDGER_NAME
@@ -249,6 +251,15 @@ def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> E
 
         _wait("the joined producer and stream worker", both_joined, timeout_s)
         report.roles_joined = _rollstream_json(config_path, "roles")
+
+        def partitions_in_metrics() -> bool:
+            from rollstream.up import scrape
+
+            found = scrape(streams_metrics_port).get("rollstream_streams_raw_partitions")
+            report.joined_raw_partitions = int(found or 0)
+            return bool(found)
+
+        _wait("the joined worker's partitions in its metrics", partitions_in_metrics, 60)
         report.phases.append(measure("joined", phase_s, run_dir, state, run_id))
 
         # --- leave: SIGTERM the producer, SIGKILL the stream worker -----------------------

@@ -3,7 +3,9 @@
 Every optimiser step produces one flat dict of floats (namespaced names) that goes to
 three sinks at once: a JSONL file (one object per step, flushed), Prometheus gauges on a
 registry this object owns (no global state; served on ``prometheus_port`` if set), and a
-rich progress line on stderr.
+rich progress line on stderr. Prometheus also has the run's role instances by their
+heartbeats, ``rollstream_trainer_run_roles{role, state}`` (``core.presence``): how many
+producers, stream workers and trainers are active, left or silent.
 
 Data metrics (``data_metrics``), over the trajectories trained in the step:
 
@@ -59,6 +61,8 @@ import numpy as np
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from core.presence import Presence
+from schemas.control import ROLE_KINDS
 from schemas.trajectory import Trajectory
 
 log = logging.getLogger(__name__)
@@ -204,6 +208,12 @@ class MetricsSink:
             ["reason"],
             registry=self.registry,
         )
+        self.run_roles = Gauge(
+            "rollstream_trainer_run_roles",
+            "Role instances in the run by their heartbeats (core.presence): active, left, silent.",
+            ["role", "state"],
+            registry=self.registry,
+        )
         self.staleness = Histogram(
             "rollstream_trainer_staleness",
             "Trajectory staleness (trainer version - oldest segment version).",
@@ -240,6 +250,17 @@ class MetricsSink:
             )
             self._progress.start()
             self._task = self._progress.add_task("waiting for data", total=total_steps)
+
+    def record_roles(self, presence: Presence) -> None:
+        """How many producers, stream workers and trainers the run has, by state."""
+        for role in ROLE_KINDS:
+            for state, beats in (
+                ("active", presence.active),
+                ("left", presence.left),
+                ("silent", presence.silent),
+            ):
+                count = sum(beat.role == role for beat in beats)
+                self.run_roles.labels(role=role, state=state).set(count)
 
     def serve(self, port: int) -> int:
         """Expose the registry over HTTP; returns the bound port."""

@@ -469,6 +469,8 @@ class Trainer:
         if announcer is not None:
             found = self.presence.latest if self.presence is not None else None
             gone = found.gone("producer") if found is not None else set()
+            if found is not None:
+                self.sink.record_roles(found)
             announcer.producers = sharing_producers(self.recent_producers, gone)
 
     def _gather(

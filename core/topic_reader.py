@@ -240,3 +240,8 @@ def group_lag(
         MemberLag(m.client_id, m.host, tuple(held[m.member_id]), sum(map(lag, held[m.member_id])))
         for m in sorted(members, key=lambda m: m.client_id)
     ]
+
+
+def member_of(members: list[MemberLag], client_id: str) -> MemberLag | None:
+    """The member with ``client_id`` (one process's consumer), or None."""
+    return next((m for m in members if m.client_id == client_id), None)

@@ -45,6 +45,7 @@ from faust.types import TP
 
 from core.config import SharedConfig
 from core.presence import Beacon, default_instance
+from core.topic_reader import group_lag, member_of
 from infra.topics import ensure_topics
 from schemas.topics import (
     POLICY_VERSIONS,
@@ -352,6 +353,18 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
         return {"raw_partitions": sorted(tp.partition for tp in actives if tp.topic == TOPICS.raw)}
 
     beacon: list[Beacon] = []  # started with the services, told to leave on shutdown
+
+    @app.timer(interval=SHARED.presence.interval_s)
+    async def report_lag() -> None:
+        """This worker's partitions and lag, as its consumer group says (metrics)."""
+        try:
+            members = await asyncio.to_thread(group_lag, KAFKA, CONFIG.app_id, TOPICS.raw)
+        except Exception:  # mid-rebalance or a slow broker: the next tick tries again
+            log.debug("lag: group not described", exc_info=True)
+            return
+        mine = member_of(members, f"{CONFIG.app_id}-{INSTANCE}")
+        metrics.raw_partitions.set(len(mine.partitions) if mine is not None else 0)
+        metrics.raw_lag.set(mine.lag if mine is not None else 0)
 
     @app.on_before_shutdown.connect
     async def _leave(app: faust.App, **_: object) -> None:

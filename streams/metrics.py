@@ -28,6 +28,9 @@ metric                                             meaning
 ``rollstream_streams_snapshot_bytes``              bytes of weights held (shared tensors once)
 ``rollstream_streams_snapshot_versions``           versions held
 ``rollstream_streams_trainer_version``             newest announced trainer version
+``rollstream_streams_raw_partitions``              raw partitions this worker holds now
+``rollstream_streams_raw_lag``                     records of them its group has not
+                                                   committed yet (its lag)
 =================================================  ==========================================
 """
 
@@ -110,6 +113,12 @@ class StreamMetrics:
         self.snapshot_versions = Gauge(_PREFIX + "snapshot_versions", "Versions held.", registry=r)
         self.trainer_version = Gauge(
             _PREFIX + "trainer_version", "Newest announced trainer version.", registry=r
+        )
+        self.raw_partitions = Gauge(
+            _PREFIX + "raw_partitions", "Raw partitions this worker holds.", registry=r
+        )
+        self.raw_lag = Gauge(
+            _PREFIX + "raw_lag", "Records of its raw partitions not committed yet.", registry=r
         )
 
     def value(self, name: str, **labels: str) -> float:

@@ -36,6 +36,7 @@ def test_a_producer_and_a_stream_worker_join_and_leave_a_running_run(tmp_path: P
     assert len(_instances(joined, "active", "trainer")) == 1
     held = [p for worker in joined["stream_lag"] for p in worker["partitions"]]
     assert len(joined["stream_lag"]) == 2 and sorted(held) == sorted(set(held))
+    assert report.joined_raw_partitions >= 1  # its own Prometheus metric says so too
 
     # The joined producer loaded the current version before generating.
     assert report.joined_groups >= 1

@@ -184,3 +184,26 @@ def test_producers_that_left_stop_counting_at_once() -> None:
     assert sharing_producers(recent, gone) == 1  # b's last groups are still trained
     assert sharing_producers([{"b"}], gone) is None
     assert sharing_producers([], set()) is None
+
+
+@pytest.mark.unit
+def test_the_trainer_exports_role_counts_and_a_worker_finds_its_lag() -> None:
+    from consumers.metrics import MetricsSink
+    from core.topic_reader import MemberLag, member_of
+
+    beats = {
+        b"a": RoleHeartbeat(**{**GOOD, "instance": "a", "at_ms": 100_000}),
+        b"b": RoleHeartbeat(**{**GOOD, "instance": "b", "state": "left", "at_ms": 99_000}),
+        b"s": RoleHeartbeat(**{**GOOD, "instance": "s", "role": "streams", "at_ms": 1_000}),
+    }
+    sink = MetricsSink(None)
+    sink.record_roles(classify(beats, now_ms=100_000))
+    value = sink.registry.get_sample_value
+    assert value("rollstream_trainer_run_roles", {"role": "producer", "state": "active"}) == 1
+    assert value("rollstream_trainer_run_roles", {"role": "producer", "state": "left"}) == 1
+    assert value("rollstream_trainer_run_roles", {"role": "streams", "state": "silent"}) == 1
+    assert value("rollstream_trainer_run_roles", {"role": "trainer", "state": "active"}) == 0
+
+    members = [MemberLag("app-x", "h", (0, 1), 5), MemberLag("app-y", "h", (2,), 0)]
+    assert member_of(members, "app-y") == members[1]
+    assert member_of(members, "app-z") is None
