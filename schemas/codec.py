@@ -4,7 +4,7 @@ Why not JSON: a record is mostly token ids and log-probs; raw little-endian arra
 several times faster to write and read than JSON number lists and barely larger than the
 arrays themselves (``python -m bench.codec`` measures both).
 
-Layout of schema version 2 (all integers little-endian)::
+Layout of schema version 3 (all integers little-endian)::
 
     preamble  magic b"RSTM" | schema version u8 | record kind u8 | flags u16
     header    total length u32 (whole record, checksum included)
@@ -13,25 +13,32 @@ Layout of schema version 2 (all integers little-endian)::
                                      segment_versions, segment_lengths,
                                      turn_lengths, turn_kinds
               created_at_ms i64 | finished_at_ms i64 | reward f64 | advantage f64
-              UTF-8 byte lengths u16 x9: run_id, trajectory_id, group_id, producer_id,
-                                         region, task, finish_reason, old_logits_status,
-                                         episode_end
-              2 zero bytes | reward_details byte length u32 | tool_calls i32
-                                                       (112 bytes in all)
+              UTF-8 byte lengths u16 x10: run_id, trajectory_id, group_id, producer_id,
+                                          region, task, finish_reason, old_logits_status,
+                                          episode_end, policy
+              reward_details byte length u32 | tool_calls i32 |
+              turn_policies byte length u32 (0: None) | 4 zero bytes
+                                                       (120 bytes in all)
     arrays    segment_versions i64 | segment_lengths i32 | prompt_ids i32 |
               response_ids i32 | logp_infer f32 | logp_old f32 (only if flag 1) |
               turn_lengths i32 | turn_kinds u8 (both only if flag 4)
-    strings   the nine strings in header order, then reward_details as orjson bytes
+    strings   the ten strings in header order, then reward_details as orjson bytes, then
+              turn_policies as an orjson list of strings (absent when None)
     checksum  low 32 bits of XXH3-64 of every byte before it, u32
 
 Flags: bit 0 ``logp_old`` present, bit 1 ``advantage`` present, bit 2 turns present (a
-multi-turn record; without it the record is a single policy turn). The 112-byte header
-keeps the int64 array 8-byte aligned.
+multi-turn record; without it the record is a single policy turn). The 120-byte header
+keeps the int64 array 8-byte aligned. ``turn_policies`` present is told by its length, not a
+flag: ``[]`` (2 bytes) is an empty tuple, 0 bytes is ``None``. The codec does not check it
+against the turns (validation does); JSON that is not a list of strings is ``bad_json``.
 
-Schema version 1 is version 2 without the turns: counts u32 x6, string lengths u16 x8, no
-padding or ``tool_calls`` (96-byte header). Version-1 bytes still decode, as single-turn
-records; only version 2 is written. The preamble is checked before the checksum, so a reader
-meeting a newer schema version or record kind says so instead of "checksum mismatch".
+Older versions still decode; only version 3 is written. Version 2 is version 3 without the
+multi-policy fields: string lengths u16 x9, then 2 zero bytes, the reward_details length u32
+and ``tool_calls`` i32 (a 112-byte header); it decodes with ``policy`` ``""`` and
+``turn_policies`` ``None``. Version 1 is version 2 without the turns: counts u32 x6, string
+lengths u16 x8, no padding or ``tool_calls`` (96-byte header), flag bit 2 unknown; it decodes
+as single-turn records. The preamble is checked before the checksum, so a reader meeting a
+newer schema version or record kind says so instead of "checksum mismatch".
 
 The codec carries any record the dataclass can hold, including invalid ones (a
 ``logp_infer`` of the wrong length, NaN rewards): checking is ``schemas.validation``'s job,
@@ -61,11 +68,12 @@ from schemas.trajectory import (
     TURN_LENGTH_DTYPE,
     VERSION_DTYPE,
     Trajectory,
+    check_turn_policies,
     wire_array,
 )
 
 MAGIC = b"RSTM"
-SUPPORTED_SCHEMA_VERSIONS: tuple[int, ...] = (1, SCHEMA_VERSION)
+SUPPORTED_SCHEMA_VERSIONS: tuple[int, ...] = (1, 2, SCHEMA_VERSION)
 MAX_RECORD_BYTES = 4 * 1024 * 1024
 """Default size limit for one encoded record (Kafka's own default limit is 1 MiB)."""
 
@@ -113,13 +121,19 @@ _KNOWN_FLAGS = FLAG_LOGP_OLD | FLAG_ADVANTAGE | FLAG_TURNS
 _KNOWN_FLAGS_V1 = FLAG_LOGP_OLD | FLAG_ADVANTAGE
 
 _PREFIX = MAGIC + bytes([SCHEMA_VERSION, RecordKind.TRAJECTORY])  # what decode() expects
+_PREFIX_V2 = MAGIC + bytes([2, RecordKind.TRAJECTORY])
 _PREFIX_V1 = MAGIC + bytes([1, RecordKind.TRAJECTORY])
-_HEADER = struct.Struct("<6sH I ii 8I qq dd 9H 2x I i")  # 112 bytes, a multiple of 8
+_HEADER = struct.Struct("<6sH I ii 8I qq dd 10H I i I 4x")  # 120 bytes, a multiple of 8
+_HEADER_V2 = struct.Struct("<6sH I ii 8I qq dd 9H 2x I i")  # 112 bytes
 _HEADER_V1 = struct.Struct("<6sH I ii 6I qq dd 8H I")  # 96 bytes
 _CHECKSUM = struct.Struct("<I")
 HEADER_SIZE = _HEADER.size
 _MIN_SIZE = HEADER_SIZE + _CHECKSUM.size
-_MIN_SIZE_V1 = _HEADER_V1.size + _CHECKSUM.size
+_MIN_SIZES = {  # by schema version: the smallest record (empty arrays and strings)
+    1: _HEADER_V1.size + _CHECKSUM.size,
+    2: _HEADER_V2.size + _CHECKSUM.size,
+    SCHEMA_VERSION: _MIN_SIZE,
+}
 
 _STRING_FIELDS = (
     "run_id",
@@ -131,6 +145,7 @@ _STRING_FIELDS = (
     "finish_reason",
     "old_logits_status",
     "episode_end",
+    "policy",
 )
 _MAX_STRING_BYTES = 0xFFFF
 
@@ -179,7 +194,8 @@ def encode(traj: Trajectory, *, max_bytes: int = MAX_RECORD_BYTES) -> bytes:
 
     Raises ``ValueError`` for what the format cannot carry: arrays of another dtype,
     strings over 65535 UTF-8 bytes or not encodable, ``reward_details`` that orjson
-    cannot serialise, integers out of their field's range, or more than ``max_bytes``.
+    cannot serialise, ``turn_policies`` other than ``None`` or a tuple of strings, integers
+    out of their field's range, or more than ``max_bytes``.
     """
     total, parts = _encode_parts(traj)
     if total > max_bytes:
@@ -226,6 +242,7 @@ def _encode_parts(traj: Trajectory) -> tuple[int, list[bytes | np.ndarray]]:
             traj.finish_reason.encode(),
             traj.old_logits_status.encode(),
             traj.episode_end.encode(),
+            traj.policy.encode(),
         ]
     except (AttributeError, UnicodeEncodeError) as exc:
         raise _string_problem(traj) or ValueError(f"string fields: {exc}") from exc
@@ -235,6 +252,13 @@ def _encode_parts(traj: Trajectory) -> tuple[int, list[bytes | np.ndarray]]:
         details = orjson.dumps(traj.reward_details)
     except TypeError as exc:  # orjson.JSONEncodeError
         raise ValueError(f"reward_details is not JSON-serialisable: {exc}") from exc
+    owners = b""
+    if traj.turn_policies is not None:
+        check_turn_policies(traj.turn_policies)
+        try:
+            owners = orjson.dumps(traj.turn_policies)
+        except TypeError as exc:  # a str orjson refuses (a lone surrogate)
+            raise ValueError(f"turn_policies is not JSON-serialisable: {exc}") from exc
 
     counts = (  # element counts, in header order
         len(traj.prompt_ids),
@@ -247,7 +271,7 @@ def _encode_parts(traj: Trajectory) -> tuple[int, list[bytes | np.ndarray]]:
         0 if turn_kinds is None else len(turn_kinds),
     )
     string_lengths = list(map(len, strings))
-    total = _record_size(*counts, sum(string_lengths) + len(details))
+    total = _record_size(*counts, sum(string_lengths) + len(details) + len(owners))
     try:
         header = _HEADER.pack(
             _PREFIX,
@@ -263,6 +287,7 @@ def _encode_parts(traj: Trajectory) -> tuple[int, list[bytes | np.ndarray]]:
             *string_lengths,
             len(details),
             traj.tool_calls,
+            len(owners),
         )
     except struct.error as exc:
         raise _string_problem(traj) or ValueError(
@@ -270,7 +295,7 @@ def _encode_parts(traj: Trajectory) -> tuple[int, list[bytes | np.ndarray]]:
             "sample_index and tool_calls are int32, timestamps int64, reward and advantage "
             "floats"
         ) from exc
-    return total, [header, *arrays, *strings, details]
+    return total, [header, *arrays, *strings, details, owners]
 
 
 def _string_problem(traj: Trajectory) -> ValueError | None:
@@ -323,8 +348,10 @@ def decode(
             finish_n,
             status_n,
             episode_end_n,
+            policy_n,
             n_details,
             tool_calls,
+            n_owners,
         ) = _HEADER.unpack_from(data)
         string_lengths = [
             run_id_n,
@@ -336,18 +363,26 @@ def decode(
             finish_n,
             status_n,
             episode_end_n,
+            policy_n,
         ]
         header_size, known_flags = HEADER_SIZE, _KNOWN_FLAGS
-    elif data.startswith(_PREFIX_V1) and _MIN_SIZE_V1 <= size <= max_bytes:
+    elif data.startswith(_PREFIX_V2) and _MIN_SIZES[2] <= size <= max_bytes:
+        fields = _HEADER_V2.unpack_from(data)
+        _preamble, flags, total, group_size, sample_index = fields[:5]
+        counts = list(fields[5:13])
+        created_at_ms, finished_at_ms, reward, advantage = fields[13:17]
+        string_lengths = [*fields[17:26], 0]  # no policy: ""
+        n_details, tool_calls = fields[26:28]
+        n_owners = 0  # no turn_policies: None
+        header_size, known_flags = _HEADER_V2.size, _KNOWN_FLAGS
+    elif data.startswith(_PREFIX_V1) and _MIN_SIZES[1] <= size <= max_bytes:
         fields = _HEADER_V1.unpack_from(data)
         _preamble, flags, total, group_size, sample_index = fields[:5]
-        counts = list(fields[5:11])
+        counts = [*fields[5:11], 0, 0]  # no turns
         created_at_ms, finished_at_ms, reward, advantage = fields[11:15]
-        string_lengths = list(fields[15:23])
+        string_lengths = [*fields[15:23], 0, 0]  # no episode_end, no policy
         n_details = fields[23]
-        counts += [0, 0]
-        string_lengths.append(0)
-        tool_calls = 0
+        tool_calls = n_owners = 0
         header_size, known_flags = _HEADER_V1.size, _KNOWN_FLAGS_V1
     else:
         _reject_framing(data, max_bytes)
@@ -373,7 +408,7 @@ def decode(
         raise DecodeError(DecodeReason.BAD_LAYOUT, f"{n_logp_old} logp_old values but no flag")
     if not flags & FLAG_TURNS and (n_tl or n_tk):
         raise DecodeError(DecodeReason.BAD_LAYOUT, f"{n_tl} + {n_tk} turn values but no flag")
-    expected = _record_size(*counts, sum(string_lengths) + n_details, header_size)
+    expected = _record_size(*counts, sum(string_lengths) + n_details + n_owners, header_size)
     if expected != total:
         raise DecodeError(
             DecodeReason.BAD_LAYOUT, f"header counts imply {expected} bytes, record has {total}"
@@ -410,8 +445,12 @@ def decode(
     except UnicodeDecodeError as exc:
         name = _STRING_FIELDS[len(strings)]
         raise DecodeError(DecodeReason.BAD_UTF8, f"{name} is not UTF-8 ({exc.reason})") from exc
-    run_id, trajectory_id, group_id, producer_id, region, task, finish, status, end = strings
+    run_id, trajectory_id, group_id, producer_id, region, task, finish, status, end, policy = (
+        strings
+    )
     reward_details = _decode_details(data[offset : offset + n_details])
+    offset += n_details
+    turn_policies = _decode_turn_policies(data[offset : offset + n_owners]) if n_owners else None
 
     # Positional, in field order: keyword arguments cost 30% of decode()'s own time.
     return Trajectory(
@@ -440,6 +479,8 @@ def decode(
         turn_kinds,
         tool_calls,
         end,
+        policy,
+        turn_policies,
     )
 
 
@@ -468,7 +509,7 @@ def _reject_framing(data: bytes, max_bytes: int) -> NoReturn:
             f"record kind {data[5]}{name}; this reader decodes {int(RecordKind.TRAJECTORY)} "
             "(trajectory)",
         )
-    least = _MIN_SIZE_V1 if size > 4 and data[4] == 1 else _MIN_SIZE
+    least = _MIN_SIZES[data[4]] if size > 4 else _MIN_SIZE
     raise DecodeError(DecodeReason.TRUNCATED, f"expected at least {least} bytes, have {size}")
 
 
@@ -483,6 +524,25 @@ def _decode_details(raw: bytes) -> dict:
             f"reward_details must be a JSON object, got {type(details).__name__}",
         )
     return details
+
+
+def _decode_turn_policies(raw: bytes) -> tuple[str, ...]:
+    try:
+        owners = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise DecodeError(DecodeReason.BAD_JSON, f"turn_policies: {exc}") from exc
+    if not isinstance(owners, list):
+        raise DecodeError(
+            DecodeReason.BAD_JSON,
+            f"turn_policies must be a JSON list of strings, got {type(owners).__name__}",
+        )
+    for i, name in enumerate(owners):
+        if not isinstance(name, str):
+            raise DecodeError(
+                DecodeReason.BAD_JSON,
+                f"turn_policies[{i}] must be a string, got {type(name).__name__} {name!r}",
+            )
+    return tuple(owners)
 
 
 # --- Kafka headers ----------------------------------------------------------------------
@@ -508,6 +568,9 @@ class RoutingHeaders:
     #: schema version 2, which did not send them
     turns: int | None = None
     policy_tokens: int | None = None
+    #: the record's policy; ``""`` (the run's single, unnamed policy) from a writer older
+    #: than schema version 3, which did not send it
+    policy: str = ""
 
 
 _HEADER_KEYS = {
@@ -521,13 +584,17 @@ _HEADER_KEYS = {
     "region": "rs-region",
     "turns": "rs-turns",
     "policy_tokens": "rs-policy-tokens",
+    "policy": "rs-policy",
 }
 _INT_HEADERS = ("schema_version", "min_version", "max_version", "turns", "policy_tokens")
-_OPTIONAL_HEADERS = ("turns", "policy_tokens")
+_OPTIONAL_HEADERS = ("turns", "policy_tokens", "policy")  # absent: RoutingHeaders' default
+_SCHEMA_VERSION_KEY = _HEADER_KEYS["schema_version"]
+_POLICY_KEY = _HEADER_KEYS["policy"]
 
 
 def routing_headers(traj: Trajectory) -> list[tuple[str, bytes]]:
-    """Kafka headers for ``traj``: UTF-8 text, integers in decimal (readable by any tool)."""
+    """Kafka headers for ``traj``: UTF-8 text, integers in decimal (readable by any tool).
+    ``rs-policy`` is always sent, empty for the run's single, unnamed policy."""
     values = {
         "schema_version": SCHEMA_VERSION,
         "run_id": traj.run_id,
@@ -539,19 +606,52 @@ def routing_headers(traj: Trajectory) -> list[tuple[str, bytes]]:
         "region": traj.region,
         "turns": traj.num_turns,
         "policy_tokens": traj.num_policy_tokens,
+        "policy": traj.policy,
     }
     return [(key, str(values[name]).encode()) for name, key in _HEADER_KEYS.items()]
 
 
-def header_disagreements(traj: Trajectory, headers: KafkaHeaders) -> list[str]:
+def min_schema_version(traj: Trajectory) -> int:
+    """The oldest schema version whose layout carries ``traj``: 3 with a ``policy`` or
+    ``turn_policies``, 2 with turns, ``tool_calls`` or an ``episode_end``, else 1."""
+    if traj.policy != "" or traj.turn_policies is not None:
+        return 3
+    if (
+        traj.turn_lengths is not None
+        or traj.turn_kinds is not None
+        or traj.tool_calls != 0
+        or traj.episode_end != ""
+    ):
+        return 2
+    return 1
+
+
+def header_disagreements(
+    traj: Trajectory, headers: KafkaHeaders, *, schema_version: int | None = None
+) -> list[str]:
     """Each routing header of ``headers`` that contradicts ``traj`` (the record's body),
     as ``"rs-run-id='a', body 'b'"``; a routing header that appears twice or is not UTF-8
     counts too. Empty: every routing header present agrees with the body.
 
     A header left out is not a disagreement (headers are a convenience for filtering
-    without decoding); one that is there must tell the truth, since tools route on it.
+    without decoding); one that is there must tell the truth, since tools route on it. The
+    exception is ``rs-policy``: left out, it reads as ``""`` (a writer older than schema
+    version 3), so a body naming a policy needs it, or a router would hand the record to
+    the run's unnamed policy.
+
+    ``rs-schema-version`` must be ``schema_version`` (the value's version byte) when it is
+    given; otherwise any version this reader knows whose layout can carry the body (a
+    writer older than this one is no liar).
     """
     expected = dict(routing_headers(traj))
+    if schema_version is not None:
+        versions = {str(schema_version)}
+        truth = f"value is schema version {schema_version}"
+    else:
+        oldest = min_schema_version(traj)
+        versions = {str(v) for v in SUPPORTED_SCHEMA_VERSIONS if v >= oldest}
+        later = "" if oldest == SCHEMA_VERSION else f" to {SCHEMA_VERSION}"
+        truth = f"body needs schema version {oldest}{later}"
     seen: set[str] = set()
     problems: list[str] = []
     pairs = headers.items() if isinstance(headers, Mapping) else (headers or ())
@@ -567,14 +667,22 @@ def header_disagreements(traj: Trajectory, headers: KafkaHeaders) -> list[str]:
         except UnicodeDecodeError:
             problems.append(f"{key}={raw!r} is not UTF-8")
             continue
-        if text != expected[key].decode():
+        if key == _SCHEMA_VERSION_KEY:
+            if text not in versions:
+                problems.append(f"{key}={text!r}, {truth}")
+        elif text != expected[key].decode():
             problems.append(f"{key}={text!r}, body {expected[key].decode()!r}")
+    if _POLICY_KEY not in seen and expected[_POLICY_KEY]:
+        problems.append(
+            f"{_POLICY_KEY} missing (read as ''), body {expected[_POLICY_KEY].decode()!r}"
+        )
     return problems
 
 
 def parse_headers(headers: KafkaHeaders) -> RoutingHeaders:
     """The routing headers of a message; other headers are ignored. ``rs-turns`` and
-    ``rs-policy-tokens`` may be absent (a schema version 1 writer).
+    ``rs-policy-tokens`` may be absent (a schema version 1 writer), and ``rs-policy`` (a
+    writer older than version 3: the policy is ``""``).
 
     Raises ``DecodeError`` (reason ``bad_headers``) naming the missing, duplicated or
     malformed header.

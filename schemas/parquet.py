@@ -33,5 +33,6 @@ def write_parquet(
 
 
 def read_parquet(path: str | os.PathLike[str]) -> list[Trajectory]:
-    """Every record in a file written by ``write_parquet``; ``ValueError`` on another schema."""
+    """Every record in a file written by ``write_parquet`` (by this schema version or an
+    older one, see ``from_arrow``); ``ValueError`` on another schema."""
     return from_arrow(pq.read_table(path))

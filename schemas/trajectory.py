@@ -24,6 +24,18 @@ turn into that form, so a record built without turns, one that names its one tur
 decoded from schema version 1 are equal; the codec and Arrow keep ``None`` and arrays apart,
 so every encoding round-trips bit for bit.
 
+Multi-policy provenance (schema version 3): ``policy`` names the policy of a multi-policy
+run that generated every policy turn (every segment: ``segment_versions`` are versions of
+this policy) and that trains on the record; ``""`` is the run's single, unnamed policy, and
+every record written before version 3 reads with ``""``. ``turn_policies`` optionally says,
+per turn, who produced it: a ``POLICY`` turn names ``policy``; an ``ENV`` turn names ``""``
+(the environment: a tool, feedback) or another policy of the run (a peer agent's turn,
+conditioned on and never trained by this record's policy). ``None``: no per-turn
+provenance (every env turn is the environment); it needs turns, so a single-turn record has
+``None``. ``Trajectory.create`` stores a list as a tuple and keeps what it is given
+otherwise: an all-``""`` tuple stays a tuple, distinct from ``None``. Folding a spelled-out
+single policy turn also folds its one entry (which can only be ``policy``) to ``None``.
+
 The dataclass stores what it is given and never converts: ``Trajectory.create`` coerces
 lists or other dtypes (refusing lossy integer casts), ``schemas.validation`` reports wrong
 dtypes. Arrays decoded from Kafka or read from Arrow are read-only views; ``.copy()`` one
@@ -43,7 +55,7 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the record layout, shared by the binary codec and the Arrow schema."""
 
 NO_VERSION = -1
@@ -146,6 +158,9 @@ class Trajectory:
     turn_kinds: np.ndarray | None = None
     tool_calls: int = 0
     episode_end: str = EpisodeEnd.NONE.value
+    # Multi-policy runs (see the module docstring); "" is the run's single, unnamed policy.
+    policy: str = ""
+    turn_policies: tuple[str, ...] | None = None
 
     @classmethod
     def create(cls, **fields: Any) -> Trajectory:
@@ -153,11 +168,19 @@ class Trajectory:
 
         Integer casts that would change a value raise ``ValueError`` (an int64 token id
         beyond int32, a fractional token id); float64 log-probs are rounded to float32.
+        A ``turn_policies`` list is stored as a tuple.
         """
         for name, dtype in ARRAY_DTYPES.items():
             if fields.get(name) is not None:
                 fields[name] = coerce_array(fields[name], dtype, name)
+        for name in ("episode_end", "policy"):
+            value = fields.get(name)
+            if isinstance(value, str) and type(value) is not str:  # an EpisodeEnd, any StrEnum
+                fields[name] = str(value)
+        if isinstance(fields.get("turn_policies"), list):
+            fields["turn_policies"] = tuple(fields["turn_policies"])
         lengths, kinds = fields.get("turn_lengths"), fields.get("turn_kinds")
+        owners = fields.get("turn_policies")
         response = fields.get("response_ids")
         if (
             lengths is not None
@@ -166,11 +189,10 @@ class Trajectory:
             and kinds[0] == TurnKind.POLICY
             and response is not None
             and lengths.tolist() == [len(response)]
+            and (owners is None or owners == (fields.get("policy", ""),))
         ):
-            fields["turn_lengths"] = fields["turn_kinds"] = None  # the canonical single turn
-        end = fields.get("episode_end")
-        if isinstance(end, str) and type(end) is not str:  # an EpisodeEnd (any StrEnum)
-            fields["episode_end"] = str(end)
+            # the canonical single turn; its one owner can only be the record's policy
+            fields["turn_lengths"] = fields["turn_kinds"] = fields["turn_policies"] = None
         return cls(**fields)
 
     @property
@@ -310,6 +332,21 @@ def wire_array(array: Any, dtype: np.dtype, field: str) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=dtype)
 
 
+def check_turn_policies(value: Any) -> None:
+    """``ValueError`` unless ``value`` is ``None`` or a tuple of strings: what the codec and
+    Arrow carry (``Trajectory.create`` turns a list into a tuple; a list is refused on the
+    way out, since it would read back as a tuple and compare unequal)."""
+    if value is None:
+        return
+    if not isinstance(value, tuple):
+        raise ValueError(
+            f"turn_policies: expected a tuple of str or None, got {type(value).__name__}"
+        )
+    for i, name in enumerate(value):
+        if not isinstance(name, str):
+            raise ValueError(f"turn_policies[{i}]: expected str, got {type(name).__name__}")
+
+
 def _same_value(a: Any, b: Any) -> bool:
     """Bitwise equality for arrays and floats, ``==`` for everything else."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
@@ -354,6 +391,8 @@ TRAJECTORY_ARROW_SCHEMA = pa.schema(
         pa.field("turn_kinds", pa.list_(pa.uint8()), nullable=True),
         pa.field("tool_calls", pa.int32(), nullable=False),
         pa.field("episode_end", pa.string(), nullable=False),
+        pa.field("policy", pa.string(), nullable=False),  # "": the run's single policy
+        pa.field("turn_policies", pa.list_(pa.string()), nullable=True),  # null: none given
     ],
     metadata={
         b"rollstream.schema_version": str(SCHEMA_VERSION).encode(),
@@ -363,21 +402,30 @@ TRAJECTORY_ARROW_SCHEMA = pa.schema(
 """One row per trajectory; column names and order are the dataclass fields."""
 
 _V2_COLUMNS = ("turn_lengths", "turn_kinds", "tool_calls", "episode_end")
+_V3_COLUMNS = ("policy", "turn_policies")
+TRAJECTORY_ARROW_SCHEMA_V2 = pa.schema(
+    [field for field in TRAJECTORY_ARROW_SCHEMA if field.name not in _V3_COLUMNS],
+    metadata={b"rollstream.schema_version": b"2", b"rollstream.record_kind": b"trajectory"},
+)
+"""Schema version 2 (before multi-policy runs): still readable, as records of policy ``""``."""
 TRAJECTORY_ARROW_SCHEMA_V1 = pa.schema(
-    [field for field in TRAJECTORY_ARROW_SCHEMA if field.name not in _V2_COLUMNS],
+    [field for field in TRAJECTORY_ARROW_SCHEMA_V2 if field.name not in _V2_COLUMNS],
     metadata={b"rollstream.schema_version": b"1", b"rollstream.record_kind": b"trajectory"},
 )
 """Schema version 1 (before multi-turn episodes): still readable, as single-turn records."""
 
 _ARROW_SCHEMAS = {
     b"1": TRAJECTORY_ARROW_SCHEMA_V1,
+    b"2": TRAJECTORY_ARROW_SCHEMA_V2,
     str(SCHEMA_VERSION).encode(): TRAJECTORY_ARROW_SCHEMA,
 }
-_V1_DEFAULTS: dict[str, Any] = {
+_LATER_DEFAULTS: dict[str, Any] = {  # what an older table's missing columns read as
     "turn_lengths": None,
     "turn_kinds": None,
     "tool_calls": 0,
     "episode_end": EpisodeEnd.NONE.value,
+    "policy": "",
+    "turn_policies": None,
 }
 
 _LIST_COLUMNS = tuple(name for name in TRAJECTORY_ARROW_SCHEMA.names if name in ARRAY_DTYPES)
@@ -393,6 +441,10 @@ def to_arrow(records: Iterable[Trajectory]) -> pa.Table:
             columns.append(_list_array(values, ARRAY_DTYPES[field.name], field.name))
         elif field.name == "reward_details":
             columns.append(pa.array([orjson.dumps(v).decode() for v in values], pa.string()))
+        elif field.name == "turn_policies":
+            for value in values:
+                check_turn_policies(value)
+            columns.append(pa.array(values, field.type))
         else:
             columns.append(pa.array(values, field.type))
     return pa.Table.from_arrays(columns, schema=TRAJECTORY_ARROW_SCHEMA)
@@ -402,11 +454,13 @@ def from_arrow(table: pa.Table) -> list[Trajectory]:
     """Records from a table written by ``to_arrow`` (or read back from Parquet).
 
     A schema version 1 table (written before multi-turn episodes) reads as single-turn
-    records. Arrays are read-only views into the table's buffers (no copy per row).
+    records, a version 1 or 2 table (before multi-policy runs) as records of policy ``""``
+    without ``turn_policies``. Arrays are read-only views into the table's buffers (no copy
+    per row).
     """
     schema = check_arrow_schema(table.schema)
     columns: dict[str, Sequence[Any]] = {
-        name: [value] * table.num_rows for name, value in _V1_DEFAULTS.items()
+        name: [value] * table.num_rows for name, value in _LATER_DEFAULTS.items()
     }
     for name in schema.names:
         column = table.column(name)
@@ -414,6 +468,8 @@ def from_arrow(table: pa.Table) -> list[Trajectory]:
             columns[name] = _split_list_column(column, ARRAY_DTYPES[name])
         elif name == "reward_details":
             columns[name] = [orjson.loads(text) for text in column.to_pylist()]
+        elif name == "turn_policies":
+            columns[name] = [None if row is None else tuple(row) for row in column.to_pylist()]
         else:
             columns[name] = column.to_pylist()
     names = TRAJECTORY_ARROW_SCHEMA.names
@@ -423,7 +479,8 @@ def from_arrow(table: pa.Table) -> list[Trajectory]:
 
 
 def check_arrow_schema(schema: pa.Schema) -> pa.Schema:
-    """The trajectory schema ``schema`` is (this version's or version 1's), else ``ValueError``."""
+    """The trajectory schema ``schema`` is (this version's or an older readable one), else
+    ``ValueError``."""
     seen = (schema.metadata or {}).get(b"rollstream.schema_version")
     if seen not in _ARROW_SCHEMAS:
         shown = seen.decode(errors="replace") if seen is not None else "none"

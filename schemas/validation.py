@@ -9,6 +9,7 @@ in one call: undecodable bytes become a single ``decode_error`` (or ``oversize``
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -52,6 +53,9 @@ class Reason(StrEnum):
     BAD_TOOL_CALLS = "bad_tool_calls"
     UNKNOWN_EPISODE_END = "unknown_episode_end"
     EPISODE_END_MISMATCH = "episode_end_mismatch"  # multi-turn without a reason, or vice versa
+    # Multi-policy runs.
+    BAD_POLICY = "bad_policy"  # a policy name (or turn_policies) the format does not allow
+    TURN_POLICY_MISMATCH = "turn_policy_mismatch"  # turn_policies disagree with the turns
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,9 @@ _STATUSES = frozenset(OldLogitsStatus)
 _STATUSES_WITH_LOGITS = frozenset({OldLogitsStatus.EXACT, OldLogitsStatus.APPROX})
 _EPISODE_ENDS = frozenset(EpisodeEnd)
 _TURN_ARRAYS = ("turn_lengths", "turn_kinds")
+POLICY_NAME = re.compile(r"[A-Za-z0-9_-]{0,64}")
+"""What a policy name may be (whole string; ``""`` is the run's single, unnamed policy):
+it travels in the ``rs-policy`` header and may name topics, metrics and S3 prefixes."""
 
 
 def validate(traj: Trajectory, limits: ValidationLimits) -> list[Defect]:
@@ -107,6 +114,7 @@ def validate(traj: Trajectory, limits: ValidationLimits) -> list[Defect]:
     _check_logprobs(arrays, limits, defects)
     _check_segments(arrays, limits, defects)
     _check_turns(traj, arrays, defects)
+    _check_policies(traj, arrays, defects)
     _check_size(traj, limits, defects)
     return defects
 
@@ -484,6 +492,81 @@ def _check_turns(traj: Trajectory, arrays: dict[str, np.ndarray], defects: list[
                 "environment turn: an env turn belongs to the segment of the policy token "
                 "before it",
             )
+
+
+def _check_policies(traj: Trajectory, arrays: dict[str, np.ndarray], defects: list[Defect]) -> None:
+    """``policy`` and ``turn_policies``: well-formed names, one per turn, each policy turn
+    the record's own policy, each env turn the environment or another policy."""
+    policy, owners = traj.policy, traj.turn_policies
+    good_policy = isinstance(policy, str) and POLICY_NAME.fullmatch(policy) is not None
+    if not good_policy:
+        _add(
+            defects,
+            Reason.BAD_POLICY,
+            "policy",
+            f"policy {policy!r} is not a policy name ({POLICY_NAME.pattern}, '' for the "
+            "run's single policy)",
+        )
+    if owners is None:
+        return
+    if not isinstance(owners, tuple):
+        _add(
+            defects,
+            Reason.BAD_POLICY,
+            "turn_policies",
+            f"turn_policies must be a tuple of policy names or None, got a {type(owners).__name__}",
+        )
+        return
+    bad = [
+        i
+        for i, name in enumerate(owners)
+        if not isinstance(name, str) or POLICY_NAME.fullmatch(name) is None
+    ]
+    if bad:
+        _add(
+            defects,
+            Reason.BAD_POLICY,
+            "turn_policies",
+            f"turn_policies[{bad[0]}] = {owners[bad[0]]!r} is not a policy name "
+            f"({POLICY_NAME.pattern}; {len(bad)} such entries)",
+        )
+        return
+    if traj.turn_lengths is None:
+        _add(
+            defects,
+            Reason.TURN_POLICY_MISMATCH,
+            "turn_policies",
+            f"turn_policies has {len(owners)} entries but the record has no turns "
+            "(turn_lengths is None): per-turn provenance needs turns",
+        )
+        return
+    lengths, kinds = arrays.get("turn_lengths"), arrays.get("turn_kinds")
+    if lengths is None:
+        return  # a wrong dtype, reported by _check_arrays
+    if len(owners) != len(lengths):
+        _add(
+            defects,
+            Reason.TURN_POLICY_MISMATCH,
+            "turn_policies",
+            f"turn_policies has {len(owners)} entries, turn_lengths has {len(lengths)} turns",
+        )
+        return
+    if kinds is None or len(kinds) != len(owners) or not good_policy:
+        return  # reported by _check_turns (or above)
+    wrong: list[tuple[int, str]] = []
+    for i, (kind, name) in enumerate(zip(kinds.tolist(), owners, strict=True)):
+        if kind == TurnKind.POLICY and name != policy:
+            wrong.append((i, f"names {name!r} on a POLICY turn, the record's policy is {policy!r}"))
+        elif kind == TurnKind.ENV and name and name == policy:
+            wrong.append((i, f"names the record's own policy {name!r} on an ENV turn"))
+    if wrong:
+        i, problem = wrong[0]
+        _add(
+            defects,
+            Reason.TURN_POLICY_MISMATCH,
+            "turn_policies",
+            f"turn_policies[{i}] {problem} ({len(wrong)} such turns)",
+        )
 
 
 def _check_size(traj: Trajectory, limits: ValidationLimits, defects: list[Defect]) -> None:

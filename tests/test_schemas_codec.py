@@ -97,6 +97,7 @@ json_values = st.recursive(
     max_leaves=8,
 )
 text = st.text(max_size=40)
+policy_names = st.sampled_from(["", "alice", "bob"]) | text
 int32 = st.integers(-(2**31), 2**31 - 1)
 int64 = st.integers(-(2**63), 2**63 - 1)
 
@@ -142,6 +143,11 @@ def trajectories(draw: st.DrawFn) -> Trajectory:
         turn_kinds=turn_kinds,
         tool_calls=draw(int32),
         episode_end=draw(st.sampled_from(["", "done", "max_turns", "tool_timeout"]) | text),
+        policy=draw(policy_names),
+        # any length, with or without turns: the codec carries what validation refuses
+        turn_policies=draw(
+            st.none() | st.tuples() | st.lists(policy_names, max_size=14).map(tuple)
+        ),
     )
 
 
@@ -302,7 +308,7 @@ def test_unknown_schema_version_says_which() -> None:
     error = decode_error(bytes(data))
     assert error.reason == DecodeReason.UNKNOWN_SCHEMA_VERSION
     assert "schema version 9" in str(error)
-    assert "[1, 2]" in str(error)
+    assert "[1, 2, 3]" in str(error)
 
 
 @pytest.mark.parametrize(("kind", "named"), [(2, "scored_group"), (77, "77")])
@@ -437,7 +443,7 @@ def test_routing_headers_round_trip() -> None:
     assert all(isinstance(k, str) and isinstance(v, bytes) for k, v in headers)
     parsed = parse_headers([("traceparent", b"00-abc"), *headers])  # foreign headers ignored
     assert parsed == RoutingHeaders(
-        schema_version=2,
+        schema_version=3,
         run_id="run-7",
         group_id="group-0001",
         trajectory_id="traj-0001",
@@ -447,7 +453,9 @@ def test_routing_headers_round_trip() -> None:
         region="region-a",
         turns=1,
         policy_tokens=512,
+        policy="",
     )
+    assert dict(headers)["rs-policy"] == b""  # always sent, empty for the unnamed policy
     assert parse_headers(dict(headers)) == parsed  # Faust hands over a mapping
 
 
@@ -649,8 +657,9 @@ def test_version_1_bytes_still_decode_as_single_turn() -> None:
     assert record.turn_lengths is None and record.turn_kinds is None
     assert record.tool_calls == 0 and record.episode_end == ""
     assert record.num_turns == 1 and record.num_policy_tokens == 4
+    assert record.policy == "" and record.turn_policies is None
     reencoded = encode(record)
-    assert reencoded[4] == 2 and decode(reencoded) == record  # re-encoded as version 2
+    assert reencoded[4] == 3 and decode(reencoded) == record  # re-encoded as version 3
 
 
 def test_version_1_bytes_are_checked_like_version_2() -> None:
@@ -680,5 +689,321 @@ def test_routing_headers_carry_turns_and_policy_tokens() -> None:
     lying = [(k, b"12" if k == "rs-policy-tokens" else v) for k, v in headers.items()]
     assert header_disagreements(record, lying) == ["rs-policy-tokens='12', body '9'"]
     # a version-1 writer sent neither header
-    old = {k: v for k, v in headers.items() if k not in ("rs-turns", "rs-policy-tokens")}
+    old = {
+        k: v for k, v in headers.items() if k not in ("rs-turns", "rs-policy-tokens", "rs-policy")
+    }
     assert parse_headers(old).turns is None and header_disagreements(record, old) == []
+
+
+# --- schema version 3: multi-policy provenance -------------------------------------------
+
+
+def multi_policy_record(**changes: object) -> Trajectory:
+    """Policy "alice" plays against "bob": alice 3 tokens, bob 2, alice 2, a tool's 2."""
+    record = Trajectory.create(
+        run_id="run-mp",
+        trajectory_id="traj-v3",
+        group_id="group-v3",
+        group_size=2,
+        sample_index=1,
+        producer_id="gen-0",
+        region="region-a",
+        task="debate",
+        prompt_ids=[1, 2, 3],
+        response_ids=[10, 11, 12, 13, 14, 15, 16, 17, 18],
+        logp_infer=[-0.5, -0.25, -1.0, 0.0, 0.0, -2.0, -0.125, 0.0, 0.0],
+        segment_versions=[5],
+        segment_lengths=[9],
+        reward=1.0,
+        reward_details={"winner": "alice"},
+        finish_reason="stop",
+        created_at_ms=1_700_000_000_000,
+        finished_at_ms=1_700_000_000_500,
+        logp_old=[-0.5, -0.25, -1.0, 0.0, 0.0, -2.0, -0.125, 0.0, 0.0],
+        old_logits_status="exact",
+        advantage=0.75,
+        turn_lengths=[3, 2, 2, 2],
+        turn_kinds=[TurnKind.POLICY, TurnKind.ENV, TurnKind.POLICY, TurnKind.ENV],
+        tool_calls=1,
+        episode_end="done",
+        policy="alice",
+        turn_policies=["alice", "bob", "alice", ""],
+    )
+    return dataclasses.replace(record, **changes)
+
+
+def test_multi_policy_record_round_trips() -> None:
+    record = multi_policy_record()
+    assert record.policy == "alice"
+    assert record.turn_policies == ("alice", "bob", "alice", "")  # a list is stored as a tuple
+    data = encode(record)
+    assert data[4] == 3 and len(data) == encoded_size(record)
+    back = decode(data)
+    assert_bitwise_equal(back, record)
+    assert back == record and type(back.turn_policies) is tuple
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"policy": "", "turn_policies": None},  # the v2 defaults, written as version 3
+        {"turn_policies": None},  # a policy without per-turn provenance
+        {"turn_policies": ()},  # empty, not None
+        {"turn_policies": ("", "", "", "")},  # all-default entries are kept, not folded
+        {"policy": "p" * 65_535},  # the longest string the u16 length can carry
+        {"policy": "élan", "turn_policies": ("élan", "日本", "élan", "")},
+    ],
+)
+def test_policy_fields_round_trip_as_given(changes: dict) -> None:
+    record = multi_policy_record(**changes)
+    back = decode(encode(record))
+    assert_bitwise_equal(back, record)
+    assert back.policy == record.policy
+    assert back.turn_policies == record.turn_policies
+    assert (back.turn_policies is None) == (record.turn_policies is None)
+
+
+def test_equality_covers_the_policy_fields() -> None:
+    record = multi_policy_record()
+    assert record == multi_policy_record()
+    assert record != multi_policy_record(policy="bob")
+    assert record != multi_policy_record(turn_policies=None)
+    assert multi_policy_record(turn_policies=()) != multi_policy_record(turn_policies=None)
+    assert record != multi_policy_record(turn_policies=("alice", "bob", "alice", "carol"))
+    assert record != multi_policy_record(turn_policies=["alice", "bob", "alice", ""])  # a list
+
+
+def test_create_folds_a_single_turn_only_with_its_own_policy() -> None:
+    plain = realistic_record(policy="alice")
+    fields = {f.name: getattr(plain, f.name) for f in dataclasses.fields(Trajectory)}
+    one_turn = {"turn_lengths": [512], "turn_kinds": [TurnKind.POLICY]}
+    spelled = Trajectory.create(**fields | one_turn | {"turn_policies": ["alice"]})
+    assert spelled == plain and spelled.turn_policies is None
+    # another name on the one policy turn is kept as given, for validation to refuse
+    odd = Trajectory.create(**fields | one_turn | {"turn_policies": ["bob"]})
+    assert odd.turn_lengths is not None and odd.turn_policies == ("bob",)
+
+
+def test_version_2_bytes_still_decode_with_the_unnamed_policy() -> None:
+    """Bytes written by the schema version 2 encoder (committed fixture, multi-turn)."""
+    data = (FIXTURES / "trajectory_v2.bin").read_bytes()
+    assert data[4] == 2 and len(data) == 311
+    record = decode(data)
+    assert record.trajectory_id == "traj-v2" and record.task == "echo-digits"
+    assert record.response_ids.tolist() == [10, 11, 12, 13, 14, 15]
+    assert record.turn_lengths.tolist() == [2, 2, 2] and record.turn_kinds.tolist() == [0, 1, 0]
+    assert record.tool_calls == 1 and record.episode_end == "done"
+    assert record.logp_old is not None and record.advantage == 0.5
+    assert record.reward_details == {"exact": True}
+    assert record.policy == "" and record.turn_policies is None
+    reencoded = encode(record)
+    assert reencoded[4] == 3 and len(reencoded) == len(data) + 8  # the 8 header bytes more
+    assert decode(reencoded) == record
+
+
+def test_version_2_bytes_are_checked_like_version_3() -> None:
+    data = bytearray((FIXTURES / "trajectory_v2.bin").read_bytes())
+    for size in (1, 50, 112, 115, len(data) - 1):
+        assert decode_error(bytes(data[:size])).reason == DecodeReason.TRUNCATED, size
+    assert "at least 116 bytes" in str(decode_error(bytes(data[:100])))
+    flipped = bytearray(data)
+    flipped[200] ^= 1
+    assert decode_error(bytes(flipped)).reason == DecodeReason.CHECKSUM_MISMATCH
+    data[6] |= 8  # no flag bit 3 in version 2
+    assert decode_error(reseal(data)).reason == DecodeReason.BAD_LAYOUT
+
+
+def test_version_3_bytes_are_pinned() -> None:
+    """The committed version 3 record: the encoder still writes exactly these bytes."""
+    data = (FIXTURES / "trajectory_v3.bin").read_bytes()
+    assert encode(multi_policy_record()) == data
+    assert_bitwise_equal(decode(data), multi_policy_record())
+
+
+def test_version_3_layout_is_as_documented() -> None:
+    """Read the fixture by the layout docs/wire-format.md gives, without the codec."""
+    data = (FIXTURES / "trajectory_v3.bin").read_bytes()
+    header = struct.Struct("<4sBBH I ii 8I qq dd 10H I i I 4s")
+    assert header.size == HEADER_SIZE == 120
+    fields = header.unpack_from(data)
+    magic, version, kind, flags, total, group_size, sample_index = fields[:7]
+    counts = fields[7:15]
+    string_lengths = fields[19:29]
+    n_details, tool_calls, n_owners, padding = fields[29:33]
+    assert (magic, version, kind, flags) == (b"RSTM", 3, 1, 1 | 2 | 4)
+    assert (total, group_size, sample_index, tool_calls) == (len(data), 2, 1, 1)
+    assert counts == (3, 9, 9, 9, 1, 1, 4, 4)
+    assert padding == bytes(4)
+    arrays = 8 * 1 + 4 * (1 + 3 + 9 + 9 + 9 + 4) + 4  # segment_versions first, turn_kinds u8
+    offset = HEADER_SIZE + arrays
+    strings = []
+    for length in string_lengths:
+        strings.append(data[offset : offset + length].decode())
+        offset += length
+    assert strings == [
+        "run-mp",
+        "traj-v3",
+        "group-v3",
+        "gen-0",
+        "region-a",
+        "debate",
+        "stop",
+        "exact",
+        "done",
+        "alice",  # policy: the tenth string
+    ]
+    assert orjson.loads(data[offset : offset + n_details]) == {"winner": "alice"}
+    offset += n_details
+    assert orjson.loads(data[offset : offset + n_owners]) == ["alice", "bob", "alice", ""]
+    offset += n_owners
+    assert offset == len(data) - 4
+    assert struct.unpack("<I", data[offset:]) == (record_checksum(data[:offset]),)
+
+
+def test_absent_turn_policies_take_no_bytes() -> None:
+    record = multi_policy_record()
+    without = multi_policy_record(turn_policies=None)
+    empty = multi_policy_record(turn_policies=())
+    assert encoded_size(record) - encoded_size(without) == len(b'["alice","bob","alice",""]')
+    assert encoded_size(empty) - encoded_size(without) == len(b"[]")
+    assert encode(without)[112:116] == bytes(4)  # the turn_policies length: 0 is None
+
+
+def with_turn_policies_json(raw: bytes) -> bytes:
+    """A sealed version 3 record whose turn_policies bytes are ``raw`` (any garbage)."""
+    body = bytearray(encode(multi_policy_record(turn_policies=None))[:-4]) + raw
+    struct.pack_into("<I", body, 8, len(body) + 4)  # total length
+    struct.pack_into("<I", body, 112, len(raw))  # turn_policies byte length
+    return reseal(body + bytes(4))
+
+
+@pytest.mark.parametrize(
+    ("raw", "named"),
+    [
+        (b'{"alice": 1}', "got dict"),
+        (b"[1, 2, 3, 4]", "turn_policies[0] must be a string, got int 1"),
+        (b'["alice", null]', "turn_policies[1] must be a string, got NoneType"),
+        (b'["alice", ["bob"]]', "turn_policies[1] must be a string, got list"),
+        (b"null", "got NoneType"),
+        (b'"alice"', "got str"),
+        (b"[not json", "turn_policies"),
+        (b'["\xff"]', "turn_policies"),  # not UTF-8 inside the JSON
+    ],
+)
+def test_turn_policies_that_are_not_a_list_of_strings_are_bad_json(raw: bytes, named: str) -> None:
+    assert decode(with_turn_policies_json(b'["a"]')).turn_policies == ("a",)  # the forger works
+    error = decode_error(with_turn_policies_json(raw))
+    assert error.reason == DecodeReason.BAD_JSON
+    assert named in str(error)
+
+
+def test_turn_policies_of_any_length_decode_for_validation_to_judge() -> None:
+    """The codec carries what the dataclass holds; the count is validation's business."""
+    assert decode(with_turn_policies_json(b'["alice"]')).turn_policies == ("alice",)
+    single = realistic_record(turn_policies=("", ""))  # no turns at all
+    assert decode(encode(single)) == single
+
+
+def test_bad_utf8_in_the_policy_names_it() -> None:
+    data = bytearray(encode(multi_policy_record(policy="zeta", turn_policies=None)))
+    position = data.index(b"zeta")
+    data[position + 1] = 0xC3  # a lead byte without its continuation
+    error = decode_error(reseal(data))
+    assert error.reason == DecodeReason.BAD_UTF8
+    assert "policy is not UTF-8" in str(error)
+
+
+def test_policy_lengths_that_overrun_the_record_are_a_layout_error() -> None:
+    data = bytearray(encode(multi_policy_record()))
+    struct.pack_into("<H", data, 102, 6)  # policy: 5 bytes -> 6, total length unchanged
+    assert decode_error(reseal(data)).reason == DecodeReason.BAD_LAYOUT
+    data = bytearray(encode(multi_policy_record()))
+    struct.pack_into("<I", data, 112, 1000)  # turn_policies length beyond the record
+    assert decode_error(reseal(data)).reason == DecodeReason.BAD_LAYOUT
+
+
+def test_every_truncation_and_corruption_of_a_multi_policy_record_is_detected() -> None:
+    data = encode(multi_policy_record())
+    for size in range(1, len(data)):
+        assert decode_error(data[:size]).reason == DecodeReason.TRUNCATED, size
+    for position in range(len(data)):
+        corrupted = bytearray(data)
+        corrupted[position] ^= 0x20
+        with pytest.raises(DecodeError):
+            decode(bytes(corrupted))
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"turn_policies": ["alice", "bob", "alice", ""]}, "tuple"),  # a list: would read back
+        ({"turn_policies": ("alice", 7, "alice", "")}, r"turn_policies\[1\]"),
+        ({"turn_policies": ("alice", "\ud800", "alice", "")}, "turn_policies"),
+        ({"turn_policies": "alice"}, "turn_policies"),
+        ({"policy": "p" * 65_536}, "policy"),
+        ({"policy": "\ud800"}, "policy"),
+        ({"policy": None}, "policy"),
+    ],
+)
+def test_encode_refuses_policy_fields_the_format_cannot_carry(changes: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        encode(multi_policy_record(**changes))
+    with pytest.raises(ValueError, match=match):
+        encoded_size(multi_policy_record(**changes))
+
+
+def test_routing_headers_carry_the_policy() -> None:
+    record = multi_policy_record()
+    headers = routing_headers(record)
+    assert dict(headers)["rs-policy"] == b"alice"
+    assert dict(headers)["rs-schema-version"] == b"3"
+    assert parse_headers(headers).policy == "alice"
+    assert header_disagreements(record, headers) == []
+    lying = [(k, b"bob" if k == "rs-policy" else v) for k, v in headers]
+    assert header_disagreements(record, lying) == ["rs-policy='bob', body 'alice'"]
+    twice = [*headers, ("rs-policy", b"alice")]
+    assert header_disagreements(record, twice) == ["rs-policy appears more than once"]
+    not_utf8 = [(k, b"\xff" if k == "rs-policy" else v) for k, v in headers]
+    assert header_disagreements(record, not_utf8) == ["rs-policy=b'\\xff' is not UTF-8"]
+    with pytest.raises(DecodeError, match="rs-policy"):
+        parse_headers(not_utf8)
+
+
+def test_a_missing_policy_header_reads_as_the_unnamed_policy() -> None:
+    """A writer older than version 3 sent no rs-policy: its records are policy ""."""
+    unnamed = multi_policy_record(policy="", turn_policies=None)
+    old = [(k, v) for k, v in routing_headers(unnamed) if k != "rs-policy"]
+    assert parse_headers(old).policy == ""
+    assert header_disagreements(unnamed, old) == []
+    # a body naming a policy without the header would be routed to the unnamed policy
+    named = multi_policy_record()
+    headless = [(k, v) for k, v in routing_headers(named) if k != "rs-policy"]
+    assert header_disagreements(named, headless) == ["rs-policy missing (read as ''), body 'alice'"]
+    assert header_disagreements(named, None) == ["rs-policy missing (read as ''), body 'alice'"]
+    assert header_disagreements(unnamed, None) == []
+
+
+def test_older_writers_schema_version_header_agrees_when_its_layout_carries_the_body() -> None:
+    def saying(record: Trajectory, version: bytes) -> list[tuple[str, bytes]]:
+        return [(k, version if k == "rs-schema-version" else v) for k, v in routing_headers(record)]
+
+    single = realistic_record()  # what a version 1 writer could write
+    turns = multi_policy_record(policy="", turn_policies=None)  # needs version 2
+    for version in (b"1", b"2", b"3"):
+        assert header_disagreements(single, saying(single, version)) == []
+    assert header_disagreements(turns, saying(turns, b"1")) == [
+        "rs-schema-version='1', body needs schema version 2 to 3"
+    ]
+    assert header_disagreements(turns, saying(turns, b"2")) == []
+    named = multi_policy_record()
+    assert header_disagreements(named, saying(named, b"2")) == [
+        "rs-schema-version='2', body needs schema version 3"
+    ]
+    assert header_disagreements(single, saying(single, b"4")) != []
+    # given the value's own version byte, the header must name exactly that version
+    v2_bytes = (FIXTURES / "trajectory_v2.bin").read_bytes()
+    old = decode(v2_bytes)
+    assert header_disagreements(old, saying(old, b"2"), schema_version=v2_bytes[4]) == []
+    assert header_disagreements(old, saying(old, b"3"), schema_version=v2_bytes[4]) == [
+        "rs-schema-version='3', value is schema version 2"
+    ]

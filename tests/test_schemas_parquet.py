@@ -17,6 +17,16 @@ from schemas.trajectory import TRAJECTORY_ARROW_SCHEMA, Trajectory, from_arrow, 
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+def turn_policies_for(seed: int, policy: str) -> tuple[str, ...] | None:
+    """Per-turn provenance by seed: absent, peers, all environment, empty, or without turns
+    (records need not be valid to round-trip)."""
+    if seed % 4 == 1:  # the multi-turn records
+        return [None, (policy, "bob"), (policy, "")][(seed // 12) % 3]
+    if seed % 4 == 2:
+        return [None, (), ("solo",)][(seed // 4) % 3]
+    return None
+
+
 def random_record(seed: int, max_tokens: int = 300) -> Trajectory:
     """A record with random lengths; optional fields present or absent by seed."""
     rng = np.random.default_rng(seed)
@@ -50,6 +60,8 @@ def random_record(seed: int, max_tokens: int = 300) -> Trajectory:
         turn_kinds=np.array([0, 1], np.uint8) if seed % 4 == 1 else None,
         tool_calls=seed % 4,
         episode_end="done" if seed % 4 == 1 else "",
+        policy="alice" if seed % 3 == 1 else "",
+        turn_policies=turn_policies_for(seed, "alice" if seed % 3 == 1 else ""),
     )
 
 
@@ -73,7 +85,10 @@ def test_parquet_file_has_typed_columns_and_schema_version(tmp_path: Path) -> No
     assert schema.field("prompt_ids").type == pa.list_(pa.int32())
     assert schema.field("logp_infer").type == pa.list_(pa.float32())
     assert schema.field("segment_versions").type == pa.list_(pa.int64())
-    assert schema.metadata[b"rollstream.schema_version"] == b"2"
+    assert schema.field("policy").type == pa.string() and not schema.field("policy").nullable
+    assert schema.field("turn_policies").type == pa.list_(pa.string())
+    assert schema.field("turn_policies").nullable
+    assert schema.metadata[b"rollstream.schema_version"] == b"3"
     assert pq.read_metadata(path).num_rows == 1
 
 
@@ -158,8 +173,11 @@ def test_version_1_parquet_reads_as_single_turn_records() -> None:
     assert record.turn_lengths is None and record.turn_kinds is None
     assert record.tool_calls == 0 and record.episode_end == ""
     assert record.loss_mask.tolist() == [True] * 4 and record.num_turns == 1
-    # and it is written back as version 2
-    assert from_arrow(to_arrow([record])) == [record]
+    assert record.policy == "" and record.turn_policies is None
+    # and it is written back as version 3
+    table = to_arrow([record])
+    assert table.schema.metadata[b"rollstream.schema_version"] == b"3"
+    assert from_arrow(table) == [record]
 
 
 def test_version_1_table_with_a_version_2_column_is_refused() -> None:
@@ -167,3 +185,66 @@ def test_version_1_table_with_a_version_2_column_is_refused() -> None:
     table = table.append_column("tool_calls", pa.array([0], pa.int32()))
     with pytest.raises(ValueError, match="schema version 1: unexpected columns"):
         from_arrow(table)
+
+
+def test_policy_columns_round_trip_exactly() -> None:
+    records = [random_record(seed) for seed in range(36)]
+    owners = {record.turn_policies for record in records}
+    assert owners >= {None, (), ("alice", "bob"), ("", ""), ("alice", ""), ("solo",)}
+    table = to_arrow(records)
+    assert table.column("turn_policies").null_count == sum(r.turn_policies is None for r in records)
+    assert table.column("policy").to_pylist() == [r.policy for r in records]
+    back = from_arrow(table)
+    assert back == records
+    for original, read in zip(records, back, strict=True):
+        assert read.policy == original.policy
+        assert read.turn_policies == original.turn_policies
+        assert (read.turn_policies is None) == (original.turn_policies is None)  # () stays ()
+        assert read.turn_policies is None or type(read.turn_policies) is tuple
+
+
+def test_policy_columns_survive_parquet(tmp_path: Path) -> None:
+    records = [random_record(seed) for seed in (1, 6, 10, 13, 17, 25, 29)]
+    path = tmp_path / "policies.parquet"
+    write_parquet(records, path)
+    back = read_parquet(path)
+    assert back == records
+    assert [r.turn_policies for r in back] == [
+        None,
+        (),
+        ("solo",),
+        ("alice", "bob"),
+        ("", "bob"),
+        ("alice", ""),
+        ("", ""),
+    ]
+    assert [r.policy for r in back] == ["alice", "", "alice", "alice", "", "alice", ""]
+
+
+def test_version_2_parquet_reads_with_the_unnamed_policy() -> None:
+    """A file exported before multi-policy runs (committed fixture, multi-turn)."""
+    (record,) = read_parquet(FIXTURES / "trajectory_v2.parquet")
+    assert record.trajectory_id == "traj-v2"
+    assert record.turn_lengths.tolist() == [2, 2, 2] and record.turn_kinds.tolist() == [0, 1, 0]
+    assert record.tool_calls == 1 and record.episode_end == "done"
+    assert record.policy == "" and record.turn_policies is None
+    assert from_arrow(to_arrow([record])) == [record]
+
+
+def test_version_2_table_with_a_version_3_column_is_refused() -> None:
+    table = pq.read_table(FIXTURES / "trajectory_v2.parquet")
+    table = table.append_column("policy", pa.array(["alice"], pa.string()))
+    with pytest.raises(ValueError, match="schema version 2: unexpected columns"):
+        from_arrow(table)
+
+
+@pytest.mark.parametrize(
+    ("turn_policies", "match"),
+    [(["alice", "bob"], "tuple"), (("alice", 2), r"turn_policies\[1\]"), ("alice", "tuple")],
+)
+def test_turn_policies_that_would_not_read_back_are_refused_on_export(
+    turn_policies: object, match: str
+) -> None:
+    bad = Trajectory(**{**_fields(random_record(1)), "turn_policies": turn_policies})
+    with pytest.raises(ValueError, match=match):
+        to_arrow([bad])

@@ -82,6 +82,8 @@ def env_nonzero(index: int, value: float = -0.3) -> np.ndarray:
     return logp
 
 
+PEERS = ("alice", "bob", "alice", "", "alice")  # alice's turns, bob's, a tool's: MT_KINDS
+
 ONE_SEGMENT = {
     "segment_versions": np.array([4], np.int64),
     "segment_lengths": np.array([512], np.int32),
@@ -182,6 +184,30 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], Reason, str]] = [
      Reason.UNKNOWN_EPISODE_END, "episode_end"),
     ("multi_turn_without_end", multi_turn(episode_end=""), {},
      Reason.EPISODE_END_MISMATCH, "episode_end"),
+    # multi-policy provenance
+    ("policy_slash", {"policy": "team/alice"}, {}, Reason.BAD_POLICY, "policy"),
+    ("policy_too_long", {"policy": "p" * 65}, {}, Reason.BAD_POLICY, "policy"),
+    ("policy_space", {"policy": "alice "}, {}, Reason.BAD_POLICY, "policy"),
+    ("policy_newline", {"policy": "alice\n"}, {}, Reason.BAD_POLICY, "policy"),
+    ("policy_not_str", {"policy": None}, {}, Reason.BAD_POLICY, "policy"),
+    ("turn_policy_malformed",
+     multi_turn(policy="alice", turn_policies=("alice", "bob", "alice", "x/y", "alice")), {},
+     Reason.BAD_POLICY, "turn_policies[3]"),
+    ("turn_policy_int", multi_turn(turn_policies=("", 1, "", "", "")), {},
+     Reason.BAD_POLICY, "turn_policies[1]"),
+    ("turn_policies_list", multi_turn(policy="alice", turn_policies=list(PEERS)), {},
+     Reason.BAD_POLICY, "turn_policies"),
+    ("turn_policies_without_turns", {"policy": "alice", "turn_policies": ("alice",)}, {},
+     Reason.TURN_POLICY_MISMATCH, "turn_policies"),
+    ("turn_policies_count", multi_turn(policy="alice", turn_policies=PEERS[:4]), {},
+     Reason.TURN_POLICY_MISMATCH, "turn_policies"),
+    ("policy_turn_of_another",
+     multi_turn(policy="alice", turn_policies=("alice", "bob", "bob", "", "alice")), {},
+     Reason.TURN_POLICY_MISMATCH, "turn_policies[2]"),
+    ("env_turn_of_own_policy", multi_turn(policy="alice", turn_policies=("alice",) * 5), {},
+     Reason.TURN_POLICY_MISMATCH, "turn_policies[1]"),
+    ("policy_turn_of_the_unnamed_policy", multi_turn(turn_policies=("bob", "", "", "", "")), {},
+     Reason.TURN_POLICY_MISMATCH, "turn_policies[0]"),
 ]
 # fmt: on
 
@@ -217,6 +243,41 @@ def test_multi_turn_records_are_valid() -> None:
     assert validate(valid_record(**multi_turn([300, 212], [0, 1])), LIMITS) == []
     # a single-turn record may still say why its episode ended (the policy answered at once)
     assert validate(valid_record(episode_end="done"), LIMITS) == []
+
+
+def test_multi_policy_records_are_valid() -> None:
+    assert validate(valid_record(policy="alice"), LIMITS) == []
+    assert validate(valid_record(policy="Team_7-" + "x" * 57), LIMITS) == []  # 64 characters
+    assert validate(valid_record(**multi_turn(policy="alice")), LIMITS) == []  # no per-turn
+    peers = valid_record(**multi_turn(policy="alice", turn_policies=PEERS))
+    assert validate(peers, LIMITS) == []
+    # the unnamed policy may spell out that every env turn is the environment, or name peers
+    spelled = valid_record(**multi_turn(turn_policies=("",) * 5))
+    assert validate(spelled, LIMITS) == []
+    assert validate(valid_record(**multi_turn(turn_policies=("", "bob", "", "", ""))), LIMITS) == []
+    decoded, defects = validate_bytes(encode(peers), LIMITS)
+    assert defects == [] and decoded == peers and decoded.turn_policies == PEERS
+
+
+def test_turn_policy_mismatches_count_every_offending_turn() -> None:
+    record = valid_record(**multi_turn(policy="alice", turn_policies=("bob",) * 5))
+    (defect,) = validate(record, LIMITS)
+    assert defect.reason == Reason.TURN_POLICY_MISMATCH
+    assert defect.detail.startswith("turn_policies[0] names 'bob' on a POLICY turn")
+    assert "(3 such turns)" in defect.detail  # the three policy turns; bob's env turns are fine
+
+
+def test_policy_defects_come_with_the_others() -> None:
+    record = valid_record(
+        **multi_turn(policy="a b", turn_policies=PEERS[:4], episode_end="", reward=float("nan"))
+    )
+    reasons = [d.reason for d in validate(record, LIMITS)]
+    assert reasons == [
+        Reason.BAD_REWARD,
+        Reason.EPISODE_END_MISMATCH,
+        Reason.BAD_POLICY,
+        Reason.TURN_POLICY_MISMATCH,
+    ]
 
 
 def test_every_reason_has_a_case() -> None:
@@ -333,6 +394,10 @@ junk_scalars = st.sampled_from([0, -1, 1, 2**40, 1.5, float("nan"), None, "x", T
             "old_logits_status": junk_scalars,
             "reward_details": st.sampled_from([{}, [], {"a": float("nan")}, {2: 1}]),
             "region": junk_scalars,
+            "policy": junk_scalars | st.sampled_from(["", "alice", "a/b"]),
+            "turn_policies": st.sampled_from(
+                [None, (), ("alice",), ["alice"], ("alice", 1), "alice", ("a/b",), ("",) * 2]
+            ),
         },
     )
 )
