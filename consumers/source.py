@@ -166,8 +166,10 @@ class ScoredSource:
         max_length: int,
         start_offsets: Mapping[TP, int] | None = None,
         on_dead_letter: DlqHook | None = None,
+        policy: str = "",
     ) -> None:
         self.topics = topics
+        self.policy = policy  # a multi-policy run's trainer trains its own policy only
         self.batch_config = batch
         self.retry = retry
         self.run_id = run_id
@@ -344,6 +346,14 @@ class ScoredSource:
             self.assembler.add_skipped(topic, partition, offset)
             return
         for traj in group.samples:
+            if traj.policy != self.policy:  # never another policy's tokens in this batch
+                self._dead_letter(
+                    msg,
+                    "foreign_policy",
+                    f"trajectory {traj.trajectory_id} is policy {traj.policy!r}, "
+                    f"this trainer trains {self.policy!r}",
+                )
+                return
             problem = check_trainable(traj, self.vocab_size, self.max_length)
             if problem is not None:
                 reason, _, detail = problem.partition(": ")

@@ -108,6 +108,7 @@ class TrainerSettings:
     cache_dir: Path | None = None
     state_dir: Path | None = None  # default home of checkpoints
     presence: PresenceConfig | None = None  # None: no heartbeats
+    policy: str = ""  # the policy trained here, of a multi-policy run ("" = the only one)
 
     def checkpoint_config(self) -> CheckpointConfig:
         """``trainer.checkpoint`` with its directory resolved."""
@@ -116,9 +117,10 @@ class TrainerSettings:
             return config
         if self.state_dir is None:
             raise ValueError("set trainer.checkpoint.dir (or give a state dir)")
-        return config.model_copy(
-            update={"dir": self.state_dir / "trainer" / self.run_id / "checkpoints"}
-        )
+        home = self.state_dir / "trainer" / self.run_id
+        if self.policy:
+            home = home / self.policy
+        return config.model_copy(update={"dir": home / "checkpoints"})
 
 
 @dataclass
@@ -269,6 +271,7 @@ class Trainer:
             max_length=self.max_length,
             start_offsets=self.offsets,
             on_dead_letter=self.sink.record_dlq,
+            policy=self.settings.policy,
         )
         self.publisher = None
         if self.settings.s3 is not None and (cfg.publish.every or cfg.publish.initial):
@@ -276,7 +279,9 @@ class Trainer:
             from weights.store import WeightStore
             from weights.writer import DeltaWriter
 
-            store = WeightStore.from_config(self.settings.s3, self.settings.run_id)
+            store = WeightStore.from_config(
+                self.settings.s3, self.settings.run_id, self.settings.policy
+            )
             writer = DeltaWriter.from_config(store, self.settings.weights)
             announcer = (
                 trainer_announcer(self.settings.kafka, cfg) if cfg.publish.announce else None

@@ -243,6 +243,12 @@ class SharedConfig(BaseSettings):
     )
 
     run_id: str = Field(default="default", description="Name of the training run.")
+    policy: str = Field(
+        default="",
+        pattern=r"^([a-z][a-z0-9_-]{0,31})?$",
+        description="The policy of a multi-policy run this process serves ('' = the run's "
+        "only policy). Set by `--policy`, which also applies that policy's [policies.<name>].",
+    )
     state_dir: Path = Field(
         default_factory=default_state_dir,
         description="Data and logs of embedded services.",

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import producers.environments  # noqa: F401  (registers the built-in environments)
+import producers.environments
+import producers.games  # noqa: F401  (registers the multi-policy tasks)
 from producers.tasks import Task, TaskContext, load_object, registered_factory, registered_names
 
 

@@ -180,6 +180,12 @@ class RolloutConfig(StrictModel):
     task_options: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the task factory."
     )
+    peers: list[str] = Field(
+        default_factory=list,
+        description="Multi-policy runs: the other policies this producer's episodes call "
+        "(each gets its own engine here, following that policy's versions); their turns "
+        "are published as records of their own policy.",
+    )
     group_size: int = Field(default=8, ge=1, description="G: samples per prompt (one group).")
     groups: int | None = Field(
         default=None, ge=0, description="Groups to deliver, then stop; None runs until signalled."

@@ -67,6 +67,7 @@ class Observation:
     reward: float = 0.0
     done: bool = False
     tool_call: bool = False
+    policy: str = ""  # a peer policy that generated these tokens ("" = the environment)
 
 
 class MalformedToolCall(ValueError):

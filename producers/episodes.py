@@ -15,6 +15,7 @@ import asyncio
 import logging
 import math
 import operator
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,10 +24,14 @@ from typing import Any, Protocol
 import orjson
 
 from producers.environments import Environment, EpisodeLimits, MalformedToolCall, Observation
+from producers.peers import PeerSample
 from producers.tasks import Prompt
 from schemas.trajectory import EpisodeEnd, TurnKind
 
 logger = logging.getLogger(__name__)
+
+PEER_NAME = re.compile(r"^([a-z][a-z0-9_-]{0,31})?$")
+"""An observation's ``policy``: empty (the environment) or a policy name."""
 
 
 class PolicyTurn(Protocol):
@@ -59,6 +64,11 @@ class EpisodeResult:
     end_detail: str = ""
     reward: float = 0.0
     details: dict[str, Any] = field(default_factory=dict)
+    # Multi-policy episodes: who produced each turn ("" for this policy's own turns and
+    # for the environment; a peer policy's name for an observation a peer generated),
+    # and the peers' turns to publish as their own policies' records.
+    turn_sources: list[str] = field(default_factory=list)
+    peer_samples: list[PeerSample] = field(default_factory=list)
 
     def add_policy_turn(self, turn: PolicyTurn) -> None:
         self.response_ids += turn.response_ids
@@ -70,13 +80,22 @@ class EpisodeResult:
                 self.segments.append([version, length])
         self.turn_lengths.append(len(turn.response_ids))
         self.turn_kinds.append(TurnKind.POLICY)
+        self.turn_sources.append("")
         self.finish_type = turn.finish_type
         self.interruptions += turn.interruptions
 
-    def trajectory_fields(self) -> dict[str, Any]:
+    def trajectory_fields(self, policy: str = "") -> dict[str, Any]:
         """What the episode fills of its record (``Trajectory.create`` keywords); the
-        caller adds the ids, timestamps and ``reward_details``."""
+        caller adds the ids, timestamps and ``reward_details``. ``policy``: the record's
+        policy, named for its own turns when a peer's turn needs naming too."""
+        sources = None
+        if any(self.turn_sources):
+            sources = [
+                policy if kind == TurnKind.POLICY else source
+                for kind, source in zip(self.turn_kinds, self.turn_sources, strict=True)
+            ]
         return {
+            "turn_policies": sources,
             "response_ids": self.response_ids,
             "logp_infer": self.logprobs,
             "segment_versions": [v for v, _ in self.segments],
@@ -89,12 +108,13 @@ class EpisodeResult:
             "finish_reason": self.finish_type,
         }
 
-    def add_env_turn(self, ids: list[int]) -> None:
+    def add_env_turn(self, ids: list[int], source: str = "") -> None:
         self.response_ids += ids
         self.logprobs += [0.0] * len(ids)
         self.segments[-1][1] += len(ids)  # the version of the policy token before them
         self.turn_lengths.append(len(ids))
         self.turn_kinds.append(TurnKind.ENV)
+        self.turn_sources.append(source)
 
 
 class EpisodeRunner:
@@ -148,7 +168,7 @@ class EpisodeRunner:
                 result.end = EpisodeEnd.MAX_TOKENS  # no room left for another policy turn
                 break
             if ids:
-                result.add_env_turn(ids)
+                result.add_env_turn(ids, observation.policy)
         final, details = self._final_reward(episode)
         result.reward = final + rewards
         result.details = {
@@ -158,6 +178,7 @@ class EpisodeRunner:
         }
         if result.end_detail:
             result.details["episode_end_detail"] = result.end_detail[:500]
+        result.peer_samples = self._peer_samples(episode, result)
         return result
 
     async def _observe(
@@ -199,6 +220,11 @@ class EpisodeRunner:
             return [], (EpisodeEnd.MALFORMED_TOOL_CALL, str(exc))
         except Exception as exc:
             return [], (EpisodeEnd.TOOL_EXCEPTION, f"encoding the observation: {exc!r}")
+        if not isinstance(observation.policy, str) or not PEER_NAME.match(observation.policy):
+            return [], (
+                EpisodeEnd.TOOL_EXCEPTION,
+                f"observation policy {observation.policy!r} is not a policy name",
+            )
         limit = self.limits.max_observation_tokens
         if len(ids) > limit:
             return [], (
@@ -214,6 +240,30 @@ class EpisodeRunner:
         if bad:
             return [], (EpisodeEnd.TOOL_EXCEPTION, f"observation token ids {bad[:5]} invalid")
         return ids, None
+
+    def _peer_samples(self, episode: Any, result: EpisodeResult) -> list[PeerSample]:
+        """The peers' turns the episode hands back (``Episode.peer_samples``, optional):
+        anything that is not a ``PeerSample`` with a finite reward is left out and said
+        in the episode's details, never published."""
+        collect = getattr(episode, "peer_samples", None)
+        if collect is None:
+            return []
+        try:
+            given = list(collect())
+        except Exception as exc:
+            logger.warning("environment %s failed to give its peer samples: %r", self.env.name, exc)
+            result.details["peer_error"] = repr(exc)[:500]
+            return []
+        good = [
+            s
+            for s in given
+            if isinstance(s, PeerSample)
+            and isinstance(s.reward, int | float)
+            and math.isfinite(s.reward)
+        ]
+        if len(good) < len(given):
+            result.details["peer_error"] = f"{len(given) - len(good)} malformed peer sample(s)"
+        return good
 
     def _final_reward(self, episode: Any) -> tuple[float, dict[str, Any]]:
         try:

@@ -100,6 +100,7 @@ class GroupPublisher:
         from confluent_kafka import Producer
 
         self.topic = topic
+        self.client_config = dict(client_config)  # to read the topic's end offsets
         self.ledger = ledger
         self.metrics = metrics or ProducerMetrics()
         conf = producer_config(

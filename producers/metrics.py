@@ -92,6 +92,19 @@ class ProducerMetrics:
         self.tool_calls = Counter(
             p + "tool_calls", "Tool calls made by the policy in published episodes.", registry=r
         )
+        self.peer_samples = Counter(
+            p + "peer_samples",
+            "Turns of peer policies published as their policy's records, by policy.",
+            ["policy"],
+            registry=r,
+        )
+        self.peer_samples_dropped = Counter(
+            p + "peer_samples_dropped",
+            "Turns of peer policies not published (their group had fewer than 2 samples, or "
+            "the environment handed back something that is not a PeerSample), by policy.",
+            ["policy"],
+            registry=r,
+        )
         self.engine_errors = Counter(
             p + "engine_errors", "Engine calls failed after retries.", registry=r
         )

@@ -88,6 +88,7 @@ class TaskContext:
 
     cache_dir: Path
     tokenizer: Any = None
+    peers: Any = None  # producers.peers.Peers: the peer policies episodes may call
 
 
 TaskFactory = Callable[..., Task]

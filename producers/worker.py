@@ -76,12 +76,14 @@ from typing import Any
 from producers.backends import Backend
 from producers.client import EngineError, EngineUnavailable, GenerateOutput
 from producers.config import ProducersConfig, RolloutConfig
+from producers.credit import AdmissionCredit
 from producers.curriculum import Curriculum, PromptStatsReader, PromptStatsView
 from producers.environments import EpisodeLimits, is_environment
 from producers.episodes import EpisodeResult, EpisodeRunner, GenerateTurn
 from producers.group_publisher import GroupPublisher
 from producers.ledger import Ledger, StopRecord
 from producers.metrics import ProducerMetrics, Progress
+from producers.peers import PeerEngine, Peers, PeerSample
 from producers.tasks import Prompt, Task
 from schemas.control import VersionAnnouncement
 from schemas.trajectory import NO_VERSION, Trajectory
@@ -147,8 +149,17 @@ class RolloutWorker:
         limits: ValidationLimits | None = None,
         curriculum: Curriculum | None = None,
         vocab_size: int | None = None,
+        policy: str = "",
+        peers: Peers | None = None,
+        peer_publishers: Mapping[str, GroupPublisher] | None = None,
     ) -> None:
         self.config = config
+        self.policy = policy
+        self.peers = peers or Peers()
+        self.peer_publishers = dict(peer_publishers or {})
+        missing = sorted(set(self.peers.engines) - set(self.peer_publishers))
+        if missing:
+            raise ValueError(f"peer policies without a publisher: {', '.join(missing)}")
         self.curriculum = curriculum
         self.backend = backend
         self.task = task
@@ -197,9 +208,7 @@ class RolloutWorker:
         self._stop_abort: asyncio.Future | None = None
         self._engine_version_warned = False
         self._groups_started = 0
-        self._lead = 0.0  # trainer steps of data started beyond its trained version
-        self._share: float | None = None  # groups of a trainer step that are this worker's
-        self._credit_version: int | None = None  # trained version _lead was last settled at
+        self.credit = AdmissionCredit(config.groups_per_version)
         self.metrics.version.set(self.version)
         self.metrics.latest_version.set(self.version)
 
@@ -284,6 +293,10 @@ class RolloutWorker:
         helpers = [
             asyncio.create_task(self._version_loop(), name="versions"),
             asyncio.create_task(self._poll_loop(progress), name="poll"),
+            *(
+                asyncio.create_task(peer.run_versions(), name=f"versions-{name}")
+                for name, peer in self.peers.engines.items()
+            ),
         ]
         tasks: set[asyncio.Task] = set()
         started = 0
@@ -295,8 +308,9 @@ class RolloutWorker:
                     break
                 started += 1
                 self._groups_started += 1
-                if self._share is not None:
-                    self._lead += 1 / self._share
+                self.credit.started()
+                for peer in self.peers.engines.values():
+                    peer.started()
                 tasks.add(asyncio.create_task(self._group_task(), name=f"group-{started}"))
             while tasks:
                 if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
@@ -388,43 +402,30 @@ class RolloutWorker:
                     f"v{self.version} is {ahead} versions ahead of the trainer's consumed "
                     f"version {consumed} (staleness window {window})"
                 )
-        if self.publisher.undelivered_groups >= self.config.max_undelivered_groups:
-            return f"{self.publisher.undelivered_groups} groups await Kafka acknowledgement"
+        for publisher in (self.publisher, *self.peer_publishers.values()):
+            if publisher.undelivered_groups >= self.config.max_undelivered_groups:
+                return (
+                    f"{publisher.undelivered_groups} groups of {publisher.topic} await "
+                    "Kafka acknowledgement"
+                )
+        for peer in self.peers.engines.values():  # each peer policy's own admission
+            if (why := peer.pause_reason()) is not None:
+                return why
         return None
 
     def _credit_pause(self, trainer: VersionAnnouncement | None, window: int) -> str | None:
         """The credit rule of the module doc: why the credit is used up, or None."""
-        share: float | None = self.config.groups_per_version
-        if share is None and trainer is not None and trainer.groups_per_step is not None:
-            # producers share the trainer's pace: N of them each start 1/N of a step
-            share = trainer.groups_per_step / max(1, trainer.producers or 1)
-        self._share = share
-        if share is None:
-            return None  # no announced pace and none configured: no credit limit
-        # the trainer's trained version (without announcements: the version loaded)
-        trained = max(trainer.version, self.version) if trainer is not None else self.version
-        if self._credit_version is None:
-            self._credit_version = trained
-        elif trained > self._credit_version:
-            self._lead = max(0.0, self._lead - (trained - self._credit_version))
-            self._credit_version = trained
-        self.metrics.lead.set(self._lead)
-        behind = trained - self.version  # the engine's own lag behind the trainer
-        if self._lead + behind >= window + 1 - 1e-9:
-            return (
-                f"{self._lead:.1f} steps of data started ahead of the trainer's v{trained} "
-                f"(a share of {share:g} groups a step"
-                + (f", engine {behind} version(s) behind" if behind else "")
-                + f"; staleness window {window}): waiting for the trainer"
-            )
-        return None
+        why = self.credit.pause(trainer, window, self.version)
+        self.metrics.lead.set(self.credit.lead)
+        return why
 
     async def _poll_loop(self, progress: Progress | None) -> None:
         last_mark = time.monotonic()
         last_progress = 0.0
         while True:
             try:
-                self.publisher.poll(0)
+                for publisher in (self.publisher, *self.peer_publishers.values()):
+                    publisher.poll(0)
             except Exception as exc:  # a delivery error: stop the worker with it
                 self._fail(exc)
                 return
@@ -440,30 +441,48 @@ class RolloutWorker:
                     logger.warning("could not record partition end offsets: %s", exc)
                 else:
                     self.publisher.ledger.mark(offsets)
+                await self._mark_peer_ledgers()
             await asyncio.sleep(0.01)
+
+    async def _mark_peer_ledgers(self) -> None:
+        """Record each peer topic's end offsets in its ledger (bounds its recovery scan)."""
+        from core.topic_reader import end_offsets
+
+        for publisher in self.peer_publishers.values():
+            try:
+                offsets = await asyncio.to_thread(
+                    end_offsets, publisher.client_config, publisher.topic
+                )
+            except Exception as exc:
+                logger.warning("could not record end offsets of %s: %s", publisher.topic, exc)
+            else:
+                publisher.ledger.mark(offsets)
 
     async def _drain(self, stopping_limit_s: float = 30.0) -> None:
         """Wait until Kafka acknowledged every published group. When stopping on a signal,
         give up after ``stopping_limit_s``: what is left stays ``pending`` in the ledger
         and the next start's recovery settles it."""
         began = last_log = time.monotonic()
-        while self.publisher.undelivered_groups:
-            self.publisher.poll(0)
+        publishers = (self.publisher, *self.peer_publishers.values())
+        while any(p.undelivered_groups for p in publishers):
+            for publisher in publishers:
+                publisher.poll(0)
             now = time.monotonic()
             if self._stop.is_set() and now - began > stopping_limit_s:
                 logger.warning(
                     "stopping with %d group(s) unacknowledged (left to recovery)",
-                    self.publisher.undelivered_groups,
+                    sum(p.undelivered_groups for p in publishers),
                 )
                 return
             if now - last_log > 10:
                 last_log = now
                 logger.info(
                     "waiting for Kafka to acknowledge %d group(s)",
-                    self.publisher.undelivered_groups,
+                    sum(p.undelivered_groups for p in publishers),
                 )
             await asyncio.sleep(0.01)
-        self.publisher.flush(30)
+        for publisher in publishers:
+            publisher.flush(30)
 
     def _fail(self, exc: BaseException) -> None:
         if self._failure is None:
@@ -515,11 +534,13 @@ class RolloutWorker:
         finally:
             self.metrics.inflight_groups.dec()
         generated = time.perf_counter() - began
+        peer_groups: list[tuple[str, str, list[Trajectory]]] = []
         if self.episodes is not None:
             trajectories = [
                 self._episode_trajectory(prompt, group_id, i, size, episode, created_ms)
                 for i, episode in enumerate(episodes)
             ]
+            peer_groups = self._peer_groups(episodes, group_id, created_ms)
         else:
             trajectories = [
                 self._trajectory(prompt, group_id, i, size, sample, created_ms)
@@ -528,6 +549,8 @@ class RolloutWorker:
         began = time.perf_counter()
         try:
             await self.publisher.publish_async(group_id, trajectories)
+            for policy, peer_group_id, records in peer_groups:
+                await self.peer_publishers[policy].publish_async(peer_group_id, records)
         finally:
             self._inflight_groups.discard(group_id)
         self.metrics.publish_seconds.observe(time.perf_counter() - began)
@@ -575,10 +598,70 @@ class RolloutWorker:
             index,
             size,
             created_ms,
-            **episode.trajectory_fields(),
+            **episode.trajectory_fields(self.policy),
             reward_details=details,
             finished_at_ms=max(created_ms, _now_ms()),
         )
+
+    def _peer_groups(
+        self, episodes: list[EpisodeResult], group_id: str, created_ms: int
+    ) -> list[tuple[str, str, list[Trajectory]]]:
+        """The records the group's episodes made of peer policies' turns: per peer
+        policy, one group ``<group id>-<policy>`` of every such sample (a group of one
+        has no spread to learn from and is dropped), for that policy's raw topic."""
+        by_policy: dict[str, list[PeerSample]] = {}
+        for episode in episodes:
+            for sample in episode.peer_samples:
+                by_policy.setdefault(sample.turn.policy, []).append(sample)
+        groups = []
+        for policy, samples in sorted(by_policy.items()):
+            if len(samples) < 2:
+                self.metrics.peer_samples_dropped.labels(policy=policy).inc(len(samples))
+                continue
+            peer_group_id = f"{group_id}-{policy}"
+            self.metrics.peer_samples.labels(policy=policy).inc(len(samples))
+            records = [
+                self._peer_record(sample, peer_group_id, i, len(samples), created_ms)
+                for i, sample in enumerate(samples)
+            ]
+            groups.append((policy, peer_group_id, records))
+        return groups
+
+    def _peer_record(
+        self, sample: PeerSample, group_id: str, index: int, size: int, created_ms: int
+    ) -> Trajectory:
+        turn = sample.turn
+        return self._validated(
+            Trajectory.create(
+                run_id=self.run_id,
+                trajectory_id=f"{group_id}-{index}",
+                group_id=group_id,
+                group_size=size,
+                sample_index=index,
+                producer_id=self.producer_id,
+                region=self.region,
+                task=self.task.name,
+                policy=turn.policy,
+                prompt_ids=turn.prompt_ids,
+                response_ids=turn.response_ids,
+                logp_infer=turn.logprobs,
+                segment_versions=[turn.version],
+                segment_lengths=[len(turn.response_ids)],
+                reward=float(sample.reward),
+                reward_details=sample.details,
+                finish_reason=turn.finish_type,
+                created_at_ms=created_ms,
+                finished_at_ms=max(created_ms, turn.finished_at_ms),
+            )
+        )
+
+    def _validated(self, traj: Trajectory) -> Trajectory:
+        defects = validate(traj, self.limits)
+        if defects:
+            raise InvalidTrajectory(
+                f"record {traj.trajectory_id} is invalid: " + "; ".join(map(str, defects))
+            )
+        return traj
 
     def _record(
         self,
@@ -601,14 +684,10 @@ class RolloutWorker:
             task=self.task.name,
             prompt_ids=prompt.ids,
             created_at_ms=created_ms,
+            policy=self.policy,
             **fields,
         )
-        defects = validate(traj, self.limits)
-        if defects:
-            raise InvalidTrajectory(
-                f"record {traj.trajectory_id} is invalid: " + "; ".join(map(str, defects))
-            )
-        return traj
+        return self._validated(traj)
 
     async def _generate_group(
         self, prompt: Prompt, group_id: str, size: int, params: dict[str, Any]
@@ -828,8 +907,10 @@ def default_producer_id() -> str:
     return socket.gethostname()
 
 
-def ledger_dir(state_dir: Path, run_id: str, producer_id: str) -> Path:
-    return Path(state_dir) / "producers" / run_id / producer_id
+def ledger_dir(state_dir: Path, run_id: str, producer_id: str, policy: str = "") -> Path:
+    """A producer's ledger of one policy's topic (a multi-policy run: one per policy fed)."""
+    run = Path(state_dir) / "producers" / run_id
+    return (run / policy if policy else run) / producer_id
 
 
 async def run_producer(
@@ -840,6 +921,7 @@ async def run_producer(
     install_signals: bool = True,
     consumed_version: Callable[[], int | None] | None = None,
     on_worker: Callable[[RolloutWorker], Any] | None = None,
+    peer_configs: Mapping[str, Any] | None = None,
 ) -> WorkerReport:
     """Run a rollout worker for a resolved ``RollstreamConfig`` (Kafka address known).
 
@@ -850,6 +932,8 @@ async def run_producer(
     ``groups`` groups are delivered (default ``rollout.groups``) or a signal arrives.
     ``consumed_version`` is the trainer's consumed version for admission control (none by
     default); ``on_worker`` receives the worker before it runs (tests, extra wiring).
+    ``peer_configs``: the resolved views of the peer policies ``rollout.peers`` names
+    (a multi-policy run); each gets an engine, a follower, a ledger and a publisher here.
     """
     import signal
 
@@ -892,10 +976,15 @@ async def run_producer(
         vocab_size = engine.vocab_size
         backend = LocalBackend(engine)
 
+    missing = sorted(set(rollout.peers) - set(peer_configs or {}))
+    if missing:
+        raise ValueError(f"producers.rollout.peers names policies without a config: {missing}")
     ledger = Ledger(
-        ledger_dir(config.state_dir, config.run_id, producer_id), fsync=rollout.ledger_fsync
+        ledger_dir(config.state_dir, config.run_id, producer_id, config.policy),
+        fsync=rollout.ledger_fsync,
     )
     ledger.open()
+    peer_side = _PeerSide(config, producer_id, metrics, stop=threading.Event())
     publisher: GroupPublisher | None = None
     stats_reader: PromptStatsReader | None = None
     watcher: _WatchedListener | None = None
@@ -906,8 +995,12 @@ async def run_producer(
     try:
         await asyncio.to_thread(recover, ledger, client_config, rollout.topic)
         ledger.mark(await asyncio.to_thread(end_offsets, client_config, rollout.topic))
+        for name in rollout.peers:
+            await peer_side.add(name, (peer_configs or {})[name])
         task = make_task(
-            rollout.task, rollout.task_options, TaskContext(config.cache_dir, tokenizer)
+            rollout.task,
+            rollout.task_options,
+            TaskContext(config.cache_dir, tokenizer, peers=peer_side.peers),
         )
         publisher = GroupPublisher(
             client_config,
@@ -942,9 +1035,13 @@ async def run_producer(
             wait_for_first_version=rollout.follow_weights,
             mark=lambda: end_offsets(client_config, rollout.topic),
             vocab_size=vocab_size,
+            policy=config.policy,
+            peers=peer_side.peers,
+            peer_publishers=peer_side.publishers,
         )
         if rollout.follow_weights:
             follower, watcher = _start_follower(config, worker, stop_following)
+        peer_side.start_following(asyncio.get_running_loop())
         if on_worker is not None:
             on_worker(worker)
         if config.presence.enabled:
@@ -957,6 +1054,7 @@ async def run_producer(
                 interval_s=config.presence.interval_s,
                 detail=_presence_detail(worker, rollout.engine_url),
             ).start()
+            peer_side.announce(worker, rollout.engine_url)
         loop = asyncio.get_running_loop()
         signals = (signal.SIGINT, signal.SIGTERM) if install_signals else ()
         for sig in signals:
@@ -997,6 +1095,7 @@ async def run_producer(
                 }
             )
         stop_following.set()
+        await peer_side.close(worker, rollout.engine_url)
         if follower is not None:
             await asyncio.to_thread(follower.join, 30)
         if watcher is not None:
@@ -1064,8 +1163,124 @@ class _WatchedListener:
         self.listener.close()
 
 
+class _PeerSide:
+    """What a producer holds for its peer policies: per peer an engine (in-process, or
+    the peer's ``rollout.engine_url``), a ledger and publisher on the peer's raw topic, a
+    weight follower on the peer's lineage, and a heartbeat on the peer's roles topic."""
+
+    def __init__(self, config: Any, producer_id: str, metrics: ProducerMetrics, stop: Any):
+        self.config = config
+        self.producer_id = producer_id
+        self.metrics = metrics
+        self.stop = stop
+        self.peers = Peers()
+        self.publishers: dict[str, GroupPublisher] = {}
+        self.configs: dict[str, Any] = {}
+        self.watchers: dict[str, _WatchedListener] = {}
+        self.threads: list[threading.Thread] = []
+        self.beacons: list[Any] = []
+        self.ledgers: list[Ledger] = []
+
+    async def add(self, name: str, peer: Any) -> None:
+        from core.topic_reader import end_offsets
+        from producers.backends import HttpBackend, LocalBackend
+        from producers.client import EngineClient
+        from producers.ledger import recover
+
+        if peer.policy != name:
+            raise ValueError(f"peer {name!r} was given the config of policy {peer.policy!r}")
+        rollout = peer.producers.rollout
+        backend: Backend
+        if rollout.engine_url:
+            client = EngineClient(rollout.engine_url, request_timeout=rollout.request_timeout_s)
+            await client.check_model(rollout.expected_model or peer.producers.engine.model)
+            weights = (
+                Path(peer.state_dir) / "producers" / peer.run_id / name / self.producer_id
+            ) / "weights"
+            backend = HttpBackend(client, weights)
+        else:
+            from producers.inference_engine import engine_from_config
+
+            engine = await asyncio.to_thread(
+                engine_from_config, peer.producers.engine, peer.cache_dir
+            )
+            engine.weight_version = str(rollout.initial_version)
+            backend = LocalBackend(engine)
+        self.peers.engines[name] = PeerEngine(
+            name,
+            backend,
+            rollout.sampling,
+            staleness_window=rollout.staleness_window,
+            groups_per_version=rollout.groups_per_version,
+            announcement=lambda: self.watchers[name].latest if name in self.watchers else None,
+            wait_for_first_version=rollout.follow_weights,
+            initial_version=rollout.initial_version,
+        )
+        client_config = peer.kafka.client_config()
+        ledger = Ledger(
+            ledger_dir(peer.state_dir, peer.run_id, self.producer_id, name),
+            fsync=rollout.ledger_fsync,
+        )
+        ledger.open()
+        self.ledgers.append(ledger)
+        await asyncio.to_thread(recover, ledger, client_config, rollout.topic)
+        ledger.mark(await asyncio.to_thread(end_offsets, client_config, rollout.topic))
+        self.publishers[name] = GroupPublisher(
+            client_config,
+            rollout.topic,
+            ledger,
+            self.metrics,
+            delivery_timeout_ms=rollout.delivery_timeout_ms,
+            overrides=rollout.producer_overrides,
+        )
+        self.configs[name] = peer
+
+    def start_following(self, loop: asyncio.AbstractEventLoop) -> None:
+        for name, peer in self.configs.items():
+            engine = self.peers[name]
+            engine.bind(loop)
+            if peer.producers.rollout.follow_weights:
+                thread, watcher = _start_follower(peer, engine, self.stop)
+                self.threads.append(thread)
+                self.watchers[name] = watcher
+
+    def announce(self, worker: RolloutWorker, engine_url: str | None) -> None:
+        """Heartbeats on each peer's roles topic: its trainer and ``rollstream roles``
+        count this producer among the policy's producers."""
+        from core.presence import Beacon
+
+        for peer in self.configs.values():
+            if peer.presence.enabled:
+                self.beacons.append(
+                    Beacon(
+                        peer.kafka.client_config(),
+                        peer.presence.topic,
+                        run=peer.run_id,
+                        role="producer",
+                        instance=self.producer_id,
+                        interval_s=peer.presence.interval_s,
+                        detail=_presence_detail(worker, engine_url),
+                    ).start()
+                )
+
+    async def close(self, worker: RolloutWorker | None, engine_url: str | None) -> None:
+        self.stop.set()
+        for beacon in self.beacons:
+            beacon.leave(_presence_detail(worker, engine_url)())
+        for thread in self.threads:
+            await asyncio.to_thread(thread.join, 30)
+        for watcher in self.watchers.values():
+            watcher.close()
+        for publisher in self.publishers.values():
+            await asyncio.to_thread(publisher.close)
+        for ledger in self.ledgers:
+            ledger.close()
+        for engine in self.peers.engines.values():
+            await engine.backend.aclose()
+
+
 def _start_follower(
-    config: Any, worker: RolloutWorker, stop: threading.Event
+    config: Any, worker: RolloutWorker | PeerEngine, stop: threading.Event
 ) -> tuple[threading.Thread, _WatchedListener]:
     """A ``WeightFollower`` thread feeding verified versions to ``worker.submit_version``."""
     from weights.announce import AnnouncementListener
@@ -1075,7 +1290,7 @@ def _start_follower(
     def on_version(snapshot: Snapshot) -> None:
         worker.submit_version(snapshot.version, snapshot.state)
 
-    store = WeightStore.from_config(config.s3, config.run_id)
+    store = WeightStore.from_config(config.s3, config.run_id, config.policy)
     follower = WeightFollower.from_config(store, config.weights, on_version)
     listener = _WatchedListener(
         AnnouncementListener(config.kafka.client_config(), config.run_id, config.weights.topic)

@@ -50,12 +50,19 @@ class RollstreamGroup(click.Group):
     help="Override one value for any command, e.g. --set trainer.engine.lr=1e-4 (repeatable; "
     "wins over the file and the environment).",
 )
+@click.option(
+    "--policy",
+    metavar="NAME",
+    help="In a multi-policy run, the policy this command serves or looks at: its "
+    "[policies.NAME] settings and its own topics, weights and consumer groups.",
+)
 @click.pass_context
 def main(
     ctx: click.Context,
     config_path: Path | None,
     state_dir: Path | None,
     assignments: tuple[str, ...],
+    policy: str | None,
 ) -> None:
     """rollstream: asynchronous RL for LLMs over Apache Kafka."""
     try:
@@ -66,7 +73,7 @@ def main(
         overrides["state_dir"] = state_dir
     ctx.meta["rollstream.sources"] = (config_path, overrides)  # `up` may load them again
     try:
-        ctx.obj = load_config(config_path, **overrides)
+        ctx.obj = load_config(config_path, policy=policy, **overrides)
     except ValidationError as err:
         raise click.UsageError(f"invalid configuration:\n{err}") from err
 
@@ -114,7 +121,7 @@ def infra_up(config: RollstreamConfig, s3_only: bool) -> None:
     """Start the embedded broker and S3 store (if not configured externally), declare topics."""
     from infra.services import Services
 
-    report = Services(config, s3_only=s3_only).up(config.topic_specs())
+    report = Services(config, s3_only=s3_only).up(config.run_topic_specs())
     if not s3_only:
         click.echo(f"kafka  {report.bootstrap_servers}")
     click.echo(f"s3     {report.s3_endpoint}  bucket={report.bucket}")
@@ -161,7 +168,9 @@ def topics_ensure(config: RollstreamConfig) -> None:
     from infra.services import Services
     from infra.topics import ensure_topics
 
-    report = ensure_topics(Services(config).resolved().kafka.client_config(), config.topic_specs())
+    report = ensure_topics(
+        Services(config).resolved().kafka.client_config(), config.run_topic_specs()
+    )
     click.echo(f"created: {', '.join(report.created) or '-'}")
     click.echo(f"present: {', '.join(report.existing) or '-'}")
 

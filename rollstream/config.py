@@ -16,11 +16,18 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 
 from consumers.config import TrainerConfig
-from core.config import SharedConfig, StrictModel, merge_tables, settings_from_sources
+from core.config import (
+    ConfigurationError,
+    SharedConfig,
+    StrictModel,
+    merge_tables,
+    settings_from_sources,
+)
 from producers.config import ProducersConfig
+from rollstream.policies import check_policy_tables, policy_values
 from rollstream.profiles import ProfileConfig, profile_sections
 from schemas.topics import (
     POLICY_VERSIONS,
@@ -90,6 +97,44 @@ class RollstreamConfig(SharedConfig):
     up: UpConfig = Field(
         default_factory=UpConfig, description="[up]: `rollstream up` (all roles on one machine)."
     )
+    policies: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="[policies.<name>]: the policies of a multi-policy run, each a table of "
+        "overrides for the roles serving it (rollstream.policies); empty: one policy.",
+    )
+
+    @field_validator("policies")
+    @classmethod
+    def _policies_are_well_formed(cls, policies: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        return check_policy_tables(policies)
+
+    @property
+    def policy_names(self) -> list[str]:
+        """The run's policies in order of name; ``[""]`` for a single-policy run."""
+        return sorted(self.policies) or [""]
+
+    def require_policy(self) -> None:
+        """A role of a multi-policy run serves one policy: refuse to start without one."""
+        if self.policies and not self.policy:
+            raise ConfigurationError(
+                f"this run has several policies ({', '.join(sorted(self.policies))}): "
+                "name the one to serve with `rollstream --policy NAME ...`"
+            )
+
+    def run_topic_specs(self) -> list[TopicSpec]:
+        """Every topic of the run: of each policy's view in a multi-policy run (the root's
+        names are then unused), else ``topic_specs``."""
+        if not self.policies or self.policy:
+            return self.topic_specs()
+        return [spec for name in sorted(self.policies) for spec in self.view(name).topic_specs()]
+
+    def view(self, policy: str) -> RollstreamConfig:
+        """``policy``'s view of this (root) config. Built from the settings already
+        resolved, so prefer ``load_config(policy=...)``, which lets a policy's own
+        ``profile`` derive its roles' settings; names and tables come out the same."""
+        if self.policy:
+            raise ValueError(f"this is already policy {self.policy!r}'s view")
+        return policy_view(self, policy)
 
     def topic_specs(self) -> list[TopicSpec]:
         """Every topic of this run under the names its sections give (tests and shared
@@ -132,11 +177,34 @@ class RollstreamConfig(SharedConfig):
         return self.model_dump(mode="json", include={*shared, own})
 
 
-def load_config(path: Path | None = None, **overrides: Any) -> RollstreamConfig:
+def load_config(
+    path: Path | None = None, *, policy: str | None = None, **overrides: Any
+) -> RollstreamConfig:
     """The whole config from its sources (``core.config.settings_from_sources``): explicit
     ``overrides`` > ``ROLLSTREAM_*`` variables > ``KAFKA_BOOTSTRAP_SERVERS`` /
-    ``AWS_ENDPOINT_URL[_S3]`` > the TOML file > the ``[profile]``'s settings > defaults."""
-    return with_profile(settings_from_sources(RollstreamConfig, path, overrides))
+    ``AWS_ENDPOINT_URL[_S3]`` > the TOML file > the ``[profile]``'s settings > defaults.
+
+    ``policy`` picks one policy of a multi-policy run: its ``[policies.<name>]`` table is
+    laid over the sources and its names are renamed into its namespace
+    (``rollstream.policies``) before the profile derives the roles' settings, so a policy
+    with its own ``profile.model`` gets that model's settings everywhere. Every policy's
+    view is built once here, so a bad table fails whichever role starts first."""
+    raw = settings_from_sources(RollstreamConfig, path, overrides)
+    views = {name: policy_view(raw, name) for name in raw.policies}
+    policy = policy or raw.policy  # ROLLSTREAM_POLICY or `--set policy=...` name it too
+    if policy:
+        return views[policy] if policy in views else policy_view(raw, policy)
+    return with_profile(raw)
+
+
+def policy_view(raw: RollstreamConfig, policy: str) -> RollstreamConfig:
+    """``policy``'s view of ``raw`` (a config before its profile is applied)."""
+    explicit = raw.model_dump(exclude_unset=True)
+    values = policy_values(explicit, raw.model_dump(), raw.policies, policy)
+    try:
+        return with_profile(RollstreamConfig.model_validate(values))
+    except ValidationError as err:
+        raise ConfigurationError(f"[policies.{policy}] is not valid:\n{err}") from err
 
 
 def with_profile(config: RollstreamConfig) -> RollstreamConfig:

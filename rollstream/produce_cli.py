@@ -18,6 +18,7 @@ import click
 from pydantic import ValidationError
 
 from producers.config import EngineConfig, ProducersConfig, RolloutConfig
+from rollstream.config import load_config
 
 
 def _logging() -> None:
@@ -87,9 +88,9 @@ def serve(
     "[s3] by its name) and tag records with it: one config file serves every machine.",
 )
 @click.option("--producer-id", help="This producer's id (its ledger; default: the host name).")
-@click.pass_obj
+@click.pass_context
 def produce(
-    config: Any,
+    ctx: click.Context,
     groups: int | None,
     engine_url: str | None,
     task: str | None,
@@ -98,6 +99,8 @@ def produce(
     producer_id: str | None,
 ) -> None:
     """Generate GRPO groups with the engine and publish them to Kafka."""
+    config = ctx.obj
+    config.require_policy()
     overrides = {
         "groups": groups,
         "engine_url": engine_url,
@@ -117,7 +120,13 @@ def produce(
         except KeyError as err:
             raise click.UsageError(str(err.args[0])) from err
         resolved = resolved.model_copy(update={"s3": store})
-    report = asyncio.run(run_producer(resolved, section))
+    peers = {}
+    if section.rollout.peers:  # each peer policy's own view, from the same sources
+        path, root_overrides = ctx.meta["rollstream.sources"]
+        for name in section.rollout.peers:
+            peer = Services(load_config(path, policy=name, **root_overrides)).resolved()
+            peers[name] = peer.model_copy(update={"s3": resolved.s3})  # this machine's region
+    report = asyncio.run(run_producer(resolved, section, peer_configs=peers))
     click.echo(
         f"delivered {report.groups_delivered} group(s), {report.trajectories_delivered} "
         f"record(s), {report.tokens} tokens in {report.seconds:.1f}s "

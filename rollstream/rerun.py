@@ -107,7 +107,7 @@ def old_logit_engine(config: RollstreamConfig, run_id: str) -> OldLogitEngine:
         from weights.follower import WeightFollower
         from weights.store import WeightStore
 
-        store = WeightStore.from_config(resolved_s3(config), run_id)
+        store = WeightStore.from_config(resolved_s3(config), run_id, config.policy)
         source = FollowerSource(
             store,
             make_follower=lambda s: WeightFollower.from_config(s, config.weights),
@@ -142,7 +142,7 @@ def rerun_stream(
     if version != NO_VERSION:
         tracker.observe(version)
     table: dict[bytes, bytes] = {}
-    processor = Processor(streams, options.run_id, tracker, table)
+    processor = Processor(streams, options.run_id, tracker, table, served_policy=config.policy)
     engine: OldLogitEngine | None = None
     console.rule(
         f"rerun stream: run {options.run_id}, trainer version "
@@ -319,7 +319,7 @@ def load_policy(
         from weights.follower import WeightFollower
         from weights.store import WeightStore
 
-        store = WeightStore.from_config(resolved_s3(config), options.run_id)
+        store = WeightStore.from_config(resolved_s3(config), options.run_id, config.policy)
         source = FollowerSource(
             store, make_follower=lambda s: WeightFollower.from_config(s, config.weights)
         )

@@ -53,6 +53,7 @@ def stream(
     $ROLLSTREAM_CONFIG).
     """
     config: RollstreamConfig = ctx.obj
+    config.require_policy()
     streams = config.streams
     if check:
         click.echo(streams.model_dump_json(indent=2))
@@ -70,6 +71,8 @@ def stream(
     if root.params.get("config_path") is not None:
         worker += ["--config", str(root.params["config_path"])]
     worker += ["--state-dir", str(config.state_dir)]
+    if config.policy:
+        worker += ["--policy", config.policy]
     for assignment in root.params.get("assignments") or ():  # --set reaches the worker too
         worker += ["--set", assignment]
     worker += ["stream", "--no-supervisor", f"--datadir={datadir}", "-l", loglevel]

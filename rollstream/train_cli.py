@@ -34,6 +34,7 @@ def run_trainer(config: RollstreamConfig, trainer: TrainerConfig, weights: Weigh
         cache_dir=resolved.cache_dir,
         state_dir=resolved.state_dir,
         presence=resolved.presence,
+        policy=resolved.policy,
     )
     runner = Trainer(settings)
     runner.install_signal_handlers()
@@ -54,6 +55,7 @@ def run_trainer(config: RollstreamConfig, trainer: TrainerConfig, weights: Weigh
 @click.pass_obj
 def train(config: RollstreamConfig, max_steps: int | None, dry_run: bool) -> None:
     """Train on rollouts.scored and publish versions (the trainer role)."""
+    config.require_policy()
     trainer = config.trainer
     if max_steps is not None:
         try:

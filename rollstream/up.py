@@ -159,7 +159,38 @@ def build_config(
     merged = merge_tables(up_sections(up, run_id, run_dir, ports), explicit)
     merged["up"] = up.model_dump()
     merged["trainer"]["max_steps"] = up.max_steps  # [up] max_steps (or --max-steps) decides
+    if merged.get("policies"):
+        if up.producers > 1 or up.stream_workers > 1 or up.trainer_ranks > 1:
+            raise click.UsageError(
+                "a multi-policy run under `up` takes one producer, stream worker and trainer "
+                "rank per policy; start more by hand with `rollstream --policy NAME ...`"
+            )
+        merged["policies"] = {
+            name: merge_tables(policy_ports(), table) for name, table in merged["policies"].items()
+        }
     return RollstreamConfig.model_validate(merged)
+
+
+def policy_ports() -> dict[str, Any]:
+    """Free ports for one policy's roles under ``up`` (each policy has its own)."""
+    from core.process import free_port
+
+    return {
+        "producers": {
+            "engine": {"port": free_port()},
+            "rollout": {"metrics_port": free_port()},
+        },
+        "streams": {"metrics_port": free_port()},
+        "trainer": {"prometheus_port": free_port()},
+    }
+
+
+def driving_policies(config: RollstreamConfig) -> list[str]:
+    """The policies that get producers: every policy no other policy calls as a peer
+    (a peer's records come from the producers of the policies that call it)."""
+    views = {name: config.view(name) for name in sorted(config.policies)}
+    called = {peer for view in views.values() for peer in view.producers.rollout.peers}
+    return [name for name in views if name not in called]
 
 
 def write_config(config: RollstreamConfig, path: Path) -> None:
@@ -223,6 +254,15 @@ class TrainerLog:
     def mean(self, key: str, last: int) -> float | None:
         values = [row[key] for row in self.rows[-last:] if key in row]
         return sum(values) / len(values) if values else None
+
+    def summary(self) -> dict[str, Any]:
+        """Steps and the mean reward of the first and last 10 steps."""
+        rewards = [row["reward/mean"] for row in self.rows if "reward/mean" in row]
+        return {
+            "steps": len(self.rows),
+            "reward_first": sum(rewards[:10]) / len(rewards[:10]) if rewards else None,
+            "reward_last": sum(rewards[-10:]) / len(rewards[-10:]) if rewards else None,
+        }
 
 
 class Rate:
@@ -349,6 +389,52 @@ class Dashboard:
         return " | ".join(f"{name} {figures}" for name, _, figures in self.rows(alive))
 
 
+class PoliciesDashboard:
+    """A multi-policy run: one line per policy's trainer, and every role's process."""
+
+    def __init__(self, config: RollstreamConfig, logs: Mapping[str, TrainerLog]) -> None:
+        self.config = config
+        self.logs = logs
+        self.started = time.monotonic()
+
+    def rows(self, alive: Mapping[str, str]) -> list[tuple[str, str, str]]:
+        rows = []
+        for name, log in self.logs.items():
+            log.poll()
+            last = log.rows[-1] if log.rows else {}
+            rows.append(
+                (
+                    f"trainer-{name}",
+                    alive.get(f"trainer-{name}", "-"),
+                    f"step {int(last.get('step', 0))}/{self.config.trainer.max_steps}  "
+                    f"v{int(last.get('version', 0))}  "
+                    f"reward {_fmt(last.get('reward/mean'))} "
+                    f"(last 10: {_fmt(log.mean('reward/mean', 10))})  "
+                    f"staleness {_fmt(last.get('staleness/mean'), '.2f')}",
+                )
+            )
+        others = sorted(name for name in alive if not name.startswith("trainer-"))
+        rows += [(name, alive[name], "") for name in others]
+        return rows
+
+    def table(self, alive: Mapping[str, str]) -> Any:
+        from rich.table import Table
+
+        table = Table(
+            title=f"rollstream up: run {self.config.run_id}, policies "
+            f"{', '.join(self.logs)}, {time.monotonic() - self.started:.0f}s",
+            expand=False,
+        )
+        for column in ("role", "process", "progress"):
+            table.add_column(column)
+        for row in self.rows(alive):
+            table.add_row(*row)
+        return table
+
+    def line(self, alive: Mapping[str, str]) -> str:
+        return " | ".join(f"{name} {figures}" for name, _, figures in self.rows(alive) if figures)
+
+
 # --- the run -----------------------------------------------------------------------------
 
 
@@ -365,6 +451,7 @@ class UpResult:
     reward_first: float | None
     reward_last: float | None
     pids: dict[str, int]
+    policies: dict[str, dict[str, Any]] = field(default_factory=dict)  # per policy's trainer
 
 
 class _StopFlag:
@@ -412,6 +499,8 @@ def role_specs(
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cpus = _core_plan(config.up.pin_cores)
     run_dir = config_path.parent
+    if config.policies:
+        return policy_role_specs(config, rs, env, cpus)
     specs = []
     for i, port in enumerate(ports.all_streams_metrics):
         own = [] if i == 0 else ["--set", f"streams.metrics_port={port}"]
@@ -468,6 +557,61 @@ def role_specs(
     return specs  # fmt: skip
 
 
+def policy_role_specs(
+    config: RollstreamConfig, rs: list[str], env: dict[str, str], cpus: dict[str, Any]
+) -> list[Any]:
+    """A multi-policy run: per policy a stream worker and a trainer (``rollstream --policy
+    NAME stream|train``), and per driving policy an engine and a producer; a policy that
+    is another's peer is generated inside that policy's producer."""
+    from core.process import RoleSpec
+
+    specs = []
+    drivers = driving_policies(config)
+    for name in sorted(config.policies):
+        view = config.view(name)
+        on = [*rs, "--policy", name]
+        specs.append(
+            RoleSpec(
+                f"streams-{name}",
+                [*on, "stream"],
+                env,
+                _port_probe(int(view.streams.metrics_port or 0)),
+                cpus.get("streams"),
+            )
+        )
+        specs.append(
+            RoleSpec(
+                f"trainer-{name}",
+                [*on, "train"],
+                env,
+                _port_probe(int(view.trainer.prometheus_port or 0)),
+                cpus.get("trainer"),
+            )
+        )
+        if name in drivers:
+            engine = int(view.producers.engine.port or 0)
+            url = f"http://127.0.0.1:{engine}"
+            specs.append(
+                RoleSpec(
+                    f"engine-{name}",
+                    [*on, "serve"],
+                    env,
+                    _http_ok(f"{url}/health"),
+                    cpus.get("engine"),
+                )
+            )
+            specs.append(
+                RoleSpec(
+                    f"producer-{name}",
+                    [*on, "produce", "--engine-url", url],
+                    env,
+                    _port_probe(int(view.producers.rollout.metrics_port or 0)),
+                    cpus.get("producer"),
+                )
+            )
+    return specs
+
+
 def stop_order(names: list[str]) -> list[str]:
     """Producers first (no new data), then engines, stream workers, the trainer."""
     rank = {kind: i for i, kind in enumerate(STOP_ORDER)}
@@ -502,10 +646,14 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
     ]
     launcher = Launcher(run_dir / "logs")
     log = TrainerLog(Path(str(config.trainer.metrics_file)))
+    policy_logs = {
+        name: TrainerLog(Path(str(config.view(name).trainer.metrics_file)))
+        for name in sorted(config.policies)
+    }
     reason, finished = "interrupted", False
     try:
         click.echo(f"run {run_id}: {run_dir}", err=True)
-        report = services.up(config.topic_specs())
+        report = services.up(config.run_topic_specs())
         click.echo(
             f"kafka {report.bootstrap_servers}  s3 {report.s3_endpoint}  ({report.seconds:.1f}s)",
             err=True,
@@ -516,7 +664,11 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
         config_path = run_dir / "rollstream.toml"
         write_config(config, config_path)
         config = services.resolved()
-        start_groups_at_end(config)
+        if config.policies:
+            for name in sorted(config.policies):
+                start_groups_at_end(config.view(name))
+        else:
+            start_groups_at_end(config)
         specs = role_specs(config_path, config, ports)
         for spec in specs:
             launcher.add(spec)
@@ -535,7 +687,9 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
             click.echo(f"{spec.name} ready (pid {role.pid}, log {role.log_file})", err=True)
         (run_dir / "pids.json").write_text(json.dumps(launcher.pids()))
         if not stop:
-            reason, finished = _supervise(launcher, config, ports, log, stop, up.restarts)
+            reason, finished = _supervise(
+                launcher, config, ports, log, stop, up.restarts, policy_logs
+            )
     except LaunchError as err:
         reason = f"failed: {err}"
         click.echo(str(err), err=True)
@@ -548,6 +702,13 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
             signal.signal(sig, handler)
     log.poll()
     rewards = [row["reward/mean"] for row in log.rows if "reward/mean" in row]
+    per_policy = {}
+    for name, policy_log in policy_logs.items():
+        policy_log.poll()
+        per_policy[name] = policy_log.summary()
+    if policy_logs:  # the run's figures are those of the policy that went furthest
+        log = max(policy_logs.values(), key=lambda policy_log: len(policy_log.rows))
+        rewards = [row["reward/mean"] for row in log.rows if "reward/mean" in row]
     result = UpResult(
         run_id=run_id,
         run_dir=str(run_dir),
@@ -558,6 +719,7 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
         reward_first=sum(rewards[:10]) / len(rewards[:10]) if rewards else None,
         reward_last=sum(rewards[-10:]) / len(rewards[-10:]) if rewards else None,
         pids=launcher.pids(),
+        policies=per_policy,
     )
     (run_dir / "summary.json").write_text(json.dumps(result.__dict__, indent=2))
     return result
@@ -621,7 +783,7 @@ def start_groups_at_end(config: RollstreamConfig) -> dict[str, int]:
 
 def _supervise(
     launcher: Any, config: RollstreamConfig, ports: Ports, log: TrainerLog, stop: _StopFlag,
-    restarts: int,
+    restarts: int, policy_logs: Mapping[str, TrainerLog] | None = None,
 ) -> tuple[str, bool]:  # fmt: skip
     """Show progress until the trainer ends, a role fails for good, or a signal arrives."""
     from rich.console import Console
@@ -630,8 +792,12 @@ def _supervise(
     from rollstream.roles import roles_poller
 
     console = Console(stderr=True)
-    roles = roles_poller(config)
-    dashboard = Dashboard(config, ports, log, roles)
+    if policy_logs:
+        roles = roles_poller(config.view(sorted(config.policies)[0]))
+        dashboard: Dashboard | PoliciesDashboard = PoliciesDashboard(config, policy_logs)
+    else:
+        roles = roles_poller(config)
+        dashboard = Dashboard(config, ports, log, roles)
     restarts_left = dict.fromkeys(launcher.roles, restarts)
 
     def alive() -> dict[str, str]:
@@ -640,11 +806,18 @@ def _supervise(
             for n, r in launcher.roles.items()
         }
 
+    trainers = [name for name in launcher.roles if name.split("-")[0] == "trainer"]
+
     def check() -> tuple[str, bool] | None:
-        trainer = launcher.roles["trainer"]
-        if not trainer.running():
-            code = trainer.returncode()
-            return ("max_steps reached", True) if code == 0 else (f"trainer exit {code}", False)
+        # One trainer per policy in a multi-policy run: the run ends when the first
+        # reaches max_steps (the others would soon starve: one producer feeds them all).
+        for name in trainers:
+            trainer = launcher.roles[name]
+            if not trainer.running():
+                code = trainer.returncode()
+                if code != 0:
+                    return (f"{name} exit {code}", False)
+                return ("max_steps reached", True)
         for role in launcher.exited():
             if restarts_left[role.name] > 0:
                 restarts_left[role.name] -= 1
@@ -733,5 +906,10 @@ def up(ctx: click.Context, run_id: str | None, run_dir: Path | None, **options: 
         f"{_fmt(result.reward_first)} (first 10 steps) -> {_fmt(result.reward_last)} "
         f"(last 10); run dir {result.run_dir}"
     )
+    for name, figures in result.policies.items():
+        click.echo(
+            f"  policy {name}: {figures['steps']} steps, mean reward "
+            f"{_fmt(figures['reward_first'])} -> {_fmt(figures['reward_last'])}"
+        )
     if not result.finished:
         sys.exit(130 if result.reason.startswith("stopped by") else 1)

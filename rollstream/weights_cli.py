@@ -43,7 +43,7 @@ class WeightsContext:
     def store(self, region: str | None = None) -> Any:
         from weights.store import WeightStore
 
-        return WeightStore.from_config(self.s3(region), self.run)
+        return WeightStore.from_config(self.s3(region), self.run, self.config.policy)
 
 
 def load_settings(path: Path | None) -> tuple[RollstreamConfig, WeightsConfig]:

@@ -188,7 +188,7 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
         from weights.follower import WeightFollower
         from weights.store import WeightStore
 
-        store = WeightStore.from_config(SHARED.s3, RUN_ID)
+        store = WeightStore.from_config(SHARED.s3, RUN_ID, SHARED.policy)
         return FollowerSource(
             store,
             make_follower=lambda s: WeightFollower.from_config(s, WEIGHTS),
@@ -216,6 +216,7 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
         metrics,
         model_vocab_size=vocab_size,
         model_context=context,
+        served_policy=SHARED.policy,
     )
     writer = EffectWriter(app, groups, exactly_once=CONFIG.processing_guarantee == "exactly_once")
 
@@ -406,7 +407,7 @@ def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
         from weights.follower import FollowerMetrics, WeightFollower
         from weights.store import WeightStore
 
-        store = WeightStore.from_config(SHARED.s3, RUN_ID)
+        store = WeightStore.from_config(SHARED.s3, RUN_ID, SHARED.policy)
         follower = WeightFollower.from_config(
             store,
             WEIGHTS,

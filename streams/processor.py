@@ -15,7 +15,9 @@ A raw record goes through, in order:
    and context length of the model the old-logit pass runs) → DLQ with the codec's or
    the validator's reason code, the original bytes and headers, and the source
    topic/partition/offset (``schemas.control.DeadLetter``);
-3. **routing checks**: another run's record (``foreign_run``), a Kafka key that is not
+3. **routing checks**: another run's record (``foreign_run``), another policy's record
+   (``foreign_policy``: a multi-policy run's policies have their own topics, so only a
+   misrouted record meets this), a Kafka key that is not
    the group id (``key_mismatch``: the group could be split across partitions), a
    routing header (``rs-run-id``, ``rs-group-id``, ...) that contradicts the body
    (``header_mismatch``);
@@ -156,6 +158,7 @@ class DeadLetterReason:
     """Reason codes the stream itself adds to those of the codec and the validator."""
 
     FOREIGN_RUN = "foreign_run"
+    FOREIGN_POLICY = "foreign_policy"
     KEY_MISMATCH = "key_mismatch"
     DUPLICATE_SAMPLE = "duplicate_sample"
     DUPLICATE_SAMPLE_INDEX = "duplicate_sample_index"
@@ -182,11 +185,15 @@ class Processor:
         *,
         model_vocab_size: int | None = None,
         model_context: int | None = None,
+        served_policy: str = "",
     ) -> None:
         """``model_vocab_size``/``model_context``: of the model old logits are computed
-        with (``streams.oldlogits.model_limits``); a record outside them is invalid."""
+        with (``streams.oldlogits.model_limits``); a record outside them is invalid.
+        ``served_policy``: the policy of a multi-policy run whose records this stream
+        scores; a record of another policy is never scored with this policy's weights."""
         self.config = config
         self.run_id = run_id
+        self.served_policy = served_policy
         self.tracker = tracker
         self.table = table
         self.metrics = metrics if metrics is not None else StreamMetrics()
@@ -314,6 +321,13 @@ class Processor:
                 step,
                 DeadLetterReason.FOREIGN_RUN,
                 f"run {traj.run_id!r}, stream serves {self.run_id!r}",
+            )
+            return
+        if traj.policy != self.served_policy:
+            self._reject(
+                step,
+                DeadLetterReason.FOREIGN_POLICY,
+                f"policy {traj.policy!r}, stream serves {self.served_policy!r}",
             )
             return
         if not key_matches:

@@ -111,25 +111,32 @@ class WeightStore:
         prefix: str = "",
         region: str = "local",
         transfer: TransferConfig = DEFAULT_TRANSFER,
+        policy: str = "",
     ) -> None:
         if not run or "/" in run:
             raise ValueError(f"run id {run!r} must be non-empty and contain no '/'")
+        if "/" in policy:
+            raise ValueError(f"policy {policy!r} must contain no '/'")
         self.client = client
         self.bucket = bucket
         self.run = run
+        self.policy = policy
         self.region = region
         self.transfer = transfer
         prefix = prefix if not prefix or prefix.endswith("/") else prefix + "/"
-        self.run_prefix = f"{prefix}weights/{run}/"
+        # A multi-policy run keeps one lineage per policy: weights/<run>/<policy>/v<N>.
+        lineage = f"{run}/{policy}" if policy else run
+        self.run_prefix = f"{prefix}weights/{lineage}/"
 
     @classmethod
-    def from_config(cls, config: S3Config, run: str) -> WeightStore:
+    def from_config(cls, config: S3Config, run: str, policy: str = "") -> WeightStore:
         return cls(
             make_s3_client(config),
             config.bucket,
             run,
             prefix=config.prefix,
             region=config.name,
+            policy=policy,
         )
 
     # --- names ---------------------------------------------------------------------------
