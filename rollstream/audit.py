@@ -596,6 +596,7 @@ def audit_command(
     dead-letter topics of one run. Records still in flight (not yet applied by the stream,
     in a group it is assembling, or scored past the trainer's committed offsets) are listed
     as unprocessed / untrained, not as missing. Exit 1 on any discrepancy."""
+    config.require_policy()  # a multi-policy run: each policy's topics and files are its own
     from dataclasses import replace
 
     from infra.services import Services

@@ -71,6 +71,7 @@ def main(
         raise click.BadParameter(str(err), param_hint="--set") from err
     if state_dir:
         overrides["state_dir"] = state_dir
+    policy = policy or overrides.pop("policy", None)  # `--set policy=NAME` names it too
     ctx.meta["rollstream.sources"] = (config_path, overrides)  # `up` may load them again
     try:
         ctx.obj = load_config(config_path, policy=policy, **overrides)

@@ -75,6 +75,7 @@ def find_group(
 @click.pass_obj
 def inspect_group(config: RollstreamConfig, group_id: str, **opts: Any) -> None:
     """Show GROUP_ID end to end: raw samples, stream decisions, scored group, loss terms."""
+    config.require_policy()  # a multi-policy run: each policy's topics and files are its own
     from rollstream.replay_render import Renderer, RenderOptions
     from rollstream.rerun import TrainRerunOptions, rerun_train
 

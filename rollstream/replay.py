@@ -179,6 +179,7 @@ def make_bounds(
 def replay(config: RollstreamConfig, topic: str, **opts: Any) -> None:
     """Read TOPIC (raw, scored, stale, dlq, versions, or a full topic name) back, filtered,
     without committing offsets; print, export to Parquet, or re-run the records."""
+    config.require_policy()  # a multi-policy run: each policy's topics and files are its own
     from rollstream.replay_render import Renderer, RenderOptions
 
     name = topic_names(config).get(topic, topic)

@@ -307,6 +307,7 @@ def report(
     Metrics come from --metrics, else [trainer] metrics_file (when RUN is the config's
     run_id), else <state_dir>/trainer/RUN/metrics.jsonl.
     """
+    config.require_policy()  # a multi-policy run: each policy's topics and files are its own
     paths = metrics_paths(config, run, metrics_files)
     metrics = load_metrics(run, paths)
     if not metrics.rows:

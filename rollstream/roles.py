@@ -101,6 +101,7 @@ def roles_poller(config: RollstreamConfig) -> Poller[RunRoles]:
 def roles_command(config: RollstreamConfig, as_json: bool) -> None:
     """Show the run's producers, stream workers and trainers (from their heartbeats) and
     each stream worker's lag on the raw topic."""
+    config.require_policy()  # a multi-policy run: each policy's topics and files are its own
     from infra.services import Services
 
     resolved = Services(config).resolved()
