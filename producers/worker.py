@@ -1054,7 +1054,7 @@ async def run_producer(
                 interval_s=config.presence.interval_s,
                 detail=_presence_detail(worker, rollout.engine_url),
             ).start()
-            peer_side.announce(worker, rollout.engine_url)
+            peer_side.announce()
         loop = asyncio.get_running_loop()
         signals = (signal.SIGINT, signal.SIGTERM) if install_signals else ()
         for sig in signals:
@@ -1095,7 +1095,7 @@ async def run_producer(
                 }
             )
         stop_following.set()
-        await peer_side.close(worker, rollout.engine_url)
+        await peer_side.close()
         if follower is not None:
             await asyncio.to_thread(follower.join, 30)
         if watcher is not None:
@@ -1178,7 +1178,7 @@ class _PeerSide:
         self.configs: dict[str, Any] = {}
         self.watchers: dict[str, _WatchedListener] = {}
         self.threads: list[threading.Thread] = []
-        self.beacons: list[Any] = []
+        self.beacons: dict[str, Any] = {}
         self.ledgers: list[Ledger] = []
 
     async def add(self, name: str, peer: Any) -> None:
@@ -1244,29 +1244,39 @@ class _PeerSide:
                 self.threads.append(thread)
                 self.watchers[name] = watcher
 
-    def announce(self, worker: RolloutWorker, engine_url: str | None) -> None:
+    def announce(self) -> None:
         """Heartbeats on each peer's roles topic: its trainer and ``rollstream roles``
         count this producer among the policy's producers."""
         from core.presence import Beacon
 
-        for peer in self.configs.values():
+        for name, peer in self.configs.items():
             if peer.presence.enabled:
-                self.beacons.append(
-                    Beacon(
-                        peer.kafka.client_config(),
-                        peer.presence.topic,
-                        run=peer.run_id,
-                        role="producer",
-                        instance=self.producer_id,
-                        interval_s=peer.presence.interval_s,
-                        detail=_presence_detail(worker, engine_url),
-                    ).start()
-                )
+                self.beacons[name] = Beacon(
+                    peer.kafka.client_config(),
+                    peer.presence.topic,
+                    run=peer.run_id,
+                    role="producer",
+                    instance=self.producer_id,
+                    interval_s=peer.presence.interval_s,
+                    detail=self._detail(name),
+                ).start()
 
-    async def close(self, worker: RolloutWorker | None, engine_url: str | None) -> None:
+    def _detail(self, name: str) -> Callable[[], dict[str, Any]]:
+        def detail() -> dict[str, Any]:
+            rollout = self.configs[name].producers.rollout
+            return {
+                "engine": rollout.engine_url or "in-process",
+                "peer_of": self.config.policy,
+                "version": self.peers[name].version,
+                "groups": self.publishers[name].delivered_groups,
+            }
+
+        return detail
+
+    async def close(self) -> None:
         self.stop.set()
-        for beacon in self.beacons:
-            beacon.leave(_presence_detail(worker, engine_url)())
+        for name, beacon in self.beacons.items():
+            beacon.leave(self._detail(name)())
         for thread in self.threads:
             await asyncio.to_thread(thread.join, 30)
         for watcher in self.watchers.values():

@@ -109,8 +109,10 @@ def produced_from_raw(raw: TopicView) -> Produced:
 
 
 def producers_dir(config: RollstreamConfig) -> Path:
-    """Where ``rollstream produce`` keeps the ledgers of ``config.run_id`` (one per producer)."""
-    return Path(config.state_dir) / "producers" / config.run_id
+    """Where ``rollstream produce`` keeps the ledgers of ``config.run_id`` (one per producer),
+    of the config's policy in a multi-policy run (a producer keeps one per policy it feeds)."""
+    run = Path(config.state_dir) / "producers" / config.run_id
+    return run / config.policy if config.policy else run
 
 
 def read_producer_ledgers(directory: Path) -> Produced:
@@ -596,26 +598,39 @@ def audit_command(
     dead-letter topics of one run. Records still in flight (not yet applied by the stream,
     in a group it is assembling, or scored past the trainer's committed offsets) are listed
     as unprocessed / untrained, not as missing. Exit 1 on any discrepancy."""
-    config.require_policy()  # a multi-policy run: each policy's topics and files are its own
     from dataclasses import replace
 
     from infra.services import Services
 
     resolved = Services(config).resolved()
-    if ledger is not None:
-        trainer = resolved.trainer.model_copy(update={"ledger_file": ledger})
-        resolved = resolved.model_copy(update={"trainer": trainer})
-    sources = AuditSources.from_config(resolved)
-    if producers_dir is not None:
-        sources = replace(sources, producers_dir=producers_dir)
-    report = audit(sources, diagnose=not quick, timeout_s=timeout_s, delivery=delivery)
-    counts = report.counts()
-    problems = report.problems()
+    views = (
+        {name: resolved.view(name) for name in sorted(resolved.policies)}
+        if resolved.policies and not resolved.policy
+        else {resolved.policy: resolved}
+    )  # a multi-policy run is audited policy by policy: each has its own topics and ledgers
+    figures: dict[str, dict[str, Any]] = {}
+    problems: list[str] = []
+    for name, view in views.items():
+        if ledger is not None:
+            trainer = view.trainer.model_copy(update={"ledger_file": ledger})
+            view = view.model_copy(update={"trainer": trainer})
+        sources = AuditSources.from_config(view)
+        if producers_dir is not None:
+            sources = replace(sources, producers_dir=producers_dir)
+        report = audit(sources, diagnose=not quick, timeout_s=timeout_s, delivery=delivery)
+        found = report.problems()
+        figures[name] = {**report.counts(), "problems": found}
+        problems += [f"policy {name}: {line}" if name else line for line in found]
     if as_json:
-        click.echo(json.dumps({**counts, "problems": problems}, indent=2))
+        single = len(views) == 1  # one policy's figures, as for a single-policy run
+        click.echo(json.dumps(next(iter(figures.values())) if single else figures, indent=2))
     else:
-        for key, value in counts.items():
-            click.echo(f"{key:<22} {value}")
+        for name, counts in figures.items():
+            if len(views) > 1:
+                click.echo(f"policy {name}")
+            for key, value in counts.items():
+                if key != "problems":
+                    click.echo(f"{key:<22} {value}")
         for line in problems:
             click.echo(f"PROBLEM: {line}")
         if not problems:

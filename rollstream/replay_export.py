@@ -224,6 +224,7 @@ def write_export(records: Sequence[ReplayRecord], path: Path) -> int:
 
 def trajectories_from_export(path: Path) -> list[Trajectory]:
     """The trajectories of a ``trajectory``-layout export (undecodable rows skipped)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -234,5 +235,10 @@ def trajectories_from_export(path: Path) -> list[Trajectory]:
     if layout != b"trajectory":
         raise ValueError(f"{path} is a {layout!r} export, not a trajectory one")
     rows = table.filter(pc.is_valid(table.column("run_id")))
+    for name in ("policy", "turn_policies"):  # an export written before schema version 3
+        if name not in rows.schema.names:
+            field = TRAJECTORY_ARROW_SCHEMA.field(name)
+            fill = pa.array([""] * rows.num_rows if name == "policy" else [None] * rows.num_rows)
+            rows = rows.append_column(field, fill.cast(field.type))
     rows = rows.select(TRAJECTORY_ARROW_SCHEMA.names).cast(TRAJECTORY_ARROW_SCHEMA)
     return from_arrow(rows)

@@ -36,7 +36,9 @@ from rollstream.records import ReplayRecord
 from schemas.group import SampleDiagnostics, ScoredGroup
 from schemas.trajectory import Trajectory, TurnKind
 
-TINY_TASKS = frozenset({"copy-first-digit-twice", "reverse-3-digits"})
+TINY_TASKS = frozenset(
+    {"copy-first-digit-twice", "reverse-3-digits", "repeat-digit", "echo-digits", "propose-solve"}
+)
 HIGHLIGHT_D = (0.5, 2.0)
 
 
@@ -152,6 +154,7 @@ class Renderer:
             + _escape(
                 f"run {traj.run_id}  group {traj.group_id} "
                 f"sample {traj.sample_index}/{traj.group_size}  task {traj.task}"
+                + (f"  policy {traj.policy}" if traj.policy else "")
             )
         )
         adv = "-" if traj.advantage is None else f"{traj.advantage:+.4f}"

@@ -119,7 +119,8 @@ def metrics_paths(config: RollstreamConfig, run: str, given: Sequence[Path]) -> 
     configured = config.trainer.metrics_file
     if configured is not None and run == config.run_id:
         tried.append(Path(configured))
-    tried.append(config.state_dir / "trainer" / run / "metrics.jsonl")
+    home = config.state_dir / "trainer" / run
+    tried.append((home / config.policy if config.policy else home) / "metrics.jsonl")
     for path in tried:
         if path.is_file():
             return [path]
@@ -305,12 +306,23 @@ def report(
     """Plot RUN's reward, staleness, masked/clipped/vetoed fractions and version lag.
 
     Metrics come from --metrics, else [trainer] metrics_file (when RUN is the config's
-    run_id), else <state_dir>/trainer/RUN/metrics.jsonl.
+    run_id), else <state_dir>/trainer/RUN/metrics.jsonl. A multi-policy run gets one
+    report per policy (OUT/<policy>), unless --policy names one.
     """
-    config.require_policy()  # a multi-policy run: each policy's topics and files are its own
-    paths = metrics_paths(config, run, metrics_files)
+    out = out or Path(f"rollstream-report-{run}")
+    if config.policies and not config.policy and not metrics_files:
+        for name in sorted(config.policies):  # one report per policy, each its own trainer's
+            _report(config.view(name), run, (), out / name, f"policy {name}: ")
+    else:
+        _report(config, run, metrics_files, out)
+
+
+def _report(
+    config: RollstreamConfig, run: str, given: Sequence[Path], out: Path, label: str = ""
+) -> None:
+    paths = metrics_paths(config, run, given)
     metrics = load_metrics(run, paths)
     if not metrics.rows:
         raise click.ClickException(f"no metrics rows in {', '.join(map(str, paths))}")
-    png_path, html_path = write_report(metrics, out or Path(f"rollstream-report-{run}"))
-    click.echo(f"{len(metrics.rows)} steps → {png_path} and {html_path}")
+    png_path, html_path = write_report(metrics, out)
+    click.echo(f"{label}{len(metrics.rows)} steps → {png_path} and {html_path}")

@@ -101,27 +101,38 @@ def roles_poller(config: RollstreamConfig) -> Poller[RunRoles]:
 def roles_command(config: RollstreamConfig, as_json: bool) -> None:
     """Show the run's producers, stream workers and trainers (from their heartbeats) and
     each stream worker's lag on the raw topic."""
-    config.require_policy()  # a multi-policy run: each policy's topics and files are its own
     from infra.services import Services
 
     resolved = Services(config).resolved()
-    roles = run_roles(resolved)
+    views = (
+        {name: resolved.view(name) for name in sorted(resolved.policies)}
+        if resolved.policies and not resolved.policy
+        else {resolved.policy: resolved}
+    )  # a multi-policy run: each policy's roles heartbeat on its own topic
+    found = {name: run_roles(view) for name, view in views.items()}
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "run": resolved.run_id,
-                    "active": [asdict(b) for b in roles.presence.active],
-                    "left": [asdict(b) for b in roles.presence.left],
-                    "silent": [asdict(b) for b in roles.presence.silent],
-                    "stream_lag": [asdict(w) for w in roles.stream_lag],
-                    "lag_error": roles.lag_error,
-                }
-            )
-        )
+        shown = {name: _as_json(views[name], roles) for name, roles in found.items()}
+        click.echo(json.dumps(shown[resolved.policy] if len(views) == 1 else shown))
         return
+    for name, roles in found.items():
+        click.echo(f"run {resolved.run_id}" + (f", policy {name}" if name else ""))
+        _print_roles(roles)
+
+
+def _as_json(config: RollstreamConfig, roles: RunRoles) -> dict[str, object]:
+    return {
+        "run": config.run_id,
+        "policy": config.policy,
+        "active": [asdict(b) for b in roles.presence.active],
+        "left": [asdict(b) for b in roles.presence.left],
+        "silent": [asdict(b) for b in roles.presence.silent],
+        "stream_lag": [asdict(w) for w in roles.stream_lag],
+        "lag_error": roles.lag_error,
+    }
+
+
+def _print_roles(roles: RunRoles) -> None:
     now = time.time() * 1000
-    click.echo(f"run {resolved.run_id}")
     for role in ROLE_KINDS:
         click.echo(f"{role:<9} {roles.summary(role)}")
         for state, beats in (

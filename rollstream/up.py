@@ -389,32 +389,75 @@ class Dashboard:
         return " | ".join(f"{name} {figures}" for name, _, figures in self.rows(alive))
 
 
-class PoliciesDashboard:
-    """A multi-policy run: one line per policy's trainer, and every role's process."""
+def _label(sample: str) -> str:
+    """The value of a one-label sample name: ``name{policy="solver"}`` -> ``solver``."""
+    return sample.partition('="')[2].rstrip('"}')
 
-    def __init__(self, config: RollstreamConfig, logs: Mapping[str, TrainerLog]) -> None:
+
+class PoliciesDashboard:
+    """A multi-policy run: per policy its trainer, stream worker and producer (a peer
+    policy's records come from the producer that calls it), with the role instances each
+    policy's heartbeats count."""
+
+    def __init__(
+        self,
+        config: RollstreamConfig,
+        logs: Mapping[str, TrainerLog],
+        roles: Mapping[str, Any] | None = None,
+    ) -> None:
         self.config = config
+        self.views = {name: config.view(name) for name in logs}
         self.logs = logs
+        self.roles = roles or {}  # per policy, a core.presence.Poller of run_roles
         self.started = time.monotonic()
+        self.rates = {name: (Rate(), Rate()) for name in logs}
 
     def rows(self, alive: Mapping[str, str]) -> list[tuple[str, str, str]]:
         rows = []
         for name, log in self.logs.items():
+            view = self.views[name]
             log.poll()
             last = log.rows[-1] if log.rows else {}
-            rows.append(
-                (
-                    f"trainer-{name}",
-                    alive.get(f"trainer-{name}", "-"),
-                    f"step {int(last.get('step', 0))}/{self.config.trainer.max_steps}  "
-                    f"v{int(last.get('version', 0))}  "
-                    f"reward {_fmt(last.get('reward/mean'))} "
-                    f"(last 10: {_fmt(log.mean('reward/mean', 10))})  "
-                    f"staleness {_fmt(last.get('staleness/mean'), '.2f')}",
-                )
+            found = self.roles[name].latest if name in self.roles else None
+            trainer = (
+                f"step {int(last.get('step', 0))}/{self.config.trainer.max_steps}  "
+                f"v{int(last.get('version', 0))}  "
+                f"reward {_fmt(last.get('reward/mean'))} "
+                f"(last 10: {_fmt(log.mean('reward/mean', 10))})  "
+                f"staleness {_fmt(last.get('staleness/mean'), '.2f')}"
             )
-        others = sorted(name for name in alive if not name.startswith("trainer-"))
-        rows += [(name, alive[name], "") for name in others]
+            s = scrape(int(view.streams.metrics_port or 0))
+            records = _sum(s, "rollstream_streams_records_in_total")
+            streams = (
+                f"records {_fmt(records, '.0f')} ({self.rates[name][0].update(records):.1f}/s)  "
+                f"groups {_fmt(_sum(s, 'rollstream_streams_groups_total'), '.0f')}  "
+                f"stale {_fmt(s.get('rollstream_streams_stale_total'), '.0f')}  "
+                f"dlq {_fmt(_sum(s, 'rollstream_streams_dlq_total'), '.0f')}"
+            )
+            if found is not None:
+                trainer += f"  in run: {found.summary('trainer')}"
+                streams += f"  in run: {found.summary('streams')}  lag {found.lag_line() or '-'}"
+            rows.append((f"trainer-{name}", alive.get(f"trainer-{name}", "-"), trainer))
+            rows.append((f"streams-{name}", alive.get(f"streams-{name}", "-"), streams))
+            if f"producer-{name}" in alive:
+                p = scrape(int(view.producers.rollout.metrics_port or 0))
+                groups = p.get("rollstream_producer_groups_total")
+                peers = ", ".join(
+                    f"{_label(key)} {value:.0f}"
+                    for key, value in p.items()
+                    if key.startswith("rollstream_producer_peer_samples_total{")
+                )
+                producer = (
+                    f"v{_fmt(p.get('rollstream_producer_version'), '.0f')}  "
+                    f"groups {_fmt(groups, '.0f')} ({self.rates[name][1].update(groups):.1f}/s)  "
+                    f"paused {_fmt(p.get('rollstream_producer_admission_paused'), '.0f')}"
+                    + (f"  peer samples: {peers}" if peers else "")
+                )
+                if found is not None:
+                    producer += f"  in run: {found.summary('producer')}"
+                rows.append((f"producer-{name}", alive[f"producer-{name}"], producer))
+        shown = {row[0] for row in rows}
+        rows += [(name, alive[name], "") for name in sorted(alive) if name not in shown]
         return rows
 
     def table(self, alive: Mapping[str, str]) -> Any:
@@ -793,11 +836,11 @@ def _supervise(
 
     console = Console(stderr=True)
     if policy_logs:
-        roles = roles_poller(config.view(sorted(config.policies)[0]))
-        dashboard: Dashboard | PoliciesDashboard = PoliciesDashboard(config, policy_logs)
+        pollers = {name: roles_poller(config.view(name)) for name in policy_logs}
+        dashboard: Dashboard | PoliciesDashboard = PoliciesDashboard(config, policy_logs, pollers)
     else:
-        roles = roles_poller(config)
-        dashboard = Dashboard(config, ports, log, roles)
+        pollers = {"": roles_poller(config)}
+        dashboard = Dashboard(config, ports, log, pollers[""])
     restarts_left = dict.fromkeys(launcher.roles, restarts)
 
     def alive() -> dict[str, str]:
@@ -841,7 +884,8 @@ def _supervise(
                     last_line = time.monotonic()
                     console.print(dashboard.line(alive()), soft_wrap=True)
     finally:
-        roles.close()
+        for poller in pollers.values():
+            poller.close()
     if stop:
         return f"stopped by {signal.Signals(stop.signum or 2).name}", False
     assert outcome is not None

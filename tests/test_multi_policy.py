@@ -401,3 +401,26 @@ def test_root_config_round_trips_with_its_policies(tmp_path: Path) -> None:
     write_config(root, tmp_path / "again.toml")
     again = tomllib.loads((tmp_path / "again.toml").read_text())
     assert RollstreamConfig.model_validate(again).policies == root.policies
+
+
+def test_the_live_display_shows_every_policys_roles(tmp_path: Path) -> None:
+    from rollstream.up import PoliciesDashboard, TrainerLog, policy_ports
+
+    root = load_config(_config_file(tmp_path))
+    logs = {}
+    for name in root.policy_names:
+        path = tmp_path / f"trainer.{name}.jsonl"
+        path.write_text('{"step": 3, "version": 3, "reward/mean": 0.25}\n')
+        logs[name] = TrainerLog(path)
+    ports = policy_ports()
+    assert ports["streams"]["metrics_port"] != ports["trainer"]["prometheus_port"]
+    config = root.model_copy(
+        update={"policies": {n: {**t, **policy_ports()} for n, t in root.policies.items()}}
+    )
+    alive = {"trainer-proposer": "pid 1", "streams-solver": "exit 0", "producer-proposer": "pid 2"}
+    rows = PoliciesDashboard(config, logs).rows(alive)
+    by_role = {role: (state, figures) for role, state, figures in rows}
+    assert by_role["trainer-solver"][0] == "-" and "reward 0.250" in by_role["trainer-solver"][1]
+    assert by_role["streams-solver"][0] == "exit 0"
+    assert "groups -" in by_role["producer-proposer"][1]  # its endpoint is not up: no figures
+    assert "producer-solver" not in by_role  # generated inside the proposer's producer
