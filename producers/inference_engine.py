@@ -360,6 +360,7 @@ class Engine:
         self.generator = torch.Generator()
         self.generator.manual_seed(seed if seed is not None else torch.seed() & (2**63 - 1))
         self.stats = EngineStats()
+        self._busy_since: float | None = None  # start of the busy time not yet counted
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self._queue: collections.deque[_Request | _Control] = collections.deque()
         self._pending: dict[str, _Request] = {}  # queued or running, by rid
@@ -556,9 +557,13 @@ class Engine:
     def _run_control(self, item: _Control) -> None:
         with self._busy():
             try:
-                item.future.set_result(item.fn())
+                result = item.fn()
             except Exception as exc:  # handed to the caller through the future
+                self._count_busy()
                 item.future.set_exception(exc)
+            else:
+                self._count_busy()
+                item.future.set_result(result)
 
     def model_info(self) -> dict[str, Any]:
         """SGLang's ``/get_model_info`` object."""
@@ -685,11 +690,20 @@ class Engine:
     @contextlib.contextmanager
     def _busy(self) -> Iterator[None]:
         """Add the block's wall-clock seconds to ``stats.busy_s``."""
-        began = time.perf_counter()
+        self._busy_since = time.perf_counter()
         try:
             yield
         finally:
-            self.stats.busy_s += time.perf_counter() - began
+            self._count_busy()
+            self._busy_since = None
+
+    def _count_busy(self) -> None:
+        """Count the busy time so far: done before a result is handed out, so a caller
+        that has its result also sees the compute that made it in ``stats.busy_s``."""
+        if self._busy_since is not None:
+            now = time.perf_counter()
+            self.stats.busy_s += now - self._busy_since
+            self._busy_since = now
 
     def _startable(self, requests: list[_Request]) -> list[_Request]:
         """The requests that still need compute; the others are finished here."""
@@ -916,6 +930,7 @@ class Engine:
         return None
 
     def _finish(self, request: _Request, reason: dict[str, Any]) -> None:
+        self._count_busy()
         with self._cv:
             self._pending.pop(request.rid, None)
         result = GenerateResult(

@@ -402,10 +402,12 @@ class RolloutWorker:
                     f"v{self.version} is {ahead} versions ahead of the trainer's consumed "
                     f"version {consumed} (staleness window {window})"
                 )
-        for publisher in (self.publisher, *self.peer_publishers.values()):
+        if self.publisher.undelivered_groups >= self.config.max_undelivered_groups:
+            return f"{self.publisher.undelivered_groups} groups await Kafka acknowledgement"
+        for name, publisher in self.peer_publishers.items():
             if publisher.undelivered_groups >= self.config.max_undelivered_groups:
                 return (
-                    f"{publisher.undelivered_groups} groups of {publisher.topic} await "
+                    f"{publisher.undelivered_groups} groups of peer policy {name!r} await "
                     "Kafka acknowledgement"
                 )
         for peer in self.peers.engines.values():  # each peer policy's own admission
