@@ -1071,6 +1071,7 @@ async def run_producer(
         if report.stop_requested:
             record = stop_record(report, ledger, rollout.stop_policy)
             ledger.stopped(record)
+            peer_side.stopped(record)
             logger.info(
                 "stopped (%s): %d group(s) in flight finished, %d aborted, %d unacknowledged",
                 record.policy,
@@ -1262,6 +1263,21 @@ class _PeerSide:
                     interval_s=peer.presence.interval_s,
                     detail=self._detail(name),
                 ).start()
+
+    def stopped(self, record: StopRecord) -> None:
+        """Each peer ledger's ``stopped`` line: the peer groups of the driving groups in
+        flight at the stop, finished (published) or aborted with them."""
+        for name, publisher in self.publishers.items():
+            state = publisher.ledger.state
+            published = {*state.delivered, *state.pending}
+            publisher.ledger.stopped(
+                StopRecord(
+                    policy=record.policy,
+                    finished=[f"{g}-{name}" for g in record.finished if f"{g}-{name}" in published],
+                    aborted=[f"{g}-{name}" for g in record.aborted],
+                    unacknowledged=sorted(state.pending),
+                )
+            )
 
     def _detail(self, name: str) -> Callable[[], dict[str, Any]]:
         def detail() -> dict[str, Any]:

@@ -424,3 +424,22 @@ def test_the_live_display_shows_every_policys_roles(tmp_path: Path) -> None:
     assert by_role["streams-solver"][0] == "exit 0"
     assert "groups -" in by_role["producer-proposer"][1]  # its endpoint is not up: no figures
     assert "producer-solver" not in by_role  # generated inside the proposer's producer
+
+
+def test_a_stopping_producer_says_in_each_peer_ledger_what_it_did(tmp_path: Path) -> None:
+    from producers.ledger import Ledger, StopRecord, read_ledger
+    from producers.metrics import ProducerMetrics
+    from producers.worker import _PeerSide
+
+    ledger = Ledger(tmp_path / "solver", fsync=False).open()
+    ledger.pending("a-solver", ["a-solver-0", "a-solver-1"])
+    ledger.pending("b-solver", ["b-solver-0", "b-solver-1"])
+    ledger.delivered("b-solver", ["b-solver-0", "b-solver-1"], [(0, 1), (0, 2)])
+    side = _PeerSide(None, "p0", ProducerMetrics(), stop=None)
+    side.publishers["solver"] = FakePublisher(ledger=ledger)  # type: ignore[arg-type]
+    side.stopped(StopRecord("finish", finished=["a", "b", "c"], aborted=["d"], unacknowledged=[]))
+    ledger.close()
+    (stop,) = read_ledger(tmp_path / "solver" / "ledger.jsonl").stops
+    assert stop.policy == "finish" and stop.aborted == ["d-solver"]
+    assert stop.finished == ["a-solver", "b-solver"]  # c's peer group was never published
+    assert "a-solver" in stop.unacknowledged
