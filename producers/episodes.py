@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import orjson
 
+from producers.client import EngineUnavailable
 from producers.environments import Environment, EpisodeLimits, MalformedToolCall, Observation
 from producers.peers import PeerSample
 from producers.tasks import Prompt
@@ -190,6 +191,8 @@ class EpisodeRunner:
             answer = await asyncio.wait_for(episode.step(turn_ids), self.limits.tool_timeout_s)
         except MalformedToolCall as exc:
             return None, (EpisodeEnd.MALFORMED_TOOL_CALL, str(exc))
+        except EngineUnavailable:
+            raise  # a peer policy's engine is away: the group is generated again, not scored
         except TimeoutError:
             return None, (
                 EpisodeEnd.TOOL_TIMEOUT,

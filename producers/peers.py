@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from producers.backends import Backend
-from producers.client import GenerateOutput
+from producers.client import EngineUnavailable, GenerateOutput
 from producers.config import SamplingConfig
 from producers.credit import AdmissionCredit
 from schemas.control import VersionAnnouncement
@@ -120,7 +120,7 @@ class PeerEngine:
             self._gate.clear()
             try:
                 await self._idle.wait()
-                await self.backend.load_version(version, state)
+                await self._load(version, state)
                 self.version = version
                 logger.info("peer %s now generates with version %d", self.policy, version)
             except Exception as exc:  # a peer that cannot load its weights stops the worker
@@ -128,6 +128,21 @@ class PeerEngine:
                 raise
             finally:
                 self._gate.set()
+
+    async def _load(self, version: int, state: Mapping[str, Any]) -> None:
+        """Load ``version``, riding out an engine that is away (retried with back-off, as
+        the worker's own engine is); any other refusal is final."""
+        backoff = 1.0
+        while True:
+            try:
+                await self.backend.load_version(version, state)
+                return
+            except EngineUnavailable as exc:
+                logger.warning(
+                    "peer %s: engine unavailable loading v%d (%s)", self.policy, version, exc
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Accept ``submit_version`` calls for ``loop`` before ``run_versions`` starts."""

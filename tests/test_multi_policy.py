@@ -443,3 +443,25 @@ def test_a_stopping_producer_says_in_each_peer_ledger_what_it_did(tmp_path: Path
     assert stop.policy == "finish" and stop.aborted == ["d-solver"]
     assert stop.finished == ["a-solver", "b-solver"]  # c's peer group was never published
     assert "a-solver" in stop.unacknowledged
+
+
+def test_a_peer_engine_that_is_away_regenerates_the_group_instead_of_scoring_it() -> None:
+    from producers.client import EngineUnavailable
+
+    class Flaky(FakeBackend):
+        failures: int = 1
+
+        async def generate(self, prompts, sampling, rids):
+            if self.failures:
+                self.failures -= 1
+                raise EngineUnavailable("connection refused")
+            return await super().generate(prompts, sampling, rids)
+
+    solver = _peer(Flaky(version=2), version=2)
+    own, theirs = FakePublisher(), FakePublisher()
+    worker = _worker(FakeBackend(), solver, own, theirs)
+    report = asyncio.run(asyncio.wait_for(worker.run(groups=1), 30))
+    assert report.groups_delivered == 1 and worker.metrics.get("engine_errors_total") == 1
+    (mine,) = own.groups
+    assert all("tool_exception" not in str(t.reward_details) for t in mine)
+    assert len(theirs.groups) == 1 and len(theirs.groups[0]) == 4  # every episode solved
