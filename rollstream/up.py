@@ -160,11 +160,6 @@ def build_config(
     merged["up"] = up.model_dump()
     merged["trainer"]["max_steps"] = up.max_steps  # [up] max_steps (or --max-steps) decides
     if merged.get("policies"):
-        if up.producers > 1 or up.stream_workers > 1 or up.trainer_ranks > 1:
-            raise click.UsageError(
-                "a multi-policy run under `up` takes one producer, stream worker and trainer "
-                "rank per policy; start more by hand with `rollstream --policy NAME ...`"
-            )
         merged["policies"] = {
             name: merge_tables(policy_ports(), table) for name, table in merged["policies"].items()
         }
@@ -543,7 +538,7 @@ def role_specs(
     cpus = _core_plan(config.up.pin_cores)
     run_dir = config_path.parent
     if config.policies:
-        return policy_role_specs(config, rs, env, cpus)
+        return policy_role_specs(config, rs, env, cpus, run_dir)
     specs = []
     for i, port in enumerate(ports.all_streams_metrics):
         own = [] if i == 0 else ["--set", f"streams.metrics_port={port}"]
@@ -601,43 +596,71 @@ def role_specs(
 
 
 def policy_role_specs(
-    config: RollstreamConfig, rs: list[str], env: dict[str, str], cpus: dict[str, Any]
+    config: RollstreamConfig,
+    rs: list[str],
+    env: dict[str, str],
+    cpus: dict[str, Any],
+    run_dir: Path,
 ) -> list[Any]:
-    """A multi-policy run: per policy a stream worker and a trainer (``rollstream --policy
-    NAME stream|train``), and per driving policy an engine and a producer; a policy that
-    is another's peer is generated inside that policy's producer."""
-    from core.process import RoleSpec
+    """A multi-policy run: per policy its stream workers and trainer (``rollstream
+    --policy NAME stream|train``), and per driving policy its engines and producers; a
+    policy that is another's peer is generated inside that policy's producers. The first
+    of a kind takes the policy's ports from the run's file, further ones (``--producers``,
+    ``--stream-workers``) get free ones on their command line, as for one policy."""
+    from core.process import RoleSpec, free_port
 
+    up = config.up
     specs = []
     drivers = driving_policies(config)
     for name in sorted(config.policies):
         view = config.view(name)
         on = [*rs, "--policy", name]
-        specs.append(
-            RoleSpec(
-                f"streams-{name}",
-                [*on, "stream"],
-                env,
-                _port_probe(int(view.streams.metrics_port or 0)),
-                cpus.get("streams"),
+        for i in range(up.stream_workers):
+            port = int(view.streams.metrics_port or 0) if i == 0 else free_port()
+            extra = [] if i == 0 else ["--set", f"streams.metrics_port={port}"]
+            datadir = [] if i == 0 else [f"--datadir={run_dir / 'streams' / name / str(i)}"]
+            specs.append(
+                RoleSpec(
+                    role_name(f"streams-{name}", i),
+                    [*on, *extra, "stream", *datadir],
+                    env,
+                    _port_probe(port),
+                    cpus.get("streams"),
+                )
             )
-        )
+        train = [*on, "train"]
+        if up.trainer_ranks > 1:  # torch's own launcher starts and watches the ranks
+            train = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={up.trainer_ranks}",
+                "-m",
+                *on[2:],
+                "train",
+            ]
         specs.append(
             RoleSpec(
                 f"trainer-{name}",
-                [*on, "train"],
+                train,
                 env,
                 _port_probe(int(view.trainer.prometheus_port or 0)),
                 cpus.get("trainer"),
             )
         )
-        if name in drivers:
-            engine = int(view.producers.engine.port or 0)
+        if name not in drivers:
+            continue
+        for i in range(up.producers):
+            engine = int(view.producers.engine.port or 0) if i == 0 else free_port()
+            metrics = int(view.producers.rollout.metrics_port or 0) if i == 0 else free_port()
             url = f"http://127.0.0.1:{engine}"
+            extra = [] if i == 0 else ["--set", f"producers.rollout.metrics_port={metrics}"]
+            producer_id = [] if i == 0 else ["--producer-id", f"{config.run_id}-producer-{i}"]
             specs.append(
                 RoleSpec(
-                    f"engine-{name}",
-                    [*on, "serve"],
+                    role_name(f"engine-{name}", i),
+                    [*on, "serve", *([] if i == 0 else ["--port", str(engine)])],
                     env,
                     _http_ok(f"{url}/health"),
                     cpus.get("engine"),
@@ -645,10 +668,10 @@ def policy_role_specs(
             )
             specs.append(
                 RoleSpec(
-                    f"producer-{name}",
-                    [*on, "produce", "--engine-url", url],
+                    role_name(f"producer-{name}", i),
+                    [*on, *extra, "produce", "--engine-url", url, *producer_id],
                     env,
-                    _port_probe(int(view.producers.rollout.metrics_port or 0)),
+                    _port_probe(metrics),
                     cpus.get("producer"),
                 )
             )

@@ -465,3 +465,31 @@ def test_a_peer_engine_that_is_away_regenerates_the_group_instead_of_scoring_it(
     (mine,) = own.groups
     assert all("tool_exception" not in str(t.reward_details) for t in mine)
     assert len(theirs.groups) == 1 and len(theirs.groups[0]) == 4  # every episode solved
+
+
+def test_up_starts_every_role_of_every_policy_with_its_policy(tmp_path: Path) -> None:
+    from rollstream.up import Ports, UpConfig, build_config, role_specs
+
+    up = UpConfig(producers=2, stream_workers=2, trainer_ranks=2)
+    root = load_config(_config_file(tmp_path))
+    config = build_config(root, up, "mp", tmp_path / "run", Ports.free())
+    specs = {spec.name: spec.argv for spec in role_specs(tmp_path / "run" / "x.toml", config, None)}  # type: ignore[arg-type]
+    assert sorted(specs) == sorted(
+        [
+            *(
+                f"{kind}-{p}{i}"
+                for kind in ("streams",)
+                for p in ("proposer", "solver")
+                for i in ("", "-1")
+            ),
+            "trainer-proposer",
+            "trainer-solver",
+            *(f"{kind}-proposer{i}" for kind in ("engine", "producer") for i in ("", "-1")),
+        ]
+    )
+    for name, argv in specs.items():
+        policy = name.split("-")[1]
+        assert argv[argv.index("--policy") + 1] == policy, name
+    assert "torch.distributed.run" in specs["trainer-solver"]
+    ports = {config.view(p).trainer.prometheus_port for p in ("proposer", "solver")}
+    assert len(ports) == 2  # each policy's roles have their own ports
