@@ -17,6 +17,11 @@ the proposer on its problem's form and on how well the solver did with it. Both 
 A proposer turn without a digit gets no solver turn (and the form score alone). The
 solver's turns of one proposer group form one solver group: different problems of one
 seed, so its advantages are centred on the group's mean across problems.
+
+With ``rounds = R`` > 1 an episode is multi-agent play: after each of the first R - 1
+rounds the proposer sees the solver's answer (``p1 .. pk EOS SEP``) as a turn of the
+solver (an environment turn to the proposer, named in the record's ``turn_policies``)
+and writes its next problem; its reward is the mean over rounds.
 """
 
 from __future__ import annotations
@@ -58,53 +63,80 @@ def problem_of(turn_ids: Sequence[int], problem_digits: int) -> list[int]:
 
 
 @dataclass
+class Round:
+    """One proposer turn and the solver's answer to it."""
+
+    form: float
+    problem: list[int]
+    solver_turn: PeerTurn | None = None
+    solver_score: float = 0.0
+    solver_details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reward(self) -> float:
+        return (self.form + self.solver_score) / 2
+
+
+@dataclass
 class ProposeSolveEpisode:
     seed: int
     problem_digits: int
     solver: PeerEngine
     solver_max_new_tokens: int
-    form: float = 0.0
-    problem: list[int] = field(default_factory=list)
-    solver_turn: PeerTurn | None = None
-    solver_score: float = 0.0
-    solver_details: dict[str, Any] = field(default_factory=dict)
+    rounds: int = 1
+    played: list[Round] = field(default_factory=list)
 
     async def step(self, turn_ids: list[int]) -> Observation:
-        if self.solver_turn is not None:
-            raise MalformedToolCall("propose-solve has one proposer turn")
-        self.form = problem_form(self.seed, self.problem_digits, turn_ids)
-        self.problem = problem_of(turn_ids, self.problem_digits)
-        if self.problem:
-            prompt = [BOS_ID, *digits_to_ids(self.problem), SEP_ID]
-            self.solver_turn = await self.solver.generate(
+        if len(self.played) >= self.rounds:
+            raise MalformedToolCall(f"propose-solve has {self.rounds} proposer turn(s)")
+        now = Round(
+            problem_form(self.seed, self.problem_digits, turn_ids),
+            problem_of(turn_ids, self.problem_digits),
+        )
+        self.played.append(now)
+        if now.problem:
+            prompt = [BOS_ID, *digits_to_ids(now.problem), SEP_ID]
+            now.solver_turn = await self.solver.generate(
                 prompt,
                 self.solver_max_new_tokens,
                 [EOS_ID],
                 rid=f"solve-{uuid.uuid4().hex}",
             )
-            self.solver_score, self.solver_details = score_digits(
-                self.problem, self.solver_turn.response_ids
+            now.solver_score, now.solver_details = score_digits(
+                now.problem, now.solver_turn.response_ids
             )
-        return Observation(done=True)
+        if len(self.played) == self.rounds:
+            return Observation(done=True)
+        # the next round's proposer sees the solver's answer: a turn of the peer policy
+        answer = list(now.solver_turn.response_ids) if now.solver_turn is not None else []
+        return Observation(ids=[*answer, SEP_ID], policy=self.solver.policy)
 
     def reward(self) -> tuple[float, dict[str, Any]]:
-        details = {
+        rounds = self.played or [Round(0.0, [])]
+        details: dict[str, Any] = {
             "seed": self.seed,
-            "problem": "".join(map(str, self.problem)),
-            "form": self.form,
-            "well_formed": self.form == 1.0,
-            "solver_score": self.solver_score,
-            "solved": bool(self.solver_details.get("correct", False)),
+            "problem": " ".join("".join(map(str, r.problem)) for r in rounds),
+            "form": sum(r.form for r in rounds) / len(rounds),
+            "well_formed": all(r.form == 1.0 for r in rounds),
+            "solver_score": sum(r.solver_score for r in rounds) / len(rounds),
+            "solved": all(r.solver_details.get("correct", False) for r in rounds),
+            "rounds_played": len(self.played),
         }
-        if self.solver_turn is not None:
-            details["solver_version"] = self.solver_turn.version
-        return (self.form + self.solver_score) / 2, details
+        versions = [r.solver_turn.version for r in rounds if r.solver_turn is not None]
+        if versions:
+            details["solver_version"] = max(versions)
+        return sum(r.reward for r in rounds) / self.rounds, details
 
     def peer_samples(self) -> list[PeerSample]:
-        if self.solver_turn is None:
-            return []
-        details = {**self.solver_details, "seed": self.seed, "proposer_form": self.form}
-        return [PeerSample(self.solver_turn, self.solver_score, details)]
+        return [
+            PeerSample(
+                r.solver_turn,
+                r.solver_score,
+                {**r.solver_details, "seed": self.seed, "proposer_form": r.form, "round": i},
+            )
+            for i, r in enumerate(self.played)
+            if r.solver_turn is not None
+        ]
 
 
 @dataclass
@@ -113,6 +145,7 @@ class ProposeSolve:
 
     solver: PeerEngine
     problem_digits: int = 2
+    rounds: int = 1
     name: str = "propose-solve"
     stop_token_ids: list[int] = field(default_factory=lambda: [EOS_ID])
     limits: EpisodeLimits = field(
@@ -135,6 +168,7 @@ class ProposeSolve:
             problem_digits=self.problem_digits,
             solver=self.solver,
             solver_max_new_tokens=self.problem_digits + 1,
+            rounds=self.rounds,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -146,15 +180,26 @@ class ProposeSolve:
 
 @register_task("propose-solve")
 def propose_solve(
-    context: TaskContext, solver: str = "solver", problem_digits: int = 2
+    context: TaskContext, solver: str = "solver", problem_digits: int = 2, rounds: int = 1
 ) -> ProposeSolve:
-    """``solver``: the peer policy that answers (``producers.rollout.peers`` must list it)."""
+    """``solver``: the peer policy that answers (``producers.rollout.peers`` must list it);
+    ``rounds``: proposer turns per episode, each after seeing the solver's last answer."""
     if not 1 <= problem_digits <= 6:
         raise ValueError(f"propose-solve: problem_digits must be 1..6, got {problem_digits}")
+    if not 1 <= rounds <= 4:
+        raise ValueError(f"propose-solve: rounds must be 1..4, got {rounds}")
     peers: Peers | None = context.peers
     if not peers or solver not in peers:
         raise ValueError(
             f"propose-solve needs the peer policy {solver!r}: run it in a multi-policy run "
             f"with producers.rollout.peers = [{solver!r}]"
         )
-    return ProposeSolve(solver=peers[solver], problem_digits=problem_digits)
+    limits = EpisodeLimits(
+        max_turns=rounds,
+        max_total_tokens=rounds * (2 * problem_digits + 3),
+        tool_timeout_s=120.0,
+        max_observation_tokens=problem_digits + 2,
+    )
+    return ProposeSolve(
+        solver=peers[solver], problem_digits=problem_digits, rounds=rounds, limits=limits
+    )

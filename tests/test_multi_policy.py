@@ -493,3 +493,32 @@ def test_up_starts_every_role_of_every_policy_with_its_policy(tmp_path: Path) ->
     assert "torch.distributed.run" in specs["trainer-solver"]
     ports = {config.view(p).trainer.prometheus_port for p in ("proposer", "solver")}
     assert len(ports) == 2  # each policy's roles have their own ports
+
+
+def test_multi_agent_rounds_name_the_peers_turns_in_the_drivers_record() -> None:
+    solver = _peer(FakeBackend(version=1), version=1)
+    own, theirs = FakePublisher(), FakePublisher()
+    worker = _worker(FakeBackend(), solver, own, theirs)
+    worker.task = make_task(
+        "propose-solve",
+        {"rounds": 2},
+        TaskContext(Path("/nonexistent"), peers=Peers({"solver": solver})),
+    )
+    worker.episodes = EpisodeRunner(worker.task, worker.task.limits, 16)
+    report = asyncio.run(asyncio.wait_for(worker.run(groups=1), 30))
+    assert report.groups_delivered == 1
+    (mine,) = own.groups
+    (peer,) = theirs.groups
+    assert len(peer) == 2 * len(mine)  # one solver answer per round of every episode
+    for record in mine:
+        assert record.turn_policies == ("proposer", "solver", "proposer")
+        assert record.turn_kinds.tolist() == [0, 1, 0]
+        assert record.reward_details["rounds_played"] == 2
+        assert validate(record, ValidationLimits()) == [] and decode(encode(record)) == record
+    assert sorted(s.reward_details["round"] for s in peer) == [0] * 4 + [1] * 4
+    with pytest.raises(ValueError, match=r"rounds must be 1\.\.4"):
+        make_task("propose-solve", {"rounds": 9}, TaskContext(Path("/x"), peers=solver_peers()))
+
+
+def solver_peers() -> Peers:
+    return Peers({"solver": _peer(FakeBackend())})
