@@ -29,6 +29,11 @@ class AdmissionCredit:
         if self.share is not None:
             self.lead += 1 / self.share
 
+    def refund(self) -> None:
+        """A started group that will never reach this trainer gives its charge back."""
+        if self.share is not None:
+            self.lead = max(0.0, self.lead - 1 / self.share)
+
     def pause(
         self, trainer: VersionAnnouncement | None, window: int, engine_version: int
     ) -> str | None:

@@ -100,8 +100,8 @@ class ProducerMetrics:
         )
         self.peer_samples_dropped = Counter(
             p + "peer_samples_dropped",
-            "Turns of peer policies not published (their group had fewer than 2 samples, or "
-            "the environment handed back something that is not a PeerSample), by policy.",
+            "Turns of peer policies not published, by policy: their group had fewer than 2 "
+            "samples, or the sample named a policy that is not a peer ('unknown').",
             ["policy"],
             registry=r,
         )

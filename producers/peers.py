@@ -21,8 +21,10 @@ trains them, never the driver's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,6 +93,7 @@ class PeerEngine:
         self._idle.set()
         self._inflight = 0
         self._failure: BaseException | None = None
+        self._away: EngineUnavailable | None = None  # the engine is away while loading
 
     # --- versions ----------------------------------------------------------------------------
 
@@ -133,16 +136,20 @@ class PeerEngine:
         """Load ``version``, riding out an engine that is away (retried with back-off, as
         the worker's own engine is); any other refusal is final."""
         backoff = 1.0
-        while True:
-            try:
-                await self.backend.load_version(version, state)
-                return
-            except EngineUnavailable as exc:
-                logger.warning(
-                    "peer %s: engine unavailable loading v%d (%s)", self.policy, version, exc
-                )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
+        try:
+            while True:
+                try:
+                    await self.backend.load_version(version, state)
+                    return
+                except EngineUnavailable as exc:
+                    self._away = exc  # calls waiting for the load fail fast meanwhile
+                    logger.warning(
+                        "peer %s: engine unavailable loading v%d (%s)", self.policy, version, exc
+                    )
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 30.0)
+        finally:
+            self._away = None
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Accept ``submit_version`` calls for ``loop`` before ``run_versions`` starts."""
@@ -172,6 +179,10 @@ class PeerEngine:
         """A group that calls this peer started (its credit is charged)."""
         self.credit.started()
 
+    def refund(self) -> None:
+        """A started group made no group of this peer's: its charge comes back."""
+        self.credit.refund()
+
     # --- generation ----------------------------------------------------------------------------
 
     async def generate(
@@ -183,7 +194,10 @@ class PeerEngine:
     ) -> PeerTurn:
         """One turn of the peer from ``prompt_ids``, under one version."""
         while not self._gate.is_set():
-            await self._gate.wait()
+            if self._away is not None:  # the group is generated again later, not scored
+                raise EngineUnavailable(f"peer {self.policy!r}: {self._away}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._gate.wait(), 0.5)
         believed = self.version
         self._inflight += 1
         self._idle.clear()
@@ -191,7 +205,7 @@ class PeerEngine:
         self.turns += 1
         try:
             (out,) = await self.backend.generate(
-                [list(prompt_ids)], [params], [rid or f"peer-{self.policy}-{self.turns}"]
+                [list(prompt_ids)], [params], [rid or f"peer-{self.policy}-{uuid.uuid4().hex}"]
             )
         finally:
             self._inflight -= 1

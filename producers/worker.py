@@ -70,6 +70,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -611,14 +612,23 @@ class RolloutWorker:
         """The records the group's episodes made of peer policies' turns: per peer
         policy, one group ``<group id>-<policy>`` of every such sample (a group of one
         has no spread to learn from and is dropped), for that policy's raw topic."""
-        by_policy: dict[str, list[PeerSample]] = {}
+        by_policy: dict[str, list[PeerSample]] = {name: [] for name in self.peers.engines}
         for episode in episodes:
             for sample in episode.peer_samples:
-                by_policy.setdefault(sample.turn.policy, []).append(sample)
+                if sample.turn.policy not in by_policy:  # the environment named no peer
+                    logger.warning(
+                        "dropping a peer sample of policy %r: not a peer of this producer (%s)",
+                        sample.turn.policy,
+                        ", ".join(sorted(by_policy)) or "none",
+                    )
+                    self.metrics.peer_samples_dropped.labels(policy="unknown").inc()
+                    continue
+                by_policy[sample.turn.policy].append(sample)
         groups = []
         for policy, samples in sorted(by_policy.items()):
             if len(samples) < 2:
                 self.metrics.peer_samples_dropped.labels(policy=policy).inc(len(samples))
+                self.peers[policy].refund()  # no group for its trainer: its credit comes back
                 continue
             peer_group_id = f"{group_id}-{policy}"
             self.metrics.peer_samples.labels(policy=policy).inc(len(samples))
@@ -967,8 +977,8 @@ async def run_producer(
             retry_max_wait=rollout.retry_max_wait_s,
         )
         await client.check_model(rollout.expected_model or producers.engine.model)
-        weights = Path(config.state_dir) / "producers" / config.run_id / producer_id / "weights"
-        backend = HttpBackend(client, weights)
+        weights = ledger_dir(config.state_dir, config.run_id, producer_id, config.policy)
+        backend = HttpBackend(client, weights / "weights")
     else:
         from producers.inference_engine import engine_from_config
 
@@ -1171,7 +1181,9 @@ class _PeerSide:
     the peer's ``rollout.engine_url``), a ledger and publisher on the peer's raw topic, a
     weight follower on the peer's lineage, and a heartbeat on the peer's roles topic."""
 
-    def __init__(self, config: Any, producer_id: str, metrics: ProducerMetrics, stop: Any):
+    def __init__(
+        self, config: Any, producer_id: str, metrics: ProducerMetrics, stop: threading.Event
+    ) -> None:
         self.config = config
         self.producer_id = producer_id
         self.metrics = metrics
@@ -1195,12 +1207,16 @@ class _PeerSide:
         rollout = peer.producers.rollout
         backend: Backend
         if rollout.engine_url:
-            client = EngineClient(rollout.engine_url, request_timeout=rollout.request_timeout_s)
+            client = EngineClient(
+                rollout.engine_url,
+                connect_timeout=rollout.connect_timeout_s,
+                request_timeout=rollout.request_timeout_s,
+                retries=rollout.retries,
+                retry_max_wait=rollout.retry_max_wait_s,
+            )
             await client.check_model(rollout.expected_model or peer.producers.engine.model)
-            weights = (
-                Path(peer.state_dir) / "producers" / peer.run_id / name / self.producer_id
-            ) / "weights"
-            backend = HttpBackend(client, weights)
+            weights = ledger_dir(peer.state_dir, peer.run_id, self.producer_id, name)
+            backend = HttpBackend(client, weights / "weights")
         else:
             from producers.inference_engine import engine_from_config
 
@@ -1232,7 +1248,7 @@ class _PeerSide:
             client_config,
             rollout.topic,
             ledger,
-            self.metrics,
+            ProducerMetrics(),  # the peer's own counts: the served metrics are the driver's
             delivery_timeout_ms=rollout.delivery_timeout_ms,
             overrides=rollout.producer_overrides,
         )
@@ -1292,19 +1308,30 @@ class _PeerSide:
         return detail
 
     async def close(self) -> None:
+        """Release everything, each step on its own: one that fails is logged and the
+        others still run (the driver's own resources are released after this)."""
         self.stop.set()
-        for name, beacon in self.beacons.items():
-            beacon.leave(self._detail(name)())
-        for thread in self.threads:
-            await asyncio.to_thread(thread.join, 30)
-        for watcher in self.watchers.values():
-            watcher.close()
-        for publisher in self.publishers.values():
-            await asyncio.to_thread(publisher.close)
-        for ledger in self.ledgers:
-            ledger.close()
-        for engine in self.peers.engines.values():
-            await engine.backend.aclose()
+        steps: list[tuple[str, Callable[[], Any]]] = [
+            *(
+                (f"heartbeat of {n}", partial(b.leave, self._detail(n)()))
+                for n, b in self.beacons.items()
+            ),
+            *((f"follower {t.name}", partial(asyncio.to_thread, t.join, 30)) for t in self.threads),
+            *((f"announcements of {n}", w.close) for n, w in self.watchers.items()),
+            *(
+                (f"publisher of {n}", partial(asyncio.to_thread, p.close))
+                for n, p in self.publishers.items()
+            ),
+            *((f"ledger {ledger.path}", ledger.close) for ledger in self.ledgers),
+            *((f"engine of {n}", e.backend.aclose) for n, e in self.peers.engines.items()),
+        ]
+        for what, step in steps:
+            try:
+                done = step()
+                if asyncio.iscoroutine(done) or isinstance(done, asyncio.Future):
+                    await done
+            except Exception as exc:
+                logger.warning("closing the peers: %s failed: %r", what, exc)
 
 
 def _start_follower(

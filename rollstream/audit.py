@@ -602,6 +602,10 @@ def audit_command(
 
     from infra.services import Services
 
+    if config.policies and not config.policy and (ledger or producers_dir):
+        raise click.UsageError(
+            "--ledger and --producers-dir are one policy's files: name it with --policy"
+        )
     resolved = Services(config).resolved()
     views = (
         {name: resolved.view(name) for name in sorted(resolved.policies)}

@@ -190,21 +190,47 @@ def load_config(
     with its own ``profile.model`` gets that model's settings everywhere. Every policy's
     view is built once here, so a bad table fails whichever role starts first."""
     raw = settings_from_sources(RollstreamConfig, path, overrides)
-    views = {name: policy_view(raw, name) for name in raw.policies}
+    views = {name: policy_view(raw, name, overrides) for name in raw.policies}
+    check_peers(views)
     policy = policy or raw.policy  # ROLLSTREAM_POLICY or `--set policy=...` name it too
     if policy:
-        return views[policy] if policy in views else policy_view(raw, policy)
+        return views[policy] if policy in views else policy_view(raw, policy, overrides)
     return with_profile(raw)
 
 
-def policy_view(raw: RollstreamConfig, policy: str) -> RollstreamConfig:
-    """``policy``'s view of ``raw`` (a config before its profile is applied)."""
+def policy_view(
+    raw: RollstreamConfig, policy: str, overrides: dict[str, Any] | None = None
+) -> RollstreamConfig:
+    """``policy``'s view of ``raw`` (a config before its profile is applied). Explicit
+    ``overrides`` (``--set``) win over the policy's table too: a second stream worker of a
+    policy gets its own port on its command line."""
     explicit = raw.model_dump(exclude_unset=True)
     values = policy_values(explicit, raw.model_dump(), raw.policies, policy)
+    values = merge_tables(values, {k: v for k, v in (overrides or {}).items() if k != "policy"})
     try:
         return with_profile(RollstreamConfig.model_validate(values))
     except ValidationError as err:
         raise ConfigurationError(f"[policies.{policy}] is not valid:\n{err}") from err
+
+
+def check_peers(views: dict[str, RollstreamConfig]) -> None:
+    """Peers must be other policies of the run, and some policy must drive (be called by
+    none): a run whose policies only call each other would start no producer."""
+    called: set[str] = set()
+    for name, view in views.items():
+        peers = view.producers.rollout.peers
+        wrong = sorted({p for p in peers if p not in views or p == name})
+        if wrong:
+            raise ConfigurationError(
+                f"[policies.{name}] producers.rollout.peers names {', '.join(wrong)}: peers "
+                f"are the run's other policies ({', '.join(sorted(set(views) - {name}))})"
+            )
+        called.update(peers)
+    if views and called >= set(views):
+        raise ConfigurationError(
+            "every policy is another's peer, so none drives an episode: leave one policy "
+            "out of every producers.rollout.peers"
+        )
 
 
 def with_profile(config: RollstreamConfig) -> RollstreamConfig:

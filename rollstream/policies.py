@@ -24,6 +24,9 @@ from core.config import ConfigurationError, merge_tables
 POLICY_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 """A policy name: it becomes part of topic names, consumer groups and S3 keys."""
 
+VERSION_LIKE = re.compile(r"^v\d+$")
+"""Names a policy may not take: ``weights/<run>/<policy>/`` sits beside ``weights/<run>/v<N>/``."""
+
 RESERVED_KEYS = frozenset({"policies", "policy", "run_id"})
 """Settings a policy's table may not override: the run and its policies are shared."""
 
@@ -31,6 +34,10 @@ RESERVED_KEYS = frozenset({"policies", "policy", "run_id"})
 def check_policy_tables(policies: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """``policies`` with every name and table checked (``ValueError`` says which)."""
     for name, table in policies.items():
+        if VERSION_LIKE.match(name):
+            raise ValueError(
+                f"policy name {name!r} looks like a weight version directory (v<digits>)"
+            )
         if not POLICY_NAME.match(name):
             raise ValueError(
                 f"policy name {name!r}: lower-case letters, digits, '-' and '_', "

@@ -43,6 +43,7 @@ from pydantic import BaseModel, ValidationError
 
 from core.config import merge_tables, to_toml
 from rollstream.config import RollstreamConfig, UpConfig
+from rollstream.profiles import ProfileConfig, profile_sections
 
 ROLE_ORDER = ("streams", "trainer", "engine", "producer")
 STOP_ORDER = ("producer", "engine", "streams", "trainer")
@@ -161,9 +162,20 @@ def build_config(
     merged["trainer"]["max_steps"] = up.max_steps  # [up] max_steps (or --max-steps) decides
     if merged.get("policies"):
         merged["policies"] = {
-            name: merge_tables(policy_ports(), table) for name, table in merged["policies"].items()
+            name: merge_tables(policy_ports(), with_own_profile(base, table))
+            for name, table in merged["policies"].items()
         }
     return RollstreamConfig.model_validate(merged)
+
+
+def with_own_profile(base: RollstreamConfig, table: dict[str, Any]) -> dict[str, Any]:
+    """A policy's table with what its own ``[profile]`` derives laid under it. The run's
+    file holds the root profile's settings as explicit values, which a policy's profile
+    would otherwise lose to (``load_config`` applies a policy's profile before them)."""
+    if "profile" not in table:
+        return table
+    own = merge_tables(base.profile.model_dump(exclude_unset=True), table["profile"])
+    return merge_tables(profile_sections(ProfileConfig.model_validate(own)), table)
 
 
 def policy_ports() -> dict[str, Any]:
@@ -956,6 +968,10 @@ def up(ctx: click.Context, run_id: str | None, run_dir: Path | None, **options: 
     from rollstream.config import load_config
 
     config: RollstreamConfig = ctx.obj
+    if config.policy:
+        raise click.UsageError(
+            "`up` runs every policy of the run: leave out --policy (and ROLLSTREAM_POLICY)"
+        )
     given = {k: v for k, v in options.items() if v is not None}
     profile = {k: given.pop(k) for k in PROFILE_OPTIONS if k in given}
     if profile:  # the profile changes what every role derives: load the sources again

@@ -46,9 +46,12 @@ class WeightsContext:
         return WeightStore.from_config(self.s3(region), self.run, self.config.policy)
 
 
-def load_settings(path: Path | None) -> tuple[RollstreamConfig, WeightsConfig]:
-    """The run's config and its ``[weights]`` section from one TOML file."""
-    config = load_config(path)
+def load_settings(
+    path: Path | None, policy: str | None = None
+) -> tuple[RollstreamConfig, WeightsConfig]:
+    """The run's config (``policy``'s view in a multi-policy run) and its ``[weights]``
+    section from one TOML file."""
+    config = load_config(path, policy=policy)
     return config, config.weights
 
 
@@ -73,10 +76,11 @@ def weights(
     """Versioned policy weights in S3: bases, sparse deltas, regions."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING)
     if config_path is not None or not isinstance(ctx.obj, RollstreamConfig):
-        config, weights_config = load_settings(config_path)
+        config, weights_config = load_settings(config_path, ctx.find_root().params.get("policy"))
     else:
         config = ctx.obj
         weights_config = config.weights
+    config.require_policy()  # each policy's versions are their own lineage in S3
     ctx.obj = WeightsContext(
         config=config,
         weights=weights_config,

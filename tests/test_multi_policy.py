@@ -15,7 +15,7 @@ import pytest
 from support.fake_engine import TOKEN, FakeBackend, FakePublisher
 from support.streams import synthetic
 
-from core.config import ConfigurationError
+from core.config import ConfigurationError, merge_tables
 from core.models import BOS_ID, DIGIT0_ID, EOS_ID, SEP_ID
 from producers.catalog import make_task
 from producers.config import RolloutConfig, SamplingConfig
@@ -26,7 +26,7 @@ from producers.games import ProposeSolve, problem_form, problem_of
 from producers.peers import PeerEngine, Peers, PeerSample, PeerTurn
 from producers.tasks import Prompt, TaskContext
 from producers.worker import RolloutWorker
-from rollstream.config import RollstreamConfig, load_config
+from rollstream.config import RollstreamConfig, load_config, parse_assignments
 from schemas.codec import decode, encode, routing_headers
 from schemas.control import DeadLetter
 from schemas.trajectory import EpisodeEnd
@@ -415,7 +415,7 @@ def test_the_live_display_shows_every_policys_roles(tmp_path: Path) -> None:
     ports = policy_ports()
     assert ports["streams"]["metrics_port"] != ports["trainer"]["prometheus_port"]
     config = root.model_copy(
-        update={"policies": {n: {**t, **policy_ports()} for n, t in root.policies.items()}}
+        update={"policies": {n: merge_tables(policy_ports(), t) for n, t in root.policies.items()}}
     )
     alive = {"trainer-proposer": "pid 1", "streams-solver": "exit 0", "producer-proposer": "pid 2"}
     rows = PoliciesDashboard(config, logs).rows(alive)
@@ -423,6 +423,7 @@ def test_the_live_display_shows_every_policys_roles(tmp_path: Path) -> None:
     assert by_role["trainer-solver"][0] == "-" and "reward 0.250" in by_role["trainer-solver"][1]
     assert by_role["streams-solver"][0] == "exit 0"
     assert "groups -" in by_role["producer-proposer"][1]  # its endpoint is not up: no figures
+    assert "v-" in by_role["producer-proposer"][1] and "records -" in by_role["streams-solver"][1]
     assert "producer-solver" not in by_role  # generated inside the proposer's producer
 
 
@@ -468,31 +469,150 @@ def test_a_peer_engine_that_is_away_regenerates_the_group_instead_of_scoring_it(
 
 
 def test_up_starts_every_role_of_every_policy_with_its_policy(tmp_path: Path) -> None:
-    from rollstream.up import Ports, UpConfig, build_config, role_specs
+    from rollstream.up import Ports, UpConfig, build_config, role_specs, write_config
 
     up = UpConfig(producers=2, stream_workers=2, trainer_ranks=2)
     root = load_config(_config_file(tmp_path))
     config = build_config(root, up, "mp", tmp_path / "run", Ports.free())
-    specs = {spec.name: spec.argv for spec in role_specs(tmp_path / "run" / "x.toml", config, None)}  # type: ignore[arg-type]
-    assert sorted(specs) == sorted(
-        [
-            *(
-                f"{kind}-{p}{i}"
-                for kind in ("streams",)
-                for p in ("proposer", "solver")
-                for i in ("", "-1")
-            ),
-            "trainer-proposer",
-            "trainer-solver",
-            *(f"{kind}-proposer{i}" for kind in ("engine", "producer") for i in ("", "-1")),
-        ]
-    )
+    path = tmp_path / "run" / "rollstream.toml"
+    write_config(config, path)
+    specs = {spec.name: spec.argv for spec in role_specs(path, config, None)}  # type: ignore[arg-type]
+    policy_of = {
+        **{f"streams-{p}{i}": p for p in ("proposer", "solver") for i in ("", "-1")},
+        "trainer-proposer": "proposer",
+        "trainer-solver": "solver",
+        **{
+            f"{kind}-proposer{i}": "proposer" for kind in ("engine", "producer") for i in ("", "-1")
+        },
+    }
+    assert sorted(specs) == sorted(policy_of)  # the solver is generated in the proposer's
+    ports: dict[str, int] = {}
     for name, argv in specs.items():
-        policy = name.split("-")[1]
-        assert argv[argv.index("--policy") + 1] == policy, name
-    assert "torch.distributed.run" in specs["trainer-solver"]
-    ports = {config.view(p).trainer.prometheus_port for p in ("proposer", "solver")}
-    assert len(ports) == 2  # each policy's roles have their own ports
+        assert argv[argv.index("--policy") + 1] == policy_of[name], name
+        sets = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--set"]
+        view = load_config(path, policy=policy_of[name], **parse_assignments(sets))
+        if name.startswith("streams"):
+            ports[name] = int(view.streams.metrics_port or 0)
+        elif name.startswith("producer"):
+            ports[name] = int(view.producers.rollout.metrics_port or 0)
+        elif name.startswith("trainer"):
+            ports[name] = int(view.trainer.prometheus_port or 0)
+            assert "torch.distributed.run" in argv
+    assert all(ports.values()) and len(set(ports.values())) == len(ports)  # none shared
+
+
+def test_set_on_the_command_line_wins_over_a_policy_table(tmp_path: Path) -> None:
+    path = _config_file(tmp_path, TWO_POLICIES + "[policies.solver.streams]\nmetrics_port = 9400\n")
+    assert load_config(path, policy="solver").streams.metrics_port == 9400
+    view = load_config(path, policy="solver", streams={"metrics_port": 9401})
+    assert view.streams.metrics_port == 9401
+
+
+def test_a_policys_own_profile_holds_under_up(tmp_path: Path) -> None:
+    from rollstream.up import Ports, UpConfig, build_config, write_config
+
+    text = TWO_POLICIES + '[policies.solver.profile]\nmodel = "tiny:num_layers=3"\n'
+    by_hand = load_config(_config_file(tmp_path, text), policy="solver")
+    root = load_config(_config_file(tmp_path, text))
+    path = tmp_path / "run" / "rollstream.toml"
+    write_config(build_config(root, UpConfig(), "mp", tmp_path / "run", Ports.free()), path)
+    under_up = load_config(path, policy="solver")
+    for view in (by_hand, under_up):
+        assert view.producers.engine.model == "tiny:num_layers=3"
+        assert view.streams.old_logits.model == view.trainer.model.spec == "tiny:num_layers=3"
+    assert load_config(path, policy="proposer").producers.engine.model == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("peers", "message"),
+    [
+        ({"a": ["b"], "b": ["a"]}, "none drives an episode"),
+        ({"a": ["a"], "b": []}, "peers names a"),
+        ({"a": ["critic"], "b": []}, "peers names critic"),
+    ],
+)
+def test_peers_must_be_other_policies_and_one_must_drive(
+    tmp_path: Path, peers: dict, message: str
+) -> None:
+    text = "".join(
+        f"[policies.{name}.producers.rollout]\npeers = {list(called)!r}\n".replace("'", '"')
+        for name, called in peers.items()
+    )
+    with pytest.raises(ConfigurationError, match=message):
+        load_config(_config_file(tmp_path, text))
+
+
+def test_a_policy_may_not_look_like_a_version_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="looks like a weight version"):
+        load_config(_config_file(tmp_path, "[policies.v0000000001]\n"))
+
+
+def test_commands_that_need_one_policy_say_so(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from rollstream.cli import main
+
+    path = _config_file(tmp_path)
+    runner = CliRunner()
+    for argv in (["weights", "ls"], ["stream", "--check"], ["train", "--dry-run"], ["up"]):
+        policy = ["--policy", "solver"] if argv == ["up"] else []
+        result = runner.invoke(main, ["--config", str(path), *policy, *argv])
+        assert result.exit_code != 0, argv
+        assert "policy" in result.output.lower(), (argv, result.output)
+    result = runner.invoke(main, ["--config", str(path), "--policy", "solver", "stream", "--check"])
+    assert result.exit_code == 0 and "rollouts.raw.solver" in result.output
+
+
+def test_credit_rule_is_the_one_the_worker_had() -> None:
+    """``AdmissionCredit`` against the worker's inline rule before it moved out."""
+    from schemas.control import VersionAnnouncement
+
+    def old_rule(state: dict, configured, trainer, window: int, version: int):
+        share = configured
+        if share is None and trainer is not None and trainer.groups_per_step is not None:
+            share = trainer.groups_per_step / max(1, trainer.producers or 1)
+        state["share"] = share
+        if share is None:
+            return None
+        trained = max(trainer.version, version) if trainer is not None else version
+        if state["settled"] is None:
+            state["settled"] = trained
+        elif trained > state["settled"]:
+            state["lead"] = max(0.0, state["lead"] - (trained - state["settled"]))
+            state["settled"] = trained
+        behind = trained - version
+        return state["lead"] + behind >= window + 1 - 1e-9
+
+    rng = random.Random(7)
+    for configured in (None, 1, 3):
+        credit, state = AdmissionCredit(configured), {"lead": 0.0, "share": None, "settled": None}
+        trained = engine = 0
+        for _ in range(300):
+            trained += rng.random() < 0.3
+            engine = min(trained, engine + (rng.random() < 0.5))
+            producers = rng.choice([None, 1, 2, 3])
+            trainer = None
+            if rng.random() < 0.8:
+                trainer = VersionAnnouncement(
+                    run="run",
+                    version=trained,
+                    uri="s3://b/k",
+                    parent=None,
+                    base=trained,
+                    sha256="0" * 64,
+                    bytes=1,
+                    published_at_ms=1,
+                    groups_per_step=rng.choice([None, 4, 8]),
+                    producers=producers,
+                )
+            window = rng.choice([0, 1, 2])
+            paused = credit.pause(trainer, window, engine) is not None
+            assert paused == bool(old_rule(state, configured, trainer, window, engine))
+            assert credit.lead == state["lead"]
+            if not paused and rng.random() < 0.7:
+                credit.started()
+                if state["share"] is not None:
+                    state["lead"] += 1 / state["share"]
 
 
 def test_multi_agent_rounds_name_the_peers_turns_in_the_drivers_record() -> None:
@@ -522,3 +642,32 @@ def test_multi_agent_rounds_name_the_peers_turns_in_the_drivers_record() -> None
 
 def solver_peers() -> Peers:
     return Peers({"solver": _peer(FakeBackend())})
+
+
+def test_peer_samples_of_no_peer_are_dropped_and_a_missing_group_refunds_credit() -> None:
+    from producers.episodes import EpisodeResult
+
+    solver = _peer(FakeBackend(version=1), version=1)
+    solver.credit.groups_per_version = 1
+    assert solver.pause_reason() is None
+    worker = _worker(FakeBackend(), solver, FakePublisher(), FakePublisher())
+    solver.started()
+    assert solver.credit.lead == 1.0
+
+    def sample(policy: str) -> PeerSample:
+        return PeerSample(
+            PeerTurn(policy, 1, [BOS_ID, SEP_ID], [DIGIT0_ID], [-0.1], "stop", 0), 1.0
+        )
+
+    episodes = [
+        EpisodeResult(peer_samples=[sample("critic"), sample("proposer")]) for _ in range(2)
+    ]
+    assert worker._peer_groups(episodes, "g", 0) == []
+    dropped = worker.metrics.registry.get_sample_value(
+        "rollstream_producer_peer_samples_dropped_total", {"policy": "unknown"}
+    )
+    assert dropped == 4
+    assert solver.credit.lead == 0.0  # no solver group came of it: the charge is back
+    episodes = [EpisodeResult(peer_samples=[sample("solver")]) for _ in range(3)]
+    ((policy, group_id, records),) = worker._peer_groups(episodes, "g", 0)
+    assert policy == "solver" and group_id == "g-solver" and len(records) == 3
