@@ -643,37 +643,22 @@ class RolloutWorker:
         self, sample: PeerSample, group_id: str, index: int, size: int, created_ms: int
     ) -> Trajectory:
         turn = sample.turn
-        return self._validated(
-            Trajectory.create(
-                run_id=self.run_id,
-                trajectory_id=f"{group_id}-{index}",
-                group_id=group_id,
-                group_size=size,
-                sample_index=index,
-                producer_id=self.producer_id,
-                region=self.region,
-                task=self.task.name,
-                policy=turn.policy,
-                prompt_ids=turn.prompt_ids,
-                response_ids=turn.response_ids,
-                logp_infer=turn.logprobs,
-                segment_versions=[turn.version],
-                segment_lengths=[len(turn.response_ids)],
-                reward=float(sample.reward),
-                reward_details=sample.details,
-                finish_reason=turn.finish_type,
-                created_at_ms=created_ms,
-                finished_at_ms=max(created_ms, turn.finished_at_ms),
-            )
+        return self._new_record(
+            group_id,
+            index,
+            size,
+            created_ms,
+            policy=turn.policy,
+            prompt_ids=turn.prompt_ids,
+            response_ids=turn.response_ids,
+            logp_infer=turn.logprobs,
+            segment_versions=[turn.version],
+            segment_lengths=[len(turn.response_ids)],
+            reward=float(sample.reward),
+            reward_details=sample.details,
+            finish_reason=turn.finish_type,
+            finished_at_ms=max(created_ms, turn.finished_at_ms),
         )
-
-    def _validated(self, traj: Trajectory) -> Trajectory:
-        defects = validate(traj, self.limits)
-        if defects:
-            raise InvalidTrajectory(
-                f"record {traj.trajectory_id} is invalid: " + "; ".join(map(str, defects))
-            )
-        return traj
 
     def _record(
         self,
@@ -684,7 +669,15 @@ class RolloutWorker:
         created_ms: int,
         **fields: Any,
     ) -> Trajectory:
-        """A validated record of one sample of a group."""
+        """A validated record of one sample of a group of this producer's policy."""
+        return self._new_record(
+            group_id, index, size, created_ms, policy=self.policy, prompt_ids=prompt.ids, **fields
+        )
+
+    def _new_record(
+        self, group_id: str, index: int, size: int, created_ms: int, **fields: Any
+    ) -> Trajectory:
+        """A validated record of sample ``index`` of a group (of any policy it feeds)."""
         traj = Trajectory.create(
             run_id=self.run_id,
             trajectory_id=f"{group_id}-{index}",
@@ -694,12 +687,15 @@ class RolloutWorker:
             producer_id=self.producer_id,
             region=self.region,
             task=self.task.name,
-            prompt_ids=prompt.ids,
             created_at_ms=created_ms,
-            policy=self.policy,
             **fields,
         )
-        return self._validated(traj)
+        defects = validate(traj, self.limits)
+        if defects:
+            raise InvalidTrajectory(
+                f"record {traj.trajectory_id} is invalid: " + "; ".join(map(str, defects))
+            )
+        return traj
 
     async def _generate_group(
         self, prompt: Prompt, group_id: str, size: int, params: dict[str, Any]

@@ -378,22 +378,27 @@ class Dashboard:
         return [(name, state[name], figures[name]) for name in ROLE_ORDER]
 
     def table(self, alive: Mapping[str, str]) -> Any:
-        from rich.table import Table
-
         mode = "sync" if self.config.profile.sync else "async"
-        table = Table(
-            title=f"rollstream up: run {self.config.run_id} ({mode}), "
+        return _role_table(
+            f"rollstream up: run {self.config.run_id} ({mode}), "
             f"{time.monotonic() - self.started:.0f}s",
-            expand=False,
+            self.rows(alive),
         )
-        for column in ("role", "process", "progress"):
-            table.add_column(column)
-        for row in self.rows(alive):
-            table.add_row(*row)
-        return table
 
     def line(self, alive: Mapping[str, str]) -> str:
         return " | ".join(f"{name} {figures}" for name, _, figures in self.rows(alive))
+
+
+def _role_table(title: str, rows: list[tuple[str, str, str]]) -> Any:
+    """The live display: a rich table of (role, process, progress) rows."""
+    from rich.table import Table
+
+    table = Table(title=title, expand=False)
+    for column in ("role", "process", "progress"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 def _label(sample: str) -> str:
@@ -468,18 +473,11 @@ class PoliciesDashboard:
         return rows
 
     def table(self, alive: Mapping[str, str]) -> Any:
-        from rich.table import Table
-
-        table = Table(
-            title=f"rollstream up: run {self.config.run_id}, policies "
+        return _role_table(
+            f"rollstream up: run {self.config.run_id}, policies "
             f"{', '.join(self.logs)}, {time.monotonic() - self.started:.0f}s",
-            expand=False,
+            self.rows(alive),
         )
-        for column in ("role", "process", "progress"):
-            table.add_column(column)
-        for row in self.rows(alive):
-            table.add_row(*row)
-        return table
 
     def line(self, alive: Mapping[str, str]) -> str:
         return " | ".join(f"{name} {figures}" for name, _, figures in self.rows(alive) if figures)
