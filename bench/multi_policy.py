@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -48,6 +49,7 @@ POLICIES = ("proposer", "solver")
 BASELINE = "baseline"
 WINDOW = 10
 TARGET = 0.5
+_ERROR = re.compile(r"\bERROR\b|Traceback")
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ def log_errors(logs: Path) -> dict[str, int]:
     found: dict[str, int] = {}
     for log in sorted(logs.glob("*.log")):
         text = log.read_text(errors="replace")
-        count = sum(1 for line in text.splitlines() if " ERROR " in line or "Traceback" in line)
+        count = sum(1 for line in text.splitlines() if _ERROR.search(line))
         if count:
             found[log.stem] = count
     return found

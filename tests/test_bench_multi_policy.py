@@ -71,6 +71,8 @@ def test_band_and_plot(tmp_path: Path) -> None:
 
 
 def test_log_errors_counts_error_lines_per_role(tmp_path: Path) -> None:
-    (tmp_path / "trainer-solver.log").write_text("x INFO ok\ny ERROR bad\nTraceback (...)\n")
+    (tmp_path / "trainer-solver.log").write_text(
+        "x INFO ok\ny ERROR bad\nTraceback (...)\n[1] [ERROR] faust\n"
+    )
     (tmp_path / "engine-proposer.log").write_text("all fine\n")
-    assert log_errors(tmp_path) == {"trainer-solver": 2}
+    assert log_errors(tmp_path) == {"trainer-solver": 3}
