@@ -9,9 +9,11 @@ the proposer on its problem's form and on how well the solver did with it. Both 
     proposer  prompt  BOS s SEP             -> problem  p1 .. pn EOS   (n = problem_digits)
     solver    prompt  BOS p1 .. pk SEP      -> answer   p1 .. pk EOS   (k <= n, the digits
                                                                         the proposer wrote)
-    proposer reward = (form + solver score) / 2
+    proposer reward = (form + solver score if p1 = s, else 0) / 2
         form: share of the checks "p1 is the seed s", "pi is a digit" (i = 2..n) and
-        "EOS follows", so a problem is fully formed at n digits starting with s
+        "EOS follows", so a problem is fully formed at n digits starting with s; the
+        solver's score counts only for a problem of the proposer's own seed, so one easy
+        problem written for every seed does not pay
     solver reward = its score on the problem (share of right positions of p1..pk EOS)
 
 A proposer turn without a digit gets no solver turn (and the form score alone). The
@@ -68,13 +70,16 @@ class Round:
 
     form: float
     problem: list[int]
+    seeded: bool  # the problem starts with the seed digit
     solver_turn: PeerTurn | None = None
     solver_score: float = 0.0
     solver_details: dict[str, Any] = field(default_factory=dict)
 
     @property
     def reward(self) -> float:
-        return (self.form + self.solver_score) / 2
+        """Form, and the solver's score on a problem of this seed only: a proposer that
+        wrote one easy problem for every seed would otherwise be paid for it."""
+        return (self.form + (self.solver_score if self.seeded else 0.0)) / 2
 
 
 @dataclass
@@ -89,9 +94,11 @@ class ProposeSolveEpisode:
     async def step(self, turn_ids: list[int]) -> Observation:
         if len(self.played) >= self.rounds:
             raise MalformedToolCall(f"propose-solve has {self.rounds} proposer turn(s)")
+        problem = problem_of(turn_ids, self.problem_digits)
         now = Round(
             problem_form(self.seed, self.problem_digits, turn_ids),
-            problem_of(turn_ids, self.problem_digits),
+            problem,
+            seeded=bool(problem) and problem[0] == self.seed,
         )
         self.played.append(now)
         if now.problem:
@@ -112,12 +119,13 @@ class ProposeSolveEpisode:
         return Observation(ids=[*answer, SEP_ID], policy=self.solver.policy)
 
     def reward(self) -> tuple[float, dict[str, Any]]:
-        rounds = self.played or [Round(0.0, [])]
+        rounds = self.played or [Round(0.0, [], seeded=False)]
         details: dict[str, Any] = {
             "seed": self.seed,
             "problem": " ".join("".join(map(str, r.problem)) for r in rounds),
             "form": sum(r.form for r in rounds) / len(rounds),
             "well_formed": all(r.form == 1.0 for r in rounds),
+            "seeded": all(r.seeded for r in rounds),
             "solver_score": sum(r.solver_score for r in rounds) / len(rounds),
             "solved": all(r.solver_details.get("correct", False) for r in rounds),
             "rounds_played": len(self.played),
