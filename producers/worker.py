@@ -947,9 +947,8 @@ async def run_producer(
 
     from core.presence import Beacon
     from core.topic_reader import end_offsets
-    from producers.backends import HttpBackend, LocalBackend
+    from producers.backends import LocalBackend
     from producers.catalog import make_task
-    from producers.client import EngineClient
     from producers.ledger import recover
     from producers.tasks import TaskContext
 
@@ -965,16 +964,11 @@ async def run_producer(
     tokenizer = None
     vocab_size: int | None = None  # an engine's vocabulary, to check observations against
     if rollout.engine_url:
-        client = EngineClient(
-            rollout.engine_url,
-            connect_timeout=rollout.connect_timeout_s,
-            request_timeout=rollout.request_timeout_s,
-            retries=rollout.retries,
-            retry_max_wait=rollout.retry_max_wait_s,
+        backend = await http_backend(
+            rollout,
+            producers.engine.model,
+            ledger_dir(config.state_dir, config.run_id, producer_id, config.policy) / "weights",
         )
-        await client.check_model(rollout.expected_model or producers.engine.model)
-        weights = ledger_dir(config.state_dir, config.run_id, producer_id, config.policy)
-        backend = HttpBackend(client, weights / "weights")
     else:
         from producers.inference_engine import engine_from_config
 
@@ -1172,6 +1166,23 @@ class _WatchedListener:
         self.listener.close()
 
 
+async def http_backend(rollout: RolloutConfig, model: str, weights_dir: Path) -> Backend:
+    """The engine at ``rollout.engine_url``, checked to serve ``model`` (or
+    ``rollout.expected_model``); new versions go through ``weights_dir``."""
+    from producers.backends import HttpBackend
+    from producers.client import EngineClient
+
+    client = EngineClient(
+        rollout.engine_url or "",
+        connect_timeout=rollout.connect_timeout_s,
+        request_timeout=rollout.request_timeout_s,
+        retries=rollout.retries,
+        retry_max_wait=rollout.retry_max_wait_s,
+    )
+    await client.check_model(rollout.expected_model or model)
+    return HttpBackend(client, weights_dir)
+
+
 class _PeerSide:
     """What a producer holds for its peer policies: per peer an engine (in-process, or
     the peer's ``rollout.engine_url``), a ledger and publisher on the peer's raw topic, a
@@ -1194,8 +1205,7 @@ class _PeerSide:
 
     async def add(self, name: str, peer: Any) -> None:
         from core.topic_reader import end_offsets
-        from producers.backends import HttpBackend, LocalBackend
-        from producers.client import EngineClient
+        from producers.backends import LocalBackend
         from producers.ledger import recover
 
         if peer.policy != name:
@@ -1203,16 +1213,11 @@ class _PeerSide:
         rollout = peer.producers.rollout
         backend: Backend
         if rollout.engine_url:
-            client = EngineClient(
-                rollout.engine_url,
-                connect_timeout=rollout.connect_timeout_s,
-                request_timeout=rollout.request_timeout_s,
-                retries=rollout.retries,
-                retry_max_wait=rollout.retry_max_wait_s,
+            backend = await http_backend(
+                rollout,
+                peer.producers.engine.model,
+                ledger_dir(peer.state_dir, peer.run_id, self.producer_id, name) / "weights",
             )
-            await client.check_model(rollout.expected_model or peer.producers.engine.model)
-            weights = ledger_dir(peer.state_dir, peer.run_id, self.producer_id, name)
-            backend = HttpBackend(client, weights / "weights")
         else:
             from producers.inference_engine import engine_from_config
 
