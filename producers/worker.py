@@ -74,7 +74,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from producers.backends import Backend
+from producers.backends import Backend, LocalBackend
 from producers.client import EngineError, EngineUnavailable, GenerateOutput
 from producers.config import ProducersConfig, RolloutConfig
 from producers.credit import AdmissionCredit
@@ -947,7 +947,6 @@ async def run_producer(
 
     from core.presence import Beacon
     from core.topic_reader import end_offsets
-    from producers.backends import LocalBackend
     from producers.catalog import make_task
     from producers.ledger import recover
     from producers.tasks import TaskContext
@@ -970,13 +969,9 @@ async def run_producer(
             ledger_dir(config.state_dir, config.run_id, producer_id, config.policy) / "weights",
         )
     else:
-        from producers.inference_engine import engine_from_config
-
-        engine = await asyncio.to_thread(engine_from_config, producers.engine, config.cache_dir)
-        engine.weight_version = str(rollout.initial_version)
-        tokenizer = engine.tokenizer
-        vocab_size = engine.vocab_size
-        backend = LocalBackend(engine)
+        backend = await local_backend(producers.engine, config.cache_dir, rollout.initial_version)
+        tokenizer = backend.engine.tokenizer
+        vocab_size = backend.engine.vocab_size
 
     missing = sorted(set(rollout.peers) - set(peer_configs or {}))
     if missing:
@@ -1166,6 +1161,16 @@ class _WatchedListener:
         self.listener.close()
 
 
+async def local_backend(engine_config: Any, cache_dir: Path, initial_version: int) -> LocalBackend:
+    """An engine in this process (built off the loop: loading a model takes a while),
+    serving ``initial_version``."""
+    from producers.inference_engine import engine_from_config
+
+    engine = await asyncio.to_thread(engine_from_config, engine_config, cache_dir)
+    engine.weight_version = str(initial_version)
+    return LocalBackend(engine)
+
+
 async def http_backend(rollout: RolloutConfig, model: str, weights_dir: Path) -> Backend:
     """The engine at ``rollout.engine_url``, checked to serve ``model`` (or
     ``rollout.expected_model``); new versions go through ``weights_dir``."""
@@ -1205,7 +1210,6 @@ class _PeerSide:
 
     async def add(self, name: str, peer: Any) -> None:
         from core.topic_reader import end_offsets
-        from producers.backends import LocalBackend
         from producers.ledger import recover
 
         if peer.policy != name:
@@ -1219,13 +1223,9 @@ class _PeerSide:
                 ledger_dir(peer.state_dir, peer.run_id, self.producer_id, name) / "weights",
             )
         else:
-            from producers.inference_engine import engine_from_config
-
-            engine = await asyncio.to_thread(
-                engine_from_config, peer.producers.engine, peer.cache_dir
+            backend = await local_backend(
+                peer.producers.engine, peer.cache_dir, rollout.initial_version
             )
-            engine.weight_version = str(rollout.initial_version)
-            backend = LocalBackend(engine)
         self.peers.engines[name] = PeerEngine(
             name,
             backend,

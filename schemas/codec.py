@@ -513,11 +513,16 @@ def _reject_framing(data: bytes, max_bytes: int) -> NoReturn:
     raise DecodeError(DecodeReason.TRUNCATED, f"expected at least {least} bytes, have {size}")
 
 
-def _decode_details(raw: bytes) -> dict:
+def _load_json(raw: bytes, field: str) -> object:
+    """``raw`` parsed, or ``BAD_JSON`` naming the record's ``field``."""
     try:
-        details = orjson.loads(raw)
+        return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise DecodeError(DecodeReason.BAD_JSON, f"reward_details: {exc}") from exc
+        raise DecodeError(DecodeReason.BAD_JSON, f"{field}: {exc}") from exc
+
+
+def _decode_details(raw: bytes) -> dict:
+    details = _load_json(raw, "reward_details")
     if not isinstance(details, dict):
         raise DecodeError(
             DecodeReason.BAD_JSON,
@@ -527,10 +532,7 @@ def _decode_details(raw: bytes) -> dict:
 
 
 def _decode_turn_policies(raw: bytes) -> tuple[str, ...]:
-    try:
-        owners = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise DecodeError(DecodeReason.BAD_JSON, f"turn_policies: {exc}") from exc
+    owners = _load_json(raw, "turn_policies")
     if not isinstance(owners, list):
         raise DecodeError(
             DecodeReason.BAD_JSON,
