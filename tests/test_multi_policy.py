@@ -11,10 +11,12 @@ import random
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 from support.fake_engine import TOKEN, FakeBackend, FakePublisher
 from support.streams import synthetic
 
+from consumers.batching import pack
 from core.config import ConfigurationError, merge_tables
 from core.models import BOS_ID, DIGIT0_ID, EOS_ID, SEP_ID
 from producers.catalog import make_task
@@ -635,6 +637,13 @@ def test_multi_agent_rounds_name_the_peers_turns_in_the_drivers_record() -> None
         assert record.turn_kinds.tolist() == [0, 1, 0]
         assert record.reward_details["rounds_played"] == 2
         assert validate(record, ValidationLimits()) == [] and decode(encode(record)) == record
+    # in the proposer's training batch the solver's turn is context only: no loss on it
+    batch = pack([dataclasses.replace(record, advantage=1.0) for record in mine])
+    for row, record in enumerate(mine):
+        owners = np.repeat(np.array(record.turn_policies), record.turn_lengths)
+        trained = batch.loss_mask[row, : record.num_response_tokens].numpy()
+        assert (owners == "solver").any()
+        assert np.array_equal(trained, owners == "proposer")
     assert sorted(s.reward_details["round"] for s in peer) == [0] * 4 + [1] * 4
     with pytest.raises(ValueError, match=r"rounds must be 1\.\.4"):
         make_task("propose-solve", {"rounds": 9}, TaskContext(Path("/x"), peers=solver_peers()))
