@@ -356,6 +356,18 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return found
 
 
+def bf16_is_native() -> bool:
+    """Whether this machine runs bf16 matmuls at full speed: a CUDA device with bf16, or a
+    CPU whose oneDNN has bf16 kernels (AVX-512 and later). Elsewhere torch falls back to a
+    scalar path: on a 2-core AVX2 machine a 1024x1024 bf16 matmul ran at 0.5 GFLOP/s
+    against 23 for float32, and a SmolLM2 trainer step took minutes instead of seconds."""
+    import torch
+
+    if torch.cuda.is_available():
+        return bool(torch.cuda.is_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def cast_parameters(model: Any, dtype: str | torch.dtype) -> Any:
     """Cast ``model``'s floating-point parameters to ``dtype`` in place and return it.
 

@@ -12,10 +12,16 @@ Two profiles, measured on this machine kind (2 cores):
 - ``tiny``: the tiny Llama, float32 everywhere, 16 prompts x 8 samples per step, AdamW lr
   3e-3. The pipeline trains on data up to two versions old; 3e-3 reached a 10-step mean
   reward of ~0.77 in 100 steps where 1e-3 was at ~0.16 after 60.
-- ``language-model``: a real model (SmolLM2-135M-Instruct or a checkpoint), bf16, 4 prompts
-  x 8 samples per step, lr 2e-5: SmolLM2 on the default ``arithmetic`` task went from a
-  10-step mean reward of 0.31 to 0.83 in 30 steps (4 prompts x 4 at 1e-5 on the earlier
-  task defaults: almost no reward signal).
+- ``language-model``: a real model (SmolLM2-135M-Instruct or a checkpoint), bf16 where the
+  machine computes it natively (``precision``), 4 prompts x 8 samples per step, lr 2e-5:
+  SmolLM2 on the default ``arithmetic`` task went from a 10-step mean reward of 0.31 to 0.83
+  in 30 steps (4 prompts x 4 at 1e-5 on the earlier task defaults: almost no reward signal).
+
+The engine, the old-logit service and the trainer take the profile's one dtype. ``auto``
+precision is decided where the config is loaded: ``rollstream up`` writes the decided
+dtypes into the run's file, so roles started from that file agree; roles on different
+hardware started from a file of their own should pin ``precision``, since old logits are
+exact only when the stream and the trainer compute in the same dtype.
 
 ``auto`` (the default) picks ``tiny`` for a tiny model spec and ``language-model`` for any
 other; ``none`` applies nothing (every setting comes from the file or the defaults).
@@ -31,6 +37,7 @@ from core.config import StrictModel
 from core.models import MODEL_SPEC_HELP, parse_model_spec
 
 ProfileName = Literal["auto", "tiny", "language-model", "none"]
+Precision = Literal["auto", "bf16", "fp32"]
 
 
 class ProfileConfig(StrictModel):
@@ -67,6 +74,14 @@ class ProfileConfig(StrictModel):
         description="GRPO groups per optimiser step; empty: 16 (tiny) or 4 (others).",
     )
 
+    precision: Precision = Field(
+        default="auto",
+        description="Dtype of engine, old logits and trainer: bf16 | fp32 | auto (fp32 for "
+        "the tiny model; for others bf16 where this machine computes it natively: a CUDA GPU "
+        "with bf16 or a CPU with AVX-512; fp32 elsewhere, where bf16 is tens of times "
+        "slower). Pin it when roles run on different hardware.",
+    )
+
     @field_validator("model")
     @classmethod
     def _canonical_model(cls, value: str) -> str:
@@ -79,6 +94,17 @@ class ProfileConfig(StrictModel):
             return self.name
         tiny = parse_model_spec(self.model, check_path=False).is_tiny
         return "tiny" if tiny else "language-model"
+
+    @property
+    def resolved_precision(self) -> Literal["bf16", "fp32"]:
+        """The precision in force: ``auto`` resolved from the model and this machine."""
+        if self.precision != "auto":
+            return self.precision
+        if self.resolved_name == "tiny":
+            return "fp32"
+        from core.models import bf16_is_native
+
+        return "bf16" if bf16_is_native() else "fp32"
 
     @property
     def window(self) -> int:
@@ -94,7 +120,8 @@ def profile_sections(profile: ProfileConfig) -> dict[str, Any]:
     tiny = name == "tiny"
     groups = profile.groups_per_step or (16 if tiny else 4)
     window = profile.window
-    dtype = "float32" if tiny else "bfloat16"
+    bf16 = profile.resolved_precision == "bf16"
+    dtype = "bfloat16" if bf16 else "float32"
     return {
         # fp32 AdamW changes nearly every element each step: a delta is as large as a base,
         # so the tiny profile lets deltas be any size and runs the delta path (exact,
@@ -118,7 +145,7 @@ def profile_sections(profile: ProfileConfig) -> dict[str, Any]:
         },
         "trainer": {
             "model": {"spec": profile.model},
-            "engine": {"bf16": not tiny, "lr": 3e-3 if tiny else 2e-5, "zero_stage": 0},
+            "engine": {"bf16": bf16, "lr": 3e-3 if tiny else 2e-5, "zero_stage": 0},
             "loss": {"type": "decoupled"},
             "staleness": {"max_staleness": window},  # checked again at training time
             # sync: a step waits for all of its groups; async: never wait long for stragglers

@@ -729,6 +729,11 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
     reason, finished = "interrupted", False
     try:
         click.echo(f"run {run_id}: {run_dir}", err=True)
+        click.echo(
+            f"model {config.trainer.model.spec}, {config.streams.old_logits.dtype} "
+            f"(profile {config.profile.resolved_name}, precision {config.profile.precision})",
+            err=True,
+        )
         report = services.up(config.run_topic_specs())
         click.echo(
             f"kafka {report.bootstrap_servers}  s3 {report.s3_endpoint}  ({report.seconds:.1f}s)",

@@ -68,14 +68,25 @@ def _up(config: Path, run_dir: Path, *args: str) -> subprocess.Popen[bytes]:
 
 
 def _finish(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes:
-    """Output of ``proc``; on timeout it is stopped (SIGINT, as Ctrl-C) and the test fails."""
+    """Output of ``proc``; on timeout it is stopped (SIGINT, as Ctrl-C) and the test fails.
+
+    Any other interruption of the wait (pytest-timeout's, Ctrl-C) kills ``up`` at once, and
+    its roles die with it: left running, they would slow every later test."""
     try:
         out, _ = proc.communicate(timeout=timeout_s)
         return out
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
+        try:
+            out, _ = proc.communicate(timeout=150)  # up stops each role within 30 s
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
         pytest.fail(f"rollstream up ran over {timeout_s}s:\n{out.decode(errors='replace')[-4000:]}")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def _rows(run_dir: Path) -> list[dict[str, float]]:
@@ -181,6 +192,7 @@ ECHO_STEPS = 80
 ECHO_MIN_GAIN = 0.25
 
 
+@pytest.mark.timeout(900)  # up's own 600 s, then its stop, come first
 def test_pipeline_learns_the_multi_turn_echo_environment_and_reconciles(
     kafka_config: KafkaConfig, s3_config: S3Config, unique_name, tmp_path: Path
 ) -> None:
@@ -198,6 +210,7 @@ def test_pipeline_learns_the_multi_turn_echo_environment_and_reconciles(
     _assert_reconciles(run_dir, rows)
 
 
+@pytest.mark.timeout(900)  # up's own 600 s, then its stop, come first
 def test_pipeline_learns_with_two_trainer_ranks_and_reconciles(
     kafka_config: KafkaConfig, s3_config: S3Config, unique_name, tmp_path: Path
 ) -> None:
@@ -210,6 +223,7 @@ def test_pipeline_learns_with_two_trainer_ranks_and_reconciles(
     _assert_reconciles(run_dir, rows)
 
 
+@pytest.mark.timeout(900)  # up's own 600 s, then its stop, come first
 def test_smollm2_runs_the_calculator_environment_end_to_end(
     kafka_config: KafkaConfig, s3_config: S3Config, unique_name, tmp_path: Path
 ) -> None:
@@ -224,6 +238,7 @@ def test_smollm2_runs_the_calculator_environment_end_to_end(
         assert sum(v for k, v in row.items() if k.startswith("episode/end/")) == 8
 
 
+@pytest.mark.timeout(900)  # up's own 600 s, then its stop, come first
 def test_smollm2_trains_the_arithmetic_profile_and_reconciles(
     kafka_config: KafkaConfig, s3_config: S3Config, unique_name, tmp_path: Path
 ) -> None:

@@ -271,7 +271,8 @@ def test_sections_refuse_bad_specs(build) -> None:
 
 @pytest.mark.parametrize(("model", "dtype"), [("tiny:seed=2", "float32"), ("smollm2", "bfloat16")])
 def test_the_profile_gives_every_role_the_same_spec(model: str, dtype: str) -> None:
-    config = load_config(None, profile={"model": model})
+    precision = "bf16" if dtype == "bfloat16" else "auto"
+    config = load_config(None, profile={"model": model, "precision": precision})
     engine, old, trainer = config.producers.engine, config.streams.old_logits, config.trainer
     canonical = parse_model_spec(model).name
     assert engine.model == old.model == trainer.model.spec == canonical

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from rollstream.cli import main
 from rollstream.config import RollstreamConfig, UpConfig, load_config
 from rollstream.profiles import ProfileConfig, profile_sections
-from rollstream.up import Ports, build_config
+from rollstream.up import Ports, build_config, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "infra" / "rollstream.example.toml"
@@ -65,11 +65,42 @@ def test_sync_and_language_model_profiles() -> None:
     assert sync.producers.rollout.staleness_window == 0
     assert sync.streams.staleness.max_staleness == 0
     assert sync.trainer.batch.max_wait_s == 120.0
-    lm = load_config(None, profile={"model": "smollm2-135m-instruct"})
+    lm = load_config(None, profile={"model": "smollm2-135m-instruct", "precision": "bf16"})
     assert lm.profile.resolved_name == "language-model"
     assert lm.trainer.engine.bf16 and lm.trainer.engine.lr == 2e-5
     assert lm.producers.rollout.task == "arithmetic"
     assert lm.streams.old_logits.dtype == lm.producers.engine.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(("native", "dtype"), [(True, "bfloat16"), (False, "float32")])
+def test_auto_precision_takes_bf16_only_where_the_machine_computes_it_natively(
+    native: bool, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("core.models.bf16_is_native", lambda: native)
+    lm = load_config(None, profile={"model": "smollm2"})
+    assert lm.producers.engine.dtype == lm.streams.old_logits.dtype == dtype
+    assert lm.trainer.engine.bf16 == native
+    # the tiny model stays float32, a pinned precision holds whatever the machine
+    assert load_config(None).trainer.engine.bf16 is False
+    pinned = load_config(None, profile={"model": "smollm2", "precision": "fp32"})
+    assert pinned.streams.old_logits.dtype == "float32" and not pinned.trainer.engine.bf16
+    with pytest.raises(ValidationError):
+        load_config(None, profile={"precision": "fp8"})
+
+
+def test_the_run_file_holds_the_precision_up_decided(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A role started by hand from the run's file computes in the dtype ``up`` chose, even
+    on a machine that would decide otherwise."""
+    monkeypatch.setattr("core.models.bf16_is_native", lambda: True)
+    base = load_config(None, profile={"model": "smollm2"})
+    config = build_config(base, UpConfig(max_steps=5), "run", tmp_path, Ports(1, 2, 3, 4))
+    write_config(config, tmp_path / "run.toml")
+    monkeypatch.setattr("core.models.bf16_is_native", lambda: False)
+    again = load_config(tmp_path / "run.toml")
+    assert again.streams.old_logits.dtype == again.producers.engine.dtype == "bfloat16"
+    assert again.trainer.engine.bf16
 
 
 def test_profile_none_applies_nothing() -> None:
