@@ -365,7 +365,10 @@ def bf16_is_native() -> bool:
 
     if torch.cuda.is_available():
         return bool(torch.cuda.is_bf16_supported())
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    try:  # an op of torch's oneDNN build; a build without oneDNN has no fast bf16 either
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def cast_parameters(model: Any, dtype: str | torch.dtype) -> Any:
