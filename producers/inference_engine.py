@@ -361,6 +361,7 @@ class Engine:
         self.generator.manual_seed(seed if seed is not None else torch.seed() & (2**63 - 1))
         self.stats = EngineStats()
         self._busy_since: float | None = None  # start of the busy time not yet counted
+        self._busy_thread: int | None = None  # the thread that runs the busy block
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self._queue: collections.deque[_Request | _Control] = collections.deque()
         self._pending: dict[str, _Request] = {}  # queued or running, by rid
@@ -559,10 +560,10 @@ class Engine:
             try:
                 result = item.fn()
             except Exception as exc:  # handed to the caller through the future
-                self._count_busy()
+                self._count_busy(stop=self._idle())
                 item.future.set_exception(exc)
             else:
-                self._count_busy()
+                self._count_busy(stop=self._idle())
                 item.future.set_result(result)
 
     def model_info(self) -> dict[str, Any]:
@@ -690,20 +691,29 @@ class Engine:
     @contextlib.contextmanager
     def _busy(self) -> Iterator[None]:
         """Add the block's wall-clock seconds to ``stats.busy_s``."""
+        self._busy_thread = threading.get_ident()
         self._busy_since = time.perf_counter()
         try:
             yield
         finally:
-            self._count_busy()
-            self._busy_since = None
+            self._count_busy(stop=True)
 
-    def _count_busy(self) -> None:
+    def _count_busy(self, *, stop: bool = False) -> None:
         """Count the busy time so far: done before a result is handed out, so a caller
-        that has its result also sees the compute that made it in ``stats.busy_s``."""
+        that has its result also sees the compute that made it in ``stats.busy_s``.
+
+        With ``stop``, the clock stops here: after the last result is handed out, what the
+        busy block still does is bookkeeping, and counting it would make ``busy_s`` grow
+        while a caller that holds every result sees the engine idle."""
         if self._busy_since is not None:
             now = time.perf_counter()
             self.stats.busy_s += now - self._busy_since
-            self._busy_since = now
+            self._busy_since = None if stop else now
+
+    def _idle(self) -> bool:
+        """Whether the busy block runs on this thread and no request is left in flight."""
+        with self._cv:
+            return not self._pending and self._busy_thread == threading.get_ident()
 
     def _startable(self, requests: list[_Request]) -> list[_Request]:
         """The requests that still need compute; the others are finished here."""
@@ -930,9 +940,9 @@ class Engine:
         return None
 
     def _finish(self, request: _Request, reason: dict[str, Any]) -> None:
-        self._count_busy()
         with self._cv:
             self._pending.pop(request.rid, None)
+        self._count_busy(stop=self._idle())
         result = GenerateResult(
             rid=request.rid,
             prompt_tokens=len(request.input_ids),
