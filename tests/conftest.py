@@ -6,10 +6,10 @@ run, set ``ROLLSTREAM_TEST_BOOTSTRAP`` (host:port) and/or ``ROLLSTREAM_TEST_S3_E
 (with ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` for it). Tests get fresh buckets
 and uniquely named topics, so they never see each other's data.
 
-Tiers (markers given here, at collection): ``system`` for end-to-end tests (``slow``:
-whole pipelines, chaos, kill -9), ``integration`` for tests on the real broker or S3 (a
-service fixture, or a module that marks itself), ``unit`` for the rest, which need no
-service. The whole suite runs the tiers in that order, unit first; ``pytest -m unit``
+Tiers, one marker each (given here, at collection): ``system`` for end-to-end tests
+(whole pipelines, chaos, kill -9; a module or test marks itself), ``integration`` for
+tests on the real broker or S3 (a service fixture, or a module that marks itself),
+``unit`` for the rest, which need no service. The whole suite runs the tiers in that order, unit first; ``pytest -m unit``
 runs only the quick tier.
 """
 
@@ -35,7 +35,7 @@ TIER_ORDER = {"unit": 0, "integration": 1, "system": 2}
 
 def tier(item: pytest.Item) -> str:
     """The tier of one test: system, integration or unit (see the module doc)."""
-    if item.get_closest_marker("slow") or item.get_closest_marker("system"):
+    if item.get_closest_marker("system"):
         return "system"
     uses_services = SERVICE_FIXTURES & set(getattr(item, "fixturenames", ()))
     if uses_services or item.get_closest_marker("integration"):
@@ -102,6 +102,13 @@ def _fresh_bucket(base: S3Config) -> S3Config:
 @pytest.fixture()
 def s3_config(seaweed_region_a: S3Config) -> S3Config:
     """A fresh, empty bucket on the real SeaweedFS server of region A."""
+    return _fresh_bucket(seaweed_region_a)
+
+
+@pytest.fixture(scope="module")
+def module_s3_config(seaweed_region_a: S3Config) -> S3Config:
+    """A fresh bucket on region A shared by one module's tests: for a pipeline run that
+    several tests read (a module-scoped fixture)."""
     return _fresh_bucket(seaweed_region_a)
 
 

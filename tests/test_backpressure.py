@@ -30,7 +30,7 @@ from weights.store import WeightStore
 from weights.writer import DeltaWriter
 
 torch.set_num_threads(1)
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 GROUPS_PER_STEP = 2
 WINDOW = 1

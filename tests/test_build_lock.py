@@ -106,7 +106,7 @@ def test_extensions_root_defaults_under_the_rollstream_cache_and_leaves_the_env_
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "mine"), "restored"
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_deepspeed_starts_after_a_trainer_was_killed_holding_the_build_lock() -> None:
     """Plant the baton a kill -9 leaves in the real op directory, then initialise
     DeepSpeed as a trainer does: it must come up (it used to wait forever)."""

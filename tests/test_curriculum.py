@@ -149,7 +149,7 @@ def test_the_worker_does_not_start_groups_on_a_solved_prompt() -> None:
 # --- the loop on the real broker ---------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_a_prompt_that_becomes_solved_stops_being_sampled(
     kafka_config: KafkaConfig, unique_name, tmp_path: Path
 ) -> None:

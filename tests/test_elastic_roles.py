@@ -14,7 +14,7 @@ import pytest
 
 from bench.elastic import run_elastic
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 def _instances(roles: dict, state: str, role: str) -> list[str]:

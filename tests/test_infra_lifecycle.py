@@ -37,7 +37,7 @@ def _pids(state_dir: Path) -> list[int]:
     return [int(p.read_text().split('"pid":')[1].split(",")[0]) for p in state_dir.rglob("*.pid")]
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_up_status_down_up_keeps_data(tmp_path: Path) -> None:
     state = tmp_path / "state"
     started = time.monotonic()

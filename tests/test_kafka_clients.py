@@ -115,7 +115,7 @@ def test_aiokafka_reads_every_compression_librdkafka_writes(
     assert asyncio.run(read()) == [b"compressible %d " % i * 50 for i in range(3)]
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_faust_exactly_once_with_changelogged_table(
     kafka_config: KafkaConfig, unique_name, tmp_path: Path
 ) -> None:

@@ -20,7 +20,7 @@ def test_tiny_llama_is_deterministic_and_small() -> None:
     assert not all(torch.equal(sa[k], sc[k]) for k in sa)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_smollm2_is_converted_once_to_bf16_safetensors(cache_dir: Path) -> None:
     """Uses the real cache: the first run converts (~30 s), later runs reuse it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -19,7 +19,7 @@ from core.config import KafkaConfig, S3Config, to_toml
 from core.models import DIGIT0_ID
 from schemas.group import decode_group
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 # measured 2026-11-25 (2 shared cores, run alone): mean reward of steps 1-10 and 51-60,
 # proposer 0.14 -> 0.43, solver 0.07 -> 0.41 (and 0.67, 0.69 at steps 91-100)

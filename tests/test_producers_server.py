@@ -401,7 +401,7 @@ def test_parse_accepts_a_single_object_for_one_prompt():
     assert no_lp.logprobs is None
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_serve_command_runs_until_sigterm(tmp_path):
     import os
     import signal

@@ -38,7 +38,7 @@ from schemas.validation import ValidationLimits, validate
 
 torch.set_num_threads(1)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {0: build_tiny_llama(seed=0), 1: build_tiny_llama(seed=1)}

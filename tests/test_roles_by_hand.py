@@ -24,7 +24,7 @@ from core.config import KafkaConfig, S3Config, merge_tables, to_toml
 from core.process import Launcher, RoleSpec, free_port
 from schemas.codec import decode
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "infra" / "rollstream.example.toml"

@@ -104,7 +104,7 @@ def test_faust_credentials_follow_the_kafka_config() -> None:
         )
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_the_listener_refuses_a_wrong_password(sasl_kafka: KafkaConfig) -> None:
     wrong = {**sasl_kafka.client_config(), "sasl.password": "wrong", "socket.timeout.ms": 3000}
     with pytest.raises(KafkaException):
@@ -112,7 +112,7 @@ def test_the_listener_refuses_a_wrong_password(sasl_kafka: KafkaConfig) -> None:
     assert AdminClient(sasl_kafka.client_config()).list_topics(timeout=30).brokers
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_stream_worker_scores_a_group_on_a_sasl_cluster(
     sasl_kafka: KafkaConfig, unique_name, tmp_path: Path
 ) -> None:

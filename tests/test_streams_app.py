@@ -39,7 +39,7 @@ from weights.store import WeightStore
 from weights.writer import DeltaWriter
 
 RUN = "run-streams"
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 def record(traj: Trajectory) -> tuple[bytes, bytes, list]:

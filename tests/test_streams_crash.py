@@ -38,7 +38,7 @@ from schemas.group import decode_group
 
 RUN = "run-crash"
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 GROUPS = 24
 SIZE = 4

@@ -42,7 +42,7 @@ from schemas.group import decode_group
 from schemas.trajectory import Trajectory
 from weights.announce import Announcer
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 RUN = "run-fuzz"
 TRAINER = 10  # the newest announced version

@@ -213,7 +213,7 @@ def test_seeded_source_is_deterministic() -> None:
         SeededSource("smollm2-135m-instruct")
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_follower_source_rebuilds_versions_from_s3(s3_config: S3Config) -> None:
     store = WeightStore.from_config(s3_config, "run-snap")
     writer = DeltaWriter(store, base_every=10)

@@ -26,7 +26,7 @@ from schemas.codec import decode
 from schemas.control import FilteredGroup
 from schemas.group import decode_group
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 RUN = "run-operators"
 

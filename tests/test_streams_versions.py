@@ -142,7 +142,7 @@ def test_a_malformed_announcement_is_counted_and_skipped(
         reader.stop()
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_a_broker_outage_clears_caught_up_and_the_reader_recovers(
     tmp_path: Path, cache_dir: Path
 ) -> None:

@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_a_taken_rendezvous_port_is_chosen_again() -> None:
     env = {
         k: v
@@ -48,7 +48,7 @@ def test_a_taken_rendezvous_port_is_chosen_again() -> None:
     assert "was taken meanwhile" in done.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_variables_a_parent_left_behind_do_not_pin_a_world_of_one() -> None:
     """A process that trained in-process (a test run) leaves RANK=0, WORLD_SIZE=1 and the
     port of its own live rendezvous in its environment; a trainer it starts must not try

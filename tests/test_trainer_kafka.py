@@ -156,7 +156,7 @@ def restored_weights(config: TrainerConfig) -> dict[str, torch.Tensor]:
     return engine.state_dict()
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_trains_every_valid_group_dead_letters_the_rest_and_publishes(
     kafka_config: KafkaConfig,
     s3_config: S3Config,
@@ -265,7 +265,7 @@ def write_toml(path: Path, data: dict) -> None:
     path.write_text("\n".join(table("", data)) + "\n")
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_kill_9_between_checkpoints_then_restart_trains_each_trajectory_once(
     kafka_config: KafkaConfig,
     s3_config: S3Config,
@@ -378,7 +378,7 @@ def test_kill_9_between_checkpoints_then_restart_trains_each_trajectory_once(
         assert torch.equal(snapshot.state[name], value), name
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_an_s3_outage_is_retried_without_a_version_gap(
     kafka_config: KafkaConfig,
     unique_name: Callable[[str], str],

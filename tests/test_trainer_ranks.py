@@ -39,7 +39,7 @@ from core.config import KafkaConfig, S3Config
 from core.models import load_model
 from schemas.group import decode_group
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 FP32 = {"lr": 1e-2, "zero_stage": 1, "bf16": False}
 

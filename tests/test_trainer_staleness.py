@@ -77,7 +77,7 @@ def metrics_lines(tmp: Path) -> list[dict]:
     return [orjson.loads(x) for x in (tmp / "metrics.jsonl").read_bytes().splitlines()]
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_groups_too_stale_by_training_time_are_routed_not_trained(
     kafka_config: KafkaConfig, unique_name: Callable[[str], str], tmp_path: Path
 ) -> None:
@@ -141,7 +141,7 @@ def test_groups_too_stale_by_training_time_are_routed_not_trained(
     assert committed == ends and sum(ends.values()) == 11
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_stale_groups_with_nothing_left_to_train_are_routed_when_the_trainer_stops(
     kafka_config: KafkaConfig, unique_name: Callable[[str], str], tmp_path: Path
 ) -> None:
@@ -183,7 +183,7 @@ def test_stale_groups_with_nothing_left_to_train_are_routed_when_the_trainer_sto
     assert sorted(trained) == sorted(ids_of(first))
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_stale_groups_of_a_checkpoint_cut_short_by_kill_9_are_routed_once_after_restart(
     kafka_config: KafkaConfig,
     s3_config: S3Config,
@@ -258,7 +258,7 @@ def test_stale_groups_of_a_checkpoint_cut_short_by_kill_9_are_routed_once_after_
     assert all(m["staleness/max"] <= WINDOW for m in lines)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_over_window_groups_train_with_the_relaxed_clip_up_to_the_hard_limit(
     kafka_config: KafkaConfig, unique_name: Callable[[str], str], tmp_path: Path
 ) -> None:

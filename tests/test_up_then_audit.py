@@ -1,4 +1,4 @@
-"""After ``rollstream up`` on embedded services stops at ``max_steps``, the run's own config
+"""After ``rollstream up`` on embedded services is stopped with Ctrl-C, the run's own config
 file brings the services back and the audit reconciles: the sequence a user follows.
 
 ``up`` starts its own embedded broker and store here (in a temporary state dir), as the
@@ -8,7 +8,7 @@ README's main job does; the fixtures' services are not used.
 from __future__ import annotations
 
 import json
-import os
+import signal
 import stat
 import subprocess
 import sys
@@ -17,17 +17,17 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from support.up_runs import finish, metric_rows, role_env, strays
 
-from core.process import free_port
+from core.process import free_port, pid_alive
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 
 def _rollstream(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
     return subprocess.run(
         [sys.executable, "-m", "rollstream", *args],
-        env=env,
+        env=role_env(),
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -35,13 +35,32 @@ def _rollstream(*args: str, timeout_s: float) -> subprocess.CompletedProcess[str
     )
 
 
-def test_up_stops_then_infra_up_and_audit_from_the_run_config(tmp_path: Path) -> None:
+def test_ctrl_c_on_up_then_infra_up_and_audit_from_the_run_config(tmp_path: Path) -> None:
+    """Ctrl-C once every role trains: ``up`` exits 130 and leaves no role behind; then the
+    run's own file brings the embedded services back and the audit reconciles, what Ctrl-C
+    cut short counted as in flight, not lost."""
     state, run_dir = tmp_path / "state", tmp_path / "run"
-    done = _rollstream(
-        "--state-dir", str(state), "up", "--max-steps", "8", "--run-dir", str(run_dir),
-        timeout_s=420,
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollstream", "--state-dir", str(state), "up",
+         "--max-steps", "10000", "--run-dir", str(run_dir)],
+        env=role_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    deadline = time.monotonic() + 300
+    pids: dict[str, int] = {}
+    while time.monotonic() < deadline and proc.poll() is None:
+        pids_file = run_dir / "pids.json"
+        if pids_file.exists():
+            pids = json.loads(pids_file.read_text() or "{}")
+        if len(pids) == 4 and len(metric_rows(run_dir)) >= 3:  # every role up and training
+            break
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out = finish(proc, timeout_s=180).decode(errors="replace")
+    assert len(pids) == 4 and metric_rows(run_dir), out[-4000:]
+    assert proc.returncode == 130, out[-4000:]
+    assert not [name for name, pid in pids.items() if pid_alive(pid)]
+    assert not strays(run_dir)
+
     config = run_dir / "rollstream.toml"
     assert stat.S_IMODE(config.stat().st_mode) == 0o600  # it can hold credentials
     written = tomllib.loads(config.read_text())

@@ -1,0 +1,173 @@
+"""Runs of ``rollstream up`` as a subprocess, as a user starts it, for the system tests.
+
+A run's config points at the session's broker and store (so nothing embedded starts) and
+names its topics uniquely (so other tests' data never meets this run's). ``run_up`` waits
+for ``up`` to stop at its ``max_steps``; the trainer's metric rows and ``rollstream audit``
+are what the tests then read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.config import KafkaConfig, S3Config, merge_tables, to_toml
+
+
+def role_env() -> dict[str, str]:
+    """The test process's environment without its ``ROLLSTREAM_*`` overrides."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
+
+
+def write_config(
+    path: Path,
+    kafka: KafkaConfig,
+    s3: S3Config,
+    run_id: str,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """``path/rollstream.toml`` for a run on the given services, topics suffixed uniquely;
+    ``extra`` tables are merged on top (key by key)."""
+    suffix = uuid.uuid4().hex[:8]
+    topics = {name: f"rollouts.{name}-{suffix}" for name in ("raw", "scored", "stale", "dlq")}
+    versions = f"policy.versions-{suffix}"
+    data: dict[str, Any] = {
+        "run_id": run_id,
+        "state_dir": str(path / "state"),
+        "kafka": {"bootstrap_servers": kafka.bootstrap_servers},
+        "s3": s3.model_dump(mode="python"),
+        "weights": {"topic": versions},
+        "producers": {"rollout": {"topic": topics["raw"]}},
+        "streams": {"topics": {**topics, "versions": versions}},
+        "trainer": {
+            "topics": {
+                "scored": topics["scored"],
+                "dlq": topics["dlq"],
+                "stale": topics["stale"],
+                "versions": versions,
+            }
+        },
+    }
+    config = path / "rollstream.toml"
+    config.write_text(to_toml(merge_tables(data, dict(extra or {}))))
+    return config
+
+
+def start_up(config: Path, run_dir: Path, *args: str) -> subprocess.Popen[bytes]:
+    """``rollstream --config CONFIG up --run-dir RUN_DIR *args``, output captured."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "rollstream", "--config", str(config), "up",
+         "--run-dir", str(run_dir), *args],
+        env=role_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen[bytes], timeout_s: float) -> bytes:
+    """Output of ``proc``; on timeout it is stopped (SIGINT, as Ctrl-C) and the test fails.
+
+    Any other interruption of the wait (pytest-timeout's, Ctrl-C) kills ``up`` at once, and
+    its roles die with it: left running, they would slow every later test."""
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        return out
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=150)  # up stops each role within 30 s
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        pytest.fail(f"rollstream up ran over {timeout_s}s:\n{out.decode(errors='replace')[-4000:]}")
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def metric_rows(run_dir: Path) -> list[dict[str, float]]:
+    """The trainer's metric rows (``trainer.jsonl``), one per step."""
+    path = run_dir / "trainer.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def mean(rows: list[dict[str, float]], key: str) -> float:
+    return sum(row[key] for row in rows) / len(rows)
+
+
+@dataclass(frozen=True)
+class UpRun:
+    """A finished ``rollstream up``: its run directory, the trainer's rows, its output."""
+
+    run_dir: Path
+    rows: list[dict[str, float]]
+    output: str
+
+
+def run_up(path: Path, config: Path, timeout_s: float, *args: str) -> UpRun:
+    """``rollstream up *args`` to its end; it must exit 0."""
+    run_dir = path / "run"
+    proc = start_up(config, run_dir, *args)
+    out = finish(proc, timeout_s=timeout_s).decode(errors="replace")
+    assert proc.returncode == 0, out[-4000:]
+    return UpRun(run_dir, metric_rows(run_dir), out)
+
+
+def assert_learned(
+    rows: list[dict[str, float]], steps: int, min_gain: float, min_correct: float
+) -> None:
+    """Every step ran; the mean reward of the last 10 beats the first 10's by ``min_gain``,
+    and the last 10 steps answer exactly right (``reward/correct_frac``) at least
+    ``min_correct`` of the time: a policy that learned only the answer's format, and not
+    to read the prompt, stays at chance there."""
+    assert len(rows) == steps
+    first, last = mean(rows[:10], "reward/mean"), mean(rows[-10:], "reward/mean")
+    assert last >= first + min_gain, (first, last)
+    correct = mean(rows[-10:], "reward/correct_frac")
+    assert correct >= min_correct, (correct, mean(rows[:10], "reward/correct_frac"))
+
+
+def audit_figures(run_dir: Path) -> dict[str, Any]:
+    """``rollstream audit --json`` of the run, from the run's own config file."""
+    audit = subprocess.run(
+        [sys.executable, "-m", "rollstream", "--config", str(run_dir / "rollstream.toml"),
+         "audit", "--json"],
+        env=role_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
+    return json.loads(audit.stdout)
+
+
+def assert_reconciles(run_dir: Path, rows: list[dict[str, float]]) -> None:
+    """``rollstream audit`` of the run: nothing lost, nothing twice, every trained record
+    in the trainer's metrics."""
+    figures = audit_figures(run_dir)
+    assert figures["problems"] == [] and figures["missing"] == 0
+    assert figures["trained_twice"] == 0
+    assert figures["trained"] == sum(row["data/trajectories"] for row in rows)
+
+
+def strays(run_dir: Path) -> list[str]:
+    """Processes still running with the run's config file on their command line."""
+    marker = str(run_dir / "rollstream.toml").encode()
+    return [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and marker in _cmdline(p)]
+
+
+def _cmdline(proc_dir: Path) -> bytes:
+    try:
+        return (proc_dir / "cmdline").read_bytes()
+    except OSError:
+        return b""
