@@ -5,6 +5,8 @@ Reading order: ``config`` (the ``[streams]`` section), ``processor`` (what happe
 message, pure Python), ``groups`` (table layout, ScoredGroup assembly), ``staleness`` and
 ``versions`` (the trainer's version), ``snapshots`` and ``oldlogits`` (exact logp_old from
 recent versions' weights), ``txn`` (why and how a step commits atomically), ``gaps``
-(records Faust skipped), ``app`` (``build_app``: the Faust worker wiring it all),
-``metrics``. ``python -m streams`` runs ``rollstream stream`` (``rollstream.stream_cli``).
+(records Faust skipped), ``topics`` (what the worker creates), ``agent`` (its work per
+message), ``worker`` (``StreamWorker``: the Faust app wiring it all; ``app.build_app``
+builds it), ``metrics``. ``python -m streams`` runs ``rollstream stream``
+(``rollstream.stream_cli``).
 """
