@@ -186,6 +186,7 @@ def _publish_run(engine, model, groups, client_config, topic, workdir, fsync: bo
     from producers.group_publisher import GroupPublisher
     from producers.ledger import Ledger
     from producers.metrics import ProducerMetrics
+    from producers.publishing import Outbox, ProducerIdentity
     from producers.tasks import TaskContext
     from producers.worker import RolloutWorker
 
@@ -199,14 +200,11 @@ def _publish_run(engine, model, groups, client_config, topic, workdir, fsync: bo
         task=task_name, group_size=8, max_inflight_groups=1, seed=0, progress=False
     )
     worker = RolloutWorker(
-        config=config,
-        backend=LocalBackend(engine),
-        task=task,
-        publisher=publisher,
-        run_id="bench",
-        producer_id="bench",
-        region="local",
-        metrics=metrics,
+        config,
+        LocalBackend(engine),
+        task,
+        Outbox(publisher),
+        ProducerIdentity(run_id="bench", producer_id="bench", region="local"),
     )
     timings: dict[str, list[float]] = {
         "generate": [],
@@ -216,8 +214,8 @@ def _publish_run(engine, model, groups, client_config, topic, workdir, fsync: bo
         "build": [],
     }
     tokens: list[int] = []
-    worker._generate_group = _timed(worker._generate_group, timings["generate"], tokens)
-    worker._trajectory = _timed_sync(worker._trajectory, timings["build"])
+    worker.generator.group = _timed(worker.generator.group, timings["generate"], tokens)
+    worker.records.trajectory = _timed_sync(worker.records.trajectory, timings["build"])
     publisher.prepare = _timed_sync(publisher.prepare, timings["prepare"])
     publisher.send = _timed_sync(publisher.send, timings["send"])
     ledger.sync = _timed_sync(ledger.sync, timings["sync"])

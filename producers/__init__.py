@@ -11,7 +11,11 @@ Modules, in reading order:
 - ``backends``: in-process or HTTP engine, one interface for the worker.
 - ``ledger``, ``group_publisher``: idempotent Kafka publishing, groups counted only when all G
   records are acknowledged, a crash-safe ledger and its recovery.
-- ``worker``: the rollout worker (admission control, version-change policies).
+- ``worker``: the rollout worker, composed of ``admission`` (when a group may start, the
+  trainer's credit), ``versions`` (the weight follower, loading versions between engine
+  calls), ``generation`` (samples and episodes) and ``publishing`` (records, publishers,
+  ledger marks); ``peers`` holds the other policies an episode calls.
+- ``app``: ``run_producer``, which opens, runs and closes everything a worker needs.
 - ``metrics``: Prometheus metrics and the terminal progress line.
 - ``__main__``: ``python -m producers`` runs ``rollstream produce`` (or ``serve``); the
   commands themselves are ``rollstream.produce_cli``.

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from producers.client import EngineClient, GenerateOutput, parse_generate_response
+from producers.config import RolloutConfig
 
 
 class Backend(Protocol):
@@ -134,3 +135,27 @@ class HttpBackend:
 
     async def aclose(self) -> None:
         await self.client.aclose()
+
+
+async def local_backend(engine_config: Any, cache_dir: Path, initial_version: int) -> LocalBackend:
+    """An engine in this process (built off the loop: loading a model takes a while),
+    serving ``initial_version``."""
+    from producers.inference_engine import engine_from_config
+
+    engine = await asyncio.to_thread(engine_from_config, engine_config, cache_dir)
+    engine.weight_version = str(initial_version)
+    return LocalBackend(engine)
+
+
+async def http_backend(rollout: RolloutConfig, model: str, weights_dir: Path) -> HttpBackend:
+    """The engine at ``rollout.engine_url``, checked to serve ``model`` (or
+    ``rollout.expected_model``); new versions go through ``weights_dir``."""
+    client = EngineClient(
+        rollout.engine_url or "",
+        connect_timeout=rollout.connect_timeout_s,
+        request_timeout=rollout.request_timeout_s,
+        retries=rollout.retries,
+        retry_max_wait=rollout.retry_max_wait_s,
+    )
+    await client.check_model(rollout.expected_model or model)
+    return HttpBackend(client, weights_dir)

@@ -1,6 +1,6 @@
 """Admission credit: how far ahead of a trainer a producer may start groups.
 
-The rule (the worker's module doc tells it in full): ``lead`` counts the trainer steps of
+The rule (told in full by ``producers.admission``): ``lead`` counts the trainer steps of
 data started beyond the trainer's trained version, each group started adds 1 / share,
 each newly trained version takes 1 away; a new group starts only while lead + (trained
 version - engine version) < window + 1. One ``AdmissionCredit`` per policy a producer

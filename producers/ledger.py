@@ -217,6 +217,12 @@ class Ledger:
         self.state.lines += 1
 
 
+def ledger_dir(state_dir: Path, run_id: str, producer_id: str, policy: str = "") -> Path:
+    """A producer's ledger of one policy's topic (a multi-policy run: one per policy fed)."""
+    run = Path(state_dir) / "producers" / run_id
+    return (run / policy if policy else run) / producer_id
+
+
 def read_ledger(path: Path) -> LedgerState:
     """Fold a ledger file into a ``LedgerState`` (a torn last line is ignored)."""
     state = LedgerState()

@@ -15,7 +15,8 @@ reports one.
 
 What a peer generated becomes records of the peer's policy (``PeerSample``), published
 by the worker to that policy's raw topic as a group of their own; the peer's trainer
-trains them, never the driver's.
+trains them, never the driver's. ``PeerSide`` holds what a producer opens for its peers
+(engines, ledgers, publishers, followers, heartbeats) and closes it.
 """
 
 from __future__ import annotations
@@ -23,16 +24,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
-from producers.backends import Backend
+from producers.backends import Backend, http_backend, local_backend
 from producers.client import EngineUnavailable, GenerateOutput
 from producers.config import SamplingConfig
 from producers.credit import AdmissionCredit
+from producers.group_publisher import GroupPublisher
+from producers.ledger import Ledger, StopRecord, ledger_dir
+from producers.metrics import ProducerMetrics
+from producers.versions import WatchedListener, start_follower
 from schemas.control import VersionAnnouncement
 from schemas.trajectory import NO_VERSION
 
@@ -247,3 +254,164 @@ class Peers:
 
     def __bool__(self) -> bool:
         return bool(self.engines)
+
+
+class PeerSide:
+    """What a producer holds for its peer policies: per peer an engine (in-process, or
+    the peer's ``rollout.engine_url``), a ledger and publisher on the peer's raw topic, a
+    weight follower on the peer's lineage, and a heartbeat on the peer's roles topic.
+
+    Each is registered for closing as it is opened; ``close`` (or leaving the ``async
+    with``) releases them in reverse, each step on its own: one that fails is logged and
+    the others still run."""
+
+    def __init__(
+        self,
+        config: Any,
+        producer_id: str,
+        metrics: ProducerMetrics,
+        stop: threading.Event | None,
+    ) -> None:
+        self.config = config
+        self.producer_id = producer_id
+        self.metrics = metrics
+        # stops the peers' weight followers (the driver's own, when it shares it)
+        self.stop = stop if stop is not None else threading.Event()
+        self.peers = Peers()
+        self.publishers: dict[str, GroupPublisher] = {}
+        self.configs: dict[str, Any] = {}
+        self.watchers: dict[str, WatchedListener] = {}
+        self._closing = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> PeerSide:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _on_close(self, what: str, step: Callable[[], Any]) -> None:
+        async def run() -> None:
+            try:
+                done = step()
+                if asyncio.iscoroutine(done) or isinstance(done, asyncio.Future):
+                    await done
+            except Exception as exc:
+                logger.warning("closing the peers: %s failed: %r", what, exc)
+
+        self._closing.push_async_callback(run)
+
+    async def add(self, name: str, peer: Any) -> None:
+        """Open peer policy ``name`` (its resolved config ``peer``): engine, ledger
+        (recovered), publisher."""
+        from core.topic_reader import end_offsets
+        from producers.ledger import recover
+
+        if peer.policy != name:
+            raise ValueError(f"peer {name!r} was given the config of policy {peer.policy!r}")
+        rollout = peer.producers.rollout
+        directory = ledger_dir(peer.state_dir, peer.run_id, self.producer_id, name)
+        backend: Backend
+        if rollout.engine_url:
+            backend = await http_backend(
+                rollout, peer.producers.engine.model, directory / "weights"
+            )
+        else:
+            backend = await local_backend(
+                peer.producers.engine, peer.cache_dir, rollout.initial_version
+            )
+        self._on_close(f"engine of {name}", backend.aclose)
+        self.peers.engines[name] = PeerEngine(
+            name,
+            backend,
+            rollout.sampling,
+            staleness_window=rollout.staleness_window,
+            groups_per_version=rollout.groups_per_version,
+            announcement=lambda: self.watchers[name].latest if name in self.watchers else None,
+            wait_for_first_version=rollout.follow_weights,
+            initial_version=rollout.initial_version,
+        )
+        client_config = peer.kafka.client_config()
+        ledger = Ledger(directory, fsync=rollout.ledger_fsync).open()
+        self._on_close(f"ledger {ledger.path}", ledger.close)
+        await asyncio.to_thread(recover, ledger, client_config, rollout.topic)
+        ledger.mark(await asyncio.to_thread(end_offsets, client_config, rollout.topic))
+        publisher = GroupPublisher(
+            client_config,
+            rollout.topic,
+            ledger,
+            ProducerMetrics(),  # the peer's own counts: the served metrics are the driver's
+            delivery_timeout_ms=rollout.delivery_timeout_ms,
+            overrides=rollout.producer_overrides,
+        )
+        self._on_close(f"publisher of {name}", partial(asyncio.to_thread, publisher.close))
+        self.publishers[name] = publisher
+        self.configs[name] = peer
+
+    def start_following(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Bind each peer engine to ``loop`` and start its weight follower (when the
+        peer follows weights)."""
+        for name, peer in self.configs.items():
+            engine = self.peers[name]
+            engine.bind(loop)
+            if peer.producers.rollout.follow_weights:
+                follower = start_follower(peer, engine, self.stop)
+                self._on_close(f"announcements of {name}", follower.listener.close)
+                self._on_close(f"follower {follower.thread.name}", follower.join)
+                self.watchers[name] = follower.listener
+
+    def announce(self) -> None:
+        """Heartbeats on each peer's roles topic: its trainer and ``rollstream roles``
+        count this producer among the policy's producers."""
+        from core.presence import Beacon
+
+        for name, peer in self.configs.items():
+            if peer.presence.enabled:
+                beacon = Beacon(
+                    peer.kafka.client_config(),
+                    peer.presence.topic,
+                    run=peer.run_id,
+                    role="producer",
+                    instance=self.producer_id,
+                    interval_s=peer.presence.interval_s,
+                    detail=self._detail(name),
+                ).start()
+                self._on_close(
+                    f"heartbeat of {name}", partial(self._leave, beacon, self._detail(name))
+                )
+
+    @staticmethod
+    def _leave(beacon: Any, detail: Callable[[], dict[str, Any]]) -> None:
+        beacon.leave(detail())
+
+    def stopped(self, record: StopRecord) -> None:
+        """Each peer ledger's ``stopped`` line: the peer groups of the driving groups in
+        flight at the stop, finished (published) or aborted with them."""
+        for name, publisher in self.publishers.items():
+            state = publisher.ledger.state
+            published = {*state.delivered, *state.pending}
+            publisher.ledger.stopped(
+                StopRecord(
+                    policy=record.policy,
+                    finished=[f"{g}-{name}" for g in record.finished if f"{g}-{name}" in published],
+                    aborted=[f"{g}-{name}" for g in record.aborted],
+                    unacknowledged=sorted(state.pending),
+                )
+            )
+
+    def _detail(self, name: str) -> Callable[[], dict[str, Any]]:
+        def detail() -> dict[str, Any]:
+            rollout = self.configs[name].producers.rollout
+            return {
+                "engine": rollout.engine_url or "in-process",
+                "peer_of": self.config.policy,
+                "version": self.peers[name].version,
+                "groups": self.publishers[name].delivered_groups,
+            }
+
+        return detail
+
+    async def close(self) -> None:
+        """Stop the peers' followers, then release everything in reverse order of
+        opening (the driver's own resources are released after this)."""
+        self.stop.set()
+        await self._closing.aclose()

@@ -111,7 +111,7 @@ def produce(
     section = _section(config, {}, overrides)
     _logging()
     from infra.services import Services
-    from producers.worker import run_producer
+    from producers.app import run_producer
 
     resolved = Services(config).resolved()
     if region is not None:

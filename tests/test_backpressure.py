@@ -23,8 +23,8 @@ from consumers.trainer import trainer_announcer
 from core.config import WeightsConfig
 from core.models import build_tiny_llama
 from infra.topics import ensure_topics
+from producers.app import run_producer
 from producers.config import EngineConfig, ProducersConfig, SamplingConfig
-from producers.worker import run_producer
 from schemas.topics import POLICY_VERSIONS
 from weights.store import WeightStore
 from weights.writer import DeltaWriter

@@ -29,6 +29,7 @@ from core.config import KafkaConfig
 from producers.catalog import make_task
 from producers.config import CurriculumConfig, RolloutConfig, SamplingConfig
 from producers.curriculum import Curriculum, PromptStatsReader, PromptStatsView
+from producers.publishing import Outbox, ProducerIdentity
 from producers.tasks import Prompt, TaskContext
 from producers.worker import RolloutWorker
 from schemas.codec import encode
@@ -136,8 +137,8 @@ def test_the_worker_does_not_start_groups_on_a_solved_prompt() -> None:
     )  # fmt: skip
     publisher = FakePublisher()
     worker = RolloutWorker(
-        config=config, backend=FakeBackend(), task=task, publisher=publisher,  # type: ignore[arg-type]
-        run_id=RUN, producer_id="p0", region="local",
+        config, FakeBackend(), task, Outbox(publisher),  # type: ignore[arg-type]
+        ProducerIdentity(run_id=RUN, producer_id="p0", region="local"),
         curriculum=Curriculum(config.curriculum, view),
     )  # fmt: skip
     asyncio.run(worker.run(groups=40))

@@ -26,6 +26,7 @@ from producers.environments import EpisodeLimits, Observation
 from producers.episodes import EpisodeRunner
 from producers.games import ProposeSolve, problem_form, problem_of
 from producers.peers import PeerEngine, Peers, PeerSample, PeerTurn
+from producers.publishing import Outbox, ProducerIdentity
 from producers.tasks import Prompt, TaskContext
 from producers.worker import RolloutWorker
 from rollstream.config import RollstreamConfig, load_config, parse_assignments
@@ -332,7 +333,9 @@ def test_a_peers_turn_in_the_history_is_named_in_the_record() -> None:
 # --- peers inside a producer ----------------------------------------------------------------
 
 
-def _worker(backend: FakeBackend, solver: PeerEngine, publisher, peer_publisher) -> RolloutWorker:
+def _worker(
+    backend: FakeBackend, solver: PeerEngine, publisher, peer_publisher, task=None
+) -> RolloutWorker:
     config = RolloutConfig.model_validate(
         {
             "group_size": 4,
@@ -345,16 +348,12 @@ def _worker(backend: FakeBackend, solver: PeerEngine, publisher, peer_publisher)
         }
     )
     return RolloutWorker(
-        config=config,
-        backend=backend,
-        task=ProposeSolve(solver=solver),
-        publisher=publisher,
-        run_id="run",
-        producer_id="p0",
-        region="local",
-        policy="proposer",
+        config,
+        backend,
+        task or ProposeSolve(solver=solver),
+        Outbox(publisher, {"solver": peer_publisher}),
+        ProducerIdentity(run_id="run", producer_id="p0", region="local", policy="proposer"),
         peers=Peers({"solver": solver}),
-        peer_publishers={"solver": peer_publisher},
     )
 
 
@@ -432,13 +431,13 @@ def test_the_live_display_shows_every_policys_roles(tmp_path: Path) -> None:
 def test_a_stopping_producer_says_in_each_peer_ledger_what_it_did(tmp_path: Path) -> None:
     from producers.ledger import Ledger, StopRecord, read_ledger
     from producers.metrics import ProducerMetrics
-    from producers.worker import _PeerSide
+    from producers.peers import PeerSide
 
     ledger = Ledger(tmp_path / "solver", fsync=False).open()
     ledger.pending("a-solver", ["a-solver-0", "a-solver-1"])
     ledger.pending("b-solver", ["b-solver-0", "b-solver-1"])
     ledger.delivered("b-solver", ["b-solver-0", "b-solver-1"], [(0, 1), (0, 2)])
-    side = _PeerSide(None, "p0", ProducerMetrics(), stop=None)
+    side = PeerSide(None, "p0", ProducerMetrics(), stop=None)
     side.publishers["solver"] = FakePublisher(ledger=ledger)  # type: ignore[arg-type]
     side.stopped(StopRecord("finish", finished=["a", "b", "c"], aborted=["d"], unacknowledged=[]))
     ledger.close()
@@ -620,13 +619,13 @@ def test_credit_rule_is_the_one_the_worker_had() -> None:
 def test_multi_agent_rounds_name_the_peers_turns_in_the_drivers_record() -> None:
     solver = _peer(FakeBackend(version=1), version=1)
     own, theirs = FakePublisher(), FakePublisher()
-    worker = _worker(FakeBackend(), solver, own, theirs)
-    worker.task = make_task(
+    task = make_task(
         "propose-solve",
         {"rounds": 2},
         TaskContext(Path("/nonexistent"), peers=Peers({"solver": solver})),
     )
-    worker.episodes = EpisodeRunner(worker.task, worker.task.limits, 16)
+    worker = _worker(FakeBackend(), solver, own, theirs, task)
+    worker.generator.episodes = EpisodeRunner(task, task.limits, 16)
     report = asyncio.run(asyncio.wait_for(worker.run(groups=1), 30))
     assert report.groups_delivered == 1
     (mine,) = own.groups
@@ -671,12 +670,12 @@ def test_peer_samples_of_no_peer_are_dropped_and_a_missing_group_refunds_credit(
     episodes = [
         EpisodeResult(peer_samples=[sample("critic"), sample("proposer")]) for _ in range(2)
     ]
-    assert worker._peer_groups(episodes, "g", 0) == []
+    assert worker.records.peer_groups(episodes, "g", 0) == []
     dropped = worker.metrics.registry.get_sample_value(
         "rollstream_producer_peer_samples_dropped_total", {"policy": "unknown"}
     )
     assert dropped == 4
     assert solver.credit.lead == 0.0  # no solver group came of it: the charge is back
     episodes = [EpisodeResult(peer_samples=[sample("solver")]) for _ in range(3)]
-    ((policy, group_id, records),) = worker._peer_groups(episodes, "g", 0)
+    ((policy, group_id, records),) = worker.records.peer_groups(episodes, "g", 0)
     assert policy == "solver" and group_id == "g-solver" and len(records) == 3

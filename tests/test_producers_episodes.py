@@ -23,6 +23,7 @@ from producers.environments import (
     evaluate_expression,
 )
 from producers.episodes import EpisodeResult, EpisodeRunner
+from producers.publishing import Outbox, ProducerIdentity
 from producers.tasks import Prompt, TaskContext
 from producers.worker import RolloutWorker
 from schemas.trajectory import EpisodeEnd, Trajectory, TurnKind
@@ -226,13 +227,11 @@ def _worker(backend: FakeBackend, publisher: FakePublisher, task, **rollout) -> 
         }
     )
     return RolloutWorker(
-        config=config,
-        backend=backend,
-        task=task,
-        publisher=publisher,  # type: ignore[arg-type]
-        run_id="run",
-        producer_id="p0",
-        region="local",
+        config,
+        backend,
+        task,
+        Outbox(publisher),  # type: ignore[arg-type]
+        ProducerIdentity(run_id="run", producer_id="p0", region="local"),
         vocab_size=16,
     )
 

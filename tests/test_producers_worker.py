@@ -23,13 +23,13 @@ from core.config import default_cache_dir
 from core.models import build_tiny_llama
 from core.topic_reader import end_offsets
 from infra.topics import ensure_topics
+from producers.app import run_producer
 from producers.catalog import make_task
 from producers.config import EngineConfig, ProducersConfig, RolloutConfig, SamplingConfig
 from producers.inference_engine import Engine
-from producers.ledger import Ledger, read_ledger, recover
+from producers.ledger import Ledger, ledger_dir, read_ledger, recover
 from producers.server import ServerThread
 from producers.tasks import TaskContext
-from producers.worker import ledger_dir, run_producer
 from rollstream.config import RollstreamConfig
 from schemas.codec import decode, encode, parse_headers, routing_headers
 from schemas.topics import TopicSpec
@@ -373,7 +373,7 @@ def test_an_engine_that_forgets_its_weights_gets_them_again(
         await asyncio.wait_for(task, 60)
         return report, holder["worker"].backend
 
-    caplog.set_level("WARNING", logger="producers.worker")
+    caplog.set_level("WARNING", logger="producers")
     try:
         report, _backend = asyncio.run(asyncio.wait_for(scenario(), 240))
     finally:
@@ -434,8 +434,10 @@ def test_admission_control_waits_for_the_trainer(kafka_config, unique_name, tmp_
 def test_admission_waits_while_weights_lag_the_announced_version(
     kafka_config, unique_name, tmp_path, caplog
 ):
+    from producers.admission import TrainerSignals
     from producers.backends import LocalBackend
     from producers.group_publisher import GroupPublisher
+    from producers.publishing import Outbox, ProducerIdentity
     from producers.worker import RolloutWorker
 
     topic = make_topic(kafka_config, unique_name)
@@ -447,14 +449,12 @@ def test_admission_waits_while_weights_lag_the_announced_version(
         with Ledger(tmp_path / "ledger") as ledger:
             publisher = GroupPublisher(kafka_config.client_config(), topic, ledger)
             worker = RolloutWorker(
-                config=rollout(topic, staleness_window=1),
-                backend=backend,
-                task=make_task("copy-first-digit-twice", {}, TaskContext(tmp_path)),
-                publisher=publisher,
-                run_id="r",
-                producer_id="p",
-                region="local",
-                announced_version=lambda: announced[0],
+                rollout(topic, staleness_window=1),
+                backend,
+                make_task("copy-first-digit-twice", {}, TaskContext(tmp_path)),
+                Outbox(publisher),
+                ProducerIdentity(run_id="r", producer_id="p", region="local"),
+                trainer=TrainerSignals(announced_version=lambda: announced[0]),
             )
             run = asyncio.create_task(worker.run(1))
             while not worker.metrics.get("admission_paused"):
@@ -467,7 +467,7 @@ def test_admission_waits_while_weights_lag_the_announced_version(
         await backend.aclose()
         return lag, delivered, report
 
-    with caplog.at_level("INFO", logger="producers.worker"):
+    with caplog.at_level("INFO", logger="producers"):
         lag, delivered, report = asyncio.run(scenario())
     assert (lag, delivered) == (3, 0)
     assert "v3 is announced, more than the staleness window (1) behind" in caplog.text

@@ -13,6 +13,7 @@ from support.fake_engine import TOKEN, FakeBackend, FakePublisher
 
 from producers.catalog import make_task
 from producers.config import RolloutConfig, SamplingConfig
+from producers.publishing import Outbox, ProducerIdentity
 from producers.tasks import TaskContext
 from producers.worker import RolloutWorker
 
@@ -35,13 +36,11 @@ def _worker(
     )
     task = make_task("copy-first-digit-twice", None, TaskContext(cache_dir=Path("/nonexistent")))
     return RolloutWorker(
-        config=config,
-        backend=backend,
-        task=task,
-        publisher=publisher or FakePublisher(),  # type: ignore[arg-type]
-        run_id="run",
-        producer_id="p0",
-        region="local",
+        config,
+        backend,
+        task,
+        Outbox(publisher or FakePublisher()),  # type: ignore[arg-type]
+        ProducerIdentity(run_id="run", producer_id="p0", region="local"),
     )
 
 
@@ -88,11 +87,11 @@ def test_admission_credit_pauses_until_the_next_version() -> None:
             await asyncio.sleep(0)
         for _ in range(50):  # it stays paused, however long it waits
             await asyncio.sleep(0)
-        reasons = [worker._pause_reason()]
+        reasons = [worker.admission.pause_reason()]
         paused_at = len(publisher.groups)
         await worker.on_new_version(1, {})
         await asyncio.wait_for(run, 10)
-        reasons.append(worker._pause_reason())
+        reasons.append(worker.admission.pause_reason())
         return [reasons[0], str(paused_at), reasons[1]], publisher
 
     (paused, count, after), publisher = asyncio.run(scenario())
@@ -106,17 +105,17 @@ def test_pause_reasons_name_what_the_worker_waits_for() -> None:
     backend = FakeBackend()
     ahead = {"v": 5}
     worker = _worker(backend, staleness_window=2)
-    worker.announced_version = lambda: ahead["v"]
-    assert "more than the staleness window (2) behind" in (worker._pause_reason() or "")
+    worker.trainer.announced_version = lambda: ahead["v"]
+    assert "more than the staleness window (2) behind" in (worker.admission.pause_reason() or "")
     ahead["v"] = 2
-    assert worker._pause_reason() is None
-    worker.consumed_version = lambda: -3
-    assert "ahead of the trainer's consumed version" in (worker._pause_reason() or "")
-    worker.consumed_version = None
+    assert worker.admission.pause_reason() is None
+    worker.trainer.consumed_version = lambda: -3
+    assert "ahead of the trainer's consumed version" in (worker.admission.pause_reason() or "")
+    worker.trainer.consumed_version = None
     slow = FakePublisher(auto_ack=False)
     slow.groups = [[] for _ in range(worker.config.max_undelivered_groups)]
-    worker.publisher = slow  # type: ignore[assignment]
-    assert "await Kafka acknowledgement" in (worker._pause_reason() or "")
+    worker.outbox.publisher = slow  # type: ignore[assignment]
+    assert "await Kafka acknowledgement" in (worker.admission.pause_reason() or "")
 
 
 @pytest.mark.parametrize(("producers", "started"), [(None, 4), (1, 4), (2, 2), (4, 1)])
@@ -133,11 +132,11 @@ def test_producers_share_the_trainers_announced_pace(producers: int | None, star
     async def scenario() -> tuple[int, str | None]:
         publisher = FakePublisher()
         worker = _worker(FakeBackend(), publisher, staleness_window=0)
-        worker.announcement = lambda: announced
+        worker.trainer.announcement = lambda: announced
         run = asyncio.create_task(worker.run(groups=10))
         for _ in range(200):
             await asyncio.sleep(0)
-        reason = worker._pause_reason()
+        reason = worker.admission.pause_reason()
         worker.request_stop()
         await asyncio.wait_for(run, 10)
         return len(publisher.groups), reason
@@ -180,7 +179,7 @@ def test_a_share_that_shrinks_does_not_strand_the_groups_already_started() -> No
         publisher = FakePublisher()
         worker = _worker(FakeBackend(), publisher, staleness_window=0)
         current = {"a": announced(0, None)}
-        worker.announcement = lambda: current["a"]
+        worker.trainer.announcement = lambda: current["a"]
         run = asyncio.create_task(worker.run(groups=20))
         seen = []
         for version, producers, expected in ((0, None, 4), (1, 2, 6), (2, 2, 8)):
@@ -188,10 +187,10 @@ def test_a_share_that_shrinks_does_not_strand_the_groups_already_started() -> No
             if version:  # the producer follows the trainer's weights
                 await worker.on_new_version(version, {})
             for _ in range(500):  # the paused admission loop looks again every 50 ms
-                if len(publisher.groups) >= expected and worker._pause_reason():
+                if len(publisher.groups) >= expected and worker.admission.pause_reason():
                     break
                 await asyncio.sleep(0.01)
-            seen.append((len(publisher.groups), worker._pause_reason()))
+            seen.append((len(publisher.groups), worker.admission.pause_reason()))
         worker.request_stop()
         await asyncio.wait_for(run, 10)
         return seen
