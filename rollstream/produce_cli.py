@@ -62,6 +62,7 @@ def serve(
 ) -> None:
     """Run the CPU engine behind SGLang's native HTTP API (/generate, /abort_request,
     /update_weights_from_disk, /get_model_info, /health)."""
+    config.require_policy()  # a multi-policy run: each policy's engine runs its model
     section = _section(config, {"host": host, "port": port, "model": model}, {})
     _logging()
     from producers.inference_engine import engine_from_config
