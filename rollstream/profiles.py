@@ -71,7 +71,7 @@ class ProfileConfig(StrictModel):
     groups_per_step: int | None = Field(
         default=None,
         ge=1,
-        description="GRPO groups per optimiser step; empty: 16 (tiny) or 4 (others).",
+        description="GRPO groups per trainer step; empty: 16 (tiny) or 4 (others).",
     )
 
     precision: Precision = Field(
