@@ -594,10 +594,11 @@ def audit_command(
     as_json: bool,
     timeout_s: float,
 ) -> None:
-    """Reconcile the producers' delivery ledgers with the trainer's ledger and the stale and
-    dead-letter topics of one run. Records still in flight (not yet applied by the stream,
-    in a group it is assembling, or scored past the trainer's committed offsets) are listed
-    as unprocessed / untrained, not as missing. Exit 1 on any discrepancy."""
+    """Reconcile the producers' delivery ledgers with the trainer's ledger and the stale,
+    filtered and dead-letter topics of one run. Records still in flight (not yet applied by
+    the stream, in a group it is assembling, or scored past the trainer's committed
+    offsets) are listed as unprocessed / untrained, not as missing. Exit 1 on any
+    discrepancy."""
     from dataclasses import replace
 
     from infra.services import Services
