@@ -62,7 +62,7 @@ class ConsumedGroup:
 @dataclass(frozen=True)
 class StaleGroup:
     """A group found too stale when it was about to be trained at ``trainer_version``
-    (optimiser step ``step`` was being gathered): routed to ``rollouts.stale`` once the
+    (trainer step ``step`` was being gathered): routed to ``rollouts.stale`` once the
     checkpoint covering its offset is durable, and kept in that checkpoint until then."""
 
     step: int

@@ -15,7 +15,8 @@ is immutable; each field's description is its help text. Nested tables::
     [trainer.topics]          topic names and the consumer group
     [trainer.retry]           back-off for S3 and Kafka outages
 
-One optimiser step = ``engine.grad_accum_steps`` micro-batches; one micro-batch = what
+One trainer step (a scored batch) = ``engine.grad_accum_steps`` micro-batches, trained in
+``[trainer.ppo] epochs x minibatches`` optimiser steps (one by default); one micro-batch = what
 ``[trainer.batch]`` gathers from Kafka (whole groups, bounded by a group count, a token
 budget and a wait limit). The policy version published after step ``n`` is ``n``.
 """
@@ -314,7 +315,7 @@ class CheckpointConfig(StrictModel):
         default=10,
         ge=1,
         description=(
-            "Checkpoint every this many optimiser steps (and at a clean stop). Offsets are "
+            "Checkpoint every this many trainer steps (and at a clean stop). Offsets are "
             "committed to Kafka only after the checkpoint is durable, so a crash re-trains "
             "at most this many steps' records, never twice into the same weights."
         ),
@@ -450,7 +451,7 @@ class TrainerConfig(StrictModel):
         return self
 
     def groups_per_step(self) -> int:
-        """Groups one optimiser step takes at most (what the trainer announces)."""
+        """Groups one trainer step takes at most (what the trainer announces)."""
         return self.batch.max_groups * self.engine.grad_accum_steps
 
     def ewma_settings(self) -> tuple[float, float | None, str]:

@@ -1,9 +1,9 @@
 """Per-step metrics of the trainer: what they mean, and where they go.
 
-Every optimiser step produces one flat dict of floats (namespaced names) that goes to
-three sinks at once: a JSONL file (one object per step, flushed), Prometheus gauges on a
-registry this object owns (no global state; served on ``prometheus_port`` if set), and a
-rich progress line on stderr. Prometheus also has the run's role instances by their
+Every trainer step (one scored batch) produces one flat dict of floats (namespaced names)
+that goes to three sinks at once: a JSONL file (one object per step, flushed), Prometheus
+gauges on a registry this object owns (no global state; served on ``prometheus_port`` if
+set), and a rich progress line on stderr. Prometheus also has the run's role instances by their
 heartbeats, ``rollstream_trainer_run_roles{role, state}`` (``core.presence``): how many
 producers, stream workers and trainers are active, left or silent.
 

@@ -1,7 +1,8 @@
 """Publishing policy versions from the trainer through ``weights``.
 
-Version number = optimiser step count: the weights after step ``n`` are version ``n``
-(version 0 = the initial weights, published at start when the store has none).
+Version number = trainer step count (scored batches, not optimiser steps): the weights
+after step ``n`` are version ``n`` (version 0 = the initial weights, published at start
+when the store has none).
 
 - **Outages.** The S3 part (``DeltaWriter.publish``: data file, then the manifest claim)
   and the announcement on ``policy.versions`` are retried separately with back-off, so an

@@ -55,11 +55,17 @@ class KafkaConfig(StrictModel):
         default=None,
         description="host:port[,host:port]; empty to start the embedded KRaft broker.",
     )
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT", description="librdkafka security.protocol of every client."
+    )
     sasl_mechanism: str | None = Field(default=None, description="PLAIN, SCRAM-SHA-512, ...")
-    sasl_username: str | None = None
-    sasl_password: SecretStr | None = None
-    ssl_ca_location: str | None = None
+    sasl_username: str | None = Field(default=None, description="SASL user name.")
+    sasl_password: SecretStr | None = Field(
+        default=None, description="SASL password (masked when a config is printed)."
+    )
+    ssl_ca_location: str | None = Field(
+        default=None, description="CA certificate file for TLS; empty: librdkafka's default."
+    )
     client_overrides: dict[str, str] = Field(
         default_factory=dict,
         description="Extra librdkafka properties passed through to every client.",
@@ -102,9 +108,9 @@ class S3Config(StrictModel):
     endpoint_url: str | None = Field(
         default=None, description="S3 endpoint; empty means AWS (or the embedded store)."
     )
-    bucket: str = "rollstream"
+    bucket: str = Field(default="rollstream", description="Bucket holding the weights.")
     prefix: str = Field(default="", description="Key prefix inside the bucket.")
-    region_name: str = "us-east-1"
+    region_name: str = Field(default="us-east-1", description="The S3 client's region.")
     embedded: bool = Field(
         default=True,
         description="Start SeaweedFS when no endpoint is set. False with no endpoint = AWS.",
@@ -112,7 +118,9 @@ class S3Config(StrictModel):
     access_key_id: str | None = Field(
         default=None, description="Leave empty to use the standard AWS credential chain."
     )
-    secret_access_key: SecretStr | None = None
+    secret_access_key: SecretStr | None = Field(
+        default=None, description="With access_key_id; masked when a config is printed."
+    )
     # Embedded store only.
     port: int = Field(default=0, description="Embedded S3 port; 0 picks a free one.")
     memory_limit: str = Field(default="512MiB", description="GOMEMLIMIT of the embedded store.")

@@ -463,7 +463,7 @@ class ChildSupervisor:
 # --- role shims: `python -m producers|streams|consumers` -----------------------------------
 
 
-ROOT_OPTIONS = ("--config", "--state-dir", "--set")
+ROOT_OPTIONS = ("--config", "--state-dir", "--set", "--policy")
 
 
 def exec_role_command(command: str, args: Sequence[str]) -> None:
@@ -471,8 +471,8 @@ def exec_role_command(command: str, args: Sequence[str]) -> None:
 
     The role packages' ``__main__`` shims call this: the ``rollstream`` command is the one
     CLI root, and a role package never imports the application above it. The root's
-    options (``--config FILE``, ``--state-dir DIR``, ``--set KEY=VALUE``) are moved in
-    front of the command.
+    options (``--config FILE``, ``--state-dir DIR``, ``--set KEY=VALUE``, ``--policy NAME``)
+    are moved in front of the command.
     """
     head: list[str] = []
     rest: list[str] = []

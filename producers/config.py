@@ -24,16 +24,25 @@ class SamplingConfig(StrictModel):
     temperature: float = Field(
         default=1.0, ge=0.0, description="0 means greedy (SGLang: top_k=1 at temperature 1)."
     )
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_p: float = Field(
+        default=1.0, gt=0.0, le=1.0, description="Nucleus sampling; 1 disables it."
+    )
     top_k: int = Field(default=-1, description="-1 disables top-k.")
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_p: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Minimum probability relative to the top token; 0 disables it.",
+    )
     max_new_tokens: int | None = Field(
         default=None, ge=1, description="None: the task's own limit."
     )
     stop_token_ids: list[int] | None = Field(
         default=None, description="None: the task's stop tokens (usually EOS)."
     )
-    ignore_eos: bool = False
+    ignore_eos: bool = Field(
+        default=False, description="Keep generating past EOS, up to max_new_tokens."
+    )
 
     def to_sglang(
         self, max_new_tokens: int, stop_token_ids: list[int], stop: list[str] | None = None
@@ -64,10 +73,14 @@ class EngineConfig(StrictModel):
         description=MODEL_SPEC_HELP + " The same spec as [streams.old_logits] model and "
         "[trainer.model] spec; the engine reports its canonical form as model_path.",
     )
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    host: str = "127.0.0.1"
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="The engine's compute dtype (the profile sets it)."
+    )
+    host: str = Field(default="127.0.0.1", description="Address rollstream serve binds.")
     port: int = Field(default=30000, ge=0, le=65535, description="0 picks a free port.")
-    max_batch_size: int = Field(default=64, ge=1)
+    max_batch_size: int = Field(
+        default=64, ge=1, description="Most sequences decoded together in one batch."
+    )
     batch_wait_ms: float = Field(
         default=0.5,
         ge=0.0,
@@ -251,13 +264,19 @@ class RolloutConfig(StrictModel):
         default=None,
         description="model_path the engine must report (get_model_info); None: the [engine] model.",
     )
-    connect_timeout_s: float = Field(default=5.0, gt=0)
-    request_timeout_s: float = Field(default=600.0, gt=0)
+    connect_timeout_s: float = Field(
+        default=5.0, gt=0, description="Seconds to connect to the engine."
+    )
+    request_timeout_s: float = Field(
+        default=600.0, gt=0, description="Seconds one engine call may take."
+    )
     retries: int = Field(
         default=5, ge=1, description="Attempts per engine call on transient errors."
     )
-    retry_max_wait_s: float = Field(default=10.0, gt=0)
-    topic: str = "rollouts.raw"
+    retry_max_wait_s: float = Field(
+        default=10.0, gt=0, description="Longest backoff between retries of an engine call."
+    )
+    topic: str = Field(default="rollouts.raw", description="The raw topic records go to.")
     producer_id: str | None = Field(
         default=None,
         description="Stable id of this worker (ledger and records); None: the host name.",

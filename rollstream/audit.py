@@ -11,7 +11,7 @@ trained that no producer produced. Each role keeps its own record of its side:
   (*orphaned*; the stream closes them as partial groups or dead-letters them). Producers
   on other machines: the same sets are told by ``rollouts.raw`` itself
   (``produced_from_raw``, ``--delivery topic``);
-- the trainer's ledger (``trainer.ledger_file``): trajectory ids per optimiser step whose
+- the trainer's ledger (``trainer.ledger_file``): trajectory ids per trainer step whose
   gradient is in the latest durable checkpoint, each once per time it was trained;
 - the topics: ``rollouts.stale`` (``rs-stale`` header), ``rollouts.dlq`` (the stream's and
   the trainer's dead letters, ``rs-dead-letter`` header; a dead-lettered scored group is
@@ -594,10 +594,11 @@ def audit_command(
     as_json: bool,
     timeout_s: float,
 ) -> None:
-    """Reconcile the producers' delivery ledgers with the trainer's ledger and the stale and
-    dead-letter topics of one run. Records still in flight (not yet applied by the stream,
-    in a group it is assembling, or scored past the trainer's committed offsets) are listed
-    as unprocessed / untrained, not as missing. Exit 1 on any discrepancy."""
+    """Reconcile the producers' delivery ledgers with the trainer's ledger and the stale,
+    filtered and dead-letter topics of one run. Records still in flight (not yet applied by
+    the stream, in a group it is assembling, or scored past the trainer's committed
+    offsets) are listed as unprocessed / untrained, not as missing. Exit 1 on any
+    discrepancy."""
     from dataclasses import replace
 
     from infra.services import Services

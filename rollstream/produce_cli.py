@@ -60,8 +60,9 @@ def serve(
     port: int | None,
     model: str | None,
 ) -> None:
-    """Run the CPU engine behind SGLang's native HTTP API (/generate, /abort_request,
-    /update_weights_from_disk, /get_model_info, /health)."""
+    """Run the CPU engine behind the part of SGLang's native HTTP API that RL needs (every
+    endpoint: producers/server.py)."""
+    config.require_policy()  # a multi-policy run: each policy's engine runs its model
     section = _section(config, {"host": host, "port": port, "model": model}, {})
     _logging()
     from producers.inference_engine import engine_from_config

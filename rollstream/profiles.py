@@ -7,21 +7,8 @@ from the same place as one started by ``rollstream up``. ``[profile]`` names the
 ``rollstream.config.load_config`` lays those *under* whatever the file, the environment or
 ``--set`` give explicitly, for every command.
 
-Two profiles, measured on this machine kind (2 cores):
-
-- ``tiny``: the tiny Llama, float32 everywhere, 16 prompts x 8 samples per step, AdamW lr
-  3e-3. The pipeline trains on data up to two versions old; 3e-3 reached a 10-step mean
-  reward of ~0.77 in 100 steps where 1e-3 was at ~0.16 after 60.
-- ``language-model``: a real model (SmolLM2-135M-Instruct or a checkpoint), bf16 where the
-  machine computes it natively (``precision``), 4 prompts x 8 samples per step, lr 2e-5:
-  SmolLM2 on the default ``arithmetic`` task went from a 10-step mean reward of 0.31 to 0.83
-  in 30 steps (4 prompts x 4 at 1e-5 on the earlier task defaults: almost no reward signal).
-
-The engine, the old-logit service and the trainer take the profile's one dtype. ``auto``
-precision is decided where the config is loaded: ``rollstream up`` writes the decided
-dtypes into the run's file, so roles started from that file agree; roles on different
-hardware started from a file of their own should pin ``precision``, since old logits are
-exact only when the stream and the trainer compute in the same dtype.
+The two profiles (``tiny`` and ``language-model``), their values, why they were chosen
+and how ``precision = "auto"`` decides: docs/configuration.md, "Profiles".
 
 ``auto`` (the default) picks ``tiny`` for a tiny model spec and ``language-model`` for any
 other; ``none`` applies nothing (every setting comes from the file or the defaults).
@@ -71,7 +58,7 @@ class ProfileConfig(StrictModel):
     groups_per_step: int | None = Field(
         default=None,
         ge=1,
-        description="GRPO groups per optimiser step; empty: 16 (tiny) or 4 (others).",
+        description="GRPO groups per trainer step; empty: 16 (tiny) or 4 (others).",
     )
 
     precision: Precision = Field(

@@ -3,7 +3,7 @@
 Why: the questions after a run are visual — did reward climb, how stale was the data, how
 much did MIS mask, PPO clip and NAV veto, how far behind did each region lag — and the
 answers are in the trainer's per-step metrics (``consumers.metrics``), one JSON object per
-optimiser step. Producers and stream workers export Prometheus metrics only (no files), so
+trainer step. Producers and stream workers export Prometheus metrics only (no files), so
 the trainer's JSONL is the report's one source.
 
 **Where the metrics are**, first match wins:
@@ -17,7 +17,7 @@ The JSONL carries no run id (one file per run). A trainer restarted from a check
 appends and repeats the steps after that checkpoint; the last line of a step wins, which is
 the run the weights actually continued from.
 
-**Panels** (x: optimiser step): reward (``reward/mean``, ``reward/std``); staleness
+**Panels** (x: trainer step): reward (``reward/mean``, ``reward/std``); staleness
 (``staleness/mean``, ``staleness/max``); fractions: tokens masked by MIS
 (``mis/masked_frac``), clipped by PPO (``clip/frac``), vetoed by NAV (``nav/vetoed_frac``),
 truncated by TIS (``tis/truncated_frac``) and sequences dropped by the catastrophic veto
@@ -87,7 +87,7 @@ DERIVED = {"veto/catastrophic_frac": ("veto/catastrophic_seqs", "data/trajectori
 
 @dataclasses.dataclass(frozen=True)
 class RunMetrics:
-    """One row per optimiser step (sorted by step), and the files they came from."""
+    """One row per trainer step (sorted by step), and the files they came from."""
 
     run: str
     rows: list[dict[str, float]]
@@ -188,7 +188,7 @@ def render_png(metrics: RunMetrics) -> bytes:
         ax.set_title(panel.title, fontsize=10, loc="left")
         ax.set_ylabel(panel.ylabel, fontsize=8)
         ax.grid(alpha=0.3)
-    axes[-1].set_xlabel("optimiser step")
+    axes[-1].set_xlabel("trainer step")
     fig.suptitle(f"rollstream run {metrics.run}: {len(metrics.rows)} steps")
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
@@ -253,7 +253,7 @@ td:first-child, th:first-child {{ text-align: left; }}
 img {{ max-width: 100%; }}
 </style></head><body>
 <h1>{title}</h1>
-<p>{len(metrics.rows)} optimiser steps from {sources}.</p>
+<p>{len(metrics.rows)} trainer steps from {sources}.</p>
 <img alt="metrics of run {html.escape(metrics.run)}" src="data:image/png;base64,{image}">
 <h2>Summary</h2>
 <table><tr><th>series</th><th>first</th><th>last</th><th>min</th><th>mean</th><th>max</th></tr>

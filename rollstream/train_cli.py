@@ -50,7 +50,9 @@ def run_trainer(config: RollstreamConfig, trainer: TrainerConfig, weights: Weigh
 
 
 @click.command("train")
-@click.option("--max-steps", type=int, help="Stop after this many optimiser steps in total.")
+@click.option(
+    "--max-steps", type=int, help="Stop after this many trainer steps (scored batches) in total."
+)
 @click.option("--dry-run", is_flag=True, help="Print the merged trainer config and exit.")
 @click.pass_obj
 def train(config: RollstreamConfig, max_steps: int | None, dry_run: bool) -> None:

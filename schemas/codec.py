@@ -82,7 +82,7 @@ class RecordKind(IntEnum):
     """What the bytes after the preamble hold."""
 
     TRAJECTORY = 1
-    SCORED_GROUP = 2  # reserved: a whole GRPO group with advantages (not implemented yet)
+    SCORED_GROUP = 2  # a whole GRPO group with advantages (schemas/group.py)
 
 
 class DecodeReason(StrEnum):

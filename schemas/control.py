@@ -53,7 +53,7 @@ class VersionAnnouncement:
     bytes: int  # total size of the version's files
     published_at_ms: int
     # The trainer's pace, for the producers' default backpressure (None: not announced):
-    # groups it takes per optimiser step, and its staleness window. ``version`` is the
+    # groups it takes per trainer step, and its staleness window. ``version`` is the
     # trainer's step count when it published, so it is also the trainer's trained version.
     groups_per_step: int | None = None
     max_staleness: int | None = None

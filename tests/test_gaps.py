@@ -1,7 +1,10 @@
-"""``GapGuard.sweep`` on the real broker: a hole at the end of a partition (the consumer
-already past records the table never applied, and no later record to reveal it) is
-sought back; a partition still receiving records, or one whose only gap is a
-transaction marker, is left alone.
+"""``GapGuard.sweep``: a hole at the end of a partition (the consumer already past records
+the table never applied, and no later record to reveal it) is sought back; a partition
+still receiving records, or one whose only gap is a transaction marker, is left alone.
+
+The guard's side consumer reads the real broker. The worker's consumer is a test double
+(``FakeConsumer``: the positions it is shown and the seeks it is asked for, never applied
+to a real consumer), and ``FakeSlowBroker`` stands in for a broker too slow to answer.
 
 The situation comes from CI: a worker dropped a record with the guard, Faust committed
 past the hole, the worker was killed before re-reading, and its successor started at the
@@ -32,8 +35,9 @@ def _produce(kafka: KafkaConfig, topic: str, counts: dict[int, int]) -> None:
     assert producer.flush(30) == 0
 
 
-class Recorder:
-    """The seeks a guard asks for, and the consumer positions it is shown."""
+class FakeConsumer:
+    """Stands in for the worker's consumer: the seeks a guard asks for, and the positions
+    it is shown."""
 
     def __init__(self, positions: dict[int, int]) -> None:
         self.positions = positions
@@ -55,7 +59,7 @@ def test_sweep_seeks_back_a_hole_at_the_end_of_a_partition(
     # p0: applied up to 3, consumer at the end (10): 4..9 were never applied.
     # p1: applied up to 2, consumer at 3: caught up. p2: nothing applied, consumer at 0.
     table = {offset_key(topic, 0): b"3", offset_key(topic, 1): b"2"}
-    seen = Recorder({0: 10, 1: 3, 2: 0})
+    seen = FakeConsumer({0: 10, 1: 3, 2: 0})
     guard = GapGuard(table, kafka_config.client_config(), topic, seen.seek, stall_after_s=0)
 
     assert asyncio.run(guard.sweep([0, 1, 2], seen.position)) == [0]
@@ -71,7 +75,7 @@ def test_sweep_waits_until_the_agent_has_been_idle_for_the_stall_time(
     ensure_topics(kafka_config.client_config(), [TopicSpec(topic, 1)])
     _produce(kafka_config, topic, {0: 10})
     table = {offset_key(topic, 0): b"3"}
-    seen = Recorder({0: 10})
+    seen = FakeConsumer({0: 10})
     guard = GapGuard(table, kafka_config.client_config(), topic, seen.seek, stall_after_s=0.5)
 
     async def scenario() -> list[list[int]]:
@@ -105,7 +109,7 @@ def test_sweep_leaves_a_jump_over_a_transaction_marker_alone(
     producer.commit_transaction(30)
     # Records 0..2 applied; offset 3 is the commit marker; the consumer is at 4.
     table = {offset_key(topic, 0): b"2"}
-    seen = Recorder({0: 4})
+    seen = FakeConsumer({0: 4})
     guard = GapGuard(table, kafka_config.client_config(), topic, seen.seek, stall_after_s=0)
 
     async def twice() -> list[list[int]]:
@@ -115,7 +119,7 @@ def test_sweep_leaves_a_jump_over_a_transaction_marker_alone(
     assert seen.seeks == []
 
 
-class SlowBroker:
+class FakeSlowBroker:
     """The guard's side consumer behind a broker too slow to answer: while ``slow``, a
     poll returns nothing (as a real poll does until its timeout); the rest is the real
     consumer."""
@@ -133,8 +137,8 @@ class SlowBroker:
         return getattr(self.consumer, name)
 
 
-def _slow_guard(guard: GapGuard) -> SlowBroker:
-    slow = SlowBroker(guard._consumer())
+def _slow_guard(guard: GapGuard) -> FakeSlowBroker:
+    slow = FakeSlowBroker(guard._consumer())
     guard._side = slow
     return slow
 
@@ -148,7 +152,7 @@ def test_a_sweep_that_gets_no_answer_in_time_tries_again_next_sweep(
     ensure_topics(kafka_config.client_config(), [TopicSpec(topic, 1)])
     _produce(kafka_config, topic, {0: 10})
     table = {offset_key(topic, 0): b"3"}
-    seen = Recorder({0: 10})
+    seen = FakeConsumer({0: 10})
     guard = GapGuard(
         table, kafka_config.client_config(), topic, seen.seek, stall_after_s=0, lookup_timeout_s=0.3
     )
@@ -181,7 +185,7 @@ def test_admit_does_not_cache_a_lookup_that_timed_out(
             producer.produce(topic, value=b"%d" % i, key=b"g", partition=0)
         producer.commit_transaction(30)
     table = {offset_key(topic, 0): b"2"}
-    seen = Recorder({})
+    seen = FakeConsumer({})
     guard = GapGuard(table, kafka_config.client_config(), topic, seen.seek, lookup_timeout_s=0.3)
     slow = _slow_guard(guard)
     msg = Message(topic, 0, 4, b"g", b"0")
