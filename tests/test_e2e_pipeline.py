@@ -46,7 +46,7 @@ def tiny_run(
         "producers": {"engine": {"dtype": "bfloat16", "seed": 11}, "rollout": {"seed": 11}},
         # MIS keeps every token of a normal bf16/fp32 mismatch; with the discrepancy weight
         # it weights each kept token by d, so the correction shows in the loss
-        "trainer": {"loss": {"mis_weight": "discrepancy"}},
+        "trainer": {"loss": {"type": "decoupled", "mis_weight": "discrepancy"}},
     }
     config = write_config(path, kafka_config, module_s3_config, "e2e", extra)
     return run_up(path, config, 600, "--trainer-ranks", "2", "--max-steps", str(STEPS))
