@@ -129,6 +129,7 @@ class EchoEpisode:
         turns = len(self.digits)
         correct = sum(bool(d["correct"]) for d in self.details)
         return sum(self.scores) / turns, {
+            "turns": turns,
             "turns_answered": len(self.scores),
             "turns_correct": correct,
             "correct": correct == turns,

@@ -9,8 +9,8 @@ and uniquely named topics, so they never see each other's data.
 Tiers, one marker each (given here, at collection): ``system`` for end-to-end tests
 (whole pipelines, chaos, kill -9; a module or test marks itself), ``integration`` for
 tests on the real broker or S3 (a service fixture, or a module that marks itself),
-``unit`` for the rest, which need no service. The whole suite runs the tiers in that order, unit first; ``pytest -m unit``
-runs only the quick tier.
+``unit`` for the rest, which need no service. The whole suite runs the tiers in that
+order, unit first; ``pytest -m unit`` runs only the quick tier.
 """
 
 from __future__ import annotations
