@@ -253,7 +253,7 @@ def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> E
         report.roles_joined = _rollstream_json(config_path, "roles")
 
         def partitions_in_metrics() -> bool:
-            from rollstream.up import scrape
+            from rollstream.up_display import scrape
 
             found = scrape(streams_metrics_port).get("rollstream_streams_raw_partitions")
             report.joined_raw_partitions = int(found or 0)

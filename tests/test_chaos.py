@@ -3,7 +3,7 @@
 One run of the whole pipeline (tiny model, ``copy-first-digit-twice``), with its own
 embedded Kafka broker and SeaweedFS store in the test's temporary directory (the broker
 must be restarted, so the session's shared one cannot be used). The roles are the
-commands ``rollstream up`` starts (``rollstream.up.role_specs``), supervised with
+commands ``rollstream up`` starts (``rollstream.up_plan.role_specs``), supervised with
 ``core.process``. While data flows: SIGKILL and restart the producer, the engine,
 the stream worker and the trainer (between two of its checkpoints), then stop and start
 the broker on the same data directory. Then drain: stop the producer (SIGTERM), start it
@@ -34,7 +34,9 @@ from core.process import Launcher, RoleProcess
 from infra.services import Services
 from rollstream.audit import AuditReport, AuditSources, audit
 from rollstream.config import RollstreamConfig, UpConfig, load_config
-from rollstream.up import STOP_ORDER, Ports, TrainerLog, build_config, role_specs, write_config
+from rollstream.up_display import TrainerLog
+from rollstream.up_plan import Ports, build_config, plan_policies, role_specs, write_config
+from rollstream.up_supervise import STOP_ORDER
 
 pytestmark = pytest.mark.system
 
@@ -110,7 +112,7 @@ class Run:
         write_config(config, path)
         self.config = config
         self.launcher = Launcher(run_dir / "logs")
-        for spec in role_specs(path, config, ports):
+        for spec in role_specs(path, config, plan_policies(config, ports)):
             self.launcher.add(spec)
         self.log = TrainerLog(Path(str(config.trainer.metrics_file)))
         self.events: list[str] = []

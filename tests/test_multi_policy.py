@@ -396,7 +396,7 @@ def test_admission_credit_settles_with_each_trained_version() -> None:
 
 
 def test_root_config_round_trips_with_its_policies(tmp_path: Path) -> None:
-    from rollstream.up import write_config
+    from rollstream.up_plan import write_config
 
     root = load_config(_config_file(tmp_path))
     write_config(root, tmp_path / "again.toml")
@@ -405,7 +405,8 @@ def test_root_config_round_trips_with_its_policies(tmp_path: Path) -> None:
 
 
 def test_the_live_display_shows_every_policys_roles(tmp_path: Path) -> None:
-    from rollstream.up import PoliciesDashboard, TrainerLog, policy_ports
+    from rollstream.up_display import Dashboard, TrainerLog
+    from rollstream.up_plan import plan_policies, policy_ports
 
     root = load_config(_config_file(tmp_path))
     logs = {}
@@ -419,7 +420,7 @@ def test_the_live_display_shows_every_policys_roles(tmp_path: Path) -> None:
         update={"policies": {n: merge_tables(policy_ports(), t) for n, t in root.policies.items()}}
     )
     alive = {"trainer-proposer": "pid 1", "streams-solver": "exit 0", "producer-proposer": "pid 2"}
-    rows = PoliciesDashboard(config, logs).rows(alive)
+    rows = Dashboard(config, plan_policies(config), logs).rows(alive)
     by_role = {role: (state, figures) for role, state, figures in rows}
     assert by_role["trainer-solver"][0] == "-" and "reward 0.250" in by_role["trainer-solver"][1]
     assert by_role["streams-solver"][0] == "exit 0"
@@ -470,14 +471,15 @@ def test_a_peer_engine_that_is_away_regenerates_the_group_instead_of_scoring_it(
 
 
 def test_up_starts_every_role_of_every_policy_with_its_policy(tmp_path: Path) -> None:
-    from rollstream.up import Ports, UpConfig, build_config, role_specs, write_config
+    from rollstream.config import UpConfig
+    from rollstream.up_plan import Ports, build_config, role_specs, write_config
 
     up = UpConfig(producers=2, stream_workers=2, trainer_ranks=2)
     root = load_config(_config_file(tmp_path))
     config = build_config(root, up, "mp", tmp_path / "run", Ports.free())
     path = tmp_path / "run" / "rollstream.toml"
     write_config(config, path)
-    specs = {spec.name: spec.argv for spec in role_specs(path, config, None)}  # type: ignore[arg-type]
+    specs = {spec.name: spec.argv for spec in role_specs(path, config, None)}
     policy_of = {
         **{f"streams-{p}{i}": p for p in ("proposer", "solver") for i in ("", "-1")},
         "trainer-proposer": "proposer",
@@ -510,7 +512,8 @@ def test_set_on_the_command_line_wins_over_a_policy_table(tmp_path: Path) -> Non
 
 
 def test_a_policys_own_profile_holds_under_up(tmp_path: Path) -> None:
-    from rollstream.up import Ports, UpConfig, build_config, write_config
+    from rollstream.config import UpConfig
+    from rollstream.up_plan import Ports, build_config, write_config
 
     text = TWO_POLICIES + '[policies.solver.profile]\nmodel = "tiny:num_layers=3"\n'
     by_hand = load_config(_config_file(tmp_path, text), policy="solver")

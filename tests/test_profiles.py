@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from rollstream.cli import main
 from rollstream.config import RollstreamConfig, UpConfig, load_config
 from rollstream.profiles import ProfileConfig, profile_sections
-from rollstream.up import Ports, build_config, write_config
+from rollstream.up_plan import Ports, build_config, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "infra" / "rollstream.example.toml"

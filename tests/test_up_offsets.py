@@ -11,7 +11,7 @@ from confluent_kafka.admin import AdminClient
 
 from infra.topics import ensure_topics
 from rollstream.config import RollstreamConfig
-from rollstream.up import start_groups_at_end
+from rollstream.up_plan import start_groups_at_end
 from schemas.topics import TopicSpec
 from streams.start import read_start_offsets
 

@@ -1,6 +1,6 @@
 """``rollstream up --restarts N``: a role that exits unexpectedly is started again, N times.
 
-The supervision loop of ``up`` (``rollstream.up._supervise``) on real processes standing
+The supervision loop of ``up`` (``rollstream.up_supervise.supervise``) on real processes standing
 in for the roles: a "producer" that crashes on its first start, and a "trainer" that
 finishes (exit 0, as at ``max_steps``) once it sees the producer's second start.
 """
@@ -13,7 +13,9 @@ from pathlib import Path
 
 from core.process import Launcher, RoleSpec
 from rollstream.config import load_config
-from rollstream.up import Ports, TrainerLog, _StopFlag, _supervise
+from rollstream.up_display import Dashboard, TrainerLog
+from rollstream.up_plan import Ports, plan_policies
+from rollstream.up_supervise import StopFlag, supervise
 
 
 def _script(path: Path, body: str) -> list[str]:
@@ -53,14 +55,10 @@ def _run(tmp_path: Path, restarts: int) -> tuple[tuple[str, bool], int]:
     try:
         for role in launcher.roles.values():
             role.start()
-        outcome = _supervise(
-            launcher,
-            load_config(None, run_id="restarts"),
-            Ports.free(),
-            TrainerLog(tmp_path / "metrics.jsonl"),
-            _StopFlag(),
-            restarts,
-        )
+        config = load_config(None, run_id="restarts")
+        logs = {"": TrainerLog(tmp_path / "metrics.jsonl")}
+        display = Dashboard(config, plan_policies(config, Ports.free()), logs)
+        outcome = supervise(launcher, display, StopFlag(), restarts)
         return outcome, launcher.roles["producer"].starts
     finally:
         launcher.stop_all(timeout_s=10)
