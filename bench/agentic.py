@@ -35,7 +35,8 @@ import torch
 
 from core.logprobs import response_logprobs
 from core.models import load_model, parse_model_spec
-from producers.inference_engine import Engine, SamplingParams
+from producers.engine_requests import SamplingParams
+from producers.inference_engine import Engine
 
 
 def _engine(model: str, prefix_cache_tokens: int) -> Engine:

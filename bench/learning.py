@@ -173,7 +173,8 @@ def build_rig(route: Route, seed: int, settings: Settings, **trainer: Any) -> Ri
     from consumers.train_engine import TrainEngine
     from core.models import EOS_ID, PAD_ID, load_model
     from producers.catalog import make_task
-    from producers.inference_engine import Engine, SamplingParams
+    from producers.engine_requests import SamplingParams
+    from producers.inference_engine import Engine
     from producers.tasks import TaskContext
     from streams.config import OldLogitsConfig
     from streams.oldlogits import OldLogitEngine

@@ -35,7 +35,8 @@ def main() -> None:
     from core.logprobs import response_logprobs
     from core.models import EOS_ID, load_model, load_tokenizer, parse_model_spec
     from producers.catalog import make_task
-    from producers.inference_engine import Engine, SamplingParams
+    from producers.engine_requests import SamplingParams
+    from producers.inference_engine import Engine
     from producers.tasks import TaskContext
 
     torch.set_num_threads(1)

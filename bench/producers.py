@@ -49,7 +49,8 @@ def bench_engine(model: str, repeats: int, new_tokens: int, threads: int) -> Non
 
     from core.config import default_cache_dir
     from producers.client import EngineClient
-    from producers.inference_engine import Engine, SamplingParams
+    from producers.engine_requests import SamplingParams
+    from producers.inference_engine import Engine
 
     spec = parse_model_spec(model)
     loaded = load_model(spec, cache_dir=default_cache_dir())

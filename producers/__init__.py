@@ -4,7 +4,10 @@ Modules, in reading order:
 
 - ``config``: ``ProducersConfig`` (``[engine]``, ``[rollout]``), pydantic only.
 - ``inference_engine``: the CPU inference engine (torch + transformers): batched, abortable,
-  hot-swappable weights, SGLang's log-prob numerics.
+  hot-swappable weights, SGLang's log-prob numerics. Its parts: ``engine_requests`` (sampling
+  parameters, results, request errors), ``engine_sampling`` (the sampling math),
+  ``engine_batch`` and ``engine_kv`` (running a batch, its KV cache), ``engine_weights``
+  (weights on disk).
 - ``server``: the engine behind the subset of SGLang's native HTTP API that RL needs.
 - ``client``: ``EngineClient`` for that API (ours or a real SGLang), responses checked.
 - ``tasks``: prompt sources and reward functions (a registry users extend).

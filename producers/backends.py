@@ -53,7 +53,7 @@ class LocalBackend:
         sampling: Sequence[dict[str, Any]],
         rids: Sequence[str],
     ) -> list[GenerateOutput]:
-        from producers.inference_engine import SamplingParams
+        from producers.engine_requests import SamplingParams
 
         items = [
             (list(p), SamplingParams.from_dict(s), rid, True)
@@ -112,7 +112,7 @@ class HttpBackend:
         await asyncio.to_thread(self._prune, version)
 
     def _write(self, state_dict: Mapping[str, Any], directory: Path) -> None:
-        from producers.inference_engine import save_weights
+        from producers.engine_weights import save_weights
 
         save_weights(state_dict, directory)
         if self.template_dir is not None:

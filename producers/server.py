@@ -51,7 +51,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from producers.inference_engine import Engine, EngineBusy, RequestError, SamplingParams
+from producers.engine_requests import EngineBusy, RequestError, SamplingParams
+from producers.inference_engine import Engine
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ import torch
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
 from producers.client import EngineClient, retry_after_seconds
 from producers.config import EngineConfig
-from producers.inference_engine import Engine, EngineBusy, SamplingParams
+from producers.engine_requests import EngineBusy, SamplingParams
+from producers.inference_engine import Engine
 from producers.server import ServerThread
 
 torch.set_num_threads(1)

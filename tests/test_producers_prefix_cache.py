@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from core.models import BOS_ID, SEP_ID, build_tiny_llama
-from producers.inference_engine import Engine, SamplingParams
+from producers.engine_requests import SamplingParams
+from producers.inference_engine import Engine
 from producers.prefix_cache import PrefixCache
 
 pytestmark = pytest.mark.unit

@@ -23,7 +23,8 @@ from producers.client import (
     parse_generate_response,
     same_model,
 )
-from producers.inference_engine import Engine, save_weights
+from producers.engine_weights import save_weights
+from producers.inference_engine import Engine
 from producers.server import ServerThread
 
 torch.set_num_threads(1)

@@ -1,0 +1,71 @@
+"""Weights on disk for the engine: a state dict written as one safetensors file (the
+format ``/update_weights_from_disk`` reads, ours or SGLang's), read back, and loaded into a
+model with only the tolerated gap (aliases of tied tensors, which checkpoints store once).
+"""
+
+from __future__ import annotations
+
+import collections
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def save_weights(state_dict: Mapping[str, torch.Tensor], directory: Path) -> Path:
+    """Write ``state_dict`` as ``directory/model.safetensors`` (atomically: temp + rename).
+
+    Tensors sharing storage (tied embeddings) are written once, under the first name, as
+    Hugging Face checkpoints do; ``load_state_dict_checked`` accepts the missing alias.
+    """
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    seen: set[tuple[int, int]] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        tensors[name] = tensor.detach().to("cpu").contiguous()
+    target = directory / "model.safetensors"
+    staging = directory / f".model.safetensors.{uuid.uuid4().hex}.tmp"
+    save_file(tensors, str(staging), metadata={"format": "pt"})
+    staging.replace(target)
+    return target
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in a checkpoint directory."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {directory}")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def load_state_dict_checked(model: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """``model.load_state_dict`` that tolerates only missing aliases of tied tensors."""
+    own = model.state_dict()
+    unexpected = sorted(set(state_dict) - set(own))
+    if unexpected:
+        raise ValueError(f"weights have tensors the model lacks: {unexpected[:5]}")
+    by_storage: dict[int, list[str]] = collections.defaultdict(list)
+    for name, tensor in own.items():
+        by_storage[tensor.untyped_storage().data_ptr()].append(name)
+    missing = []
+    for name in set(own) - set(state_dict):
+        aliases = by_storage[own[name].untyped_storage().data_ptr()]
+        if not any(alias in state_dict for alias in aliases):
+            missing.append(name)
+    if missing:
+        raise ValueError(f"weights lack tensors of the model: {sorted(missing)[:5]}")
+    with torch.no_grad():
+        model.load_state_dict(dict(state_dict), strict=False)
