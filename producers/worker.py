@@ -74,9 +74,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from core.config import RoleConfig, SharedConfig
 from producers.backends import Backend, LocalBackend
 from producers.client import EngineError, EngineUnavailable, GenerateOutput
-from producers.config import ProducersConfig, RolloutConfig
+from producers.config import EngineConfig, ProducersConfig, RolloutConfig
 from producers.credit import AdmissionCredit
 from producers.curriculum import Curriculum, PromptStatsReader, PromptStatsView
 from producers.environments import EpisodeLimits, is_environment
@@ -922,16 +923,17 @@ def ledger_dir(state_dir: Path, run_id: str, producer_id: str, policy: str = "")
 
 
 async def run_producer(
-    config: Any,
+    config: SharedConfig,
     producers: ProducersConfig,
     *,
     groups: int | None = None,
     install_signals: bool = True,
     consumed_version: Callable[[], int | None] | None = None,
     on_worker: Callable[[RolloutWorker], Any] | None = None,
-    peer_configs: Mapping[str, Any] | None = None,
+    peer_configs: Mapping[str, RoleConfig[ProducersConfig]] | None = None,
 ) -> WorkerReport:
-    """Run a rollout worker for a resolved ``RollstreamConfig`` (Kafka address known).
+    """Run a rollout worker for the producer role's config: the run's resolved shared
+    sections (Kafka's address known) and ``[producers]``.
 
     Opens (and recovers) the ledger, connects the engine (``rollout.engine_url``, else an
     in-process engine), builds the task, starts a ``WeightFollower`` thread on the run's
@@ -1161,7 +1163,9 @@ class _WatchedListener:
         self.listener.close()
 
 
-async def local_backend(engine_config: Any, cache_dir: Path, initial_version: int) -> LocalBackend:
+async def local_backend(
+    engine_config: EngineConfig, cache_dir: Path, initial_version: int
+) -> LocalBackend:
     """An engine in this process (built off the loop: loading a model takes a while),
     serving ``initial_version``."""
     from producers.inference_engine import engine_from_config
@@ -1194,7 +1198,11 @@ class _PeerSide:
     weight follower on the peer's lineage, and a heartbeat on the peer's roles topic."""
 
     def __init__(
-        self, config: Any, producer_id: str, metrics: ProducerMetrics, stop: threading.Event
+        self,
+        config: SharedConfig,
+        producer_id: str,
+        metrics: ProducerMetrics,
+        stop: threading.Event,
     ) -> None:
         self.config = config
         self.producer_id = producer_id
@@ -1202,30 +1210,29 @@ class _PeerSide:
         self.stop = stop
         self.peers = Peers()
         self.publishers: dict[str, GroupPublisher] = {}
-        self.configs: dict[str, Any] = {}
+        self.configs: dict[str, RoleConfig[ProducersConfig]] = {}
         self.watchers: dict[str, _WatchedListener] = {}
         self.threads: list[threading.Thread] = []
         self.beacons: dict[str, Any] = {}
         self.ledgers: list[Ledger] = []
 
-    async def add(self, name: str, peer: Any) -> None:
+    async def add(self, name: str, config: RoleConfig[ProducersConfig]) -> None:
         from core.topic_reader import end_offsets
         from producers.ledger import recover
 
+        peer, producers = config
         if peer.policy != name:
             raise ValueError(f"peer {name!r} was given the config of policy {peer.policy!r}")
-        rollout = peer.producers.rollout
+        rollout = producers.rollout
         backend: Backend
         if rollout.engine_url:
             backend = await http_backend(
                 rollout,
-                peer.producers.engine.model,
+                producers.engine.model,
                 ledger_dir(peer.state_dir, peer.run_id, self.producer_id, name) / "weights",
             )
         else:
-            backend = await local_backend(
-                peer.producers.engine, peer.cache_dir, rollout.initial_version
-            )
+            backend = await local_backend(producers.engine, peer.cache_dir, rollout.initial_version)
         self.peers.engines[name] = PeerEngine(
             name,
             backend,
@@ -1253,13 +1260,13 @@ class _PeerSide:
             delivery_timeout_ms=rollout.delivery_timeout_ms,
             overrides=rollout.producer_overrides,
         )
-        self.configs[name] = peer
+        self.configs[name] = config
 
     def start_following(self, loop: asyncio.AbstractEventLoop) -> None:
-        for name, peer in self.configs.items():
+        for name, (peer, producers) in self.configs.items():
             engine = self.peers[name]
             engine.bind(loop)
-            if peer.producers.rollout.follow_weights:
+            if producers.rollout.follow_weights:
                 thread, watcher = _start_follower(peer, engine, self.stop)
                 self.threads.append(thread)
                 self.watchers[name] = watcher
@@ -1269,7 +1276,7 @@ class _PeerSide:
         count this producer among the policy's producers."""
         from core.presence import Beacon
 
-        for name, peer in self.configs.items():
+        for name, (peer, _) in self.configs.items():
             if peer.presence.enabled:
                 self.beacons[name] = Beacon(
                     peer.kafka.client_config(),
@@ -1298,7 +1305,7 @@ class _PeerSide:
 
     def _detail(self, name: str) -> Callable[[], dict[str, Any]]:
         def detail() -> dict[str, Any]:
-            rollout = self.configs[name].producers.rollout
+            rollout = self.configs[name].section.rollout
             return {
                 "engine": rollout.engine_url or "in-process",
                 "peer_of": self.config.policy,
@@ -1336,7 +1343,7 @@ class _PeerSide:
 
 
 def _start_follower(
-    config: Any, worker: RolloutWorker | PeerEngine, stop: threading.Event
+    config: SharedConfig, worker: RolloutWorker | PeerEngine, stop: threading.Event
 ) -> tuple[threading.Thread, _WatchedListener]:
     """A ``WeightFollower`` thread feeding verified versions to ``worker.submit_version``."""
     from weights.announce import AnnouncementListener
