@@ -968,7 +968,7 @@ PROFILE_OPTIONS = ("sync", "model", "task", "staleness_window", "groups_per_step
 def up(ctx: click.Context, run_id: str | None, run_dir: Path | None, **options: Any) -> None:
     """Run producers, streams and trainer as separate processes on this machine, with
     embedded Kafka and S3 unless configured otherwise, until the trainer's max_steps."""
-    from rollstream.config import CONFIG_SOURCES, ConfigSources
+    from rollstream.config import CONFIG_SOURCES, ConfigSources, with_options
 
     given = {k: v for k, v in options.items() if v is not None}
     profile = {k: given.pop(k) for k in PROFILE_OPTIONS if k in given}
@@ -981,7 +981,7 @@ def up(ctx: click.Context, run_id: str | None, run_dir: Path | None, **options: 
         raise click.UsageError(
             "`up` runs every policy of the run: leave out --policy (and ROLLSTREAM_POLICY)"
         )
-    up_config = UpConfig.model_validate({**config.up.model_dump(), **given})
+    up_config = with_options(config.up, given)
     run_id = run_id or _default_run_id(config)
     run_dir = (run_dir or config.state_dir / "runs" / run_id).absolute()
     result = run_up(config, up_config, run_id, run_dir)
