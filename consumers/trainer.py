@@ -36,8 +36,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +53,7 @@ from consumers.ranks import (
     split_for_ranks,
     token_imbalance,
 )
-from core.config import PresenceConfig, S3Config, WeightsConfig
+from core.config import SharedConfig
 from core.models import load_model
 from schemas.trajectory import Trajectory
 
@@ -96,31 +95,16 @@ def sharing_producers(recent: Iterable[set[str]], gone: set[str]) -> int | None:
     return len(set().union(*recent) - gone) or None
 
 
-@dataclass(frozen=True)
-class TrainerSettings:
-    """Everything ``Trainer`` needs: the run, the clusters, and the trainer section."""
-
-    run_id: str
-    kafka: Mapping[str, str]  # librdkafka client config (KafkaConfig.client_config())
-    trainer: TrainerConfig
-    s3: S3Config | None = None  # None: no publishing
-    weights: WeightsConfig = field(default_factory=WeightsConfig)
-    cache_dir: Path | None = None
-    state_dir: Path | None = None  # default home of checkpoints
-    presence: PresenceConfig | None = None  # None: no heartbeats
-    policy: str = ""  # the policy trained here, of a multi-policy run ("" = the only one)
-
-    def checkpoint_config(self) -> CheckpointConfig:
-        """``trainer.checkpoint`` with its directory resolved."""
-        config = self.trainer.checkpoint
-        if config.dir is not None:
-            return config
-        if self.state_dir is None:
-            raise ValueError("set trainer.checkpoint.dir (or give a state dir)")
-        home = self.state_dir / "trainer" / self.run_id
-        if self.policy:
-            home = home / self.policy
-        return config.model_copy(update={"dir": home / "checkpoints"})
+def checkpoint_config(shared: SharedConfig, trainer: TrainerConfig) -> CheckpointConfig:
+    """``trainer.checkpoint`` with its directory resolved: by default under the state dir,
+    per run and policy, so two runs (or two policies) never share checkpoints."""
+    config = trainer.checkpoint
+    if config.dir is not None:
+        return config
+    home = shared.state_dir / "trainer" / shared.run_id
+    if shared.policy:
+        home = home / shared.policy
+    return config.model_copy(update={"dir": home / "checkpoints"})
 
 
 @dataclass
@@ -139,9 +123,12 @@ class TrainSummary:
 class Trainer:
     """Owns the engine, the Kafka source, the publisher and the sinks of one run."""
 
-    def __init__(self, settings: TrainerSettings) -> None:
-        self.settings = settings
-        self.config = settings.trainer
+    def __init__(self, shared: SharedConfig, trainer: TrainerConfig) -> None:
+        """``shared``: the run's resolved shared sections (Kafka's address known);
+        ``trainer``: the ``[trainer]`` section. Publishing needs ``publish.every`` or
+        ``publish.initial``, heartbeats ``presence.enabled``."""
+        self.shared = shared
+        self.config = trainer
         self.stop_event = threading.Event()
         self.step = 0
         self.offsets: dict[TopicPartition, int] = {}
@@ -156,6 +143,11 @@ class Trainer:
         self.beacon: Any = None  # core.presence.Beacon of rank 0
         self.presence: Any = None  # core.presence.Poller of the run's heartbeats
 
+    @property
+    def kafka(self) -> dict[str, str]:
+        """librdkafka settings of the run's cluster (only rank 0 talks to Kafka)."""
+        return self.shared.kafka.client_config()
+
     # --- setup --------------------------------------------------------------------------
 
     def _build(self) -> None:
@@ -168,7 +160,7 @@ class Trainer:
         cfg = self.config
         torch.manual_seed(cfg.engine.seed)
         # float32 master weights; DeepSpeed casts the module for bf16 training
-        model = load_model(cfg.model.spec, "float32", cache_dir=self.settings.cache_dir)
+        model = load_model(cfg.model.spec, "float32", cache_dir=self.shared.cache_dir)
         model_cfg = model.config
         self.vocab_size = int(model_cfg.vocab_size)
         self.max_length = int(cfg.model.max_length or model_cfg.max_position_embeddings)
@@ -186,7 +178,7 @@ class Trainer:
             )
         self.channel = RankChannel(self.rank, self.world) if self.world > 1 else None
         self.runner = StepRunner(self.engine, cfg, pad_id=int(pad))
-        self.checkpoints = CheckpointManager(self.settings.checkpoint_config())
+        self.checkpoints = CheckpointManager(checkpoint_config(self.shared, self.config))
         if self.rank != 0:
             return  # Kafka, the ledger, publishing and metrics are rank 0's
         log.info("trainer rank 0 of a world of %d", self.world)
@@ -242,14 +234,14 @@ class Trainer:
 
         cfg = self.config
         self._ensure_topics()
-        presence = self.settings.presence
-        if presence is not None and presence.enabled:
+        presence = self.shared.presence
+        if presence.enabled:
             from core.presence import Beacon
 
             self.beacon = Beacon(
-                self.settings.kafka,
+                self.kafka,
                 presence.topic,
-                run=self.settings.run_id,
+                run=self.shared.run_id,
                 role="trainer",
                 instance=cfg.topics.group_instance_id or None,
                 interval_s=presence.interval_s,
@@ -258,41 +250,37 @@ class Trainer:
             from core.presence import Poller, read_presence
 
             self.presence = Poller(
-                lambda: read_presence(self.settings.kafka, presence.topic, self.settings.run_id),
+                lambda: read_presence(self.kafka, presence.topic, self.shared.run_id),
                 presence.interval_s,
             ).start()
         self.source = ScoredSource(
-            self.settings.kafka,
+            self.kafka,
             cfg.topics,
             cfg.batch,
             cfg.retry,
-            run_id=self.settings.run_id,
+            run_id=self.shared.run_id,
             vocab_size=self.vocab_size,
             max_length=self.max_length,
             start_offsets=self.offsets,
             on_dead_letter=self.sink.record_dlq,
-            policy=self.settings.policy,
+            policy=self.shared.policy,
         )
         self.publisher = None
-        if self.settings.s3 is not None and (cfg.publish.every or cfg.publish.initial):
+        if cfg.publish.every or cfg.publish.initial:
             from consumers.weight_publisher import Publisher
             from weights.store import WeightStore
             from weights.writer import DeltaWriter
 
-            store = WeightStore.from_config(
-                self.settings.s3, self.settings.run_id, self.settings.policy
-            )
-            writer = DeltaWriter.from_config(store, self.settings.weights)
-            announcer = (
-                trainer_announcer(self.settings.kafka, cfg) if cfg.publish.announce else None
-            )
+            store = WeightStore.from_config(self.shared.s3, self.shared.run_id, self.shared.policy)
+            writer = DeltaWriter.from_config(store, self.shared.weights)
+            announcer = trainer_announcer(self.kafka, cfg) if cfg.publish.announce else None
             self.publisher = Publisher(
                 writer,
                 cfg.publish,
                 cfg.retry,
                 announcer,
-                keep_versions=self.settings.weights.keep_versions,
-                orphan_grace_s=self.settings.weights.orphan_grace_s,
+                keep_versions=self.shared.weights.keep_versions,
+                orphan_grace_s=self.shared.weights.orphan_grace_s,
             )
             first = self.publisher.resume(self.step, self._full_weights)
             if first is not None:
@@ -314,7 +302,7 @@ class Trainer:
         ]
         for attempt in retrying(self.config.retry, (KafkaException,), "ensure topics"):
             with attempt:
-                ensure_topics(self.settings.kafka, specs)
+                ensure_topics(self.kafka, specs)
 
     # --- the loop -----------------------------------------------------------------------
 

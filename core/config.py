@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, NamedTuple, TypeVar
 
 import tomli_w
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
@@ -269,6 +269,21 @@ class SharedConfig(BaseSettings):
     s3: S3Config = Field(default_factory=S3Config)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     presence: PresenceConfig = Field(default_factory=PresenceConfig)
+
+
+SectionT = TypeVar("SectionT", bound=BaseModel)
+
+
+class RoleConfig(NamedTuple, Generic[SectionT]):
+    """What a role receives, the same shape for every role: ``shared`` (the run, the
+    policy served, state and cache dirs, Kafka, S3, weights, presence) and ``section``, the
+    role's own (``ProducersConfig``, ``StreamsConfig`` or ``TrainerConfig``).
+
+    A pair rather than the whole file, so a role can only depend on what it is given;
+    ``rollstream.config.role_config`` cuts it from the one resolved configuration."""
+
+    shared: SharedConfig
+    section: SectionT
 
 
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)

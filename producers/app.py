@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from core.config import RoleConfig, SharedConfig
 from producers.admission import TrainerSignals
 from producers.backends import Backend, http_backend, local_backend
 from producers.config import ProducersConfig
@@ -40,14 +41,14 @@ def default_producer_id() -> str:
 
 
 async def run_producer(
-    config: Any,
+    config: SharedConfig,
     producers: ProducersConfig,
     *,
     groups: int | None = None,
     install_signals: bool = True,
     consumed_version: Callable[[], int | None] | None = None,
     on_worker: Callable[[RolloutWorker], Any] | None = None,
-    peer_configs: Mapping[str, Any] | None = None,
+    peer_configs: Mapping[str, RoleConfig[ProducersConfig]] | None = None,
 ) -> WorkerReport:
     """Run a rollout worker for a resolved ``RollstreamConfig`` (Kafka address known).
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from producers.client import EngineClient, GenerateOutput, parse_generate_response
-from producers.config import RolloutConfig
+from producers.config import EngineConfig, RolloutConfig
 
 
 class Backend(Protocol):
@@ -137,7 +137,9 @@ class HttpBackend:
         await self.client.aclose()
 
 
-async def local_backend(engine_config: Any, cache_dir: Path, initial_version: int) -> LocalBackend:
+async def local_backend(
+    engine_config: EngineConfig, cache_dir: Path, initial_version: int
+) -> LocalBackend:
     """An engine in this process (built off the loop: loading a model takes a while),
     serving ``initial_version``."""
     from producers.inference_engine import engine_from_config

@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from core.models import load_model, load_tokenizer, model_directory, parse_model_spec
+from producers.config import EngineConfig
 from producers.engine_batch import BatchRunner, EngineStats
 from producers.engine_requests import (
     EngineBusy,
@@ -459,7 +460,7 @@ class Engine(BatchRunner):
 # --- from config ----------------------------------------------------------------------
 
 
-def engine_from_config(config: Any, cache_dir: Path) -> Engine:
+def engine_from_config(config: EngineConfig, cache_dir: Path) -> Engine:
     """An ``Engine`` (not started) for an ``EngineConfig``: its model spec loaded by
     ``core.models.load_model`` (the loader the old-logit service and the trainer use),
     with the spec's tokenizer; ``model_path`` is the spec's canonical name."""

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from core.config import RoleConfig, SharedConfig
 from producers.backends import Backend, http_backend, local_backend
 from producers.client import EngineUnavailable, GenerateOutput
-from producers.config import SamplingConfig
+from producers.config import ProducersConfig, SamplingConfig
 from producers.credit import AdmissionCredit
 from producers.group_publisher import GroupPublisher
 from producers.ledger import Ledger, StopRecord, ledger_dir
@@ -267,7 +268,7 @@ class PeerSide:
 
     def __init__(
         self,
-        config: Any,
+        config: SharedConfig,
         producer_id: str,
         metrics: ProducerMetrics,
         stop: threading.Event | None,
@@ -279,7 +280,7 @@ class PeerSide:
         self.stop = stop if stop is not None else threading.Event()
         self.peers = Peers()
         self.publishers: dict[str, GroupPublisher] = {}
-        self.configs: dict[str, Any] = {}
+        self.configs: dict[str, RoleConfig[ProducersConfig]] = {}
         self.watchers: dict[str, WatchedListener] = {}
         self._closing = contextlib.AsyncExitStack()
 
@@ -300,25 +301,22 @@ class PeerSide:
 
         self._closing.push_async_callback(run)
 
-    async def add(self, name: str, peer: Any) -> None:
-        """Open peer policy ``name`` (its resolved config ``peer``): engine, ledger
+    async def add(self, name: str, config: RoleConfig[ProducersConfig]) -> None:
+        """Open peer policy ``name`` (what its producer role receives): engine, ledger
         (recovered), publisher."""
         from core.topic_reader import end_offsets
         from producers.ledger import recover
 
+        peer, producers = config
         if peer.policy != name:
             raise ValueError(f"peer {name!r} was given the config of policy {peer.policy!r}")
-        rollout = peer.producers.rollout
+        rollout = producers.rollout
         directory = ledger_dir(peer.state_dir, peer.run_id, self.producer_id, name)
         backend: Backend
         if rollout.engine_url:
-            backend = await http_backend(
-                rollout, peer.producers.engine.model, directory / "weights"
-            )
+            backend = await http_backend(rollout, producers.engine.model, directory / "weights")
         else:
-            backend = await local_backend(
-                peer.producers.engine, peer.cache_dir, rollout.initial_version
-            )
+            backend = await local_backend(producers.engine, peer.cache_dir, rollout.initial_version)
         self._on_close(f"engine of {name}", backend.aclose)
         self.peers.engines[name] = PeerEngine(
             name,
@@ -345,15 +343,15 @@ class PeerSide:
         )
         self._on_close(f"publisher of {name}", partial(asyncio.to_thread, publisher.close))
         self.publishers[name] = publisher
-        self.configs[name] = peer
+        self.configs[name] = config
 
     def start_following(self, loop: asyncio.AbstractEventLoop) -> None:
         """Bind each peer engine to ``loop`` and start its weight follower (when the
         peer follows weights)."""
-        for name, peer in self.configs.items():
+        for name, (peer, producers) in self.configs.items():
             engine = self.peers[name]
             engine.bind(loop)
-            if peer.producers.rollout.follow_weights:
+            if producers.rollout.follow_weights:
                 follower = start_follower(peer, engine, self.stop)
                 self._on_close(f"announcements of {name}", follower.listener.close)
                 self._on_close(f"follower {follower.thread.name}", follower.join)
@@ -364,7 +362,7 @@ class PeerSide:
         count this producer among the policy's producers."""
         from core.presence import Beacon
 
-        for name, peer in self.configs.items():
+        for name, (peer, _) in self.configs.items():
             if peer.presence.enabled:
                 beacon = Beacon(
                     peer.kafka.client_config(),
@@ -400,7 +398,7 @@ class PeerSide:
 
     def _detail(self, name: str) -> Callable[[], dict[str, Any]]:
         def detail() -> dict[str, Any]:
-            rollout = self.configs[name].producers.rollout
+            rollout = self.configs[name].section.rollout
             return {
                 "engine": rollout.engine_url or "in-process",
                 "peer_of": self.config.policy,

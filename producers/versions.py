@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from core.config import SharedConfig
 from producers.backends import Backend
 from producers.client import EngineError, EngineUnavailable, GenerateOutput
 from producers.metrics import ProducerMetrics
@@ -298,7 +299,7 @@ class Follower:
         await asyncio.to_thread(self.thread.join, timeout_s)
 
 
-def start_follower(config: Any, target: VersionTarget, stop: threading.Event) -> Follower:
+def start_follower(config: SharedConfig, target: VersionTarget, stop: threading.Event) -> Follower:
     """A ``WeightFollower`` thread feeding verified versions to ``target.submit_version``
     until ``stop`` is set; the caller closes ``listener`` once the thread is joined."""
     from weights.announce import AnnouncementListener

@@ -15,7 +15,18 @@ from pydantic import ValidationError
 
 from core.config import ConfigurationError
 from core.process import ServiceError
-from rollstream.config import RollstreamConfig, load_config, parse_assignments
+from rollstream.config import (
+    CONFIG_SOURCES,
+    ROLE_SECTIONS,
+    ConfigSources,
+    RollstreamConfig,
+    parse_assignments,
+    role_json,
+)
+
+RESOLVES_ITSELF = frozenset({"up"})
+"""Commands whose own options change the profile: they resolve the sources themselves,
+with those options, so the configuration is still resolved once."""
 
 
 class RollstreamGroup(click.Group):
@@ -72,9 +83,12 @@ def main(
     if state_dir:
         overrides["state_dir"] = state_dir
     policy = policy or overrides.pop("policy", None)  # `--set policy=NAME` names it too
-    ctx.meta["rollstream.sources"] = (config_path, overrides)  # `up` may load them again
+    sources = ConfigSources(config_path, overrides, policy)
+    ctx.meta[CONFIG_SOURCES] = sources
+    if ctx.invoked_subcommand in RESOLVES_ITSELF:
+        return
     try:
-        ctx.obj = load_config(config_path, policy=policy, **overrides)
+        ctx.obj = sources.resolve()
     except ValidationError as err:
         raise click.UsageError(f"invalid configuration:\n{err}") from err
 
@@ -82,8 +96,9 @@ def main(
 @main.command("config")
 @click.option(
     "--role",
-    type=click.Choice(["producers", "engine", "producer", "streams", "stream", "trainer"]),
-    help="Only what this role runs with: the shared sections and its own.",
+    type=click.Choice(list(ROLE_SECTIONS)),
+    help="Only what this role receives: the shared sections and its own (and the "
+    "[profile] they derive from).",
 )
 @click.pass_obj
 def show_config(config: RollstreamConfig, role: str | None) -> None:
@@ -91,7 +106,7 @@ def show_config(config: RollstreamConfig, role: str | None) -> None:
     if role is None:
         click.echo(config.model_dump_json(indent=2))
     else:
-        click.echo(json.dumps(config.role_section(role), indent=2))
+        click.echo(json.dumps(role_json(config, role), indent=2))
 
 
 @main.group()

@@ -2,25 +2,31 @@
 plus each role's own section and ``[up]``. Pydantic only, no torch, so every entry point
 validates its configuration before importing anything heavy. Unknown keys are errors.
 
-Sources, earlier ones winning (``load_config``): explicit overrides (``--set``, ``--state-dir``),
-``ROLLSTREAM_*`` variables (``ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS=...``, nested with ``__``),
-the widely used ``KAFKA_BOOTSTRAP_SERVERS`` and ``AWS_ENDPOINT_URL_S3`` /
-``AWS_ENDPOINT_URL``, the TOML file (``--config``), the defaults. S3 credentials come from
-the standard AWS chain unless the store is the embedded one.
+One path for every process: ``load_config`` is the resolver (the ``rollstream`` group
+calls it once, through ``ConfigSources``), and ``role_config`` cuts what a role receives
+from its result. Sources, earlier ones winning: explicit overrides (``--set``,
+``--state-dir``), ``ROLLSTREAM_*`` variables (``ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS=...``,
+nested with ``__``), the widely used ``KAFKA_BOOTSTRAP_SERVERS`` and
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, the TOML file (``--config``), the
+``[profile]``'s settings, the defaults. S3 credentials come from the standard AWS chain
+unless the store is the embedded one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
 from consumers.config import TrainerConfig
 from core.config import (
     ConfigurationError,
+    RoleConfig,
+    SectionT,
     SharedConfig,
     StrictModel,
     merge_tables,
@@ -76,6 +82,15 @@ class UpConfig(StrictModel):
     )
 
 
+class _Remembered(dict[str, "RollstreamConfig"]):
+    """Views built from a config's values: a cache, so never part of its equality."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Remembered)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 class RollstreamConfig(SharedConfig):
     """The whole configuration: one file for every role (the shared sections, then each
     role's own)."""
@@ -102,6 +117,19 @@ class RollstreamConfig(SharedConfig):
         description="[policies.<name>]: the policies of a multi-policy run, each a table of "
         "overrides for the roles serving it (rollstream.policies); empty: one policy.",
     )
+
+    _views: _Remembered = PrivateAttr(default_factory=_Remembered)
+    """``view``'s results: each policy's view is built once per config."""
+    _siblings: _Remembered = PrivateAttr(default_factory=_Remembered)
+    """Every policy's view as ``load_config`` resolved it from the same sources."""
+
+    def model_copy(
+        self, *, update: Mapping[str, Any] | None = None, deep: bool = False
+    ) -> RollstreamConfig:
+        """A copy that remembers no views: they were built from this config's values."""
+        copy = super().model_copy(update=update, deep=deep)
+        copy._views, copy._siblings = _Remembered(), _Remembered()
+        return copy
 
     @field_validator("policies")
     @classmethod
@@ -134,7 +162,17 @@ class RollstreamConfig(SharedConfig):
         ``profile`` derive its roles' settings; names and tables come out the same."""
         if self.policy:
             raise ValueError(f"this is already policy {self.policy!r}'s view")
-        return policy_view(self, policy)
+        if policy not in self._views:
+            self._views[policy] = policy_view(self, policy)
+        return self._views[policy]
+
+    def peer(self, policy: str) -> RollstreamConfig:
+        """``policy``'s view resolved from the same sources as this config (a producer's
+        peer policies): built once by ``load_config``, not resolved again."""
+        if policy not in self._siblings:
+            known = ", ".join(sorted(self._siblings)) or "none resolved with this config"
+            raise ConfigurationError(f"no policy {policy!r} to serve as a peer (known: {known})")
+        return self._siblings[policy]
 
     def topic_specs(self) -> list[TopicSpec]:
         """Every topic of this run under the names its sections give (tests and shared
@@ -159,23 +197,6 @@ class RollstreamConfig(SharedConfig):
             dataclasses.replace(spec, name=name) for spec, given in names for name in sorted(given)
         ]
 
-    def role_section(self, role: str) -> dict[str, Any]:
-        """The effective settings one role runs with: the shared sections and its own."""
-        own = {"engine": "producers", "producer": "producers", "stream": "streams"}.get(role, role)
-        if own not in ("producers", "streams", "trainer"):
-            raise ValueError(f"unknown role {role!r}: producers, streams or trainer")
-        shared = (
-            "run_id",
-            "state_dir",
-            "cache_dir",
-            "kafka",
-            "s3",
-            "weights",
-            "presence",
-            "profile",
-        )
-        return self.model_dump(mode="json", include={*shared, own})
-
 
 def load_config(
     path: Path | None = None, *, policy: str | None = None, **overrides: Any
@@ -188,14 +209,128 @@ def load_config(
     laid over the sources and its names are renamed into its namespace
     (``rollstream.policies``) before the profile derives the roles' settings, so a policy
     with its own ``profile.model`` gets that model's settings everywhere. Every policy's
-    view is built once here, so a bad table fails whichever role starts first."""
+    view is built once here, so a bad table fails whichever role starts first, and kept
+    on the result (``RollstreamConfig.peer``) for a producer's peers.
+
+    What a role receives is cut from the result by ``role_config``: the same shape,
+    ``RoleConfig(shared, section)``, for every role."""
     raw = settings_from_sources(RollstreamConfig, path, overrides)
     views = {name: policy_view(raw, name, overrides) for name in raw.policies}
     check_peers(views)
     policy = policy or raw.policy  # ROLLSTREAM_POLICY or `--set policy=...` name it too
     if policy:
-        return views[policy] if policy in views else policy_view(raw, policy, overrides)
-    return with_profile(raw)
+        config = views[policy] if policy in views else policy_view(raw, policy, overrides)
+    else:
+        config = with_profile(raw)
+    config._siblings.update(views)
+    return config
+
+
+CONFIG_SOURCES = "rollstream.sources"
+"""Where the ``rollstream`` group keeps its ``ConfigSources`` (``click.Context.meta``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigSources:
+    """What a process's configuration is resolved from: the file (``--config``), the
+    explicit overrides (``--set``, ``--state-dir``) and the policy served (``--policy``).
+    The ``rollstream`` group resolves them once; a command whose own options change the
+    profile (``up --model``) resolves them instead of the group, with those options."""
+
+    path: Path | None = None
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    policy: str | None = None
+
+    def resolve(self, **more: Any) -> RollstreamConfig:
+        """``load_config`` of these sources, ``more`` laid over the overrides."""
+        overrides = merge_tables(dict(self.overrides), more)
+        return load_config(self.path, policy=self.policy, **overrides)
+
+
+RoleName = Literal["producers", "engine", "producer", "streams", "stream", "trainer"]
+ROLE_SECTIONS: dict[str, str] = {
+    "producers": "producers",
+    "engine": "producers",
+    "producer": "producers",
+    "streams": "streams",
+    "stream": "streams",
+    "trainer": "trainer",
+}
+"""Each role's name (and its aliases) -> the section it runs with."""
+
+
+@overload
+def role_config(
+    config: RollstreamConfig,
+    role: Literal["producers", "engine", "producer"],
+    options: Mapping[str, Any] | None = None,
+) -> RoleConfig[ProducersConfig]: ...
+@overload
+def role_config(
+    config: RollstreamConfig,
+    role: Literal["streams", "stream"],
+    options: Mapping[str, Any] | None = None,
+) -> RoleConfig[StreamsConfig]: ...
+@overload
+def role_config(
+    config: RollstreamConfig, role: Literal["trainer"], options: Mapping[str, Any] | None = None
+) -> RoleConfig[TrainerConfig]: ...
+@overload
+def role_config(
+    config: RollstreamConfig, role: str, options: Mapping[str, Any] | None = None
+) -> RoleConfig[ProducersConfig] | RoleConfig[StreamsConfig] | RoleConfig[TrainerConfig]: ...
+def role_config(
+    config: RollstreamConfig, role: str, options: Mapping[str, Any] | None = None
+) -> RoleConfig[ProducersConfig] | RoleConfig[StreamsConfig] | RoleConfig[TrainerConfig]:
+    """What ``role`` receives from the resolved ``config``: ``RoleConfig(shared,
+    section)``, the shared sections alone (a ``SharedConfig``, not the whole file) and the
+    role's own section with the command's ``options`` (a nested table in the section's
+    layout; ``None`` values are options not given) laid over it. ``rollstream config
+    --role`` prints this, so what it shows is what the role gets."""
+    if role not in ROLE_SECTIONS:
+        raise ValueError(f"unknown role {role!r}: producers, streams or trainer")
+    section = getattr(config, ROLE_SECTIONS[role])
+    return RoleConfig(shared_config(config), with_options(section, options or {}))
+
+
+def shared_config(config: SharedConfig) -> SharedConfig:
+    """The shared sections of ``config`` as a ``SharedConfig`` (no sources read again:
+    the values are already resolved and validated)."""
+    names = set(SharedConfig.model_fields)
+    values = {name: getattr(config, name) for name in names}
+    return SharedConfig.model_construct(config.model_fields_set & names, **values)
+
+
+def with_options(section: SectionT, options: Mapping[str, Any]) -> SectionT:
+    """``section`` with a command's own options laid over it (``produce --groups``, ``train
+    --max-steps``): validated again only when one is given."""
+    given = _given(options)
+    if not given:
+        return section
+    return type(section).model_validate(merge_tables(section.model_dump(), given))
+
+
+def _given(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` without the ones not given (``None``), nested tables included."""
+    given: dict[str, Any] = {}
+    for key, value in options.items():
+        if isinstance(value, Mapping):
+            value = _given(value) or None
+        if value is not None:
+            given[key] = value
+    return given
+
+
+def role_json(config: RollstreamConfig, role: str) -> dict[str, Any]:
+    """What ``rollstream config --role`` prints: ``role_config(config, role)`` as JSON
+    (secrets masked), the role's section under its name, and the ``[profile]`` its
+    settings were derived from."""
+    shared, section = role_config(config, role)
+    return {
+        **shared.model_dump(mode="json"),
+        ROLE_SECTIONS[role]: section.model_dump(mode="json"),
+        "profile": config.profile.model_dump(mode="json"),
+    }
 
 
 def policy_view(

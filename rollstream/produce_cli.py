@@ -1,9 +1,10 @@
 """``rollstream serve`` and ``rollstream produce``: the producer role's commands.
 
 Both take the ``RollstreamConfig`` that the ``rollstream`` group puts in ``ctx.obj``
-(``--config``, the environment, ``--set``: one way for every role) and use its
-``[producers]`` section, with their own options on top. Heavy imports happen inside the
-commands, so ``--help`` stays instant.
+(``--config``, the environment, ``--set``: one way for every role) and give the role what
+``rollstream.config.role_config`` cuts from it: the shared sections and ``[producers]``,
+with their own options on top. Heavy imports happen inside the commands, so ``--help``
+stays instant.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-from pydantic import ValidationError
 
-from producers.config import EngineConfig, ProducersConfig, RolloutConfig
-from rollstream.config import load_config
+from core.config import RoleConfig
+from producers.config import ProducersConfig
+from rollstream.config import RollstreamConfig, role_config
 
 
 def _logging() -> None:
@@ -28,22 +29,14 @@ def _logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per engine call
 
 
-def _section(config: Any, engine: dict, rollout: dict) -> ProducersConfig:
-    """The producers config with command-line overrides applied (and validated)."""
+def _role(
+    config: RollstreamConfig, engine: dict[str, Any], rollout: dict[str, Any]
+) -> RoleConfig[ProducersConfig]:
+    """What the producer role receives, the command-line options applied (and validated)."""
     try:
-        base = config.producers
-        engine_values = {**base.engine.model_dump(), **_set(engine)}
-        rollout_values = {**base.rollout.model_dump(), **_set(rollout)}
-        return ProducersConfig(
-            engine=EngineConfig.model_validate(engine_values),
-            rollout=RolloutConfig.model_validate(rollout_values),
-        )
-    except (ValidationError, OSError, ValueError) as err:
+        return role_config(config, "producers", {"engine": engine, "rollout": rollout})
+    except (OSError, ValueError) as err:  # pydantic's ValidationError is a ValueError
         raise click.UsageError(f"invalid producers configuration:\n{err}") from err
-
-
-def _set(values: dict) -> dict:
-    return {key: value for key, value in values.items() if value is not None}
 
 
 @click.command("serve")
@@ -55,7 +48,7 @@ def _set(values: dict) -> dict:
 )
 @click.pass_obj
 def serve(
-    config: Any,
+    config: RollstreamConfig,
     host: str | None,
     port: int | None,
     model: str | None,
@@ -63,13 +56,13 @@ def serve(
     """Run the CPU engine behind the part of SGLang's native HTTP API that RL needs (every
     endpoint: producers/server.py)."""
     config.require_policy()  # a multi-policy run: each policy's engine runs its model
-    section = _section(config, {"host": host, "port": port, "model": model}, {})
+    shared, section = _role(config, {"host": host, "port": port, "model": model}, {})
     _logging()
     from producers.inference_engine import engine_from_config
     from producers.server import SGLANG_RELEASE
     from producers.server import serve as run_server
 
-    engine = engine_from_config(section.engine, Path(config.cache_dir))
+    engine = engine_from_config(section.engine, Path(shared.cache_dir))
 
     def ready(url: str) -> None:
         click.echo(f"engine {engine.model_path!r} serves SGLang {SGLANG_RELEASE}'s API at {url}")
@@ -89,9 +82,9 @@ def serve(
     "[s3] by its name) and tag records with it: one config file serves every machine.",
 )
 @click.option("--producer-id", help="This producer's id (its ledger; default: the host name).")
-@click.pass_context
+@click.pass_obj
 def produce(
-    ctx: click.Context,
+    config: RollstreamConfig,
     groups: int | None,
     engine_url: str | None,
     task: str | None,
@@ -100,7 +93,6 @@ def produce(
     producer_id: str | None,
 ) -> None:
     """Generate GRPO groups with the engine and publish them to Kafka."""
-    config = ctx.obj
     config.require_policy()
     overrides = {
         "groups": groups,
@@ -109,24 +101,24 @@ def produce(
         "topic": topic,
         "producer_id": producer_id,
     }
-    section = _section(config, {}, overrides)
+    shared, section = _role(config, {}, overrides)
     _logging()
     from infra.services import Services
     from producers.app import run_producer
 
-    resolved = Services(config).resolved()
+    resolved = Services(shared).resolved()
     if region is not None:
         try:
             store = resolved.weights.region(region, resolved.s3)
         except KeyError as err:
             raise click.UsageError(str(err.args[0])) from err
         resolved = resolved.model_copy(update={"s3": store})
-    peers = {}
-    if section.rollout.peers:  # each peer policy's own view, from the same sources
-        path, root_overrides = ctx.meta["rollstream.sources"]
-        for name in section.rollout.peers:
-            peer = Services(load_config(path, policy=name, **root_overrides)).resolved()
-            peers[name] = peer.model_copy(update={"s3": resolved.s3})  # this machine's region
+    peers: dict[str, RoleConfig[ProducersConfig]] = {}
+    for name in section.rollout.peers:  # each peer policy's own view, from the same sources
+        peer_shared, peer_section = role_config(config.peer(name), "producers")
+        peer_shared = Services(peer_shared).resolved()
+        # this machine's region
+        peers[name] = RoleConfig(peer_shared.model_copy(update={"s3": resolved.s3}), peer_section)
     report = asyncio.run(run_producer(resolved, section, peer_configs=peers))
     click.echo(
         f"delivered {report.groups_delivered} group(s), {report.trajectories_delivered} "

@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from core.process import ChildSupervisor
-from rollstream.config import RollstreamConfig
+from rollstream.config import RollstreamConfig, role_config
 
 
 @click.command("stream")
@@ -54,7 +54,7 @@ def stream(
     """
     config: RollstreamConfig = ctx.obj
     config.require_policy()
-    streams = config.streams
+    shared, streams = role_config(config, "streams")
     if check:
         click.echo(streams.model_dump_json(indent=2))
         return
@@ -64,7 +64,7 @@ def stream(
         from infra.services import Services
         from streams.app import build_app, run_worker
 
-        run_worker(build_app(Services(config).resolved(), streams), datadir, loglevel)
+        run_worker(build_app(Services(shared).resolved(), streams), datadir, loglevel)
         return
     root = ctx.find_root()
     worker = [sys.executable, "-m", "rollstream"]

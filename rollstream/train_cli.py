@@ -15,28 +15,16 @@ import click
 from pydantic import ValidationError
 
 from consumers.config import TrainerConfig
-from core.config import WeightsConfig
-from rollstream.config import RollstreamConfig
+from core.config import SharedConfig
+from rollstream.config import RollstreamConfig, role_config
 
 
-def run_trainer(config: RollstreamConfig, trainer: TrainerConfig, weights: WeightsConfig) -> int:
+def run_trainer(shared: SharedConfig, trainer: TrainerConfig) -> int:
     """Resolve embedded services, build the trainer, run it to the end."""
-    from consumers.trainer import Trainer, TrainerSettings
+    from consumers.trainer import Trainer
     from infra.services import Services
 
-    resolved = Services(config).resolved()
-    settings = TrainerSettings(
-        run_id=resolved.run_id,
-        kafka=resolved.kafka.client_config(),
-        trainer=trainer,
-        s3=resolved.s3,
-        weights=weights,
-        cache_dir=resolved.cache_dir,
-        state_dir=resolved.state_dir,
-        presence=resolved.presence,
-        policy=resolved.policy,
-    )
-    runner = Trainer(settings)
+    runner = Trainer(Services(shared).resolved(), trainer)
     runner.install_signal_handlers()
     summary = runner.run()
     click.echo(
@@ -58,18 +46,14 @@ def run_trainer(config: RollstreamConfig, trainer: TrainerConfig, weights: Weigh
 def train(config: RollstreamConfig, max_steps: int | None, dry_run: bool) -> None:
     """Train on rollouts.scored and publish versions (the trainer role)."""
     config.require_policy()
-    trainer = config.trainer
-    if max_steps is not None:
-        try:
-            trainer = TrainerConfig.model_validate(
-                {**trainer.model_dump(mode="json"), "max_steps": max_steps}
-            )
-        except ValidationError as err:
-            raise click.UsageError(f"invalid trainer configuration:\n{err}") from err
+    try:
+        shared, trainer = role_config(config, "trainer", {"max_steps": max_steps})
+    except ValidationError as err:
+        raise click.UsageError(f"invalid trainer configuration:\n{err}") from err
     if dry_run:
         click.echo(trainer.model_dump_json(indent=2))
         return
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    sys.exit(run_trainer(config, trainer, config.weights))
+    sys.exit(run_trainer(shared, trainer))

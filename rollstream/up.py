@@ -40,7 +40,6 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from core.config import merge_tables
 from rollstream.config import RollstreamConfig, UpConfig
 from rollstream.up_display import Dashboard, fmt, trainer_logs
 from rollstream.up_plan import (
@@ -189,22 +188,20 @@ PROFILE_OPTIONS = ("sync", "model", "task", "staleness_window", "groups_per_step
 def up(ctx: click.Context, run_id: str | None, run_dir: Path | None, **options: Any) -> None:
     """Run producers, streams and trainer as separate processes on this machine, with
     embedded Kafka and S3 unless configured otherwise, until the trainer's max_steps."""
-    from rollstream.config import load_config
+    from rollstream.config import CONFIG_SOURCES, ConfigSources, with_options
 
-    config: RollstreamConfig = ctx.obj
+    given = {k: v for k, v in options.items() if v is not None}
+    profile = {k: given.pop(k) for k in PROFILE_OPTIONS if k in given}
+    sources: ConfigSources = ctx.meta[CONFIG_SOURCES]
+    try:  # the profile options change what every role derives: resolved with the sources
+        config = sources.resolve(**({"profile": profile} if profile else {}))
+    except ValidationError as err:
+        raise click.UsageError(f"invalid configuration:\n{err}") from err
     if config.policy:
         raise click.UsageError(
             "`up` runs every policy of the run: leave out --policy (and ROLLSTREAM_POLICY)"
         )
-    given = {k: v for k, v in options.items() if v is not None}
-    profile = {k: given.pop(k) for k in PROFILE_OPTIONS if k in given}
-    if profile:  # the profile changes what every role derives: load the sources again
-        path, overrides = ctx.meta["rollstream.sources"]
-        try:
-            config = load_config(path, **merge_tables(overrides, {"profile": profile}))
-        except ValidationError as err:
-            raise click.UsageError(f"invalid configuration:\n{err}") from err
-    up_config = UpConfig.model_validate({**config.up.model_dump(), **given})
+    up_config = with_options(config.up, given)
     run_id = run_id or _default_run_id(config)
     run_dir = (run_dir or config.state_dir / "runs" / run_id).absolute()
     result = run_up(config, up_config, run_id, run_dir)

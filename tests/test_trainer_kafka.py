@@ -33,8 +33,8 @@ from support.synthetic import scored_group, synthetic_groups
 from consumers.checkpoint import CheckpointManager, TrainingLedger
 from consumers.config import TrainerConfig
 from consumers.train_engine import TrainEngine
-from consumers.trainer import FAILPOINT_ENV, Trainer, TrainerSettings
-from core.config import KafkaConfig, S3Config
+from consumers.trainer import FAILPOINT_ENV, Trainer
+from core.config import KafkaConfig, S3Config, SharedConfig
 from core.models import load_model
 from infra.s3 import SeaweedServer, ensure_bucket
 from infra.topics import ensure_topics
@@ -146,6 +146,13 @@ def trainer_config(tmp: Path, topics: dict[str, str], **extra: object) -> dict:
     }
 
 
+def shared_for(kafka: KafkaConfig, s3: S3Config | None = None) -> SharedConfig:
+    """The shared sections a trainer in this process gets: this cluster, no heartbeats."""
+    return SharedConfig(
+        run_id=RUN, kafka=kafka, presence={"enabled": False}, **({"s3": s3} if s3 else {})
+    )
+
+
 def ids_of(groups: list[list[Trajectory]]) -> list[str]:
     return [t.trajectory_id for g in groups for t in g]
 
@@ -175,10 +182,7 @@ def test_trains_every_valid_group_dead_letters_the_rest_and_publishes(
     produce(kafka_config, topics["scored"], group_records(groups))
 
     config = TrainerConfig.model_validate(trainer_config(tmp_path, topics, max_steps=3))
-    settings = TrainerSettings(
-        run_id=RUN, kafka=kafka_config.client_config(), trainer=config, s3=s3_config
-    )
-    summary = Trainer(settings).run()
+    summary = Trainer(shared_for(kafka_config, s3_config), config).run()
 
     assert summary.step == 3 and summary.trained == 24 and summary.dead_letters == 2
     ledger = TrainingLedger.read(tmp_path / "ledger.jsonl")
@@ -395,9 +399,7 @@ def test_an_s3_outage_is_retried_without_a_version_gap(
         config = TrainerConfig.model_validate(
             trainer_config(tmp_path, topics, max_steps=3, retry={"initial_s": 0.2, "max_s": 1.0})
         )
-        trainer = Trainer(
-            TrainerSettings(run_id=RUN, kafka=kafka_config.client_config(), trainer=config, s3=s3)
-        )
+        trainer = Trainer(shared_for(kafka_config, s3), config)
         errors: list[BaseException] = []
 
         def run() -> None:

@@ -25,6 +25,7 @@ from test_trainer_kafka import (
     make_topics,
     produce,
     read_all,
+    shared_for,
     spawn,
     trainer_config,
     write_toml,
@@ -32,8 +33,8 @@ from test_trainer_kafka import (
 
 from consumers.checkpoint import CheckpointManager, TrainingLedger
 from consumers.config import TrainerConfig
-from consumers.trainer import Trainer, TrainerSettings
-from core.config import KafkaConfig, S3Config
+from consumers.trainer import Trainer
+from core.config import KafkaConfig, S3Config, SharedConfig
 from infra.topics import ensure_topics
 from schemas.control import StaleRecord
 from schemas.group import decode_group
@@ -41,13 +42,18 @@ from schemas.topics import ROLLOUTS_STALE
 
 RUN = "trainer-test"
 WINDOW = 2
+NO_PUBLISHING = {"every": 0, "initial": False}  # these trainers have no S3 store
 
 
-def settings_for(tmp: Path, topics: dict[str, str], kafka: KafkaConfig, **extra: object):
+def settings_for(
+    tmp: Path, topics: dict[str, str], kafka: KafkaConfig, **extra: object
+) -> tuple[SharedConfig, TrainerConfig]:
     config = TrainerConfig.model_validate(
-        trainer_config(tmp, topics, staleness={"max_staleness": WINDOW}, **extra)
+        trainer_config(
+            tmp, topics, staleness={"max_staleness": WINDOW}, publish=NO_PUBLISHING, **extra
+        )
     )
-    return TrainerSettings(run_id=RUN, kafka=kafka.client_config(), trainer=config)
+    return shared_for(kafka), config
 
 
 def topics_with_stale(kafka: KafkaConfig, unique_name: Callable[[str], str]) -> dict[str, str]:
@@ -85,7 +91,7 @@ def test_groups_too_stale_by_training_time_are_routed_not_trained(
     # run 1: three steps on fresh version-0 groups (2 groups a step)
     first = synthetic_groups(6, seed=31, run_id=RUN, version=0)
     produce(kafka_config, topics["scored"], group_records(first))
-    summary = Trainer(settings_for(tmp_path, topics, kafka_config, max_steps=3)).run()
+    summary = Trainer(*settings_for(tmp_path, topics, kafka_config, max_steps=3)).run()
     assert summary.step == 3 and summary.stale_groups == 0
 
     # a backlog built while the trainer moved on: version-0 groups are now 3 versions
@@ -93,7 +99,7 @@ def test_groups_too_stale_by_training_time_are_routed_not_trained(
     late = synthetic_groups(3, seed=32, run_id=RUN, version=0)
     fresh = synthetic_groups(2, seed=33, run_id=RUN, version=3)
     produce(kafka_config, topics["scored"], group_records(late + fresh))
-    trainer = Trainer(settings_for(tmp_path, topics, kafka_config))
+    trainer = Trainer(*settings_for(tmp_path, topics, kafka_config))
     done = threading.Event()
     thread = threading.Thread(target=lambda: (trainer.run(), done.set()), daemon=True)
     thread.start()
@@ -148,12 +154,12 @@ def test_stale_groups_with_nothing_left_to_train_are_routed_when_the_trainer_sto
     topics = topics_with_stale(kafka_config, unique_name)
     first = synthetic_groups(6, seed=51, run_id=RUN, version=0)
     produce(kafka_config, topics["scored"], group_records(first))
-    assert Trainer(settings_for(tmp_path, topics, kafka_config, max_steps=3)).run().step == 3
+    assert Trainer(*settings_for(tmp_path, topics, kafka_config, max_steps=3)).run().step == 3
 
     # the end of a run: only groups over the window arrive, so no step is ever gathered
     late = synthetic_groups(4, seed=52, run_id=RUN, version=0)  # two full micro-batches
     produce(kafka_config, topics["scored"], group_records(late))
-    trainer = Trainer(settings_for(tmp_path, topics, kafka_config))
+    trainer = Trainer(*settings_for(tmp_path, topics, kafka_config))
     thread = threading.Thread(target=trainer.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120
@@ -198,7 +204,8 @@ def test_stale_groups_of_a_checkpoint_cut_short_by_kill_9_are_routed_once_after_
     # life 1 (in process): three steps of one fresh version-0 group each
     first = synthetic_groups(3, seed=41, run_id=RUN, version=0)
     produce(kafka_config, topics["scored"], group_records(first))
-    summary = Trainer(settings_for(tmp_path, topics, kafka_config, max_steps=3, **one_a_step)).run()
+    first_life = settings_for(tmp_path, topics, kafka_config, max_steps=3, **one_a_step)
+    summary = Trainer(*first_life).run()
     assert summary.step == 3
 
     # the backlog, oldest first: version-0 groups now over the window, then fresh ones
@@ -234,7 +241,7 @@ def test_stale_groups_of_a_checkpoint_cut_short_by_kill_9_are_routed_once_after_
 
     # life 3 (in process): routes the checkpoint's stale groups, writes ledger line 4,
     # and trains the rest
-    third = Trainer(settings_for(tmp_path, topics, kafka_config, **one_a_step))
+    third = Trainer(*settings_for(tmp_path, topics, kafka_config, **one_a_step))
     thread = threading.Thread(target=third.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120
@@ -265,15 +272,15 @@ def test_over_window_groups_train_with_the_relaxed_clip_up_to_the_hard_limit(
     topics = topics_with_stale(kafka_config, unique_name)
     staleness = {"max_staleness": 1, "over_window": "relaxed_clip", "relaxed_max_staleness": 3}
 
-    def settings(**extra: object) -> TrainerSettings:
+    def settings(**extra: object) -> tuple[SharedConfig, TrainerConfig]:
         config = TrainerConfig.model_validate(
-            trainer_config(tmp_path, topics, staleness=staleness, **extra)
+            trainer_config(tmp_path, topics, staleness=staleness, publish=NO_PUBLISHING, **extra)
         )
-        return TrainerSettings(run_id=RUN, kafka=kafka_config.client_config(), trainer=config)
+        return shared_for(kafka_config), config
 
     first = synthetic_groups(8, seed=41, run_id=RUN, version=0)
     produce(kafka_config, topics["scored"], group_records(first))
-    assert Trainer(settings(max_steps=4)).run().step == 4
+    assert Trainer(*settings(max_steps=4)).run().step == 4
     # judged at version 4: lag 4 is over the hard limit (routed), lag 2 over the window
     # (trained with the relaxed clip), lag 0 fresh
     routed = synthetic_groups(2, seed=42, run_id=RUN, version=0)
@@ -281,7 +288,7 @@ def test_over_window_groups_train_with_the_relaxed_clip_up_to_the_hard_limit(
     fresh = synthetic_groups(2, seed=44, run_id=RUN, version=4)
     produce(kafka_config, topics["scored"], group_records(routed + relaxed + fresh))
     # one micro-batch holds the six groups: they are judged at the same version, 4
-    trainer = Trainer(settings(batch={"max_groups": 6, "max_wait_s": 5.0}))
+    trainer = Trainer(*settings(batch={"max_groups": 6, "max_wait_s": 5.0}))
     thread = threading.Thread(target=trainer.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 120

@@ -1,0 +1,106 @@
+"""``rollstream config --role X`` prints exactly what role X's entry receives: the role
+commands and the printout cut the configuration with the same function
+(``rollstream.config.role_config``), so they cannot drift apart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from core.config import SharedConfig
+from rollstream.cli import main
+
+CONFIG = """
+run_id = "role-view"
+
+[kafka]
+bootstrap_servers = "127.0.0.1:1"
+security_protocol = "SASL_PLAINTEXT"
+sasl_mechanism = "PLAIN"
+sasl_username = "user"
+sasl_password = "kafka-secret"
+
+[s3]
+endpoint_url = "http://127.0.0.1:2"
+access_key_id = "key"
+secret_access_key = "s3-secret"
+
+[trainer]
+max_steps = 7
+"""
+
+
+class Received(Exception):
+    """Raised by a stand-in role entry once it has what the role would run with."""
+
+    def __init__(self, shared: SharedConfig, section: Any) -> None:
+        super().__init__("received")
+        self.shared, self.section = shared, section
+
+
+def _stand_in_producer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import producers.worker
+
+    async def run_producer(config: SharedConfig, producers: Any, **_: Any) -> Any:
+        raise Received(config, producers)
+
+    monkeypatch.setattr(producers.worker, "run_producer", run_producer)
+
+
+def _stand_in_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    import streams.app
+
+    def build_app(shared: SharedConfig, config: Any) -> Any:
+        raise Received(shared, config)
+
+    monkeypatch.setattr(streams.app, "build_app", build_app)
+
+
+def _stand_in_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import consumers.trainer
+
+    class Trainer:
+        def __init__(self, shared: SharedConfig, trainer: Any) -> None:
+            raise Received(shared, trainer)
+
+    monkeypatch.setattr(consumers.trainer, "Trainer", Trainer)
+
+
+ROLES = {
+    "producers": (_stand_in_producer, ["produce"]),
+    "streams": (_stand_in_stream, ["stream", "--no-supervisor"]),
+    "trainer": (_stand_in_trainer, ["train"]),
+}
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+def test_config_role_prints_what_the_role_receives(
+    role: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "rollstream.toml"
+    path.write_text(CONFIG)
+    root = ["--config", str(path), "--state-dir", str(tmp_path / "state")]
+    shown = CliRunner().invoke(main, [*root, "config", "--role", role])
+    assert shown.exit_code == 0, shown.output
+    printed = json.loads(shown.output)
+
+    stand_in, command = ROLES[role]
+    stand_in(monkeypatch)
+    ran = CliRunner().invoke(main, [*root, *command])
+    assert isinstance(ran.exception, Received), ran.output
+    shared, section = ran.exception.shared, ran.exception.section
+
+    assert type(shared) is SharedConfig  # the shared sections only, not the whole file
+    received = {**shared.model_dump(mode="json"), role: section.model_dump(mode="json")}
+    profile = printed.pop("profile")  # what the role's settings were derived from
+    assert printed == received
+    assert profile["name"] == "auto"
+    assert printed["kafka"]["sasl_password"] == printed["s3"]["secret_access_key"] == "**********"
+    assert "kafka-secret" not in shown.output and "s3-secret" not in shown.output
+    # the role itself gets the secrets
+    assert shared.kafka.sasl_password is not None
+    assert shared.kafka.sasl_password.get_secret_value() == "kafka-secret"
