@@ -103,26 +103,12 @@ def group_records(groups: list[list[Trajectory]]) -> list[tuple[bytes, bytes]]:
 
 
 def read_all(kafka: KafkaConfig, topic: str, expected: int, timeout_s: float = 30) -> list:
-    consumer = Consumer(
-        {
-            **kafka.client_config(),
-            "group.id": f"reader-{time.time_ns()}",
-            "auto.offset.reset": "earliest",
-            "enable.auto.commit": False,
-        }
-    )
-    consumer.subscribe([topic])
-    found = []
-    deadline = time.monotonic() + timeout_s
-    while len(found) < expected and time.monotonic() < deadline:
-        msg = consumer.poll(0.5)
-        if msg is not None and msg.error() is None:
-            found.append(msg)
-    time.sleep(0.5)  # anything beyond `expected` would show up now
-    while (msg := consumer.poll(0.5)) is not None:
-        found.append(msg)
-    consumer.close()
-    return found
+    """Every record of ``topic`` once ``expected`` of them are there, read to the end offsets
+    seen then, so a record beyond ``expected`` (a duplicate) is never cut off by a short
+    wait; ``TimeoutError`` if fewer than ``expected`` arrive."""
+    client = kafka.client_config()
+    read_topic(client, [topic], until=lambda m: len(m) >= expected, timeout=timeout_s)
+    return read_topic(client, [topic], timeout=timeout_s)
 
 
 def end_and_committed(kafka: KafkaConfig, topic: str, group_id: str) -> tuple[dict, dict]:
