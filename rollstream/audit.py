@@ -25,10 +25,15 @@ A ``pending`` group left in a producer ledger (the producer was killed and not r
 is settled here the way the producer's own recovery would: by finding its records in
 ``rollouts.raw``; the ledger file is not modified.
 
-The verdict (``AuditReport.problems``): delivered but without an outcome (*missing*),
-trained more than once, trained but never produced, trained and also filtered as stale.
-Ids dead-lettered that no ledger knows are listed too (a record from outside the
-producers), but are not a loss.
+The verdict (``AuditReport.problems``), counted per id, not as sets: delivered but
+without an outcome (*missing*); more than one outcome (trained more than once, or trained
+and also stale, filtered or dead-lettered, or dead-lettered and also stale or filtered);
+dead-lettered from more than one record; in ``rollouts.raw`` or ``rollouts.scored`` more
+than once (in flight or not); trained but never produced; and records the progress views
+would call in flight although a later record of their partition already has an outcome
+(*lost in flight*). A stale group routed twice is one decision told twice (a trainer
+restart) and is counted once. Ids dead-lettered that no ledger knows are listed too (a
+record from outside the producers), but are not a loss.
 """
 
 from __future__ import annotations
@@ -198,10 +203,33 @@ class TopicView:
     producers: set[str] = field(default_factory=set)
     records: int = 0
     unidentified: int = 0  # records of unknown run whose ids could not be read
+    # dead letters only: id -> the source records (topic, partition, offset) of its letters
+    origins: dict[str, Counter[tuple[str, int, int]]] = field(default_factory=dict)
 
     def reason_counts(self) -> Counter[str]:
         """How many ids each reason (DLQ reason, operator:reason) holds."""
         return Counter(self.reasons.get(tid, "?") for tid in self.ids)
+
+    def copies(self) -> Counter[str]:
+        """How many distinct records each id came in: a dead letter counts its source
+        record, so one record dead-lettered again (a trainer re-reading it after a crash)
+        counts once, while two records of one id (a re-send) count twice."""
+        return Counter(
+            {
+                tid: len(self.origins[tid]) if tid in self.origins else n
+                for tid, n in self.ids.items()
+            }
+        )
+
+    def merge(self, other: TopicView) -> None:
+        """Add ``other``'s records (another topic of the same sink)."""
+        self.ids.update(other.ids)
+        self.reasons.update(other.reasons)
+        self.positions.update(other.positions)
+        for tid, sources in other.origins.items():
+            self.origins.setdefault(tid, Counter()).update(sources)
+        self.records += other.records
+        self.unidentified += other.unidentified
 
 
 def read_ids(
@@ -233,8 +261,11 @@ def read_ids(
             continue
         headers = _headers(msg)
         reason = None
+        source = None
         if DEAD_LETTER_HEADER in headers:
-            reason = DeadLetter.from_json(headers[DEAD_LETTER_HEADER]).reason
+            letter = DeadLetter.from_json(headers[DEAD_LETTER_HEADER])
+            reason = letter.reason
+            source = (letter.source_topic, letter.partition, letter.offset)
         elif STALE_HEADER in headers:
             reason = f"stale:{StaleRecord.from_json(headers[STALE_HEADER]).staleness}"
         elif FILTERED_HEADER in headers:
@@ -245,6 +276,8 @@ def read_ids(
             view.positions[tid] = (msg.partition(), msg.offset())
             if reason is not None:
                 view.reasons[tid] = reason
+            if source is not None:
+                view.origins.setdefault(tid, Counter())[source] += 1
         if groups and ids:
             with contextlib.suppress(DecodeError):
                 traj = decode(msg.value() or b"")
@@ -343,8 +376,9 @@ class AuditReport:
 
     @property
     def missing(self) -> set[str]:
-        """Delivered, yet neither trained, stale nor dead-lettered, nor in flight: lost.
-        Without the raw and scored views (``--quick``) records in flight count too."""
+        """Delivered, yet neither trained, stale nor dead-lettered, nor in flight: lost
+        (``lost_in_flight`` included). Without the raw and scored views (``--quick``)
+        records in flight count too."""
         return self.delivered - self.accounted - self.unprocessed - self.untrained
 
     @property
@@ -365,6 +399,33 @@ class AuditReport:
         return set(self.trained) & set(self.filtered.ids)
 
     @property
+    def trained_and_dead_lettered(self) -> set[str]:
+        """Two outcomes for one id: a re-sent copy the stream dead-lettered as a duplicate
+        or late sample while the first copy trained."""
+        return set(self.trained & self.dlq.ids)
+
+    @property
+    def dead_lettered_and_set_aside(self) -> set[str]:
+        """Dead-lettered and also stale or filtered: two outcomes, neither trained."""
+        return set(self.dlq.ids & (self.stale.ids + self.filtered.ids))
+
+    @property
+    def dlq_twice(self) -> dict[str, int]:
+        """Ids dead-lettered from more than one record (not one record told twice)."""
+        return {tid: n for tid, n in self.dlq.copies().items() if n > 1}
+
+    @property
+    def raw_twice(self) -> dict[str, int]:
+        """Ids in ``rollouts.raw`` more than once: a producer sent a sample again."""
+        return {} if self.raw is None else _twice(self.raw.ids)
+
+    @property
+    def scored_twice(self) -> dict[str, int]:
+        """Ids in ``rollouts.scored`` more than once, trained or still in flight: the stream
+        emitted a group again (the trainer would train it twice)."""
+        return {} if self.scored is None else _twice(self.scored.ids)
+
+    @property
     def unknown_dead_letters(self) -> set[str]:
         """Dead-lettered ids no producer ledger knows (not a loss; worth a look)."""
         return set(self.dlq.ids) - self.delivered - self.produced.orphaned_ids
@@ -376,9 +437,7 @@ class AuditReport:
         scored views)."""
         if self.raw is None or self.scored is None or self.progress is None:
             return set()
-        waiting = set(self.raw.ids) - set(self.scored.ids) - self.accounted
-        positions, progress = self.raw.positions, self.progress
-        return {tid for tid in waiting if progress.in_stream(positions[tid], tid)}
+        return self._waiting_in_stream() - self.lost_in_flight
 
     @property
     def untrained(self) -> set[str]:
@@ -386,6 +445,43 @@ class AuditReport:
         trained, filtered or dead-lettered."""
         if self.scored is None or self.progress is None:
             return set()
+        return self._waiting_in_trainer() - self.lost_in_flight
+
+    @property
+    def lost_in_flight(self) -> set[str]:
+        """Ids the progress views would call in flight that are not: behind a later record
+        of their partition that already has an outcome. The trainer reads a partition in
+        order, so a scored group past its committed offset with a later group of its
+        partition in the ledger was read and passed over; the stream applies a partition in
+        order and commits its outputs with its table's watermark, so a raw record past that
+        watermark (not in an open group) with a later record of its partition scored or
+        set aside was skipped. Without this, a wrong or stale view of progress (a wrong
+        group id, a table that was not found) would hide any loss as in flight."""
+        if self.raw is None or self.scored is None or self.progress is None:
+            return set()
+        lost = set()
+        trained_front = _front(self.scored.positions, set(self.trained))
+        for tid in self._waiting_in_trainer():
+            partition, offset = self.scored.positions[tid]
+            if offset < trained_front.get(partition, -1):
+                lost.add(tid)
+        decided_front = _front(self.raw.positions, set(self.scored.ids) | self.accounted)
+        for tid in self._waiting_in_stream():
+            partition, offset = self.raw.positions[tid]
+            if tid not in self.progress.open_group_ids and offset < decided_front.get(
+                partition, -1
+            ):
+                lost.add(tid)
+        return lost
+
+    def _waiting_in_stream(self) -> set[str]:
+        assert self.raw is not None and self.scored is not None and self.progress is not None
+        waiting = set(self.raw.ids) - set(self.scored.ids) - self.accounted
+        positions, progress = self.raw.positions, self.progress
+        return {tid for tid in waiting if progress.in_stream(positions[tid], tid)}
+
+    def _waiting_in_trainer(self) -> set[str]:
+        assert self.scored is not None and self.progress is not None
         waiting = set(self.scored.ids) - self.accounted
         positions, progress = self.scored.positions, self.progress
         return {tid for tid in waiting if progress.in_trainer(positions[tid])}
@@ -402,6 +498,12 @@ class AuditReport:
             ("trained but never produced", self.unproduced),
             ("trained and also filtered as stale", self.trained_and_stale),
             ("trained and also filtered by a data operator", self.trained_and_filtered),
+            ("trained and also dead-lettered", self.trained_and_dead_lettered),
+            ("dead-lettered and also stale or filtered", self.dead_lettered_and_set_aside),
+            ("dead-lettered from more than one record", set(self.dlq_twice)),
+            ("in the raw topic more than once", set(self.raw_twice)),
+            ("in the scored topic more than once", set(self.scored_twice)),
+            ("in flight behind a later record that has an outcome (lost)", self.lost_in_flight),
         ):
             if ids:
                 out.append(f"{len(ids)} {name}: {_sample(ids)}")
@@ -436,16 +538,35 @@ class AuditReport:
             "trained_twice": len(self.trained_twice),
             "unproduced": len(self.unproduced),
             "unknown_dead_letters": len(self.unknown_dead_letters),
+            "trained_and_dead_lettered": len(self.trained_and_dead_lettered),
+            "dead_lettered_and_set_aside": len(self.dead_lettered_and_set_aside),
+            "dlq_twice": len(self.dlq_twice),
         }
         if self.scored is not None:
             data["scored"] = len(self.scored.ids)
-            data["scored_twice"] = sum(1 for n in self.scored.ids.values() if n > 1)
+            data["scored_twice"] = len(self.scored_twice)
             data["untrained"] = len(self.untrained)
         if self.raw is not None:
             data["raw"] = len(self.raw.ids)
-            data["raw_twice"] = sum(1 for n in self.raw.ids.values() if n > 1)
+            data["raw_twice"] = len(self.raw_twice)
             data["unprocessed"] = len(self.unprocessed)
+        if self.raw is not None and self.scored is not None and self.progress is not None:
+            data["lost_in_flight"] = len(self.lost_in_flight)
         return data
+
+
+def _twice(ids: Counter[str]) -> dict[str, int]:
+    return {tid: n for tid, n in ids.items() if n > 1}
+
+
+def _front(positions: Mapping[str, tuple[int, int]], ids: set[str]) -> dict[int, int]:
+    """The highest offset per partition that any of ``ids`` holds."""
+    front: dict[int, int] = {}
+    for tid in ids:
+        if tid in positions:
+            partition, offset = positions[tid]
+            front[partition] = max(front.get(partition, -1), offset)
+    return front
 
 
 def _sample(ids: Iterable[str], n: int = 5) -> str:
@@ -501,12 +622,7 @@ def read_sinks(
     dead letters): the ids of ``run_id`` in all of ``topics``."""
     view = TopicView(",".join(topics))
     for topic in topics:
-        part = read_ids(client_config, topic, run_id, timeout_s)
-        view.ids.update(part.ids)
-        view.reasons.update(part.reasons)
-        view.positions.update(part.positions)
-        view.records += part.records
-        view.unidentified += part.unidentified
+        view.merge(read_ids(client_config, topic, run_id, timeout_s))
     return view
 
 

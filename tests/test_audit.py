@@ -164,3 +164,121 @@ def test_samples_a_data_operator_filtered_are_accounted_once(tmp_path: Path) -> 
     report.filtered = _view("filtered", [*_ids("b"), *_ids("f"), "a-0"], "x:y")  # and trained
     assert report.trained_and_filtered == {"a-0"}
     assert any("filtered by a data operator" in p for p in report.problems())
+
+
+def _settled(tmp_path: Path, groups: str) -> AuditReport:
+    """A report over one producer that delivered one-sample groups ``groups`` (ids
+    ``<g>-0``), nothing trained and no outcome yet: each test adds what it needs."""
+    with Ledger(tmp_path / "p0", fsync=False) as ledger:
+        for group in groups:
+            ledger.pending(group, _ids(group, 1))
+            ledger.delivered(group, _ids(group, 1), [(0, 0)])
+    return AuditReport(
+        run_id="r",
+        produced=read_producer_ledgers(tmp_path),
+        trained=Counter(),
+        stale=_view("stale", []),
+        dlq=_view("dlq", []),
+    )
+
+
+def _dead_letters(letters: dict[str, list[tuple[str, int, int]]], reason: str) -> TopicView:
+    """A DLQ view: each id with the source records (topic, partition, offset) of its letters."""
+    view = TopicView("dlq")
+    for tid, sources in letters.items():
+        view.ids[tid] += len(sources)
+        view.reasons[tid] = reason
+        view.origins[tid] = Counter(sources)
+    return view
+
+
+def _problem(report: AuditReport, name: str) -> str:
+    found = [p for p in report.problems() if name in p]
+    assert len(found) == 1, report.problems()
+    return found[0]
+
+
+def test_a_trajectory_trained_and_also_dead_lettered_is_a_problem(tmp_path: Path) -> None:
+    """A producer's re-send the stream dead-letters (``duplicate_sample``) while the first
+    copy trains: each id has an outcome, so ``missing`` cannot see it."""
+    report = _settled(tmp_path, "ab")
+    report.trained = Counter({"a-0": 1, "b-0": 1})
+    report.dlq = _dead_letters({"a-0": [("raw", 0, 7)]}, "duplicate_sample")
+    assert report.trained_and_dead_lettered == {"a-0"}
+    assert "a-0" in _problem(report, "trained and also dead-lettered")
+    assert report.counts()["trained_and_dead_lettered"] == 1
+
+
+def test_a_trajectory_dead_lettered_and_also_set_aside_is_a_problem(tmp_path: Path) -> None:
+    report = _settled(tmp_path, "ab")
+    report.dlq = _dead_letters({"a-0": [("raw", 0, 3)], "b-0": [("raw", 0, 4)]}, "late_sample")
+    report.stale = _view("stale", ["a-0"], "stale:5")
+    report.filtered = _view("filtered", ["b-0"], "x:y")
+    assert report.dead_lettered_and_set_aside == {"a-0", "b-0"}
+    assert "2 dead-lettered and also stale or filtered" in _problem(report, "dead-lettered and")
+    assert report.counts()["dead_lettered_and_set_aside"] == 2
+
+
+def test_a_record_twice_in_raw_is_a_problem(tmp_path: Path) -> None:
+    report = _settled(tmp_path, "ab")
+    report.trained = Counter({"a-0": 1, "b-0": 1})
+    report.raw = TopicView("raw", Counter({"a-0": 2, "b-0": 1}))
+    report.scored = TopicView("scored", Counter({"a-0": 1, "b-0": 1}))
+    report.progress = Progress(stream_applied={0: 9})
+    assert report.raw_twice == {"a-0": 2}
+    assert "a-0" in _problem(report, "in the raw topic more than once")
+    assert report.counts()["raw_twice"] == 1
+
+
+def test_a_group_twice_in_scored_is_a_problem_even_while_in_flight(tmp_path: Path) -> None:
+    """The second copy waits past the trainer's committed offset: in flight, yet a
+    duplicate the trainer would train again."""
+    report = _settled(tmp_path, "ab")
+    report.trained = Counter({"a-0": 1})
+    report.raw = _positioned("raw", {"a-0": (0, 0), "b-0": (0, 1)})
+    report.scored = _positioned("scored", {"a-0": (0, 5), "b-0": (0, 6)})
+    report.scored.ids["b-0"] += 1
+    report.progress = Progress(stream_applied={0: 1}, trainer_committed={0: 3})
+    assert report.untrained == {"b-0"} and report.missing == set()
+    assert report.scored_twice == {"b-0": 2}
+    assert "b-0" in _problem(report, "in the scored topic more than once")
+    assert report.counts()["scored_twice"] == 1
+
+
+def test_a_trajectory_dead_lettered_from_two_records_is_a_problem(tmp_path: Path) -> None:
+    """Two letters of one source record are one decision told twice (a trainer dead-letters
+    again what it re-reads after a crash); letters of two records are a duplicate."""
+    report = _settled(tmp_path, "ab")
+    report.dlq = _dead_letters(
+        {"a-0": [("raw", 0, 3), ("raw", 0, 8)], "b-0": [("scored", 1, 4), ("scored", 1, 4)]},
+        "late_sample",
+    )
+    assert report.dlq_twice == {"a-0": 2}
+    problem = _problem(report, "dead-lettered from more than one record")
+    assert "a-0" in problem and "b-0" not in problem
+    assert report.counts()["dlq_twice"] == 1
+    assert report.counts()["dlq"] == 2
+
+
+def test_a_record_skipped_behind_what_was_trained_or_applied_is_lost(tmp_path: Path) -> None:
+    """In flight means not reached yet. A scored group past the trainer's committed offset
+    while a later group of its partition is in the trainer's ledger was read and passed
+    over (the trainer reads a partition in order); a raw record past the stream's applied
+    watermark while a later record of its partition already has an outcome was skipped
+    (the stream applies a partition in order and commits outputs with its watermark).
+    Either is lost, not in flight: a wrong or stale view of progress would otherwise hide
+    any loss."""
+    report = _settled(tmp_path, "abcdef")
+    report.trained = Counter({"b-0": 1})
+    report.raw = _positioned(
+        "raw",
+        {"a-0": (0, 0), "b-0": (0, 1), "c-0": (1, 0), "d-0": (1, 1), "e-0": (2, 0), "f-0": (2, 1)},
+    )
+    report.scored = _positioned("scored", {"a-0": (0, 4), "b-0": (0, 5), "d-0": (1, 0)})
+    # the trainer group committed nothing (partition 0: a wrong group?), the table watermark
+    # of raw partition 1 is behind d-0 which the stream did score; partition 2 is untouched
+    report.progress = Progress(stream_applied={}, trainer_committed={1: 0})
+    assert report.lost_in_flight == {"a-0", "c-0"}
+    assert report.untrained == {"d-0"} and report.unprocessed == {"e-0", "f-0"}
+    assert "a-0" in _problem(report, "in flight behind a later record")
+    assert report.counts()["lost_in_flight"] == 2

@@ -12,7 +12,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -648,11 +648,16 @@ def _wait_for_deliveries(ledger_file: Path, at_least: int, process, timeout: flo
 
 
 def _ledger_matches_topic(kafka_config, topic: str, ledger_file: Path) -> tuple[int, int]:
+    """The ledger and the topic agree group by group, and no record is in the topic twice
+    (counted, so a group re-sent after a crash cannot hide behind its first copy)."""
     state = read_ledger(ledger_file)
     assert state.pending == {}, "recovery left groups pending"
+    records = [decode(message.value()) for message in read_topic(kafka_config, topic)]
+    copies = Counter(traj.trajectory_id for traj in records)
+    twice = {tid: n for tid, n in copies.items() if n > 1}
+    assert not twice, f"records in the topic more than once: {twice}"
     by_group = defaultdict(set)
-    for message in read_topic(kafka_config, topic):
-        traj = decode(message.value())
+    for traj in records:
         by_group[traj.group_id].add(traj.trajectory_id)
     complete = {g: ids for g, ids in by_group.items() if len(ids) == 4}
     partial = {g: ids for g, ids in by_group.items() if len(ids) < 4}
@@ -661,6 +666,26 @@ def _ledger_matches_topic(kafka_config, topic: str, ledger_file: Path) -> tuple[
     assert {g: set(ids) for g, ids in state.orphaned.items()} == partial
     assert not (set(state.lost) & set(by_group))
     return len(complete), len(partial)
+
+
+def test_the_ledger_check_sees_a_group_produced_twice(kafka_config, unique_name, tmp_path):
+    """The kill tests' only check must fail on a group the topic holds twice (a pending
+    group re-sent after the kill), though every group is complete and in the ledger."""
+    topic = make_topic(kafka_config, unique_name, partitions=2)
+    producer = Producer({**kafka_config.client_config(), "enable.idempotence": True})
+    with Ledger(tmp_path) as ledger:
+        for gid, sends in (("once", 1), ("twice", 2)):
+            group = _group(gid, size=4)
+            ledger.pending(gid, [t.trajectory_id for t in group])
+            for _ in range(sends):
+                for traj in group:
+                    producer.produce(
+                        topic, encode(traj), gid.encode(), headers=routing_headers(traj)
+                    )
+            assert producer.flush(30) == 0
+            ledger.delivered(gid, [t.trajectory_id for t in group], [(0, 0)] * 4)
+    with pytest.raises(AssertionError, match=r"more than once.*twice-0"):
+        _ledger_matches_topic(kafka_config, topic, tmp_path / "ledger.jsonl")
 
 
 def test_kill_9_and_restart_keep_ledger_and_topic_in_agreement(kafka_config, unique_name, tmp_path):

@@ -1,6 +1,7 @@
 """The shared read-to-the-end loop (``core.topic_reader``) on the real broker, with
 transactions in every state the stream worker leaves them: committed (the last offset is
-a commit marker), aborted (a killed worker) and open (a worker that hangs)."""
+a commit marker), aborted (a killed worker) and open (a worker that hangs); and the tests'
+own reader (``support.streams.read_topic``)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,23 @@ def test_an_open_transaction_ends_the_plan_and_stalls_a_read_past_it(
         assert "did not reach their end offsets" in str(stalled.value)
     finally:
         producer.abort_transaction(30)
+
+
+def test_the_tests_own_reader_raises_rather_than_return_short(
+    kafka_config: KafkaConfig, unique_name: Callable[[str], str]
+) -> None:
+    """``support.streams.read_topic``, which tests wait with for an output or a kill point:
+    a condition never met raises (it returned what it had), and a read to the end finishes
+    past empty partitions and an aborted transaction."""
+    from support.streams import read_topic
+
+    topic = unique_name("reader-support")
+    ensure_topics(kafka_config.client_config(), [TopicSpec(topic, partitions=3)])
+    producer = _transactional(kafka_config)
+    _send(producer, topic, [b"a", b"b"], commit=True)
+    _send(producer, topic, [b"dead"], commit=False)
+
+    found = read_topic(kafka_config.client_config(), [topic], timeout=30)
+    assert [m.value() for m in found] == [b"a", b"b"]
+    with pytest.raises(TimeoutError, match="condition not met"):
+        read_topic(kafka_config.client_config(), [topic], until=lambda m: len(m) >= 3, timeout=3)

@@ -1,8 +1,8 @@
 """The trainer on the real broker and the real S3 server.
 
-- In process: scored groups in, dead letters out (garbage and untrainable records), every
-  valid trajectory trained once, offsets committed, versions 0..N readable from S3 and
-  equal bit for bit to the checkpointed weights.
+- In process: scored groups in, dead letters out (garbage, and a group for each reason the
+  trainer refuses one), every valid trajectory trained once, offsets committed, versions
+  0..N readable from S3 and equal bit for bit to the checkpointed weights.
 - As a subprocess with three lives: killed right after a checkpoint is durable but before
   its ledger lines and offset commit (a failpoint), then SIGKILLed between two
   checkpoints, then run to the end. The ledger (written only for checkpointed steps) holds
@@ -24,10 +24,12 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import numpy as np
 import orjson
 import pytest
 import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
+from support.streams import read_topic
 from support.synthetic import scored_group, synthetic_groups
 
 from consumers.checkpoint import CheckpointManager, TrainingLedger
@@ -38,10 +40,19 @@ from core.config import KafkaConfig, S3Config, SharedConfig
 from core.models import load_model
 from infra.s3 import SeaweedServer, ensure_bucket
 from infra.topics import ensure_topics
+from schemas.codec import encode
 from schemas.control import DeadLetter, VersionAnnouncement
 from schemas.group import encode_group
 from schemas.topics import POLICY_VERSIONS, ROLLOUTS_DLQ, ROLLOUTS_SCORED
-from schemas.trajectory import Trajectory
+from schemas.trajectory import (
+    LOGPROB_DTYPE,
+    SEGMENT_LENGTH_DTYPE,
+    TOKEN_DTYPE,
+    TURN_KIND_DTYPE,
+    TURN_LENGTH_DTYPE,
+    Trajectory,
+    TurnKind,
+)
 from weights.follower import WeightFollower
 from weights.store import WeightStore, make_s3_client
 
@@ -92,26 +103,12 @@ def group_records(groups: list[list[Trajectory]]) -> list[tuple[bytes, bytes]]:
 
 
 def read_all(kafka: KafkaConfig, topic: str, expected: int, timeout_s: float = 30) -> list:
-    consumer = Consumer(
-        {
-            **kafka.client_config(),
-            "group.id": f"reader-{time.time_ns()}",
-            "auto.offset.reset": "earliest",
-            "enable.auto.commit": False,
-        }
-    )
-    consumer.subscribe([topic])
-    found = []
-    deadline = time.monotonic() + timeout_s
-    while len(found) < expected and time.monotonic() < deadline:
-        msg = consumer.poll(0.5)
-        if msg is not None and msg.error() is None:
-            found.append(msg)
-    time.sleep(0.5)  # anything beyond `expected` would show up now
-    while (msg := consumer.poll(0.5)) is not None:
-        found.append(msg)
-    consumer.close()
-    return found
+    """Every record of ``topic`` once ``expected`` of them are there, read to the end offsets
+    seen then, so a record beyond ``expected`` (a duplicate) is never cut off by a short
+    wait; ``TimeoutError`` if fewer than ``expected`` arrive."""
+    client = kafka.client_config()
+    read_topic(client, [topic], until=lambda m: len(m) >= expected, timeout=timeout_s)
+    return read_topic(client, [topic], timeout=timeout_s)
 
 
 def end_and_committed(kafka: KafkaConfig, topic: str, group_id: str) -> tuple[dict, dict]:
@@ -214,6 +211,128 @@ def test_trains_every_valid_group_dead_letters_the_rest_and_publishes(
     final = restored_weights(config)
     for name, value in final.items():
         assert torch.equal(snapshot.state[name], value), name
+
+
+def _defective(traj: Trajectory, defect: str) -> Trajectory:
+    """``traj`` with one defect the codec carries but the trainer must refuse; each name is
+    the reason the trainer dead-letters it with (``check_trainable``'s branches)."""
+    n = traj.num_response_tokens
+    f32 = np.float32
+    bad: dict[str, dict[str, object]] = {
+        "empty_prompt": {"prompt_ids": np.zeros(0, TOKEN_DTYPE)},
+        "bad_advantage/nan": {"advantage": float("nan")},
+        "bad_advantage/inf": {"advantage": float("-inf")},
+        "bad_advantage/none": {"advantage": None},
+        "length_mismatch/infer": {"logp_infer": traj.logp_infer[:-1].copy()},
+        "length_mismatch/old": {"logp_old": np.append(traj.logp_old, f32(-1.0))},
+        "missing_old_logits": {"logp_old": None},
+        "too_long": {"prompt_ids": np.ones(GUARD_MAX_LENGTH, TOKEN_DTYPE)},
+        "token_out_of_range/response": {"response_ids": traj.response_ids + 1_000_000},
+        "token_out_of_range/prompt": {"prompt_ids": traj.prompt_ids - 100},
+        "nonfinite_logprob/infer": {"logp_infer": np.full(n, np.nan, LOGPROB_DTYPE)},
+        "nonfinite_logprob/old": {"logp_old": np.full(n, -np.inf, LOGPROB_DTYPE)},
+        "segment_mismatch": {"segment_lengths": np.array([n + 1], SEGMENT_LENGTH_DTYPE)},
+        "turn_mismatch/sum": {
+            "turn_lengths": np.array([n - 1], TURN_LENGTH_DTYPE),
+            "turn_kinds": np.array([TurnKind.POLICY], TURN_KIND_DTYPE),
+        },
+        "turn_mismatch/count": {
+            "turn_lengths": np.array([1, n - 1], TURN_LENGTH_DTYPE),
+            "turn_kinds": np.array([TurnKind.POLICY], TURN_KIND_DTYPE),
+        },
+        "empty_turn": {
+            "turn_lengths": np.array([0, n], TURN_LENGTH_DTYPE),
+            "turn_kinds": np.array([TurnKind.ENV, TurnKind.POLICY], TURN_KIND_DTYPE),
+        },
+        "foreign_policy": {"policy": "another"},
+    }
+    return dataclasses.replace(traj, **bad[defect])  # type: ignore[arg-type]
+
+
+def _with_defect(group: list[Trajectory], defect: str) -> bytes:
+    """The scored record of ``group`` with its second sample made defective. The header's
+    diagnostics come from the sound samples (computing them from a defective one would
+    fail); the sample itself goes through the real encoder, which checks only what the
+    wire format can carry."""
+    sound = scored_group(group)
+    samples = list(sound.samples)
+    samples[1] = _defective(samples[1], defect)
+    return encode_group(dataclasses.replace(sound, samples=tuple(samples)))
+
+
+GUARD_MAX_LENGTH = 16
+GUARD_DEFECTS = (
+    "empty_prompt",
+    "bad_advantage/nan",
+    "bad_advantage/inf",
+    "bad_advantage/none",
+    "length_mismatch/infer",
+    "length_mismatch/old",
+    "missing_old_logits",
+    "too_long",
+    "token_out_of_range/response",
+    "token_out_of_range/prompt",
+    "nonfinite_logprob/infer",
+    "nonfinite_logprob/old",
+    "segment_mismatch",
+    "turn_mismatch/sum",
+    "turn_mismatch/count",
+    "empty_turn",
+    "foreign_policy",
+)
+
+
+@pytest.mark.system
+def test_the_last_guard_dead_letters_each_untrainable_group_and_trains_the_rest(
+    kafka_config: KafkaConfig,
+    s3_config: S3Config,
+    unique_name: Callable[[str], str],
+    tmp_path: Path,
+) -> None:
+    """Every reason the trainer refuses a decoded group (a NaN or missing advantage, NaN or
+    infinite log-probs, lengths that disagree, missing old logits, too long, tokens out of
+    the vocabulary, segments or turns that do not cover the response, an empty turn or
+    group, another policy's sample), each in one group among sound ones: each defective
+    group is dead-lettered whole with its reason and original bytes, a group of another
+    run is skipped (neither trained nor dead-lettered, its offset committed), and every
+    sound group trains once."""
+    topics = make_topics(kafka_config, unique_name)
+    good = synthetic_groups(6, seed=41, run_id=RUN)
+    defective = synthetic_groups(len(GUARD_DEFECTS), seed=42, run_id=RUN, vary_lengths=False)
+    sent = {d: _with_defect(g, d) for d, g in zip(GUARD_DEFECTS, defective, strict=True)}
+    empty = dataclasses.replace(scored_group(defective[0]), samples=(), diagnostics=())
+    sent["empty_group"] = encode_group(empty)
+    sent["bad_magic"] = b"not a scored group"
+    (other_run,) = synthetic_groups(1, seed=43, run_id="another-run")
+    # the one turn defect the wire cannot carry: lengths without kinds never reach a trainer
+    with pytest.raises(ValueError, match="both be arrays or both None"):
+        encode(dataclasses.replace(other_run[0], turn_lengths=np.array([1], TURN_LENGTH_DTYPE)))
+    records = [(d.encode(), value) for d, value in sent.items()]
+    records.append((b"other-run", encode_group(scored_group(other_run))))
+    # the defective records are the oldest, so all are read before the last step
+    produce(kafka_config, topics["scored"], records, timestamp_ms=int(time.time() * 1000) - 60_000)
+    produce(kafka_config, topics["scored"], group_records(good))
+
+    config = TrainerConfig.model_validate(
+        trainer_config(tmp_path, topics, max_steps=3, model={"max_length": GUARD_MAX_LENGTH})
+    )
+    settings = TrainerSettings(
+        run_id=RUN, kafka=kafka_config.client_config(), trainer=config, s3=s3_config
+    )
+    summary = Trainer(settings).run()
+
+    assert summary.step == 3 and summary.trained == 24
+    trained = [i for _, ids in TrainingLedger.read(tmp_path / "ledger.jsonl") for i in ids]
+    assert sorted(trained) == sorted(ids_of(good))  # each sound sample once, nothing else
+    letters = read_topic(kafka_config.client_config(), [topics["dlq"]], timeout=60)
+    by_key = {m.key().decode(): m for m in letters}
+    assert len(by_key) == len(letters) == len(sent) == summary.dead_letters
+    for defect, value in sent.items():
+        letter = DeadLetter.from_headers(by_key[defect].headers())
+        assert letter.reason == defect.split("/")[0], (defect, letter)
+        assert by_key[defect].value() == value, defect  # the original bytes, replayable
+    ends, committed = end_and_committed(kafka_config, topics["scored"], config.topics.group_id)
+    assert committed == ends and sum(ends.values()) == len(records) + len(good)
 
 
 def spawn(config_path: Path, log_path: Path, failpoint: str | None = None) -> subprocess.Popen:

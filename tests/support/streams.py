@@ -234,9 +234,12 @@ def read_topic(
     check: Any = None,
 ) -> list[Any]:
     """Every committed message of ``topics`` from the start, polled until ``until(msgs)``
-    is true (or, without ``until``, until the end offsets seen at the start are reached),
-    or ``timeout`` passes. ``check()`` runs every poll (e.g. assert the worker lives)."""
-    from confluent_kafka import Consumer, TopicPartition
+    is true (or, without ``until``, until the end offsets seen at the start are reached).
+    ``check()`` runs every poll (e.g. assert the worker lives).
+
+    Raises ``TimeoutError`` when ``timeout`` passes first: a test that waits for an
+    output (or a kill point) never goes on without it."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
 
     consumer = Consumer(
         {
@@ -244,13 +247,16 @@ def read_topic(
             "group.id": f"read-{uuid.uuid4().hex[:8]}",
             "auto.offset.reset": "earliest",
             "enable.auto.commit": False,
+            "enable.partition.eof": True,
             "isolation.level": "read_committed",
         }
     )
-    ends = {}
+    short: dict[tuple[str, int], int] = {}  # partitions not read to their end yet
     for topic in topics:
         for p in consumer.list_topics(topic, timeout=30).topics[topic].partitions:
-            ends[(topic, p)] = consumer.get_watermark_offsets(TopicPartition(topic, p))[1]
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+            if high > low:
+                short[(topic, p)] = high
     consumer.subscribe(list(topics))
     found: list[Any] = []
     deadline = time.monotonic() + timeout
@@ -259,17 +265,32 @@ def read_topic(
             if check is not None:
                 check()
             for msg in consumer.consume(num_messages=500, timeout=0.5):
-                if msg.error() is None:
+                key, offset = (msg.topic(), msg.partition()), msg.offset()
+                err = msg.error()
+                if err is None:
                     found.append(msg)
+                    offset += 1
+                elif err.code() != KafkaError._PARTITION_EOF:
+                    continue
+                if key in short and offset >= short[key]:
+                    del short[key]
             if until is not None and until(found):
-                break
+                return found
             if until is None:
-                positions = consumer.position([TopicPartition(t, p) for t, p in ends])
-                if all(tp.offset >= ends[(tp.topic, tp.partition)] for tp in positions):
-                    break
+                positions = consumer.position([TopicPartition(t, p) for t, p in short])
+                for tp in positions:  # past trailing transaction markers without a record
+                    if tp.offset >= short[(tp.topic, tp.partition)]:
+                        del short[(tp.topic, tp.partition)]
+                if not short:
+                    return found
     finally:
         consumer.close()
-    return found
+    if until is not None:
+        raise TimeoutError(f"{list(topics)}: condition not met in {timeout}s ({len(found)} read)")
+    raise TimeoutError(
+        f"{list(topics)}: partitions {sorted(short)} not read to their end offsets "
+        f"{[short[k] for k in sorted(short)]} in {timeout}s ({len(found)} read)"
+    )
 
 
 def committed_offsets(client_config: Mapping[str, str], group: str, topic: str) -> dict[int, int]:
