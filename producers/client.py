@@ -5,11 +5,15 @@ line up with the output ids, a non-finite or positive log-prob, or a batch of th
 size raises ``EngineResponseError`` saying exactly what was wrong, so a misbehaving
 engine never turns into a silently corrupt trajectory.
 
-Transient failures (connection refused or reset, HTTP 502/503/504) are retried with
-exponential backoff and jitter (tenacity); a 503 that carries ``Retry-After`` (an engine
-whose queue is full) is retried after that delay instead (at most ``retry_after_max_s``);
-after ``retries`` attempts the call raises ``EngineUnavailable``. A ``/generate`` that
-timed out while reading is not retried: the engine may still be working on it.
+Transient failures (connection refused or reset, any HTTP 5xx: the engine's trouble, not
+the request's) are retried with exponential backoff and jitter (tenacity); a 503 that
+carries ``Retry-After`` (an engine whose queue is full) is retried after that delay instead
+(at most ``retry_after_max_s``); after ``retries`` attempts the call raises
+``EngineUnavailable``, which the rollout worker rides out. A 4xx is this client's own bug
+(a bad sampling parameter, a request over the engine's token budget): it is never
+retried and raises ``EngineRequestError`` with the engine's message, which names the
+field, and the worker stops on it. A ``/generate`` that timed out while reading is not
+retried: the engine may still be working on it.
 ``check_model`` compares ``get_model_info`` with the model a run expects and raises
 ``EngineModelMismatch`` naming both.
 """
@@ -38,7 +42,6 @@ log = logging.getLogger(__name__)
 
 FINISH_TYPES = frozenset({"stop", "length", "abort"})
 _LOGPROB_EPSILON = 1e-4
-_RETRY_STATUS = frozenset({502, 503, 504})
 
 
 class EngineError(RuntimeError):
@@ -50,10 +53,11 @@ class EngineUnavailable(EngineError):
 
 
 class EngineRequestError(EngineError):
-    """The engine refused a request (HTTP 4xx/5xx that is not transient)."""
+    """The engine refused a request as malformed (HTTP 4xx): a bug of the caller, which
+    sending it again cannot fix."""
 
     def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"engine answered HTTP {status}: {message}")
+        super().__init__(f"engine answered HTTP {status} (request refused, not retried): {message}")
         self.status = status
 
 
@@ -354,7 +358,7 @@ class EngineClient:
 
     async def _once(self, method: str, path: str, body: Any) -> Any:
         response = await self._http.request(method, path, json=body)
-        if response.status_code in _RETRY_STATUS:
+        if response.status_code >= 500:
             raise _Transient(
                 response.status_code,
                 response.text[:200],

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from core.config import StrictModel
 from core.models import MODEL_SPEC_HELP, parse_model_spec
+from producers.request_checks import DEFAULT_MAX_REQUEST_TOKENS
 
 VersionPolicy = Literal["finish", "interrupt", "abort"]
 
@@ -108,6 +109,14 @@ class EngineConfig(StrictModel):
         default=1.0,
         gt=0.0,
         description="Retry-After sent with that 503 (rounded up to whole seconds).",
+    )
+    max_request_tokens: int = Field(
+        default=DEFAULT_MAX_REQUEST_TOKENS,
+        ge=1,
+        description="Token budget of one /generate request: the sum over its prompts of "
+        "prompt tokens plus max_new_tokens (capped by the context). A request over it is "
+        "answered HTTP 413 with the numbers, so one client cannot hold the engine's memory "
+        "or time; a rollout group needs group_size x (prompt + max_new_tokens).",
     )
 
     @field_validator("model")

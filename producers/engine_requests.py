@@ -9,12 +9,15 @@ and that this engine does not implement is refused by name, never silently ignor
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
+
+from producers import request_checks as checks
 
 SAMPLING_EPS = 1e-6
 
@@ -74,7 +77,7 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
         return (value,)
     if isinstance(value, list | tuple) and all(isinstance(s, str) for s in value):
         return tuple(value)
-    raise TypeError(f"stop must be a string or a list of strings, got {value!r}")
+    raise TypeError(f"sampling_params.stop must be a string or a list of strings, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,37 +108,47 @@ class SamplingParams:
                     f"sampling_params.{key}={value!r} is not supported by this engine "
                     f"(only {neutral[0]!r})"
                 )
-        merged = {key: values.get(key, default) for key, default in _SUPPORTED.items()}
         try:
             params = cls(
-                temperature=float(merged["temperature"]),
-                top_p=float(merged["top_p"]),
-                top_k=int(merged["top_k"]),
-                min_p=float(merged["min_p"]),
-                max_new_tokens=int(merged["max_new_tokens"]),
-                stop_token_ids=tuple(int(t) for t in merged["stop_token_ids"] or ()),
-                stop=_stop_strings(merged["stop"]),
-                ignore_eos=bool(merged["ignore_eos"]),
+                temperature=checks.number(values, "temperature", 1.0),
+                top_p=checks.number(values, "top_p", 1.0),
+                top_k=checks.integer(values, "top_k", -1, -1, checks.MAX_TOP_K),
+                min_p=checks.number(values, "min_p", 0.0),
+                max_new_tokens=checks.integer(
+                    values, "max_new_tokens", 128, 0, checks.MAX_NEW_TOKENS
+                ),
+                stop_token_ids=checks.token_ids(values, "stop_token_ids"),
+                stop=_stop_strings(values.get("stop")),
+                ignore_eos=checks.flag(values, "ignore_eos", False),
             )
-        except (TypeError, ValueError) as exc:
+        except TypeError as exc:
             raise RequestError(f"bad sampling_params: {exc}") from exc
+        except checks.RequestRefused as exc:
+            raise RequestError(str(exc)) from exc
         params.check()
         return params
 
     def check(self) -> None:
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        """Ranges, in the form NaN fails too (``not 0 <= nan``): a value that reached a
+        batch would fail every request sharing it."""
+        if not 0 <= self.temperature < math.inf:
+            raise RequestError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise RequestError(f"top_k must be -1 or >= 1, got {self.top_k}")
+            raise RequestError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or not -1 <= self.top_k <= checks.MAX_TOP_K:
+            raise RequestError(
+                f"sampling_params.top_k must be -1 or in [1, {checks.MAX_TOP_K}], got {self.top_k}"
+            )
         if not 0 <= self.min_p <= 1:
-            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise RequestError(f"sampling_params.min_p must be in [0, 1], got {self.min_p}")
         if self.max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+            raise RequestError(
+                f"sampling_params.max_new_tokens must be >= 0, got {self.max_new_tokens}"
+            )
         if any(not s or len(s) > MAX_STOP_CHARS for s in self.stop) or len(self.stop) > 16:
             raise RequestError(
-                f"stop must be at most 16 strings of 1 to {MAX_STOP_CHARS} characters"
+                f"sampling_params.stop must be at most 16 strings of 1 to {MAX_STOP_CHARS} "
+                "characters"
             )
 
     @property

@@ -24,6 +24,11 @@ a drop-in for the same client:
   counters (not SGLang's fields; ``busy_s``: seconds spent computing batches and weight
   updates).
 
+Every sampling parameter is checked by type and range before the request is queued (400
+naming ``sampling_params.<field>``), so a bad value never fails the batch other clients
+share; a ``/generate`` whose prompts plus ``max_new_tokens`` exceed ``max_request_tokens``
+tokens is answered **413** with the numbers.
+
 When the engine already holds ``max_pending`` requests (queued or running), ``/generate``
 answers **503** with a ``Retry-After`` header (whole seconds) and queues nothing; the
 client retries after that delay. ``/health_generate`` answers 503 then too.
@@ -53,6 +58,7 @@ from aiohttp import web
 
 from producers.engine_requests import EngineBusy, RequestError, SamplingParams
 from producers.inference_engine import Engine
+from producers.request_checks import DEFAULT_MAX_REQUEST_TOKENS, RequestRefused, check_budget
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +81,7 @@ _GENERATE_FIELDS = frozenset(
     }
 )
 _ENGINE_KEY = web.AppKey("engine", Engine)
+_BUDGET_KEY = web.AppKey("max_request_tokens", int)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -172,6 +179,12 @@ async def generate(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE_KEY]
     try:
         items, batch = parse_generate(await _body(request))
+        check_budget(
+            [len(i.input_ids) for i in items],
+            [i.params.max_new_tokens for i in items],
+            engine.context_length,
+            request.app[_BUDGET_KEY],
+        )
         rids = [item.rid or uuid.uuid4().hex for item in items]
         futures = engine.submit_many(
             [
@@ -181,6 +194,8 @@ async def generate(request: web.Request) -> web.Response:
         )
     except RequestError as exc:
         return _error(str(exc))
+    except RequestRefused as exc:
+        return _error(str(exc), exc.status)
     except EngineBusy as exc:
         return _busy(exc)
     try:
@@ -196,9 +211,15 @@ async def generate(request: web.Request) -> web.Response:
 async def abort_request(request: web.Request) -> web.Response:
     try:
         body = await _body(request)
+        rid = body.get("rid")
+        if rid is not None and not isinstance(rid, str):
+            raise RequestError(f"rid must be a string, got {type(rid).__name__}")
+        abort_all = body.get("abort_all", False)
+        if not isinstance(abort_all, bool):
+            raise RequestError(f"abort_all must be true or false, got {abort_all!r}")
     except RequestError as exc:
         return _error(str(exc))
-    request.app[_ENGINE_KEY].abort(body.get("rid") or None, abort_all=bool(body.get("abort_all")))
+    request.app[_ENGINE_KEY].abort(rid or None, abort_all=abort_all)
     return web.Response(status=200)
 
 
@@ -255,6 +276,7 @@ async def get_server_info(request: web.Request) -> web.Response:
             "aborted": stats.aborted,
             "max_batch_seen": stats.max_batch_seen,
             "max_pending": engine.max_pending,
+            "max_request_tokens": request.app[_BUDGET_KEY],
             "rejected_busy": stats.rejected_busy,
             "busy_s": stats.busy_s,
         }
@@ -281,10 +303,17 @@ async def health_generate(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-def make_app(engine: Engine) -> web.Application:
-    """The aiohttp application serving ``engine`` (which must be started)."""
+def make_app(
+    engine: Engine, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
+) -> web.Application:
+    """The aiohttp application serving ``engine`` (which must be started); a
+    ``/generate`` whose prompts plus ``max_new_tokens`` exceed ``max_request_tokens`` is
+    answered 413."""
+    if max_request_tokens < 1:
+        raise ValueError(f"max_request_tokens must be >= 1, got {max_request_tokens}")
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[_ENGINE_KEY] = engine
+    app[_BUDGET_KEY] = max_request_tokens
     app.router.add_post("/generate", generate)
     app.router.add_put("/generate", generate)
     app.router.add_post("/abort_request", abort_request)
@@ -301,10 +330,18 @@ class ServerThread:
     """``engine`` served on ``host:port`` from a background thread (tests, benchmarks,
     notebooks). ``port=0`` picks a free port; ``url`` tells which."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
+    ) -> None:
         self.engine = engine.start()
         self.host = host
         self.port = port
+        self.max_request_tokens = max_request_tokens
         self._loop = asyncio.new_event_loop()
         self._runner: web.AppRunner | None = None
         self._ready = threading.Event()
@@ -336,7 +373,8 @@ class ServerThread:
         self._loop.close()
 
     async def _start(self) -> None:
-        self._runner = web.AppRunner(make_app(self.engine), access_log=None)
+        app = make_app(self.engine, self.max_request_tokens)
+        self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
         self.port = self._runner.addresses[0][1]
@@ -356,14 +394,19 @@ class ServerThread:
 
 
 def serve(
-    engine: Engine, host: str, port: int, on_ready: Callable[[str], None] | None = None
+    engine: Engine,
+    host: str,
+    port: int,
+    on_ready: Callable[[str], None] | None = None,
+    *,
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
 ) -> None:
     """Serve in the calling thread until SIGINT/SIGTERM; ``on_ready`` gets the URL (with
     the real port when ``port`` is 0)."""
     engine.start()
 
     async def main() -> None:
-        runner = web.AppRunner(make_app(engine), access_log=None)
+        runner = web.AppRunner(make_app(engine, max_request_tokens), access_log=None)
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         if on_ready is not None:

@@ -68,7 +68,13 @@ def serve(
         click.echo(f"engine {engine.model_path!r} serves SGLang {SGLANG_RELEASE}'s API at {url}")
         sys.stdout.flush()
 
-    run_server(engine, section.engine.host, section.engine.port, on_ready=ready)
+    run_server(
+        engine,
+        section.engine.host,
+        section.engine.port,
+        on_ready=ready,
+        max_request_tokens=section.engine.max_request_tokens,
+    )
 
 
 @click.command("produce")

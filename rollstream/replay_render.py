@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import unicodedata
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from rollstream.records import ReplayRecord
 from schemas.group import SampleDiagnostics, ScoredGroup
@@ -61,6 +63,10 @@ class Renderer:
             width=None if _is_terminal() else options.width, soft_wrap=False, highlight=False
         )
         self._tokenizers: dict[str, Any] = {}
+
+    def say(self, *parts: Part) -> None:
+        """Print one line of literal text (see ``line``)."""
+        self.console.print(line(*parts))
 
     # --- tokenizers ---------------------------------------------------------------------
 
@@ -105,24 +111,27 @@ class Renderer:
             timespec="milliseconds"
         )
         key = record.key.decode(errors="replace") if record.key is not None else "-"
-        self.console.rule(_escape(f"{record.where}  {when}  key={key}  {record.kind}"))
+        self.console.rule(line(f"{record.where}  {when}  key={key}  {record.kind}"))
         if record.dead_letter is not None:
             d = record.dead_letter
-            self.console.print(
-                f"[bold red]dead letter[/]: reason [bold]{d.reason}[/] — {_escape(d.detail)} "
-                + _escape(f"(from {d.source_topic}[{d.partition}]@{d.offset})")
+            self.say(
+                ("dead letter", "bold red"),
+                ": reason ",
+                (d.reason, "bold"),
+                f" — {d.detail} (from {d.source_topic}[{d.partition}]@{d.offset})",
             )
         if record.stale is not None:
             s = record.stale
-            self.console.print(
-                f"[yellow]stale[/]: staleness {s.staleness} > limit {s.max_staleness} "
-                f"at trainer version {s.trainer_version}"
+            self.say(
+                ("stale", "yellow"),
+                f": staleness {s.staleness} > limit {s.max_staleness} "
+                f"at trainer version {s.trainer_version}",
             )
         for note in record.notes:
-            self.console.print(f"[red]malformed header[/]: {_escape(note)}")
+            self.say(("malformed header", "red"), f": {note}")
         if record.error is not None:
             size = len(record.value or b"")
-            self.console.print(f"[red]undecodable[/] ({size} bytes): {_escape(record.error)}")
+            self.say(("undecodable", "red"), f" ({size} bytes): {record.error}")
         if record.trajectory is not None:
             staleness = record.stale.staleness if record.stale is not None else None
             self.trajectory(record.trajectory, staleness=staleness)
@@ -131,7 +140,7 @@ class Renderer:
         if record.announcement is not None:
             a = record.announcement
             kind = "base" if a.is_base else f"delta on v{a.parent} (base v{a.base})"
-            self.console.print(
+            self.say(
                 f"run {a.run} version {a.version}: {kind}, {a.bytes} bytes at {a.uri}, "
                 f"manifest sha256 {a.sha256[:16]}…"
             )
@@ -149,60 +158,52 @@ class Renderer:
             for v, n in zip(traj.segment_versions, traj.segment_lengths, strict=False)
         )
         head = title or f"trajectory {traj.trajectory_id}"
-        self.console.print(
-            f"[bold]{_escape(head)}[/]  "
-            + _escape(
-                f"run {traj.run_id}  group {traj.group_id} "
-                f"sample {traj.sample_index}/{traj.group_size}  task {traj.task}"
-                + (f"  policy {traj.policy}" if traj.policy else "")
-            )
+        self.say(
+            (head, "bold"),
+            f"  run {traj.run_id}  group {traj.group_id} "
+            f"sample {traj.sample_index}/{traj.group_size}  task {traj.task}"
+            + (f"  policy {traj.policy}" if traj.policy else ""),
         )
         adv = "-" if traj.advantage is None else f"{traj.advantage:+.4f}"
         stale = "-" if staleness is None else str(staleness)
-        self.console.print(
-            _escape(
-                f"  producer {traj.producer_id} ({traj.region})  generated "
-                f"{_ms(traj.created_at_ms)} → {_ms(traj.finished_at_ms)}  segments [{segments}]  "
-                f"finish {traj.finish_reason}"
-            )
+        self.say(
+            f"  producer {traj.producer_id} ({traj.region})  generated "
+            f"{_ms(traj.created_at_ms)} → {_ms(traj.finished_at_ms)}  segments [{segments}]  "
+            f"finish {traj.finish_reason}"
         )
-        self.console.print(
+        self.say(
             f"  reward {traj.reward:.4f} {_details(traj.reward_details)}  advantage {adv}  "
             f"staleness {stale}  logp_old {traj.old_logits_status}"
         )
         if diagnostics is not None:
-            self.console.print(
+            self.say(
                 f"  k3 KL(infer‖old) {_f(diagnostics.k3_kl)}  d mean {_f(diagnostics.d_mean)} "
                 f"min {_f(diagnostics.d_min)} max {_f(diagnostics.d_max)}"
                 + ("  (policy tokens)" if traj.turn_kinds is not None else "")
             )
         turns = _turn_spans(traj)
         if traj.turn_kinds is not None or traj.tool_calls or traj.episode_end:
-            self.console.print(
-                _escape(
-                    f"  turns {len(turns) if turns is not None else '?'}  policy tokens "
-                    f"{_policy_tokens(traj)}/{traj.num_response_tokens}  tool calls "
-                    f"{traj.tool_calls}  episode_end {traj.episode_end or '-'}"
-                )
+            self.say(
+                f"  turns {len(turns) if turns is not None else '?'}  policy tokens "
+                f"{_policy_tokens(traj)}/{traj.num_response_tokens}  tool calls "
+                f"{traj.tool_calls}  episode_end {traj.episode_end or '-'}"
             )
             if turns is not None:
-                self.console.print(
-                    "  " + _escape("  ".join(_turn_label(traj, *span) for span in turns))
-                )
+                self.say("  " + "  ".join(_turn_label(traj, *span) for span in turns))
         prompt = self.text(traj.task, traj.prompt_ids)
         if prompt is not None:
-            self.console.print(f"  prompt   {_escape(repr(prompt))}")
+            self.say(f"  prompt   {prompt!r}")
             if traj.turn_kinds is not None and turns is not None:
                 for i, (kind, start, end) in enumerate(turns):
                     text = self.text(traj.task, traj.response_ids[start:end])
                     who = "policy" if kind == TurnKind.POLICY else "env   "
-                    style = "" if kind == TurnKind.POLICY else "[dim]"
-                    self.console.print(f"  {style}turn {i} {who} {_escape(repr(text))}")
+                    style = "" if kind == TurnKind.POLICY else "dim"
+                    self.say((f"  turn {i} {who} {text!r}", style))
             else:
                 response = self.text(traj.task, traj.response_ids)
-                self.console.print(f"  response {_escape(repr(response))}")
+                self.say(f"  response {response!r}")
         else:
-            self.console.print(f"  prompt ids {traj.prompt_ids.tolist()}")
+            self.say(f"  prompt ids {traj.prompt_ids.tolist()}")
         if self.options.tokens:
             self.console.print(self.token_table(traj))
 
@@ -236,7 +237,7 @@ class Renderer:
             cells = [
                 str(i),
                 str(token),
-                _escape(repr(tok.decode([token]))) if tok is not None else "",
+                repr(tok.decode([token])) if tok is not None else "",
                 "env" if env else (str(int(versions[i])) if versions is not None else "?"),
                 f"{infer:.5f}",
                 "-" if row_old is None else f"{row_old:.5f}",
@@ -245,16 +246,17 @@ class Renderer:
             ]
             if multi:
                 cells.insert(1, turn)
-            table.add_row(*cells, style=style)
+            table.add_row(*map(line, cells), style=style)
         return table
 
     def group(self, group: ScoredGroup) -> None:
         state = "complete" if group.complete else "PARTIAL"
-        self.console.print(
-            f"[bold]scored group {group.group_id}[/]  run {group.run_id}  {state} "
+        self.say(
+            (f"scored group {group.group_id}", "bold"),
+            f"  run {group.run_id}  {state} "
             f"{len(group.samples)}/{group.group_size}  reward mean {_f(group.reward_mean)} "
             f"std {_f(group.reward_std)}  trainer version seen {group.trainer_version_seen}  "
-            f"emitted {_ms(group.emitted_at_ms)}"
+            f"emitted {_ms(group.emitted_at_ms)}",
         )
         table = Table(header_style="bold")
         for name in (
@@ -274,7 +276,7 @@ class Renderer:
             left = name in ("trajectory", "segments")
             table.add_column(name, justify="left" if left else "right")
         for traj, diag in zip(group.samples, group.diagnostics, strict=True):
-            table.add_row(
+            row = (
                 str(traj.sample_index),
                 traj.trajectory_id,
                 f"{traj.reward:.4f}",
@@ -291,6 +293,7 @@ class Renderer:
                 _f(diag.d_min),
                 _f(diag.d_max),
             )
+            table.add_row(*map(line, row))
         self.console.print(table)
         if self.options.tokens:
             for traj, diag in zip(group.samples, group.diagnostics, strict=True):
@@ -302,7 +305,7 @@ class Renderer:
         table.add_column("metric")
         table.add_column("value", justify="right")
         for name in sorted(metrics):
-            table.add_row(name, repr(float(metrics[name])))
+            table.add_row(line(name), repr(float(metrics[name])))
         self.console.print(table)
 
 
@@ -351,10 +354,32 @@ def _is_terminal() -> bool:
     return sys.stdout.isatty()
 
 
-def _escape(text: str) -> str:
-    from rich.markup import escape
+_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+Part = str | tuple[str, str]
 
-    return escape(text)
+
+def line(*parts: Part) -> Text:
+    """Text that prints as itself: never read as Rich markup or emoji codes, and control
+    characters (escape sequences: a terminal hyperlink, a screen clear) and bidi overrides
+    shown as ``\\x1b``-style escapes. A record's fields are whatever its writer chose, so
+    everything printed from one goes through here; a part may be ``(text, style)``."""
+    text = Text()
+    for part in parts:
+        value, style = (part, "") if isinstance(part, str) else part
+        text.append(neutral(value), style=style)
+    return text
+
+
+def neutral(value: object) -> str:
+    """``value`` with control characters and bidi overrides as visible escapes."""
+    text = str(value)
+    if not any(_unsafe(c) for c in text):
+        return text
+    return "".join(c.encode("unicode_escape").decode() if _unsafe(c) else c for c in text)
+
+
+def _unsafe(char: str) -> bool:
+    return unicodedata.category(char) == "Cc" or char in _BIDI
 
 
 def _f(value: float) -> str:
@@ -370,4 +395,4 @@ def _details(details: dict[str, Any]) -> str:
         return ""
     import orjson
 
-    return _escape(orjson.dumps(details).decode())
+    return orjson.dumps(details).decode()

@@ -168,14 +168,14 @@ def rerun_stream(
                 table[key] = value
         for group_id, trace in step.operator_trace.items():
             decisions = ", ".join(f"{name} → {decision}" for name, decision in trace)
-            console.print(f"operators on group {group_id}: {decisions}")
+            renderer.say(f"operators on group {group_id}: {decisions}")
         return step.sends
 
     outputs: list[tuple[ReplayRecord | None, list[Send]]] = []
     last_ms = 0
     for record in records:
         if record.group is not None or record.announcement is not None:
-            console.print(f"{record.where}: a {record.kind} is not a stream input; skipped")
+            renderer.say(f"{record.where}: a {record.kind} is not a stream input; skipped")
             continue
         headers = tuple((k, v if v is not None else b"") for k, v in record.headers)
         msg = Message(
@@ -203,13 +203,13 @@ def rerun_stream(
     still_open = sorted(s.group_id for s in open_states())
     for group_id in still_open:
         state = GroupState.from_bytes(table[group_key(group_id)])
-        console.print(
+        renderer.say(
             f"open: group {group_id} holds {len(state.samples)} of {state.group_size} samples "
             f"({len(state.dropped)} dropped); --flush closes it as a timeout would"
         )
     sent = [s for _, sends in outputs for s in sends]
     counts = {t: sum(1 for s in sent if s.topic == t) for t in sorted({s.topic for s in sent})}
-    console.print(f"rerun stream: {len(outputs)} step(s), produced {counts or 'nothing'}")
+    renderer.say(f"rerun stream: {len(outputs)} step(s), produced {counts or 'nothing'}")
     return StreamRerunResult(outputs, still_open, version)
 
 
@@ -230,42 +230,41 @@ def _print_sends(
     )
     from streams.groups import GroupState, group_key
 
-    console = renderer.console
     if not sends:
         traj = record.trajectory if record is not None else None
         raw = table.get(group_key(traj.group_id)) if traj is not None else None
         if raw is not None:
             state = GroupState.from_bytes(raw)
-            console.print(
+            renderer.say(
                 f"{where} → joins group {state.group_id} "
                 f"({len(state.samples)}/{state.group_size} samples, "
                 f"{len(state.dropped)} dropped)"
             )
         else:
-            console.print(f"{where} → nothing produced")
+            renderer.say(f"{where} → nothing produced")
         return
     for send in sends:
         keys = {k for k, _ in send.headers}
         if DEAD_LETTER_HEADER in keys:
             letter = DeadLetter.from_headers(send.headers)
-            console.print(f"{where} → DLQ {send.topic}: {letter.reason}: {letter.detail}")
+            renderer.say(f"{where} → DLQ {send.topic}: {letter.reason}: {letter.detail}")
         elif STALE_HEADER in keys:
             stale = StaleRecord.from_headers(send.headers)
-            console.print(
+            renderer.say(
                 f"{where} → stale {send.topic}: staleness {stale.staleness} > "
                 f"{stale.max_staleness} at trainer version {stale.trainer_version}"
             )
         elif not send.value.startswith(b"RSTM"):  # prompts.stats: a JSON document
-            console.print(f"{where} → prompt statistics {send.topic}: {send.value.decode()}")
+            renderer.say(f"{where} → prompt statistics {send.topic}: {send.value.decode()}")
         elif FILTERED_HEADER in keys:
             note = FilteredGroup.from_headers(send.headers)
-            console.print(
+            renderer.say(
                 f"{where} → filtered {send.topic}: group {note.group_id} by operator "
                 f"{note.operator} ({note.reason})"
             )
         else:
             group = decode_group(send.value)
-            console.print(f"{where} → scored {send.topic}: group {group.group_id}")
+            renderer.say(f"{where} → scored {send.topic}: group {group.group_id}")
             renderer.group(group)
 
 
@@ -411,7 +410,7 @@ def rerun_train(
         elif record.trajectory is not None and record.trajectory.advantage is not None:
             groups.append([record.trajectory])  # a trajectory already scored (with advantage)
         else:
-            console.print(f"{record.where}: a {record.kind} without advantages; skipped")
+            renderer.say(f"{record.where}: a {record.kind} without advantages; skipped")
     policy = load_policy(config, trainer, options)
     size = options.groups_per_micro_batch or trainer.batch.max_groups
     console.rule(
@@ -425,7 +424,7 @@ def rerun_train(
         kept, why = trainable(trainer, chunk, policy)
         skipped.extend(why)
         for trajectory_id, reason in why:
-            console.print(f"not trained: {trajectory_id}: {reason}")
+            renderer.say(f"not trained: {trajectory_id}: {reason}")
         if not kept:
             continue
         metrics = loss_terms(trainer, kept, policy)
@@ -435,5 +434,5 @@ def rerun_train(
     if len(parts) > 1:
         renderer.metrics("step (micro-batches combined)", combined)
     if not parts:
-        console.print("rerun train: nothing trainable among the selected records")
+        renderer.say("rerun train: nothing trainable among the selected records")
     return TrainRerunResult(parts, combined, skipped, policy.description)

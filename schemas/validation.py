@@ -70,6 +70,10 @@ class Defect:
         return f"{self.reason}: {self.detail}"
 
 
+MAX_GROUP_SIZE = 1024
+"""Default bound on a record's ``group_size`` (``[streams.validation] max_group_size``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ValidationLimits:
     """What a record may contain. ``None`` switches a check off.
@@ -80,6 +84,9 @@ class ValidationLimits:
     ``vocab_size`` and ``max_total_tokens`` (prompt + response) come from the model the
     record will be run through: an id outside its vocabulary or a sequence longer than its
     context cannot be scored and would fail the whole group's forward pass.
+    ``max_group_size`` bounds the group a record may claim: the stream keeps a group's
+    state until it closes and rewrites it per sample, so an unbounded claim is unbounded
+    memory and work.
     """
 
     vocab_size: int | None = None
@@ -87,6 +94,7 @@ class ValidationLimits:
     max_prompt_tokens: int = 32_768
     max_response_tokens: int = 32_768
     max_record_bytes: int = MAX_RECORD_BYTES
+    max_group_size: int = MAX_GROUP_SIZE
     min_version: int | None = None
     max_version: int | None = None
     logprob_epsilon: float = 1e-4
@@ -108,7 +116,7 @@ def validate(traj: Trajectory, limits: ValidationLimits) -> list[Defect]:
     """Every defect of ``traj`` under ``limits``; an empty list means the record is fine."""
     defects: list[Defect] = []
     arrays = _check_arrays(traj, defects)  # only well-typed arrays are checked further
-    _check_identity(traj, defects)
+    _check_identity(traj, limits, defects)
     _check_scalars(traj, defects)
     _check_tokens(arrays, limits, defects)
     _check_logprobs(arrays, limits, defects)
@@ -153,7 +161,7 @@ def _check_arrays(traj: Trajectory, defects: list[Defect]) -> dict[str, np.ndarr
     return good
 
 
-def _check_identity(traj: Trajectory, defects: list[Defect]) -> None:
+def _check_identity(traj: Trajectory, limits: ValidationLimits, defects: list[Defect]) -> None:
     for name in _ID_FIELDS:
         value = getattr(traj, name)
         if not isinstance(value, str) or not value:
@@ -167,6 +175,13 @@ def _check_identity(traj: Trajectory, defects: list[Defect]) -> None:
             Reason.BAD_FIELD,
             "group_size",
             f"group_size must be in [1, {_INT32_MAX}], got {size!r}",
+        )
+    elif size > limits.max_group_size:
+        _add(
+            defects,
+            Reason.BAD_FIELD,
+            "group_size",
+            f"group_size {size} exceeds max_group_size {limits.max_group_size}",
         )
     elif not _is_int(index) or not 0 <= index < size:
         _add(

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from core.config import RestartConfig, StrictModel
 from core.models import MODEL_SPEC_HELP, parse_model_spec
+from schemas.validation import MAX_GROUP_SIZE
 
 
 class StreamTopics(StrictModel):
@@ -162,6 +163,14 @@ class ValidationConfig(StrictModel):
     max_prompt_tokens: int = Field(default=32_768, ge=1, description="Longest prompt accepted.")
     max_response_tokens: int = Field(default=32_768, ge=1, description="Longest response.")
     max_record_bytes: int = Field(default=4 * 1024 * 1024, ge=1, description="Largest record.")
+    max_group_size: int = Field(
+        default=MAX_GROUP_SIZE,
+        ge=1,
+        le=2**31 - 1,
+        description="Largest group_size a record may claim; larger ones are dead-lettered "
+        "(bad_field). A group's state is kept until it closes and rewritten per sample, so "
+        "this bounds its memory and work; the producers' group_size must not exceed it.",
+    )
 
 
 class PromptStatsConfig(StrictModel):

@@ -206,6 +206,7 @@ class Processor:
             max_prompt_tokens=v.max_prompt_tokens,
             max_response_tokens=v.max_response_tokens,
             max_record_bytes=v.max_record_bytes,
+            max_group_size=v.max_group_size,
         )
         self.topics = config.topics
         self.ticks_topic = config.ticks_topic
@@ -386,8 +387,9 @@ class Processor:
 
     def _drop_from_group(self, step: Step, traj: Trajectory, now_ms: int) -> None:
         """Count a stale or invalid sample as accounted for in its group."""
-        if not (isinstance(traj.group_size, int) and traj.group_size >= 1):
-            return
+        size = traj.group_size
+        if not (isinstance(size, int) and 1 <= size <= self.limits.max_group_size):
+            return  # no group a valid sample could open: nothing to account it in
         state = self._load_group(traj.group_id, step.message.partition, now_ms)
         if state.closed or state.has(traj.trajectory_id):
             return

@@ -332,6 +332,33 @@ def test_dead_letters_and_stale_records_print_why(
     assert "1 record(s) selected" in result.output
 
 
+def test_replay_prints_a_crafted_dead_letter_reason_literally(
+    tmp_path: Path, kafka_config, client: dict[str, str], topics: dict[str, str]
+) -> None:
+    """Record fields are text, never markup or terminal escapes (more in
+    test_replay_injection)."""
+    from tests.test_replay_injection import EVIL, assert_literal
+
+    bad = synthetic(group_id="gd", sample_index=0)
+    records = [
+        (
+            0,
+            b"gd",
+            encode(bad),
+            [*routing_headers(bad), DeadLetter(evil, evil, "raw", 0, i).header()],
+            T0 + i,
+        )
+        for i, evil in enumerate(EVIL)
+    ]
+    stale = StaleRecord("[/]", 3, 4, 1)
+    records.append((0, b"gd", encode(bad), [stale.header()], T0 + 9))
+    produce(client, topics["dlq"], records)
+    result = run_cli(write_config(tmp_path, kafka_config, topics), "replay", "dlq", "--no-tokens")
+    assert f"{len(records)} record(s) selected" in result.output
+    for evil in EVIL:
+        assert_literal(result.output, evil)
+
+
 def test_scored_groups_print_advantages_and_discrepancy(
     tmp_path: Path, kafka_config: KafkaConfig, client: dict[str, str], topics: dict[str, str]
 ) -> None:

@@ -43,12 +43,12 @@ class Received(Exception):
 
 
 def _stand_in_producer(monkeypatch: pytest.MonkeyPatch) -> None:
-    import producers.worker
+    import producers.app
 
     async def run_producer(config: SharedConfig, producers: Any, **_: Any) -> Any:
         raise Received(config, producers)
 
-    monkeypatch.setattr(producers.worker, "run_producer", run_producer)
+    monkeypatch.setattr(producers.app, "run_producer", run_producer)
 
 
 def _stand_in_stream(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -316,10 +316,7 @@ def test_the_last_guard_dead_letters_each_untrainable_group_and_trains_the_rest(
     config = TrainerConfig.model_validate(
         trainer_config(tmp_path, topics, max_steps=3, model={"max_length": GUARD_MAX_LENGTH})
     )
-    settings = TrainerSettings(
-        run_id=RUN, kafka=kafka_config.client_config(), trainer=config, s3=s3_config
-    )
-    summary = Trainer(settings).run()
+    summary = Trainer(shared_for(kafka_config, s3_config), config).run()
 
     assert summary.step == 3 and summary.trained == 24
     trained = [i for _, ids in TrainingLedger.read(tmp_path / "ledger.jsonl") for i in ids]

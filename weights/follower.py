@@ -48,6 +48,7 @@ from weights.errors import (
 from weights.manifest import (
     FileEntry,
     Manifest,
+    check_file_entry,
     load_public_key,
     parse_manifest,
     sha256_hex,
@@ -349,6 +350,8 @@ class WeightFollower:
             data = self.store.read_manifest(version)
         except ObjectMissing as err:
             raise self._refuse(target, missing, f"no manifest for v{version} ({err.uri})") from None
+        except FormatError as err:
+            raise self._refuse(target, err.reason, f"manifest of v{version}: {err}") from None
         if expected_sha is not None and sha256_hex(data) != expected_sha:
             raise self._refuse(
                 target, RefusalReason.BAD_HASH, f"manifest of v{version} differs from announced"
@@ -369,9 +372,12 @@ class WeightFollower:
         """One data file, its size and sha256 checked against the manifest."""
         key = self.store.key(manifest.version, entry.name)
         try:
+            check_file_entry(manifest.kind, entry, manifest.tensors)
             data = self.store.download(key, dest, size=entry.bytes)
         except ObjectMissing as err:
             raise self._refuse(target, RefusalReason.MISSING_FILE, f"{err.uri} missing") from None
+        except FormatError as err:
+            raise self._refuse(target, err.reason, f"v{manifest.version}: {err}") from None
         size = data.stat().st_size if isinstance(data, Path) else len(data)
         if size != entry.bytes:
             raise self._refuse(

@@ -41,7 +41,7 @@ import torch
 import zstandard
 
 from weights.errors import FormatError, RefusalReason
-from weights.manifest import TensorSpec
+from weights.manifest import TensorSpec, max_delta_raw_bytes
 
 StateDict = dict[str, torch.Tensor]
 
@@ -268,7 +268,16 @@ def encode_delta(
 def decode_delta(
     blob: bytes, raw_bytes: int, specs: Mapping[str, TensorSpec]
 ) -> dict[str, TensorDelta]:
-    """Decompress and validate a delta against the manifest's tensor specs."""
+    """Decompress and validate a delta against the manifest's tensor specs; ``raw_bytes``
+    (the manifest's word) is bounded by what the specs allow before anything is
+    allocated, so a small zstd frame declaring gigabytes is refused unread."""
+    limit = max_delta_raw_bytes(specs)
+    if not 0 <= raw_bytes <= limit:
+        raise FormatError(
+            RefusalReason.CORRUPT,
+            f"raw_bytes {raw_bytes} is more than a delta of the manifest's tensors can "
+            f"decode to (at most {limit}): refused before decompressing",
+        )
     try:
         declared = zstandard.frame_content_size(blob[:18])
     except zstandard.ZstdError:

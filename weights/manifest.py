@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +32,9 @@ from weights.errors import FormatError, RefusalReason
 #: Bump when a reader of the previous format could misread a new manifest.
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+"""Largest manifest a reader accepts: a few hundred bytes per tensor, so even a model of
+tens of thousands of tensors stays far below it; a bigger object is refused unread."""
 
 Kind = Literal["base", "delta"]
 
@@ -146,6 +150,97 @@ class Manifest:
     def from_bytes(cls, data: bytes) -> Manifest:
         """Parse and type-check; raises ``FormatError`` (unknown format, bad manifest)."""
         return parse_manifest(data)[0]
+
+
+# --- size bounds: what a file of these tensors can need ----------------------------------
+
+
+_HEADER_SLACK = 4096  # safetensors header: metadata, alignment padding
+_ENTRY_SLACK = 160  # per header entry beyond its name: dtype, shape, offsets as JSON
+
+
+_ITEMSIZE = {
+    "float64": 8,
+    "int64": 8,
+    "uint64": 8,
+    "complex64": 8,
+    "float32": 4,
+    "int32": 4,
+    "uint32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int16": 2,
+    "uint16": 2,
+}
+_MAX_ITEMSIZE = 8  # the widest element the delta format handles
+
+
+def _itemsize(dtype: str) -> int:
+    """Bytes per element; 1-byte types (bool, int8, uint8, float8_*) and the rest by name,
+    any other name counted at the widest, so a bound never refuses an honest file."""
+    if dtype in _ITEMSIZE:
+        return _ITEMSIZE[dtype]
+    if dtype in ("bool", "int8", "uint8") or dtype.startswith("float8"):
+        return 1
+    return _MAX_ITEMSIZE
+
+
+def _varint_bytes(value: int) -> int:
+    return max(1, -(-value.bit_length() // 7))
+
+
+def max_delta_raw_bytes(specs: Mapping[str, TensorSpec]) -> int:
+    """The most bytes a delta of these tensors can decode to: every element changed, each
+    position gap taking the longest varint a gap inside its tensor needs, plus headers."""
+    total = _HEADER_SLACK
+    for name, spec in specs.items():
+        n = spec.numel
+        per_element = _itemsize(spec.dtype) + _varint_bytes(max(n - 1, 0))
+        total += n * per_element + 2 * (len(name.encode()) + _ENTRY_SLACK)
+    return total
+
+
+def max_base_bytes(specs: Mapping[str, TensorSpec]) -> int:
+    """The most bytes a base file of these tensors can hold (values plus header)."""
+    return _HEADER_SLACK + sum(
+        spec.numel * _itemsize(spec.dtype) + len(name.encode()) + _ENTRY_SLACK
+        for name, spec in specs.items()
+    )
+
+
+def zstd_bound(raw_bytes: int) -> int:
+    """zstd's worst case for ``raw_bytes`` of input (``ZSTD_COMPRESSBOUND``) plus the
+    frame header: a compressed file larger than this is not an honest compression."""
+    return raw_bytes + (raw_bytes >> 8) + (128 << 10) + 64
+
+
+def check_file_entry(kind: str, entry: FileEntry, specs: Mapping[str, TensorSpec]) -> None:
+    """Refuse a manifest's file entry whose sizes no file of these tensors could have,
+    before anything is fetched or decompressed (a reader sizes buffers by them)."""
+    if entry.bytes < 0 or entry.raw_bytes < 0:
+        raise FormatError(RefusalReason.CORRUPT, f"{entry.name}: negative size")
+    if kind == "delta":
+        limit = max_delta_raw_bytes(specs)
+        if entry.raw_bytes > limit:
+            raise FormatError(
+                RefusalReason.CORRUPT,
+                f"{entry.name}: raw_bytes {entry.raw_bytes} is more than a delta of the "
+                f"manifest's tensors can decode to (at most {limit})",
+            )
+        if entry.bytes > zstd_bound(entry.raw_bytes):
+            raise FormatError(
+                RefusalReason.CORRUPT,
+                f"{entry.name}: {entry.bytes} bytes compressed cannot decode to "
+                f"raw_bytes {entry.raw_bytes}",
+            )
+    else:
+        limit = max_base_bytes(specs)
+        if entry.bytes > limit:
+            raise FormatError(
+                RefusalReason.CORRUPT,
+                f"{entry.name}: {entry.bytes} bytes is more than a base of the manifest's "
+                f"tensors can hold (at most {limit})",
+            )
 
 
 def canonical_json(obj: dict[str, Any]) -> bytes:

@@ -19,7 +19,7 @@ from pathlib import Path
 from botocore.exceptions import BotoCoreError, ClientError
 
 from weights.errors import FormatError, ObjectMissing, VersionTaken, WeightsError
-from weights.manifest import Manifest, sha256_hex
+from weights.manifest import Manifest, check_file_entry, sha256_hex
 from weights.store import WeightStore, sha256_file
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ def copy_version(src: WeightStore, dst: WeightStore, version: int) -> int:
     copied = 0
     with tempfile.TemporaryDirectory(prefix="rollstream-mirror-") as scratch:
         for entry in manifest.files:
+            check_file_entry(manifest.kind, entry, manifest.tensors)
             big = entry.bytes >= src.transfer.multipart_threshold
             dest = Path(scratch) / entry.name if big else None
             data = src.download(src.key(version, entry.name), dest, size=entry.bytes)

@@ -30,8 +30,8 @@ from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
 
 from core.config import ConfigurationError, S3Config
-from weights.errors import ObjectMissing, VersionTaken
-from weights.manifest import MANIFEST_NAME
+from weights.errors import FormatError, ObjectMissing, RefusalReason, VersionTaken
+from weights.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES
 
 #: Parts of 8 MiB, eight in flight: measured fastest against SeaweedFS on loopback.
 DEFAULT_TRANSFER = TransferConfig(
@@ -188,12 +188,27 @@ class WeightStore:
     # --- reading -------------------------------------------------------------------------
 
     def read_manifest(self, version: int) -> bytes:
-        return self.get_bytes(self.manifest_key(version))
+        """A version's manifest; one over ``MAX_MANIFEST_BYTES`` is refused
+        (``FormatError``, bad_manifest) after reading no more than that."""
+        key = self.manifest_key(version)
+        data = self.get_bytes(key, limit=MAX_MANIFEST_BYTES)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise FormatError(
+                RefusalReason.BAD_MANIFEST,
+                f"{self.uri(key)} is larger than {MAX_MANIFEST_BYTES} bytes: not read",
+            )
+        return data
 
-    def get_bytes(self, key: str) -> bytes:
-        """A whole (small) object; large ones should go through ``download``."""
+    def get_bytes(self, key: str, *, limit: int | None = None) -> bytes:
+        """A whole (small) object; large ones should go through ``download``. With
+        ``limit``, at most ``limit + 1`` bytes are read: enough for the caller to tell
+        an object larger than it expected without holding all of it."""
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+            try:
+                return body.read() if limit is None else body.read(limit + 1)
+            finally:
+                body.close()
         except ClientError as err:
             if _error_code(err) in _MISSING_CODES:
                 raise ObjectMissing(self.uri(key)) from None
@@ -204,10 +219,20 @@ class WeightStore:
     ) -> bytes | Path:
         """An object into memory, or into ``dest`` when given. Big ones go through the
         transfer manager (parallel ranged GETs); one known to be small (``size``) is a
-        single GET, which saves the transfer manager's HEAD round trip."""
+        single GET, which saves the transfer manager's HEAD round trip. With ``size``,
+        no more than ``size + 1`` bytes are read, and a big object whose stored size
+        differs is refused (``FormatError``, truncated) before its transfer starts: the
+        caller compares sizes, but only after the bytes are here."""
         if dest is None and size is not None and size < self.transfer.multipart_threshold:
-            return self.get_bytes(key)
+            return self.get_bytes(key, limit=size)
         try:
+            if size is not None:
+                stored = int(self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
+                if stored != size:
+                    raise FormatError(
+                        RefusalReason.TRUNCATED,
+                        f"{self.uri(key)} has {stored} bytes, manifest says {size}",
+                    )
             if dest is not None:
                 self.client.download_file(self.bucket, key, str(dest), Config=self.transfer)
                 return dest

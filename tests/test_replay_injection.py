@@ -1,0 +1,78 @@
+"""``rollstream replay`` prints what a record says, literally: a field holding Rich markup
+or a terminal escape sequence (a hyperlink, a screen clear) neither crashes the printer
+nor reaches the terminal as anything but text."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+
+import pytest
+from rich.console import Console
+from support.streams import synthetic
+
+from rollstream.records import ReplayRecord, decode_record
+from rollstream.replay_render import Renderer, RenderOptions
+from schemas.codec import encode
+from schemas.control import DeadLetter, VersionAnnouncement
+from tests.test_replay import T0, scored_group
+
+_SGR = re.compile(r"\x1b\[[0-9;]*m")
+OSC8 = "\x1b]8;;https://evil.example\x1b\\click\x1b]8;;\x1b\\"
+EVIL = [
+    "[link=file:///etc/passwd]x[/link]",
+    "bad[/][/]",
+    "[/bold]",
+    OSC8,
+    "\x1b[2Jcleared",
+]
+
+
+def _render(record: ReplayRecord) -> str:
+    out = io.StringIO()
+    console = Console(
+        file=out, force_terminal=True, width=2000, color_system="truecolor", highlight=False
+    )
+    Renderer(RenderOptions(tokenizer="tiny"), console).record(record)
+    return _SGR.sub("", out.getvalue())  # Rich's own styling; anything else stays
+
+
+def assert_literal(text: str, evil: str) -> None:
+    assert "\x1b]8" not in text, "a terminal hyperlink reached the output"
+    assert "\x1b[2J" not in text, "a raw escape sequence reached the output"
+    if "\x1b" in evil:
+        assert evil.replace("\x1b", "\\x1b") in text
+    else:
+        assert evil in text
+
+
+@pytest.mark.parametrize("evil", EVIL, ids=["link", "close-all", "close-bold", "osc8", "clear"])
+def test_every_record_field_renders_literally(evil: str) -> None:
+    letter = DeadLetter(evil, f"detail {evil}", f"topic{evil}", 0, 1)
+    traj = dataclasses.replace(
+        synthetic(group_id="g", sample_index=0),
+        run_id=evil,
+        trajectory_id=f"t{evil}",
+        group_id=evil,
+        task=evil,
+        producer_id=evil,
+        region=evil,
+        finish_reason=evil,
+        episode_end=evil,
+    )
+    record = decode_record("dlq", 0, 5, T0, evil.encode(), encode(synthetic()), [letter.header()])
+    record = dataclasses.replace(record, trajectory=traj, notes=(evil,), error=evil)
+    text = _render(record)
+    assert "dead letter" in text
+    for field in (evil, f"detail {evil}", f"topic{evil}", f"t{evil}"):
+        assert_literal(text, field)
+
+    group = scored_group(evil, [1, 2], [0, 0])  # its samples' trajectory ids hold it too
+    text = _render(dataclasses.replace(record, trajectory=None, group=group))
+    assert_literal(text, f"scored group {evil}")
+    assert_literal(text, f"{evil}-1")
+
+    note = VersionAnnouncement(evil, 2, f"s3://b/{evil}", None, 2, "0" * 64, 10, T0)
+    text = _render(dataclasses.replace(record, trajectory=None, announcement=note))
+    assert_literal(text, evil)
