@@ -25,7 +25,7 @@ from producers.admission import TrainerSignals
 from producers.backends import Backend, http_backend, local_backend
 from producers.config import ProducersConfig
 from producers.curriculum import Curriculum, PromptStatsReader, PromptStatsView
-from producers.group_publisher import GroupPublisher
+from producers.group_publisher import recovered_publisher
 from producers.ledger import Ledger, StopRecord, ledger_dir
 from producers.metrics import ProducerMetrics, Progress
 from producers.peers import PeerSide
@@ -65,7 +65,6 @@ async def run_producer(
     from core.presence import Beacon
     from core.topic_reader import end_offsets
     from producers.catalog import make_task
-    from producers.ledger import recover
     from producers.tasks import TaskContext
 
     rollout = producers.rollout
@@ -94,16 +93,7 @@ async def run_producer(
         stack.push_async_callback(backend.aclose)
 
         ledger = stack.enter_context(Ledger(directory, fsync=rollout.ledger_fsync))
-        await asyncio.to_thread(recover, ledger, client_config, rollout.topic)
-        ledger.mark(await asyncio.to_thread(end_offsets, client_config, rollout.topic))
-        publisher = GroupPublisher(
-            client_config,
-            rollout.topic,
-            ledger,
-            metrics,
-            delivery_timeout_ms=rollout.delivery_timeout_ms,
-            overrides=rollout.producer_overrides,
-        )
+        publisher = await recovered_publisher(client_config, rollout, ledger, metrics)
         stack.push_async_callback(asyncio.to_thread, publisher.close)
 
         curriculum = None

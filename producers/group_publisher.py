@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from producers.config import RolloutConfig
 from producers.ledger import Ledger
 from producers.metrics import ProducerMetrics
 from schemas.codec import encode, routing_headers
@@ -231,3 +232,27 @@ class GroupPublisher:
         if now - self._last_warning >= 10.0:
             self._last_warning = now
             logger.warning("%s; %d group(s) await acknowledgement", message, len(self._groups))
+
+
+async def recovered_publisher(
+    client_config: Mapping[str, str],
+    rollout: RolloutConfig,
+    ledger: Ledger,
+    metrics: ProducerMetrics,
+) -> GroupPublisher:
+    """A publisher on ``rollout.topic`` whose ledger is first reconciled with the topic:
+    the groups a crash left pending resolved, the topic's end offsets marked (where a
+    later recovery starts looking)."""
+    from core.topic_reader import end_offsets
+    from producers.ledger import recover
+
+    await asyncio.to_thread(recover, ledger, client_config, rollout.topic)
+    ledger.mark(await asyncio.to_thread(end_offsets, client_config, rollout.topic))
+    return GroupPublisher(
+        client_config,
+        rollout.topic,
+        ledger,
+        metrics,
+        delivery_timeout_ms=rollout.delivery_timeout_ms,
+        overrides=rollout.producer_overrides,
+    )

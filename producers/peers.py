@@ -37,7 +37,7 @@ from producers.backends import Backend, http_backend, local_backend
 from producers.client import EngineUnavailable, GenerateOutput
 from producers.config import ProducersConfig, SamplingConfig
 from producers.credit import AdmissionCredit
-from producers.group_publisher import GroupPublisher
+from producers.group_publisher import GroupPublisher, recovered_publisher
 from producers.ledger import Ledger, StopRecord, ledger_dir
 from producers.metrics import ProducerMetrics
 from producers.versions import WatchedListener, start_follower
@@ -304,9 +304,6 @@ class PeerSide:
     async def add(self, name: str, config: RoleConfig[ProducersConfig]) -> None:
         """Open peer policy ``name`` (what its producer role receives): engine, ledger
         (recovered), publisher."""
-        from core.topic_reader import end_offsets
-        from producers.ledger import recover
-
         peer, producers = config
         if peer.policy != name:
             raise ValueError(f"peer {name!r} was given the config of policy {peer.policy!r}")
@@ -331,16 +328,8 @@ class PeerSide:
         client_config = peer.kafka.client_config()
         ledger = Ledger(directory, fsync=rollout.ledger_fsync).open()
         self._on_close(f"ledger {ledger.path}", ledger.close)
-        await asyncio.to_thread(recover, ledger, client_config, rollout.topic)
-        ledger.mark(await asyncio.to_thread(end_offsets, client_config, rollout.topic))
-        publisher = GroupPublisher(
-            client_config,
-            rollout.topic,
-            ledger,
-            ProducerMetrics(),  # the peer's own counts: the served metrics are the driver's
-            delivery_timeout_ms=rollout.delivery_timeout_ms,
-            overrides=rollout.producer_overrides,
-        )
+        # the peer's own counts: the served metrics are the driver's
+        publisher = await recovered_publisher(client_config, rollout, ledger, ProducerMetrics())
         self._on_close(f"publisher of {name}", partial(asyncio.to_thread, publisher.close))
         self.publishers[name] = publisher
         self.configs[name] = config
