@@ -57,45 +57,77 @@ from core.retry import retrying
 from schemas.codec import DecodeError
 from schemas.control import DeadLetter, StaleRecord
 from schemas.group import decode_group
+from schemas.topics import ROLLOUTS_DLQ, ROLLOUTS_STALE, TopicSpec, producer_limits
 
 log = logging.getLogger(__name__)
 
 #: Called with the reason of every record sent to the DLQ (metrics).
 DlqHook = Callable[[str], None]
+#: A routed record as produced: key, value, headers.
+_Record = tuple[bytes | None, bytes | None, list]
 
 
 class _SideProducer:
-    """Idempotent producer of routed records; the first delivery error is kept and raised."""
+    """Idempotent producer of routed records to one topic (``spec``, renamed ``topic``).
 
-    def __init__(self, client_config: Mapping[str, str], topic: str) -> None:
+    A record whose delivery fails is kept and produced again by the next ``flush``, which
+    raises the failure first: a retried flush only returns once every record sent is
+    acknowledged, so no checkpoint or commit goes past a record that is not written.
+    """
+
+    def __init__(self, client_config: Mapping[str, str], spec: TopicSpec, topic: str) -> None:
         self.topic = topic
-        self._producer = Producer(
-            {**client_config, "enable.idempotence": True, "acks": "all", "linger.ms": 5}
-        )
-        self._error: KafkaError | None = None
+        self._config = {
+            **client_config,
+            **producer_limits(spec),
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 5,
+        }
+        self._producer = Producer(self._config)
+        self._failed: list[tuple[_Record, KafkaError]] = []
         self.sent = 0
 
-    def _delivered(self, err: KafkaError | None, _msg: Message) -> None:
-        if err is not None and self._error is None:
-            self._error = err
-
     def _produce(self, key: bytes | None, value: bytes | None, headers: list) -> None:
+        record = (key, value, list(headers))
+
+        def delivered(err: KafkaError | None, _msg: Message) -> None:
+            if err is not None:
+                self._failed.append((record, err))
+
         while True:
             try:
                 self._producer.produce(
-                    self.topic, key=key, value=value, headers=headers, on_delivery=self._delivered
+                    self.topic, key=key, value=value, headers=headers, on_delivery=delivered
                 )
                 break
             except BufferError:  # local queue full: serve callbacks and try again
                 self._producer.poll(0.5)
         self._producer.poll(0)
+
+    def send_record(self, key: bytes | None, value: bytes | None, headers: list) -> None:
+        self._produce(key, value, headers)
         self.sent += 1
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait for every record to be acknowledged; raise the first failure."""
+        """Send again what failed before, wait for every record to be acknowledged, and
+        raise the first failure (its records are sent again by the next call)."""
+        failed, self._failed = self._failed, []
+        if failed and any(err.fatal() for _, err in failed):
+            # a fatal error (idempotence) ends this producer: resend through a new one
+            self._producer.flush(0)
+            self._producer = Producer(self._config)
+        for (key, value, headers), _err in failed:
+            self._produce(key, value, headers)
         remaining = self._producer.flush(timeout_s)
-        if self._error is not None:
-            err, self._error = self._error, None
+        if self._failed:
+            err = self._failed[0][1]
+            log.warning(
+                "%d record(s) to %s not delivered (sent again on the next flush): %s",
+                len(self._failed),
+                self.topic,
+                err,
+            )
             raise KafkaException(err)
         if remaining:
             raise KafkaException(
@@ -119,7 +151,7 @@ class DeadLetterProducer(_SideProducer):
         headers = [(k, v) for k, v in (msg.headers() or []) if k != letter.header()[0]] + [
             letter.header()
         ]
-        self._produce(msg.key(), msg.value(), headers)
+        self.send_record(msg.key(), msg.value(), headers)
 
 
 class StaleRouter(_SideProducer):
@@ -136,7 +168,7 @@ class StaleRouter(_SideProducer):
         )
         name, value = record.header()
         headers = [(k, v) for k, v in group.headers if k != name] + [(name, value)]
-        self._produce(group.key, group.value, headers)
+        self.send_record(group.key, group.value, headers)
 
 
 def min_version(msg: Message) -> int | None:
@@ -185,8 +217,8 @@ class ScoredSource:
         self.buffer_limit = max(4 * batch.max_groups, 32)
         self.paused: set[TP] = set()
         self.assembler = BatchAssembler(batch.max_groups, batch.max_tokens, batch.max_wait_s)
-        self.dlq = DeadLetterProducer(client_config, topics.dlq)
-        self.stale = StaleRouter(client_config, topics.stale)
+        self.dlq = DeadLetterProducer(client_config, ROLLOUTS_DLQ, topics.dlq)
+        self.stale = StaleRouter(client_config, ROLLOUTS_STALE, topics.stale)
         self.foreign = 0
         static = {"group.instance.id": topics.group_instance_id} if topics.group_instance_id else {}
         self._consumer = Consumer(

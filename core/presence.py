@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from schemas.control import RoleHeartbeat
+from schemas.topics import ROLES, producer_limits
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,13 @@ class Beacon:
         self.interval_s = interval_s
         self._detail = detail or dict
         self._producer = Producer(
-            {**client_config, "linger.ms": 0, "acks": "all", "message.timeout.ms": 30_000}
+            {
+                **client_config,
+                **producer_limits(ROLES),
+                "linger.ms": 0,
+                "acks": "all",
+                "message.timeout.ms": 30_000,
+            }
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -3,6 +3,10 @@
 A topic that already exists is left alone when its partition count and the configs in
 its ``TopicSpec`` match; otherwise ``TopicConflictError`` lists every difference, since
 silently using e.g. a non-compacted ``policy.versions`` would lose the current version.
+``max.message.bytes`` is a floor: a topic may take larger records than declared, never
+smaller ones (``check_sizes`` checks only that). A topic the cluster refuses to create
+as declared (a managed cluster's cap on ``max.message.bytes``, say) is a
+``TopicRefusedError`` naming it and the configs asked for.
 """
 
 from __future__ import annotations
@@ -13,7 +17,11 @@ from dataclasses import dataclass
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
+from core.retry import permanent
 from schemas.topics import ALL_TOPICS, TopicSpec
+
+#: Configs where the topic's value may exceed the declared one.
+AT_LEAST = frozenset({"max.message.bytes"})
 
 
 class TopicConflictError(RuntimeError):
@@ -23,6 +31,19 @@ class TopicConflictError(RuntimeError):
         self.conflicts = conflicts
         super().__init__(
             "existing topics disagree with schemas/topics.py:\n  " + "\n  ".join(conflicts)
+        )
+
+
+class TopicRefusedError(RuntimeError):
+    """The cluster will not create a topic with the settings rollstream needs."""
+
+    def __init__(self, spec: TopicSpec, err: KafkaException) -> None:
+        self.spec = spec
+        super().__init__(
+            f"the Kafka cluster refused to create topic {spec.name!r} with "
+            f"{spec.partitions} partitions and {spec.configs()}: {err.args[0]}. "
+            "rollstream needs these settings (schemas/topics.py); create the topic with "
+            "them by hand, or raise the cluster's limits"
         )
 
 
@@ -62,8 +83,12 @@ def ensure_topics(
                 future.result()
                 created.append(name)
             except KafkaException as err:
-                if err.args[0].name() != "TOPIC_ALREADY_EXISTS":  # lost a race: verify below
-                    raise
+                if err.args[0].name() == "TOPIC_ALREADY_EXISTS":  # lost a race: verify below
+                    continue
+                if permanent(err):
+                    spec = next(spec for spec in missing if spec.name == name)
+                    raise TopicRefusedError(spec, err) from err
+                raise
     existing = [spec for spec in specs if spec.name not in created]
     conflicts = _conflicts(admin, existing, timeout) if existing else []
     if conflicts:
@@ -71,13 +96,42 @@ def ensure_topics(
     return TopicReport(tuple(created), tuple(spec.name for spec in existing))
 
 
+def check_sizes(
+    client_config: Mapping[str, str], specs: Iterable[TopicSpec], timeout: float = 30.0
+) -> None:
+    """Raise ``TopicConflictError`` naming every topic of ``specs`` whose
+    ``max.message.bytes`` is below its spec's (its records would be refused)."""
+    specs = list(specs)
+    if not specs:
+        return
+    admin = AdminClient(dict(client_config))
+    described = _describe(admin, specs, timeout)
+    conflicts = []
+    for spec in specs:
+        have = described[spec.name].get("max.message.bytes")
+        if have is None or int(have.value) < spec.max_message_bytes:
+            conflicts.append(
+                f"{spec.name}: max.message.bytes={None if have is None else have.value}, "
+                f"needs at least {spec.max_message_bytes}"
+            )
+    if conflicts:
+        raise TopicConflictError(conflicts)
+
+
+def _describe(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> dict:
+    """Each topic's configs, one request a topic: librdkafka failed to parse a stock
+    Kafka 4.1 broker's answer to one request for many topics (``_BAD_MSG``)."""
+    described = {}
+    for spec in specs:
+        resource = ConfigResource(ResourceType.TOPIC, spec.name)
+        [future] = admin.describe_configs([resource], request_timeout=timeout).values()
+        described[spec.name] = future.result()
+    return described
+
+
 def _conflicts(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> list[str]:
     topics = admin.list_topics(timeout=timeout).topics
-    resources = [ConfigResource(ResourceType.TOPIC, spec.name) for spec in specs]
-    described = {
-        resource.name: future.result()
-        for resource, future in admin.describe_configs(resources, request_timeout=timeout).items()
-    }
+    described = _describe(admin, specs, timeout)
     conflicts: list[str] = []
     for spec in specs:
         partitions = len(topics[spec.name].partitions)
@@ -86,6 +140,8 @@ def _conflicts(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> li
         actual = described[spec.name]
         for key, wanted in spec.configs().items():
             have = actual[key].value if key in actual else None
+            if key in AT_LEAST and have is not None and int(have) >= int(wanted):
+                continue
             if have != wanted:
                 conflicts.append(f"{spec.name}: {key}={have}, declared {wanted}")
     return conflicts

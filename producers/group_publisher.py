@@ -31,6 +31,7 @@ from producers.config import RolloutConfig
 from producers.ledger import Ledger
 from producers.metrics import ProducerMetrics
 from schemas.codec import encode, routing_headers
+from schemas.topics import ROLLOUTS_RAW, producer_limits
 from schemas.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def producer_config(
         "delivery.timeout.ms": delivery_timeout_ms,
         "queue.buffering.max.messages": 100_000,
         "queue.buffering.max.kbytes": 262_144,  # 256 MiB of queued records at most
-        "message.max.bytes": 8 * 1024 * 1024,
+        **producer_limits(ROLLOUTS_RAW),
     }
     conf.update(overrides or {})
     if str(conf["enable.idempotence"]).lower() not in ("true", "1"):

@@ -3,7 +3,11 @@
 Sizes: ``rollouts.raw`` takes messages up to 8 MiB, twice the stream's record limit
 (``schemas.codec.MAX_RECORD_BYTES``, 4 MiB): a record between the two reaches the stream
 and is dead-lettered as ``oversize`` with its bytes, instead of being refused by the
-broker where nobody sees it. ``rollouts.dlq`` is larger than every topic it receives from.
+broker where nobody sees it. ``rollouts.dlq`` and ``rollouts.stale`` are larger than every
+topic they receive from. Each spec's ``max_message_bytes`` is the one size of its topic:
+the topic is created with it (``max.message.bytes``, so a cluster's 1 MB default never
+applies) and every producer writing the topic allows it (``producer_limits``), since
+librdkafka's own default (1 MB) would refuse a large record on the client.
 
 Partitioning: ``rollouts.raw`` is keyed by group id so all samples of a GRPO group land
 in one partition (one stream worker assembles the group); ``policy.versions`` is
@@ -43,13 +47,19 @@ class TopicSpec:
 
 ROLLOUTS_RAW = TopicSpec("rollouts.raw", partitions=8)
 ROLLOUTS_SCORED = TopicSpec("rollouts.scored", partitions=4, max_message_bytes=16 * MIB)
-ROLLOUTS_STALE = TopicSpec("rollouts.stale", partitions=4, retention_ms=30 * DAY_MS)
 ROLLOUTS_DLQ = TopicSpec(
     "rollouts.dlq",
     partitions=1,
     retention_ms=30 * DAY_MS,
     # Whatever reached raw (8 MiB) or scored (16 MiB) must fit here with its original
     # bytes and the rs-dead-letter header, or dead-lettering it would fail.
+    max_message_bytes=ROLLOUTS_SCORED.max_message_bytes + 1 * MIB,
+)
+ROLLOUTS_STALE = TopicSpec(
+    "rollouts.stale",
+    partitions=4,
+    retention_ms=30 * DAY_MS,
+    # the trainer routes whole scored groups here (16 MiB) with an rs-stale header
     max_message_bytes=ROLLOUTS_SCORED.max_message_bytes + 1 * MIB,
 )
 ROLLOUTS_FILTERED = TopicSpec(
@@ -71,6 +81,28 @@ def control_topic(name: str) -> TopicSpec:
         max_message_bytes=1 * MIB,
         extra_configs={"min.compaction.lag.ms": "0", "segment.ms": str(60 * 60 * 1000)},
     )
+
+
+def stream_changelog(name: str, partitions: int) -> TopicSpec:
+    """The stream's group table changelog (a Faust internal topic): every accepted sample
+    is written to it with its raw bytes, so it takes what raw takes plus the table key."""
+    return TopicSpec(
+        name,
+        partitions=partitions,
+        cleanup_policy="compact",
+        max_message_bytes=ROLLOUTS_RAW.max_message_bytes + 1 * MIB,
+    )
+
+
+def largest_message(*specs: TopicSpec) -> int:
+    """The largest record a producer writing the topics of ``specs`` must accept."""
+    return max(spec.max_message_bytes for spec in specs)
+
+
+def producer_limits(*specs: TopicSpec) -> dict[str, str]:
+    """librdkafka settings for a producer writing the topics of ``specs``: it accepts a
+    record as large as the largest of them allows (its own default is 1 MB)."""
+    return {"message.max.bytes": str(largest_message(*specs))}
 
 
 PROMPTS_STATS = control_topic("prompts.stats")

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from core.topic_reader import read_range, reader_config, whole_topic
-from schemas.topics import TopicSpec
+from schemas.topics import MIB, TopicSpec, producer_limits
 
 
 def start_topic_spec(name: str) -> TopicSpec:
@@ -29,7 +29,7 @@ def start_topic_spec(name: str) -> TopicSpec:
         name,
         partitions=1,
         cleanup_policy="compact",
-        max_message_bytes=1024 * 1024,
+        max_message_bytes=1 * MIB,
         extra_configs={"min.compaction.lag.ms": "0"},
     )
 
@@ -79,8 +79,9 @@ def write_start_offsets(
 
     from infra.topics import ensure_topics
 
-    ensure_topics(client_config, [start_topic_spec(topic)], replication_factor=replication_factor)
-    producer = Producer({**client_config, "enable.idempotence": True})
+    spec = start_topic_spec(topic)
+    ensure_topics(client_config, [spec], replication_factor=replication_factor)
+    producer = Producer({**client_config, **producer_limits(spec), "enable.idempotence": True})
     for partition, offset in sorted(offsets.items()):
         producer.produce(topic, key=_key(raw_topic, partition), value=str(offset).encode())
     if producer.flush(30) != 0:

@@ -1,19 +1,21 @@
 """The stream worker's topics: the ones it reads and writes, created when missing.
 
 The names come from ``[streams.topics]`` (a test or a second policy renames them); the
-settings from ``schemas.topics``. The internal ticks topic gets raw's partition count:
-Faust gives a worker the same partitions of both, so a tick reaches the worker that holds
-the overdue group (``streams.app``).
+settings, sizes included, from ``schemas.topics``. The internal ticks topic and the table
+changelog get raw's partition count: Faust gives a worker the same partitions of all
+three, so a tick reaches the worker that holds the overdue group (``streams.app``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 from confluent_kafka.admin import AdminClient
 
-from infra.topics import ensure_topics
+from infra.topics import check_sizes, ensure_topics
 from schemas.topics import (
+    MIB,
     POLICY_VERSIONS,
     PROMPTS_STATS,
     ROLLOUTS_DLQ,
@@ -22,65 +24,66 @@ from schemas.topics import (
     ROLLOUTS_SCORED,
     ROLLOUTS_STALE,
     TopicSpec,
+    stream_changelog,
 )
 from streams.config import StreamsConfig
 
 TICKS_RETENTION_MS = 60 * 60 * 1000
 """A tick only matters until the timer sends the next one."""
 
+TABLE_NAME = "groups"
+"""The group table: its changelog topic is ``<app_id>-groups-changelog``. Renaming it would
+leave every running app's state behind in the old changelog."""
+
+
+def changelog_name(config: StreamsConfig) -> str:
+    """The group table's changelog topic, named the way Faust names it."""
+    return f"{config.app_id}-{TABLE_NAME}-changelog"
+
 
 def topic_specs(config: StreamsConfig, raw_partitions: int) -> list[TopicSpec]:
     """Every topic the worker uses, under ``config``'s names; the source topics (raw and
-    ticks) with ``raw_partitions``."""
+    ticks) and the table changelog with ``raw_partitions``.
+
+    The changelog is Faust's, but it is declared here with its size: Faust would create
+    it with the cluster's default limit (1 MB on most), and a larger sample's changelog
+    write would then fail after the step had committed."""
     names = config.topics
     return [
-        TopicSpec(names.raw, raw_partitions),
-        TopicSpec(names.scored, ROLLOUTS_SCORED.partitions, max_message_bytes=16 * 1024 * 1024),
+        replace(ROLLOUTS_RAW, name=names.raw, partitions=raw_partitions),
+        replace(ROLLOUTS_SCORED, name=names.scored),
+        replace(ROLLOUTS_STALE, name=names.stale),
+        replace(ROLLOUTS_DLQ, name=names.dlq),
+        replace(ROLLOUTS_FILTERED, name=names.filtered),
+        replace(PROMPTS_STATS, name=names.prompt_stats),
+        replace(POLICY_VERSIONS, name=names.versions),
         TopicSpec(
-            names.stale,
-            ROLLOUTS_STALE.partitions,
-            retention_ms=ROLLOUTS_STALE.retention_ms,
+            config.ticks_topic,
+            raw_partitions,
+            retention_ms=TICKS_RETENTION_MS,
+            max_message_bytes=1 * MIB,
         ),
-        TopicSpec(
-            names.dlq,
-            ROLLOUTS_DLQ.partitions,
-            retention_ms=ROLLOUTS_DLQ.retention_ms,
-            max_message_bytes=ROLLOUTS_DLQ.max_message_bytes,
-        ),
-        TopicSpec(
-            names.filtered,
-            ROLLOUTS_FILTERED.partitions,
-            retention_ms=ROLLOUTS_FILTERED.retention_ms,
-            max_message_bytes=ROLLOUTS_FILTERED.max_message_bytes,
-        ),
-        TopicSpec(
-            names.prompt_stats,
-            PROMPTS_STATS.partitions,
-            cleanup_policy="compact",
-            max_message_bytes=PROMPTS_STATS.max_message_bytes,
-            extra_configs=PROMPTS_STATS.extra_configs,
-        ),
-        TopicSpec(
-            names.versions,
-            POLICY_VERSIONS.partitions,
-            cleanup_policy="compact",
-            max_message_bytes=POLICY_VERSIONS.max_message_bytes,
-            extra_configs=POLICY_VERSIONS.extra_configs,
-        ),
-        TopicSpec(config.ticks_topic, raw_partitions, retention_ms=TICKS_RETENTION_MS),
+        stream_changelog(changelog_name(config), raw_partitions),
     ]
 
 
-def prepare_topics(kafka: Mapping[str, str], config: StreamsConfig) -> int:
-    """Create missing topics; the ticks topic gets raw's partition count. Returns it.
+def prepare_topics(kafka: Mapping[str, str], config: StreamsConfig) -> list[TopicSpec]:
+    """Create missing topics; returns the worker's specs (raw's partition count is that
+    of ``specs[0]``).
 
-    Raw keeps the partition count it already has, whoever created it;
-    a topic that exists is never altered."""
+    Raw keeps the partition count it already has, whoever created it; a topic that
+    exists is never altered, but one whose ``max.message.bytes`` is below its spec's is
+    refused here, at start, naming it (``infra.topics.TopicSizeError``)."""
     present = AdminClient(dict(kafka)).list_topics(timeout=30).topics
     if config.topics.raw in present:
         partitions = len(present[config.topics.raw].partitions)
     else:
         partitions = ROLLOUTS_RAW.partitions
-    missing = [spec for spec in topic_specs(config, partitions) if spec.name not in present]
-    ensure_topics(kafka, missing, replication_factor=config.replication_factor)
-    return partitions
+    specs = topic_specs(config, partitions)
+    ensure_topics(
+        kafka,
+        [spec for spec in specs if spec.name not in present],
+        replication_factor=config.replication_factor,
+    )
+    check_sizes(kafka, [spec for spec in specs if spec.name in present])
+    return specs

@@ -24,6 +24,7 @@ from faust.types import TP, StreamT, TableT
 from core.config import SharedConfig
 from core.presence import Beacon, default_instance
 from core.topic_reader import group_lag, member_of
+from schemas.topics import TopicSpec, largest_message, producer_limits
 from streams.agent import Assembler, message_of, now_ms, wait_for_versions
 from streams.broker import broker_credentials, broker_urls
 from streams.config import OldLogitsConfig, StreamsConfig
@@ -40,7 +41,7 @@ from streams.snapshots import (
     SnapshotStore,
 )
 from streams.staleness import StalenessPolicy, VersionTracker
-from streams.topics import prepare_topics
+from streams.topics import TABLE_NAME, changelog_name, prepare_topics
 from streams.txn import EffectWriter, check_faust_internals, mirror_writes
 from streams.versions import VersionReader
 from weights.announce import AnnouncementListener
@@ -50,10 +51,6 @@ log = logging.getLogger("streams")
 AGENT_NAME = "streams.app.assemble"
 """The agent's key in ``app.agents`` and its stream's prefix: the name Faust gave it when
 it was a function of ``streams.app``, kept so that nothing named after it changes."""
-
-TABLE_NAME = "groups"
-"""The group table: its changelog topic is ``<app_id>-groups-changelog``. Renaming it would
-leave every running app's state behind in the old changelog."""
 
 
 class OldLogitPass:
@@ -136,7 +133,8 @@ class StreamWorker:
         self.kafka = shared.kafka.client_config()
         self.topics = config.topics
         self.instance = default_instance()  # its heartbeat key and Kafka client id
-        self.raw_partitions = prepare_topics(self.kafka, config)
+        self.topic_specs = prepare_topics(self.kafka, config)
+        self.raw_partitions = self.topic_specs[0].partitions
         torch.set_num_threads(config.old_logits.torch_threads)
 
         self.app = self._make_app()
@@ -166,7 +164,8 @@ class StreamWorker:
         self.assembler = Assembler(
             self.processor, self.old_logits.engine, self.gaps, self.writer, executor
         )
-        self._ticks = Producer({**self.kafka, "linger.ms": 0})
+        ticks = next(s for s in self.topic_specs if s.name == config.ticks_topic)
+        self._ticks = Producer({**self.kafka, **producer_limits(ticks), "linger.ms": 0})
         self._beacons: list[Beacon] = []  # started with the services, told to leave on shutdown
         self._register()
 
@@ -192,9 +191,16 @@ class StreamWorker:
             topic_replication_factor=config.replication_factor,
             topic_partitions=self.raw_partitions,
             table_standby_replicas=0,
-            producer_max_request_size=16 * 1024 * 1024,
+            # it writes every topic of the worker but raw: the largest record any takes
+            producer_max_request_size=largest_message(*self.topic_specs),
             web_enabled=False,
         )
+
+    @property
+    def changelog(self) -> TopicSpec:
+        """The group table's changelog, as ``streams.topics`` declares it."""
+        name = changelog_name(self.config)
+        return next(spec for spec in self.topic_specs if spec.name == name)
 
     def _make_table(self) -> TableT:
         return self.app.Table(
@@ -202,6 +208,8 @@ class StreamWorker:
             partitions=self.raw_partitions,
             key_type=bytes,  # raw bytes in and out of the changelog (streams.groups)
             value_type=bytes,
+            # what Faust declares, should it create the changelog (streams.topics did)
+            extra_topic_configs={"max.message.bytes": str(self.changelog.max_message_bytes)},
             help="Group assembly state, samples and source watermarks (streams.groups).",
         )
 

@@ -9,7 +9,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
 
 from core.config import KafkaConfig
 from infra.topics import TopicConflictError, ensure_topics
-from schemas.topics import ALL_TOPICS, POLICY_VERSIONS, ROLLOUTS_RAW, TopicSpec
+from schemas.topics import ALL_TOPICS, MIB, POLICY_VERSIONS, ROLLOUTS_RAW, TopicSpec
 
 
 def _specs(unique_name: Callable[[str], str]) -> list[TopicSpec]:
@@ -59,11 +59,12 @@ def test_conflicting_topic_is_reported_with_every_difference(
 ) -> None:
     name = unique_name("conflict")
     ensure_topics(kafka_config.client_config(), [TopicSpec(name, partitions=2)])
-    wanted = TopicSpec(name, partitions=4, cleanup_policy="compact", max_message_bytes=2_000_000)
+    # max.message.bytes is a floor: only a smaller existing value disagrees
+    wanted = TopicSpec(name, partitions=4, cleanup_policy="compact", max_message_bytes=16 * MIB)
     with pytest.raises(TopicConflictError) as excinfo:
         ensure_topics(kafka_config.client_config(), [wanted])
     message = str(excinfo.value)
     assert f"{name}: 2 partitions, declared 4" in message
     assert f"{name}: cleanup.policy=delete, declared compact" in message
-    assert "max.message.bytes" in message
+    assert f"{name}: max.message.bytes={8 * MIB}, declared {16 * MIB}" in message
     assert len(excinfo.value.conflicts) == 3

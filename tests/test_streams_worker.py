@@ -26,6 +26,7 @@ from core.config import KafkaConfig, PresenceConfig, SharedConfig
 from schemas.codec import encode, routing_headers
 from schemas.control import DeadLetter
 from schemas.group import decode_group
+from schemas.topics import ROLLOUTS_DLQ
 from schemas.trajectory import Trajectory
 from streams.agent import Assembler, message_of, wait_for_versions
 from streams.app import build_app
@@ -74,7 +75,8 @@ def test_build_app_registers_the_table_agent_timers_and_task(
     assert conf.broker_commit_interval == 0.5
     assert conf.topic_partitions == 8  # raw's partitions (created here: the default count)
     assert conf.table_standby_replicas == 0
-    assert conf.producer_max_request_size == 16 * 1024 * 1024
+    # the largest record of any topic it writes: the DLQ's
+    assert conf.producer_max_request_size == ROLLOUTS_DLQ.max_message_bytes
     assert not conf.web_enabled
     assert str(conf.store) == "memory:"
 
@@ -118,6 +120,7 @@ def test_topic_specs_give_the_source_topics_raw_s_partition_count() -> None:
         "prompts.stats",
         "v",
         "app-ticks",
+        "app-groups-changelog",
     ]
     assert specs["r"].partitions == specs["app-ticks"].partitions == 3
     assert specs["app-ticks"].retention_ms == TICKS_RETENTION_MS

@@ -24,6 +24,7 @@ from confluent_kafka import (
 
 from core.topic_reader import reader_config, whole_topic
 from schemas.control import VersionAnnouncement
+from schemas.topics import POLICY_VERSIONS, producer_limits
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class Announcer:
         self._producer = Producer(
             {
                 **client_config,
+                **producer_limits(POLICY_VERSIONS),
                 "enable.idempotence": True,
                 "acks": "all",
                 "linger.ms": 0,
