@@ -74,7 +74,7 @@ async def run_producer(
     end_offsets(client_config, rollout.topic)  # fails early and clearly if the topic is missing
     metrics = ProducerMetrics()
     if rollout.metrics_port is not None:
-        metrics.serve(rollout.metrics_port)
+        metrics.serve(rollout.metrics_port, rollout.metrics_host)
     missing = sorted(set(rollout.peers) - set(peer_configs or {}))
     if missing:
         raise ValueError(f"producers.rollout.peers names policies without a config: {missing}")

@@ -327,6 +327,11 @@ class RolloutConfig(StrictModel):
     metrics_port: int | None = Field(
         default=None, ge=0, le=65535, description="Serve Prometheus metrics on this port."
     )
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="Address the metrics endpoint binds (loopback: the metrics tell run "
+        "topology, versions and DLQ reasons; open it on purpose).",
+    )
     progress: bool = Field(default=True, description="Show a progress line on a terminal.")
 
     @model_validator(mode="after")
