@@ -127,3 +127,15 @@ def test_the_producer_client_sends_the_key_and_the_hash(keyed, tmp_path):
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def test_serve_refuses_a_public_host_without_a_key_before_loading_anything(tmp_path):
+    from click.testing import CliRunner
+
+    from rollstream.cli import main
+
+    result = CliRunner().invoke(
+        main, ["--state-dir", str(tmp_path), "serve", "--host", "0.0.0.0", "--port", "0"]
+    )
+    assert result.exit_code == 2, result.output  # a usage error, before the model loads
+    assert "refusing to serve the engine on '0.0.0.0' without an API key" in result.output
