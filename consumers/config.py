@@ -427,6 +427,11 @@ class TrainerConfig(StrictModel):
     prometheus_port: int | None = Field(
         default=None, ge=0, le=65535, description="Serve Prometheus metrics on this port."
     )
+    prometheus_host: str = Field(
+        default="127.0.0.1",
+        description="Address the metrics endpoint binds (loopback: the metrics tell run "
+        "topology, versions and DLQ reasons; open it on purpose).",
+    )
     progress: bool = Field(default=True, description="Show a rich progress line on stderr.")
 
     @field_validator("model", mode="before")

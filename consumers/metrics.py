@@ -262,11 +262,12 @@ class MetricsSink:
                 count = sum(beat.role == role for beat in beats)
                 self.run_roles.labels(role=role, state=state).set(count)
 
-    def serve(self, port: int) -> int:
-        """Expose the registry over HTTP; returns the bound port."""
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Expose the registry over HTTP on ``host`` (loopback unless asked); returns the
+        bound port."""
         from prometheus_client import start_http_server
 
-        server, _thread = start_http_server(port, registry=self.registry)
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return int(server.server_port)
 
     def record_dlq(self, reason: str) -> None:

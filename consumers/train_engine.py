@@ -31,8 +31,6 @@ from core.process import free_port
 
 log = logging.getLogger(__name__)
 
-PORT_ATTEMPTS = 5  # a world of one's rendezvous port, chosen again if taken meanwhile
-
 
 def resolve_accelerator(config: EngineConfig) -> str:
     """``cpu`` or ``cuda``; also exported as ``DS_ACCELERATOR`` for DeepSpeed."""
@@ -49,7 +47,8 @@ def init_distributed(config: EngineConfig) -> str:
     accelerator = resolve_accelerator(config)
     # A world of one (no launcher, or variables a parent process left behind: a test run
     # that trained in-process passes RANK=0/WORLD_SIZE=1/MASTER_PORT on to its children)
-    # rendezvous on a port of its own. Under a launcher (WORLD_SIZE > 1, or torchrun's
+    # meets in an in-process store (the variables are set for DeepSpeed, which wants
+    # them). Under a launcher (WORLD_SIZE > 1, or torchrun's
     # agent store) the launcher's variables are used as they are.
     alone = int(os.environ.get("WORLD_SIZE", "1")) <= 1 and (
         os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
@@ -72,21 +71,15 @@ def init_distributed(config: EngineConfig) -> str:
         # it is built under rollstream's build guard first, and the ranks meet outside it.
         root = extensions_root()
         preload_ops(root)
+        timeout = datetime.timedelta(seconds=config.dist_timeout_s)
+        if alone:  # no rank joins: an in-process store, so the world of one listens on
+            # no port (torch's TCPStore binds every interface whatever MASTER_ADDR says);
+            # DeepSpeed adopts the initialised group below
+            torch.distributed.init_process_group(
+                backend, store=torch.distributed.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
         with extensions_dir(root):
-            for attempt in range(PORT_ATTEMPTS):
-                try:
-                    deepspeed.init_distributed(
-                        dist_backend=backend,
-                        timeout=datetime.timedelta(seconds=config.dist_timeout_s),
-                    )
-                    break
-                except torch.distributed.DistNetworkError as err:
-                    # The port was free when chosen, but another process (any outgoing
-                    # connection takes one) got it first: pick another.
-                    if not alone or "EADDRINUSE" not in str(err) or attempt + 1 == PORT_ATTEMPTS:
-                        raise
-                    log.warning("port %s was taken meanwhile: another", os.environ["MASTER_PORT"])
-                    os.environ["MASTER_PORT"] = str(free_port())
+            deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     return accelerator
 
 

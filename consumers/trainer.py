@@ -189,8 +189,8 @@ class Trainer:
         )
         self.sink = MetricsSink(cfg.metrics_file, progress=cfg.progress, total_steps=cfg.max_steps)
         if cfg.prometheus_port is not None:
-            port = self.sink.serve(cfg.prometheus_port)
-            log.info("prometheus metrics on :%d", port)
+            port = self.sink.serve(cfg.prometheus_port, cfg.prometheus_host)
+            log.info("prometheus metrics on %s:%d", cfg.prometheus_host, port)
 
     def _restore(self) -> None:
         state = self.checkpoints.load(self.engine)

@@ -73,7 +73,7 @@ async def run_producer(
     end_offsets(client_config, rollout.topic)  # fails early and clearly if the topic is missing
     metrics = ProducerMetrics()
     if rollout.metrics_port is not None:
-        metrics.serve(rollout.metrics_port)
+        metrics.serve(rollout.metrics_port, rollout.metrics_host)
     missing = sorted(set(rollout.peers) - set(peer_configs or {}))
     if missing:
         raise ValueError(f"producers.rollout.peers names policies without a config: {missing}")
@@ -85,7 +85,7 @@ async def run_producer(
         tokenizer = None
         vocab_size: int | None = None  # an engine's vocabulary, to check observations against
         if rollout.engine_url:
-            backend = await http_backend(rollout, producers.engine.model, directory / "weights")
+            backend = await http_backend(rollout, producers.engine, directory / "weights")
         else:
             local = await local_backend(producers.engine, config.cache_dir, rollout.initial_version)
             tokenizer, vocab_size = local.engine.tokenizer, local.engine.vocab_size

@@ -6,8 +6,9 @@ worker has one code path. New policy versions arrive as ``(version, state_dict)`
 
 - ``LocalBackend`` hot-swaps the state dict into the engine between batches.
 - ``HttpBackend`` writes ``<weights_dir>/v<version>/model.safetensors`` and asks the
-  engine to ``/update_weights_from_disk`` it with ``weight_version=str(version)``; the
-  engine must see ``weights_dir`` (same host or a shared volume). For a real SGLang
+  engine to ``/update_weights_from_disk`` it with ``weight_version=str(version)`` and the
+  file's sha256 (the engine loads nothing else); the engine must see ``weights_dir``
+  (same host or a shared volume) below its own ``[producers.engine] weights_dir``. For a real SGLang
   server pass ``template_dir``: its non-weight files (config.json, tokenizer files) are
   copied next to the weights so the directory is a complete checkpoint.
 """
@@ -107,18 +108,22 @@ class HttpBackend:
 
     async def load_version(self, version: int, state_dict: Mapping[str, Any]) -> None:
         directory = self.weights_dir / f"v{version}"
-        await asyncio.to_thread(self._write, state_dict, directory)
-        await self.client.update_weights_from_disk(str(directory), weight_version=str(version))
+        sha256 = await asyncio.to_thread(self._write, state_dict, directory)
+        await self.client.update_weights_from_disk(
+            str(directory), weight_version=str(version), sha256=sha256
+        )
         await asyncio.to_thread(self._prune, version)
 
-    def _write(self, state_dict: Mapping[str, Any], directory: Path) -> None:
-        from producers.engine_weights import save_weights
+    def _write(self, state_dict: Mapping[str, Any], directory: Path) -> str:
+        """Write the version; its sha256 (computed from the written bytes)."""
+        from producers.engine_weights import save_weights, weights_sha256
 
         save_weights(state_dict, directory)
         if self.template_dir is not None:
             for item in Path(self.template_dir).iterdir():
                 if item.is_file() and item.suffix != ".safetensors":
                     shutil.copy2(item, directory / item.name)
+        return weights_sha256(directory)
 
     def _prune(self, current: int) -> None:
         versions = sorted(
@@ -149,15 +154,20 @@ async def local_backend(
     return LocalBackend(engine)
 
 
-async def http_backend(rollout: RolloutConfig, model: str, weights_dir: Path) -> HttpBackend:
-    """The engine at ``rollout.engine_url``, checked to serve ``model`` (or
-    ``rollout.expected_model``); new versions go through ``weights_dir``."""
+async def http_backend(
+    rollout: RolloutConfig, engine: EngineConfig, weights_dir: Path
+) -> HttpBackend:
+    """The engine at ``rollout.engine_url``, checked to serve ``engine.model`` (or
+    ``rollout.expected_model``) and called with ``engine.api_key``; new versions go
+    through ``weights_dir``."""
+    key = engine.api_key.get_secret_value() if engine.api_key is not None else None
     client = EngineClient(
         rollout.engine_url or "",
         connect_timeout=rollout.connect_timeout_s,
         request_timeout=rollout.request_timeout_s,
         retries=rollout.retries,
         retry_max_wait=rollout.retry_max_wait_s,
+        api_key=key,
     )
-    await client.check_model(rollout.expected_model or model)
+    await client.check_model(rollout.expected_model or engine.model)
     return HttpBackend(client, weights_dir)

@@ -14,6 +14,8 @@ carries ``Retry-After`` (an engine whose queue is full) is retried after that de
 retried and raises ``EngineRequestError`` with the engine's message, which names the
 field, and the worker stops on it. A ``/generate`` that timed out while reading is not
 retried: the engine may still be working on it.
+With ``api_key`` every request carries ``Authorization: Bearer <key>`` (SGLang's
+``--api-key``); a wrong or missing key is a 401, never retried.
 ``check_model`` compares ``get_model_info`` with the model a run expects and raises
 ``EngineModelMismatch`` naming both.
 """
@@ -214,6 +216,7 @@ class EngineClient:
         retries: int = 5,
         retry_max_wait: float = 10.0,
         retry_after_max_s: float = 60.0,
+        api_key: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.retries = retries
@@ -221,7 +224,10 @@ class EngineClient:
         self.retry_after_max_s = retry_after_max_s
         timeout = httpx.Timeout(request_timeout, connect=connect_timeout)
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-        self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._http = httpx.AsyncClient(
+            base_url=self.url, timeout=timeout, limits=limits, headers=headers
+        )
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -265,12 +271,16 @@ class EngineClient:
         weight_version: str | None = None,
         *,
         abort_all_requests: bool = False,
+        sha256: str | None = None,
     ) -> dict[str, Any]:
-        """Ask the engine to load a checkpoint directory; raises ``EngineRequestError``
-        when it reports failure (it then keeps its old weights)."""
+        """Ask the engine to load a checkpoint directory, whose safetensors bytes have
+        ``sha256`` (our engine requires it; sent only when given); raises
+        ``EngineRequestError`` when it reports failure (it then keeps its old weights)."""
         body: dict[str, Any] = {"model_path": model_path, "abort_all_requests": abort_all_requests}
         if weight_version is not None:
             body["weight_version"] = weight_version
+        if sha256 is not None:
+            body["weights_sha256"] = sha256
         data = await self._request("POST", "/update_weights_from_disk", body, retry_reads=False)
         if not isinstance(data, dict) or data.get("success") is not True:
             raise EngineRequestError(400, f"update_weights_from_disk failed: {data!r}")

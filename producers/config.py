@@ -8,9 +8,10 @@ one config file every role reads.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from core.config import StrictModel
 from core.models import MODEL_SPEC_HELP, parse_model_spec
@@ -77,8 +78,22 @@ class EngineConfig(StrictModel):
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="The engine's compute dtype (the profile sets it)."
     )
-    host: str = Field(default="127.0.0.1", description="Address rollstream serve binds.")
+    host: str = Field(
+        default="127.0.0.1",
+        description="Address rollstream serve binds; anything but loopback needs api_key.",
+    )
     port: int = Field(default=30000, ge=0, le=65535, description="0 picks a free port.")
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="Shared secret of the engine's HTTP API (SGLang's --api-key): every "
+        "endpoint but /health needs 'Authorization: Bearer <key>', and producers send it. "
+        "Required to bind a non-loopback host; rollstream up makes one per run.",
+    )
+    weights_dir: Path | None = Field(
+        default=None,
+        description="/update_weights_from_disk loads only from below this directory "
+        "(producers write their versions there); None: <state_dir>/producers.",
+    )
     max_batch_size: int = Field(
         default=64, ge=1, description="Most sequences decoded together in one batch."
     )
@@ -311,6 +326,11 @@ class RolloutConfig(StrictModel):
     )
     metrics_port: int | None = Field(
         default=None, ge=0, le=65535, description="Serve Prometheus metrics on this port."
+    )
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="Address the metrics endpoint binds (loopback: the metrics tell run "
+        "topology, versions and DLQ reasons; open it on purpose).",
     )
     progress: bool = Field(default=True, description="Show a progress line on a terminal.")
 

@@ -6,6 +6,8 @@ model with only the tolerated gap (aliases of tied tensors, which checkpoints st
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,16 +40,48 @@ def save_weights(state_dict: Mapping[str, torch.Tensor], directory: Path) -> Pat
     return target
 
 
-def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the ``*.safetensors`` files in a checkpoint directory."""
-    from safetensors.torch import load_file
+def weights_sha256(directory: Path) -> str:
+    """The sha256 of a checkpoint directory's ``*.safetensors`` bytes, files in name
+    order (one file: that file's sha256): what ``/update_weights_from_disk`` checks."""
+    digest = hashlib.sha256()
+    for file in _safetensors_files(directory):
+        with file.open("rb") as fh:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
 
+
+def _safetensors_files(directory: Path) -> list[Path]:
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {directory}")
+    return files
+
+
+def read_weights(directory: Path, sha256: str | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in a checkpoint directory. With
+    ``sha256`` the bytes are read once, hashed, and only then parsed, so the file that
+    was checked is the file that is loaded (a swap between check and load cannot sneak
+    other weights in); a mismatch raises ``ValueError`` naming both hashes."""
+    from safetensors.torch import load, load_file
+
+    files = _safetensors_files(directory)
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(load_file(str(file)))
+    if sha256 is None:
+        for file in files:
+            tensors.update(load_file(str(file)))
+        return tensors
+    blobs = [file.read_bytes() for file in files]
+    digest = hashlib.sha256()
+    for blob in blobs:
+        digest.update(blob)
+    if not hmac.compare_digest(digest.hexdigest(), sha256.lower()):
+        raise ValueError(
+            f"weights in {directory} have sha256 {digest.hexdigest()}, the request named "
+            f"{sha256}: not loaded"
+        )
+    for blob in blobs:
+        tensors.update(load(blob))
     return tensors
 
 

@@ -279,12 +279,14 @@ class Engine(BatchRunner):
         weight_version: str | None = None,
         *,
         abort_all_requests: bool = False,
+        sha256: str | None = None,
     ) -> Future:
         """Load the safetensors files of a checkpoint directory (SGLang's
-        ``/update_weights_from_disk``); the future resolves to the aborted count."""
+        ``/update_weights_from_disk``), only if their bytes have ``sha256`` when given;
+        the future resolves to the aborted count."""
 
         def apply() -> int:
-            load_state_dict_checked(self.model, read_weights(Path(model_path)))
+            load_state_dict_checked(self.model, read_weights(Path(model_path), sha256))
             self._forget_prefixes()
             if weight_version is not None:
                 self.weight_version = str(weight_version)

@@ -119,7 +119,8 @@ class ProducerMetrics:
         """Current value of a sample, e.g. ``get("groups_total")`` or ``get("version")``."""
         return self.registry.get_sample_value("rollstream_producer_" + sample) or 0.0
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
+        """Expose the registry over HTTP on ``addr`` (loopback unless asked)."""
         from prometheus_client import start_http_server
 
         start_http_server(port, addr=addr, registry=self.registry)

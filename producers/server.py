@@ -15,8 +15,11 @@ a drop-in for the same client:
 - ``POST /abort_request``: ``{"rid": ..., "abort_all": false}``; answers 200, empty body.
   The aborted ``/generate`` returns what it generated so far, finish type ``abort``.
 - ``POST /update_weights_from_disk``: ``{"model_path", "load_format", "abort_all_requests",
-  "weight_version"}``; answers ``{"success", "message", "num_paused_requests"}`` (400 when
-  it fails; the engine keeps its old weights). Runs between batches.
+  "weight_version", "weights_sha256"}``; answers ``{"success", "message",
+  "num_paused_requests"}`` (400 when it fails; the engine keeps its old weights). Runs
+  between batches. ``weights_sha256`` (ours, not SGLang's; required) is the sha256 of the
+  directory's safetensors bytes: the engine loads only the file its caller wrote. A
+  ``model_path`` outside the engine's weights directory is answered **403**.
 - ``GET /get_model_info``: ``{"model_path", "tokenizer_path", "is_generation",
   "preferred_sampling_params", "weight_version"}``; ``GET /get_weight_version``.
 - ``GET /health`` and ``/health_generate``: 200 while the scheduler runs (the latter
@@ -32,6 +35,10 @@ tokens is answered **413** with the numbers.
 When the engine already holds ``max_pending`` requests (queued or running), ``/generate``
 answers **503** with a ``Retry-After`` header (whole seconds) and queues nothing; the
 client retries after that delay. ``/health_generate`` answers 503 then too.
+
+With an API key (``api_key``, SGLang's ``--api-key``) every endpoint but ``/health``
+answers **401** unless the request carries ``Authorization: Bearer <key>``; without one
+the server refuses to bind anything but loopback (``producers.engine_auth``).
 
 Not implemented (answered 400, never silently ignored): text prompts, streaming, top
 log-probs, input-token log-probs, penalties, constrained decoding, ``n`` > 1.
@@ -51,11 +58,13 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from producers.engine_auth import AccessRefused, check_bind, check_key, weights_path
 from producers.engine_requests import EngineBusy, RequestError, SamplingParams
 from producers.inference_engine import Engine
 from producers.request_checks import DEFAULT_MAX_REQUEST_TOKENS, RequestRefused, check_budget
@@ -82,15 +91,35 @@ _GENERATE_FIELDS = frozenset(
 )
 _ENGINE_KEY = web.AppKey("engine", Engine)
 _BUDGET_KEY = web.AppKey("max_request_tokens", int)
+_API_KEY = web.AppKey("api_key", str)
+_WEIGHTS_DIR = web.AppKey("weights_dir", Path)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
+_ERROR_TYPES = {401: "Unauthorized", 403: "Forbidden"}
+
+
 def _error(message: str, status: int = 400) -> web.Response:
-    body = {"object": "error", "message": message, "type": "BadRequest", "code": status}
-    return _json(body, status)
+    kind = _ERROR_TYPES.get(status, "BadRequest")
+    body = {"object": "error", "message": message, "type": kind, "code": status}
+    response = _json(body, status)
+    if status == 401:
+        response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+@web.middleware
+async def _require_key(request: web.Request, handler: Any) -> web.StreamResponse:
+    """401 before any handler runs unless the request carries the API key."""
+    try:
+        check_key(request.path, request.headers.get("Authorization"), request.app.get(_API_KEY))
+    except AccessRefused as exc:
+        return _error(str(exc), exc.status)
+    response: web.StreamResponse = await handler(request)
+    return response
 
 
 def _busy(exc: EngineBusy) -> web.Response:
@@ -232,13 +261,23 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
             raise RequestError("model_path is required")
         if body.get("load_format") not in (None, "auto", "safetensors"):
             raise RequestError(f"load_format {body['load_format']!r} is not supported")
+        sha256 = body.get("weights_sha256")
+        if not isinstance(sha256, str) or not sha256:
+            raise RequestError(
+                "weights_sha256 is required: the sha256 of the safetensors file to load"
+            )
+        path = weights_path(model_path, request.app.get(_WEIGHTS_DIR))
     except RequestError as exc:
         return _error(str(exc))
+    except AccessRefused as exc:
+        logger.warning("update_weights_from_disk refused: %s", exc)
+        return _error(str(exc), exc.status)
     version = body.get("weight_version")
     future = engine.update_weights_from_disk(
-        model_path,
+        path,
         None if version is None else str(version),
         abort_all_requests=bool(body.get("abort_all_requests")),
+        sha256=sha256,
     )
     try:
         paused = await asyncio.wrap_future(future)
@@ -304,16 +343,25 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 def make_app(
-    engine: Engine, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
+    engine: Engine,
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
+    *,
+    api_key: str | None = None,
+    weights_dir: Path | None = None,
 ) -> web.Application:
     """The aiohttp application serving ``engine`` (which must be started); a
     ``/generate`` whose prompts plus ``max_new_tokens`` exceed ``max_request_tokens`` is
-    answered 413."""
+    answered 413. With ``api_key`` every endpoint but ``/health`` needs it; weights load
+    only from below ``weights_dir`` (None: from nowhere)."""
     if max_request_tokens < 1:
         raise ValueError(f"max_request_tokens must be >= 1, got {max_request_tokens}")
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_require_key])
     app[_ENGINE_KEY] = engine
     app[_BUDGET_KEY] = max_request_tokens
+    if api_key:
+        app[_API_KEY] = api_key
+    if weights_dir is not None:
+        app[_WEIGHTS_DIR] = Path(weights_dir)
     app.router.add_post("/generate", generate)
     app.router.add_put("/generate", generate)
     app.router.add_post("/abort_request", abort_request)
@@ -328,7 +376,8 @@ def make_app(
 
 class ServerThread:
     """``engine`` served on ``host:port`` from a background thread (tests, benchmarks,
-    notebooks). ``port=0`` picks a free port; ``url`` tells which."""
+    notebooks). ``port=0`` picks a free port; ``url`` tells which. A non-loopback
+    ``host`` without ``api_key`` is refused (``ValueError``) before anything starts."""
 
     def __init__(
         self,
@@ -337,7 +386,12 @@ class ServerThread:
         port: int = 0,
         *,
         max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
+        api_key: str | None = None,
+        weights_dir: Path | None = None,
     ) -> None:
+        check_bind(host, api_key)
+        self.api_key = api_key
+        self.weights_dir = weights_dir
         self.engine = engine.start()
         self.host = host
         self.port = port
@@ -373,7 +427,12 @@ class ServerThread:
         self._loop.close()
 
     async def _start(self) -> None:
-        app = make_app(self.engine, self.max_request_tokens)
+        app = make_app(
+            self.engine,
+            self.max_request_tokens,
+            api_key=self.api_key,
+            weights_dir=self.weights_dir,
+        )
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
@@ -400,13 +459,17 @@ def serve(
     on_ready: Callable[[str], None] | None = None,
     *,
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
+    api_key: str | None = None,
+    weights_dir: Path | None = None,
 ) -> None:
     """Serve in the calling thread until SIGINT/SIGTERM; ``on_ready`` gets the URL (with
-    the real port when ``port`` is 0)."""
+    the real port when ``port`` is 0). A non-loopback ``host`` needs ``api_key``."""
+    check_bind(host, api_key)
     engine.start()
+    app = make_app(engine, max_request_tokens, api_key=api_key, weights_dir=weights_dir)
 
     async def main() -> None:
-        runner = web.AppRunner(make_app(engine, max_request_tokens), access_log=None)
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         if on_ready is not None:

@@ -43,6 +43,11 @@ def _role(
 @click.option("--host", help="Address to bind (default from [engine], 127.0.0.1).")
 @click.option("--port", type=int, help="Port (default from [engine], 30000; 0 = free).")
 @click.option(
+    "--api-key",
+    help="Key every request but /health must send as 'Authorization: Bearer <key>' "
+    "(default from [producers.engine] api_key); needed for a non-loopback --host.",
+)
+@click.option(
     "--model",
     help="Model spec: tiny, tiny:key=value,..., smollm2-135m-instruct or a checkpoint directory.",
 )
@@ -51,12 +56,22 @@ def serve(
     config: RollstreamConfig,
     host: str | None,
     port: int | None,
+    api_key: str | None,
     model: str | None,
 ) -> None:
     """Run the CPU engine behind the part of SGLang's native HTTP API that RL needs (every
     endpoint: producers/server.py)."""
     config.require_policy()  # a multi-policy run: each policy's engine runs its model
-    shared, section = _role(config, {"host": host, "port": port, "model": model}, {})
+    options = {"host": host, "port": port, "model": model, "api_key": api_key}
+    shared, section = _role(config, options, {})
+    engine_config = section.engine
+    key = engine_config.api_key.get_secret_value() if engine_config.api_key else None
+    from producers.engine_auth import check_bind
+
+    try:  # before the model loads: a refusal is the first thing the user sees
+        check_bind(engine_config.host, key)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from err
     _logging()
     from producers.inference_engine import engine_from_config
     from producers.server import SGLANG_RELEASE
@@ -74,6 +89,8 @@ def serve(
         section.engine.port,
         on_ready=ready,
         max_request_tokens=section.engine.max_request_tokens,
+        api_key=key,
+        weights_dir=engine_config.weights_dir or Path(shared.state_dir) / "producers",
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import sys
 import tomllib
 from collections.abc import Sequence
@@ -90,12 +91,13 @@ class Ports:
 
 def up_sections(up: UpConfig, run_id: str, run_dir: Path, ports: Ports) -> dict[str, Any]:
     """What ``up`` itself sets unless the file says otherwise: ports, files in the run
-    dir, per-run group ids, quiet roles. What the roles learn with comes from the
-    ``[profile]`` (``rollstream.profiles``), already in the loaded config."""
+    dir, per-run group ids, quiet roles, a per-run API key of the engines (which the
+    producers read from the same file, written 0600). What the roles learn with comes
+    from the ``[profile]`` (``rollstream.profiles``), already in the loaded config."""
     return {
         "run_id": run_id,
         "producers": {
-            "engine": {"port": ports.engine},
+            "engine": {"port": ports.engine, "api_key": secrets.token_urlsafe(32)},
             "rollout": {
                 "producer_id": f"{run_id}-producer-0",
                 "metrics_port": ports.producer_metrics,
@@ -294,22 +296,15 @@ def _policy_specs(
             )
         )
     train = [*on, "train"]
+    train_env = env
     if config.up.trainer_ranks > 1:  # torch's own launcher starts and watches the ranks
-        train = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={config.up.trainer_ranks}",
-            "-m",
-            *on[2:],
-            "train",
-        ]
+        train = trainer_launcher(config.up.trainer_ranks, policy.role("trainer"), on)
+        train_env = {**env, "MASTER_ADDR": LOOPBACK}
     specs.append(
         RoleSpec(
             policy.role("trainer"),
             train,
-            env,
+            train_env,
             port_probe(ports.trainer_metrics),
             cpus.get("trainer"),
         )
@@ -342,6 +337,29 @@ def _policy_specs(
             )
         )
     return specs
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def trainer_launcher(ranks: int, rdzv_id: str, on: list[str]) -> list[str]:
+    """torchrun for ``ranks`` trainer ranks on this machine, meeting at a rendezvous on
+    loopback (``--standalone`` names ``localhost``, which may resolve to another address),
+    on a port torch picks (``:0``, as ``--standalone`` does)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={ranks}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={LOOPBACK}:0",
+        f"--rdzv-id={rdzv_id}",
+        f"--local-addr={LOOPBACK}",  # the ranks' MASTER_ADDR
+        "-m",
+        *on[2:],
+        "train",
+    ]
 
 
 def _core_plan(pin: bool) -> dict[str, frozenset[int]]:

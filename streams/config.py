@@ -257,6 +257,11 @@ class StreamsConfig(StrictModel):
     metrics_port: int | None = Field(
         default=None, description="Serve Prometheus metrics on this port (none: off)."
     )
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="Address the metrics endpoint binds (loopback: the metrics tell run "
+        "topology, versions and DLQ reasons; open it on purpose).",
+    )
     restart: RestartConfig = Field(
         default_factory=RestartConfig,
         description="`rollstream stream` starts a crashed worker again (core.process).",

@@ -125,3 +125,11 @@ class StreamMetrics:
         """Current value of a sample by its full name (``..._total`` for counters)."""
         found = self.registry.get_sample_value(name, labels)
         return 0.0 if found is None else found
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Expose the registry over HTTP on ``host`` (loopback unless asked); returns the
+        bound port."""
+        from prometheus_client import start_http_server
+
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)

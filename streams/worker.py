@@ -339,9 +339,7 @@ class StreamWorker:
         if self.old_logits.follows_weights:
             self.old_logits.start_follower(self.kafka, self.topics.versions)
         if self.config.metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            start_http_server(self.config.metrics_port, registry=self.metrics.registry)
+            self.metrics.serve(self.config.metrics_port, self.config.metrics_host)
         log.info(
             "streams: run %s, raw %s (%d partitions), old logits %s, guarantee %s",
             self.run_id,

@@ -23,7 +23,7 @@ from producers.client import (
     parse_generate_response,
     same_model,
 )
-from producers.engine_weights import save_weights
+from producers.engine_weights import save_weights, weights_sha256
 from producers.inference_engine import Engine
 from producers.server import ServerThread
 
@@ -184,20 +184,25 @@ def test_abort_all_and_disconnect_free_the_engine(server):
     assert not server.engine._pending
 
 
-def test_update_weights_from_disk(server, tmp_path):
+def test_update_weights_from_disk(tmp_path):
     other = build_tiny_llama(seed=5)
     save_weights(other.state_dict(), tmp_path / "v1")
+    engine = Engine(build_tiny_llama(seed=0), model_path="tiny", tokenizer=TinyTokenizer(), seed=0)
 
     async def go():
         async with EngineClient(server.url) as client:
-            reply = await client.update_weights_from_disk(str(tmp_path / "v1"), weight_version="1")
+            sha = weights_sha256(tmp_path / "v1")
+            reply = await client.update_weights_from_disk(
+                str(tmp_path / "v1"), weight_version="1", sha256=sha
+            )
             info = await client.model_info()
             outs = await client.generate([PROMPT], {"max_new_tokens": 5, "ignore_eos": True})
             with pytest.raises(EngineRequestError, match=r"no \*\.safetensors"):
-                await client.update_weights_from_disk(str(tmp_path / "missing"), "2")
+                await client.update_weights_from_disk(str(tmp_path / "missing"), "2", sha256=sha)
             return reply, info, outs[0], await client.model_info()
 
-    reply, info, out, after_failure = run(go())
+    with ServerThread(engine, weights_dir=tmp_path) as server:
+        reply, info, out, after_failure = run(go())
     assert reply["success"] is True and "Weight version updated to 1" in reply["message"]
     assert info["weight_version"] == "1" and out.weight_version == "1"
     assert out.logprobs == pytest.approx(recompute(other, PROMPT, out.output_ids), abs=1e-5)
