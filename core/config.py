@@ -101,7 +101,7 @@ class KafkaConfig(StrictModel):
     controller_port: Port = Field(default=0, description="Embedded controller port; 0 = free.")
     heap: str = Field(
         default="512m",
-        pattern=r"^[1-9][0-9]*[kKmMgG]?$",
+        pattern=r"^([1-9][0-9]*[kKmMgG]?)?$",
         description="JVM heap (-Xmx/-Xms) of the embedded broker: a size such as 512m or 2g.",
     )
     kafka_version: str = Field(default="4.1.1", description="Apache Kafka release to resolve.")
@@ -155,7 +155,7 @@ class S3Config(StrictModel):
     port: Port = Field(default=0, description="Embedded S3 port; 0 picks a free one.")
     memory_limit: str = Field(
         default="512MiB",
-        pattern=r"^[1-9][0-9]*(B|KiB|MiB|GiB|TiB)?$",
+        pattern=r"^([1-9][0-9]*(B|KiB|MiB|GiB|TiB)?)?$",
         description="GOMEMLIMIT of the embedded store: a size such as 512MiB or 2GiB.",
     )
 
