@@ -29,7 +29,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from consumers.loss_config import GrpoLossConfig, LossConfig, PpoEwmaLossConfig
-from core.config import RetryConfig, StrictModel
+from core.config import RetryConfig, SharedConfig, StrictModel, TopicName
 from core.models import MODEL_SPEC_HELP, parse_model_spec
 
 
@@ -329,11 +329,13 @@ class CheckpointConfig(StrictModel):
 class TopicsConfig(StrictModel):
     """Kafka names (tests use unique ones)."""
 
-    scored: str = Field(default="rollouts.scored", description="Scored groups to train on.")
-    dlq: str = Field(default="rollouts.dlq", description="Where undecodable records go.")
-    stale: str = Field(default="rollouts.stale", description="Where groups too stale to train go.")
-    versions: str = Field(default="policy.versions", description="Version announcements.")
-    group_id: str = Field(
+    scored: TopicName = Field(default="rollouts.scored", description="Scored groups to train on.")
+    dlq: TopicName = Field(default="rollouts.dlq", description="Where undecodable records go.")
+    stale: TopicName = Field(
+        default="rollouts.stale", description="Where groups too stale to train go."
+    )
+    versions: TopicName = Field(default="policy.versions", description="Version announcements.")
+    group_id: TopicName = Field(
         default="rollstream-trainer",
         description=(
             "Consumer group of the trainer. One trainer process per group: offsets come "
@@ -421,7 +423,8 @@ class TrainerConfig(StrictModel):
         default=None,
         description=(
             "Append the trajectory ids of every step once a checkpoint covering it is "
-            "durable (JSONL, one line per step); used to audit exactly-once training."
+            "durable (JSONL, one line per step); used to audit exactly-once training. "
+            "Empty: ledger.jsonl in the checkpoint directory (always kept)."
         ),
     )
     prometheus_port: int | None = Field(
@@ -472,3 +475,22 @@ class TrainerConfig(StrictModel):
         if loss.type in ("decoupled", "ppo_ewma"):
             return True
         return loss.type == "mu_grpo" and loss.ratio_source == "staleness"
+
+
+def checkpoint_dir(shared: SharedConfig, trainer: TrainerConfig) -> Path:
+    """Where the trainer's checkpoints are: ``trainer.checkpoint.dir``, by default under the
+    state dir, per run and policy, so two runs (or two policies) never share checkpoints."""
+    if trainer.checkpoint.dir is not None:
+        return trainer.checkpoint.dir
+    home = shared.state_dir / "trainer" / shared.run_id
+    return (home / shared.policy if shared.policy else home) / "checkpoints"
+
+
+def ledger_path(shared: SharedConfig, trainer: TrainerConfig) -> Path:
+    """The trainer's ledger: ``trainer.ledger_file``, by default ``ledger.jsonl`` beside
+    the checkpoints it accounts for (a trainer resumed from them continues it, a fresh
+    checkpoint directory starts a fresh one). Pure: ``rollstream audit`` finds it from the
+    same config, wherever the trainer was started."""
+    if trainer.ledger_file is not None:
+        return trainer.ledger_file
+    return checkpoint_dir(shared, trainer) / "ledger.jsonl"

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from consumers.batching import StaleGroup, TopicPartition, merge_offsets
 from consumers.checkpoint import CheckpointManager, TrainerState, TrainingLedger
-from consumers.config import CheckpointConfig, TrainerConfig
+from consumers.config import CheckpointConfig, TrainerConfig, checkpoint_dir, ledger_path
 from consumers.metrics import MetricsSink, data_metrics
 from consumers.ranks import (
     CheckpointOrder,
@@ -96,15 +96,8 @@ def sharing_producers(recent: Iterable[set[str]], gone: set[str]) -> int | None:
 
 
 def checkpoint_config(shared: SharedConfig, trainer: TrainerConfig) -> CheckpointConfig:
-    """``trainer.checkpoint`` with its directory resolved: by default under the state dir,
-    per run and policy, so two runs (or two policies) never share checkpoints."""
-    config = trainer.checkpoint
-    if config.dir is not None:
-        return config
-    home = shared.state_dir / "trainer" / shared.run_id
-    if shared.policy:
-        home = home / shared.policy
-    return config.model_copy(update={"dir": home / "checkpoints"})
+    """``trainer.checkpoint`` with its directory resolved (``checkpoint_dir``)."""
+    return trainer.checkpoint.model_copy(update={"dir": checkpoint_dir(shared, trainer)})
 
 
 @dataclass
@@ -182,10 +175,10 @@ class Trainer:
         if self.rank != 0:
             return  # Kafka, the ledger, publishing and metrics are rank 0's
         log.info("trainer rank 0 of a world of %d", self.world)
-        self.ledger = (
-            TrainingLedger(cfg.ledger_file, fsync=cfg.checkpoint.fsync)
-            if cfg.ledger_file is not None
-            else None
+        # always kept (where `rollstream audit` looks with the same config), on every
+        # way to start a trainer, not only where `up` names a file
+        self.ledger: TrainingLedger | None = TrainingLedger(
+            ledger_path(self.shared, cfg), fsync=cfg.checkpoint.fsync
         )
         self.sink = MetricsSink(cfg.metrics_file, progress=cfg.progress, total_steps=cfg.max_steps)
         if cfg.prometheus_port is not None:

@@ -8,13 +8,24 @@ errors and instances are frozen. The whole file (``RollstreamConfig``) is assemb
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Generic, Literal, NamedTuple, TypeVar
+from typing import Annotated, Any, Generic, Literal, NamedTuple, TypeVar, get_args, get_origin
 
 import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -23,12 +34,27 @@ from pydantic_settings import (
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+from pydantic_settings.exceptions import SettingsError
+
+Port = Annotated[int, Field(ge=0, le=65535)]
+"""A TCP port; 0 asks the system for a free one."""
+
+SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+"""Names that become file paths and S3 keys (run ids, producer ids, regions): no ``/``,
+no leading dot, so ``..`` or an absolute path can never leave the state dir or prefix."""
+SafeName = Annotated[str, Field(pattern=SAFE_NAME)]
+
+TOPIC_NAME = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,248}$"
+"""Kafka's legal topic (and, here, app and group id) characters and length, no leading dot:
+they also name changelog topics and transactional ids."""
+TopicName = Annotated[str, Field(pattern=TOPIC_NAME)]
 
 
 class StrictModel(BaseModel):
-    """Base for config sections: unknown keys are rejected, instances are immutable."""
+    """Base for config sections: unknown keys are rejected, instances are immutable, and
+    no float setting is NaN or infinite (TOML can write both; no setting means them)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ConfigurationError(ValueError):
@@ -71,9 +97,13 @@ class KafkaConfig(StrictModel):
         description="Extra librdkafka properties passed through to every client.",
     )
     # Embedded broker only.
-    port: int = Field(default=0, description="Embedded broker port; 0 picks a free one.")
-    controller_port: int = Field(default=0, description="Embedded controller port; 0 = free.")
-    heap: str = Field(default="512m", description="JVM heap (-Xmx/-Xms) of the embedded broker.")
+    port: Port = Field(default=0, description="Embedded broker port; 0 picks a free one.")
+    controller_port: Port = Field(default=0, description="Embedded controller port; 0 = free.")
+    heap: str = Field(
+        default="512m",
+        pattern=r"^([1-9][0-9]*[kKmMgG]?)?$",
+        description="JVM heap (-Xmx/-Xms) of the embedded broker: a size such as 512m or 2g.",
+    )
     kafka_version: str = Field(default="4.1.1", description="Apache Kafka release to resolve.")
 
     @property
@@ -104,7 +134,7 @@ class KafkaConfig(StrictModel):
 class S3Config(StrictModel):
     """One S3 store (a region). No ``endpoint_url`` and ``embedded`` true: run SeaweedFS."""
 
-    name: str = Field(default="local", description="Region name used in logs and records.")
+    name: SafeName = Field(default="local", description="Region name used in logs and records.")
     endpoint_url: str | None = Field(
         default=None, description="S3 endpoint; empty means AWS (or the embedded store)."
     )
@@ -122,8 +152,12 @@ class S3Config(StrictModel):
         default=None, description="With access_key_id; masked when a config is printed."
     )
     # Embedded store only.
-    port: int = Field(default=0, description="Embedded S3 port; 0 picks a free one.")
-    memory_limit: str = Field(default="512MiB", description="GOMEMLIMIT of the embedded store.")
+    port: Port = Field(default=0, description="Embedded S3 port; 0 picks a free one.")
+    memory_limit: str = Field(
+        default="512MiB",
+        pattern=r"^([1-9][0-9]*(B|KiB|MiB|GiB|TiB)?)?$",
+        description="GOMEMLIMIT of the embedded store: a size such as 512MiB or 2GiB.",
+    )
 
     @property
     def starts_embedded(self) -> bool:
@@ -170,8 +204,8 @@ class WeightsConfig(StrictModel):
     retry_max_s: float = Field(
         default=30.0, gt=0, description="Longest back-off between retries of a refused version."
     )
-    topic: str = Field(default="policy.versions", description="Announcement topic.")
-    regions: dict[str, S3Config] = Field(
+    topic: TopicName = Field(default="policy.versions", description="Announcement topic.")
+    regions: dict[SafeName, S3Config] = Field(
         default_factory=dict,
         description="Other S3 stores by region name (the home store is the [s3] section).",
     )
@@ -186,6 +220,15 @@ class WeightsConfig(StrictModel):
                 raise ValueError(f"region {key!r} has a different name {region.name!r}")
             named[key] = region if region.name == key else region.model_copy(update={"name": key})
         return named
+
+    @field_validator("public_key")
+    @classmethod
+    def _public_key_is_a_file(cls, path: Path | None) -> Path | None:
+        """Refused here, not later inside a role's task: a follower without its key
+        cannot verify anything."""
+        if path is not None and not path.is_file():
+            raise ValueError(f"no such file: {path}")
+        return path
 
     def region(self, name: str, home: S3Config) -> S3Config:
         """The store named ``name``: a configured region or the home store."""
@@ -208,6 +251,12 @@ class RetryConfig(StrictModel):
         description="Raise after retrying this long; empty: retry until it works.",
     )
 
+    @model_validator(mode="after")
+    def _first_within_longest(self) -> RetryConfig:
+        if self.initial_s > self.max_s:
+            raise ValueError(f"initial_s = {self.initial_s} is more than max_s = {self.max_s}")
+        return self
+
 
 class RestartConfig(StrictModel):
     """When a crashed worker is started again (``core.process``)."""
@@ -225,12 +274,20 @@ class RestartConfig(StrictModel):
     )
     max_backoff_s: float = Field(default=30.0, ge=0, description="Longest wait between restarts.")
 
+    @model_validator(mode="after")
+    def _first_within_longest(self) -> RestartConfig:
+        if self.backoff_s > self.max_backoff_s:
+            raise ValueError(
+                f"backoff_s = {self.backoff_s} is more than max_backoff_s = {self.max_backoff_s}"
+            )
+        return self
+
 
 class PresenceConfig(StrictModel):
     """Role heartbeats on a compacted topic (``core.presence``): how a run learns which
     producers, stream workers and trainers are there, wherever they were started."""
 
-    topic: str = Field(default="rollstream.roles", description="The heartbeat topic.")
+    topic: TopicName = Field(default="rollstream.roles", description="The heartbeat topic.")
     interval_s: float = Field(
         default=5.0, gt=0, description="Seconds between heartbeats of a running role."
     )
@@ -250,7 +307,12 @@ class SharedConfig(BaseSettings):
         env_nested_delimiter="__",
     )
 
-    run_id: str = Field(default="default", description="Name of the training run.")
+    run_id: str = Field(
+        default="default",
+        pattern=SAFE_NAME,
+        description="Name of the training run (a path and S3 key component: letters, "
+        "digits, '.', '_' and '-', not starting with a dot).",
+    )
     policy: str = Field(
         default="",
         pattern=r"^([a-z][a-z0-9_-]{0,31})?$",
@@ -306,24 +368,177 @@ class WellKnownEnvSource(PydanticBaseSettingsSource):
         return found
 
 
+NOT_SETTINGS = frozenset(
+    {
+        "ROLLSTREAM_CONFIG",  # the file itself (--config)
+        "ROLLSTREAM_TEST_BOOTSTRAP",  # the test suite reuses a running broker
+        "ROLLSTREAM_TEST_S3_ENDPOINT",  # ... and S3 server
+        "ROLLSTREAM_UP_STEPS",  # infra/dev.sh run
+        "ROLLSTREAM_VENV",  # infra/dev.sh
+    }
+)
+"""``ROLLSTREAM_*`` variables that are not settings; every other one must name a setting.
+Failpoints (``ROLLSTREAM_<ROLE>_FAILPOINT``) are tests' switches and are allowed too."""
+
+
+class InvalidConfigError(ConfigurationError):
+    """A value refused by the config models, each named by its key and where it came from
+    (the file and line, the variable, or ``--set``)."""
+
+
 def settings_from_sources(
     model: type[SettingsT], path: Path | None = None, overrides: Mapping[str, Any] | None = None
 ) -> SettingsT:
     """``model`` built by pydantic-settings from its sources, earlier ones winning:
     explicit ``overrides`` (e.g. ``--set``), ``ROLLSTREAM_*`` variables (nested with
     ``__``), the well-known Kafka/S3 variables, the TOML file at ``path``, the defaults.
-    Nested tables merge key by key across sources."""
+    Nested tables merge key by key across sources.
+
+    Every error says where: a TOML syntax error its file and line, an unknown
+    ``ROLLSTREAM_*`` variable its name (and the setting it was probably meant to be), a
+    refused value its key and source (``InvalidConfigError``)."""
     init = dict(overrides or {})
+    check_environment(model)
     sources: list[PydanticBaseSettingsSource] = [
         InitSettingsSource(model, init_kwargs=init),
         EnvSettingsSource(model),
         WellKnownEnvSource(model),
     ]
+    text = None
     if path is not None:
         if not Path(path).is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        try:
+            tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigurationError(f"{path}:{_toml_error_line(err, text)}: {err}") from None
         sources.append(TomlConfigSettingsSource(model, toml_file=Path(path)))
-    return model(_build_sources=(tuple(sources), init))
+    try:
+        return model(_build_sources=(tuple(sources), init))
+    except SettingsError as err:  # a variable's value that is not valid JSON for its table
+        raise ConfigurationError(f"{err} (check the ROLLSTREAM_* variables)") from None
+    except ValidationError as err:
+        lines = [_describe(error, init, path, text) for error in err.errors()]
+        raise InvalidConfigError(
+            f"invalid configuration ({len(lines)} error(s)):\n" + "\n".join(lines)
+        ) from err
+
+
+def check_environment(model: type[BaseModel]) -> None:
+    """Refuse a ``ROLLSTREAM_*`` variable that names no setting of ``model`` (a misspelt
+    one would otherwise be ignored without a word), suggesting the closest that does."""
+    exact, open_tables = _env_names(model, "ROLLSTREAM_")
+    unknown = []
+    for name in os.environ:
+        upper = name.upper()
+        if not upper.startswith("ROLLSTREAM_") or upper in NOT_SETTINGS:
+            continue
+        if upper.endswith("_FAILPOINT") or upper in exact:
+            continue
+        if any(upper.startswith(table) for table in open_tables):
+            continue
+        close = difflib.get_close_matches(upper, sorted(exact), n=1, cutoff=0.8)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        unknown.append(f"{name}{hint}")
+    if unknown:
+        raise ConfigurationError(
+            f"unknown variable(s) {', '.join(unknown)}: ROLLSTREAM_* variables name a "
+            "setting, nested with '__' (ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS)"
+        )
+
+
+def _env_names(model: type[BaseModel], prefix: str) -> tuple[set[str], set[str]]:
+    """Every variable name that sets a field of ``model`` (a table, or one of its keys),
+    and the prefixes under which any key is a setting (``dict`` tables)."""
+    exact: set[str] = set()
+    open_tables: set[str] = set()
+    for name, field in model.model_fields.items():
+        env = prefix + name.upper()
+        exact.add(env)
+        nested = _models_in(field.annotation)
+        if nested:
+            for sub in nested:
+                more, opened = _env_names(sub, env + "__")
+                exact |= more
+                open_tables |= opened
+        elif _is_mapping(field.annotation):
+            open_tables.add(env + "__")
+    return exact, open_tables
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models an annotation holds (``X | None``, a union of loss tables, ...)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if get_origin(annotation) in (dict, Mapping):
+        return []
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def _is_mapping(annotation: Any) -> bool:
+    if get_origin(annotation) in (dict, Mapping) or annotation is dict:
+        return True
+    return any(_is_mapping(arg) for arg in get_args(annotation))
+
+
+def _toml_error_line(err: tomllib.TOMLDecodeError, text: str) -> int:
+    """The line of a syntax error (tomllib says "(at line L, column C)" or "at end of
+    document")."""
+    found = re.search(r"at line (\d+)", str(err))
+    return int(found.group(1)) if found else max(1, text.count("\n") + 1)
+
+
+def _describe(error: Any, init: Mapping[str, Any], path: Path | None, text: str | None) -> str:
+    """One refused value: its key, what is wrong, and the source it came from."""
+    loc = [str(part) for part in error["loc"] if not isinstance(part, int)]
+    key = ".".join(loc) or "(the whole file)"
+    where = _source_of(loc, init, path, text)
+    got = f" (got {error['input']!r})" if error["type"] != "missing" and loc else ""
+    return f"  {key}: {error['msg']}{got}" + (f" [{where}]" if where else "")
+
+
+def _source_of(
+    loc: list[str], init: Mapping[str, Any], path: Path | None, text: str | None
+) -> str | None:
+    """Where the value at ``loc`` came from, the winning source first."""
+    node: Any = init
+    for part in loc:
+        if not isinstance(node, Mapping) or part not in node:
+            break
+        node = node[part]
+    else:
+        if loc:
+            return "--set"
+    env = {name.upper(): name for name in os.environ}
+    for depth in range(len(loc), 0, -1):
+        name = "ROLLSTREAM_" + "__".join(loc[:depth]).upper()
+        if name in env:
+            return f"from {env[name]}"
+    if path is not None and text is not None:
+        line = _toml_line(text, loc)
+        return f"{path}:{line}" if line else str(path)
+    return None
+
+
+def _toml_line(text: str, loc: list[str]) -> int | None:
+    """The line of ``loc``'s key in TOML ``text``: ``key =`` under its ``[table]`` (or a
+    dotted key), else its table's header; ``None`` if neither is written there."""
+    table: list[str] = []
+    header_line = None
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if header := re.fullmatch(r"\[\[?\s*([^\]]+?)\s*\]\]?", line):
+            table = [part.strip().strip('"') for part in header.group(1).split(".")]
+            if table == loc[: len(table)] and header_line is None:
+                header_line = number
+            continue
+        assigned = re.match(r"([A-Za-z0-9_.\"' -]+?)\s*=", line)
+        if assigned:
+            key = [part.strip().strip("\"'") for part in assigned.group(1).split(".")]
+            if table + key == loc[: len(table) + len(key)] and len(table) + len(key) <= len(loc):
+                return number
+    return header_line
 
 
 def merge_tables(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

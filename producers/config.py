@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
-from core.config import StrictModel
+from core.config import SafeName, StrictModel, TopicName
 from core.models import MODEL_SPEC_HELP, parse_model_spec
 from producers.request_checks import DEFAULT_MAX_REQUEST_TOKENS
 
@@ -29,7 +29,7 @@ class SamplingConfig(StrictModel):
     top_p: float = Field(
         default=1.0, gt=0.0, le=1.0, description="Nucleus sampling; 1 disables it."
     )
-    top_k: int = Field(default=-1, description="-1 disables top-k.")
+    top_k: int = Field(default=-1, ge=-1, description="-1 disables top-k; else at least 1.")
     min_p: float = Field(
         default=0.0,
         ge=0.0,
@@ -45,6 +45,14 @@ class SamplingConfig(StrictModel):
     ignore_eos: bool = Field(
         default=False, description="Keep generating past EOS, up to max_new_tokens."
     )
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_disabled_or_positive(cls, value: int) -> int:
+        """0 would make the engine refuse every request at run time."""
+        if value == 0:
+            raise ValueError("top_k = 0 keeps no token: -1 (disabled) or at least 1")
+        return value
 
     def to_sglang(
         self, max_new_tokens: int, stop_token_ids: list[int], stop: list[str] | None = None
@@ -95,7 +103,7 @@ class EngineConfig(StrictModel):
         "(producers write their versions there); None: <state_dir>/producers.",
     )
     max_batch_size: int = Field(
-        default=64, ge=1, description="Most sequences decoded together in one batch."
+        default=64, ge=1, le=65_536, description="Most sequences decoded together in one batch."
     )
     batch_wait_ms: float = Field(
         default=0.5,
@@ -147,7 +155,7 @@ class CurriculumConfig(StrictModel):
         default=False,
         description="Read prompts.stats and resample prompts outside the pass-rate band.",
     )
-    topic: str = Field(
+    topic: TopicName = Field(
         default="prompts.stats", description="The stream's per-prompt statistics topic."
     )
     min_pass_rate: float | None = Field(
@@ -300,8 +308,8 @@ class RolloutConfig(StrictModel):
     retry_max_wait_s: float = Field(
         default=10.0, gt=0, description="Longest backoff between retries of an engine call."
     )
-    topic: str = Field(default="rollouts.raw", description="The raw topic records go to.")
-    producer_id: str | None = Field(
+    topic: TopicName = Field(default="rollouts.raw", description="The raw topic records go to.")
+    producer_id: SafeName | None = Field(
         default=None,
         description="Stable id of this worker (ledger and records); None: the host name.",
     )

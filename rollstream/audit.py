@@ -593,9 +593,9 @@ class AuditSources:
     @classmethod
     def from_config(cls, config: RollstreamConfig) -> AuditSources:
         """The sources of a resolved config (Kafka address known)."""
-        ledger = config.trainer.ledger_file
-        if ledger is None:
-            raise click.UsageError("trainer.ledger_file is not set: the trainer kept no ledger")
+        from consumers.config import ledger_path
+
+        ledger = ledger_path(config, config.trainer)
         topics = config.streams.topics
         return cls(
             run_id=config.run_id,
@@ -678,7 +678,8 @@ def audit(
 @click.option(
     "--ledger",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Trainer ledger (default: trainer.ledger_file).",
+    help="Trainer ledger (default: trainer.ledger_file, else ledger.jsonl in the trainer's "
+    "checkpoint directory).",
 )
 @click.option(
     "--producers-dir",
@@ -736,6 +737,12 @@ def audit_command(
             trainer = view.trainer.model_copy(update={"ledger_file": ledger})
             view = view.model_copy(update={"trainer": trainer})
         sources = AuditSources.from_config(view)
+        if not sources.trainer_ledger.is_file():  # else every trained id would look missing
+            raise click.UsageError(
+                f"no trainer ledger at {sources.trainer_ledger} (the trainer writes it once "
+                "its first checkpoint is durable): audit with the trainer's config on its "
+                "machine, or pass --ledger"
+            )
         if producers_dir is not None:
             sources = replace(sources, producers_dir=producers_dir)
         report = audit(sources, diagnose=not quick, timeout_s=timeout_s, delivery=delivery)

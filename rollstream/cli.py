@@ -89,6 +89,8 @@ def main(
         return
     try:
         ctx.obj = sources.resolve()
+    except ConfigurationError as err:  # names the key and where it was set
+        raise click.UsageError(str(err)) from err
     except ValidationError as err:
         raise click.UsageError(f"invalid configuration:\n{err}") from err
 

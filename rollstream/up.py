@@ -40,6 +40,7 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
+from core.config import ConfigurationError
 from rollstream.config import RollstreamConfig, UpConfig
 from rollstream.up_display import Dashboard, fmt, trainer_logs
 from rollstream.up_plan import (
@@ -195,6 +196,8 @@ def up(ctx: click.Context, run_id: str | None, run_dir: Path | None, **options: 
     sources: ConfigSources = ctx.meta[CONFIG_SOURCES]
     try:  # the profile options change what every role derives: resolved with the sources
         config = sources.resolve(**({"profile": profile} if profile else {}))
+    except ConfigurationError as err:  # names the key and where it was set
+        raise click.UsageError(str(err)) from err
     except ValidationError as err:
         raise click.UsageError(f"invalid configuration:\n{err}") from err
     if config.policy:

@@ -13,34 +13,39 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from core.config import RestartConfig, StrictModel
+from core.config import Port, RestartConfig, StrictModel, TopicName
 from core.models import MODEL_SPEC_HELP, parse_model_spec
+from schemas.codec import MAX_RECORD_BYTES
 from schemas.validation import MAX_GROUP_SIZE
 
 
 class StreamTopics(StrictModel):
     """Topic names (tests use unique ones); defaults are ``schemas.topics``."""
 
-    raw: str = Field(default="rollouts.raw", description="Input: trajectories keyed by group id.")
-    scored: str = Field(default="rollouts.scored", description="Output: one ScoredGroup per group.")
-    stale: str = Field(
+    raw: TopicName = Field(
+        default="rollouts.raw", description="Input: trajectories keyed by group id."
+    )
+    scored: TopicName = Field(
+        default="rollouts.scored", description="Output: one ScoredGroup per group."
+    )
+    stale: TopicName = Field(
         default="rollouts.stale", description="Records outside the staleness window."
     )
-    dlq: str = Field(
+    dlq: TopicName = Field(
         default="rollouts.dlq", description="Records that failed validation, with why."
     )
-    filtered: str = Field(
+    filtered: TopicName = Field(
         default="rollouts.filtered",
         description="Samples a data operator filtered out, each with the rs-filtered header.",
     )
-    prompt_stats: str = Field(
+    prompt_stats: TopicName = Field(
         default="prompts.stats",
         description="Compacted per-prompt statistics (PromptStats) for the producers' curriculum.",
     )
-    versions: str = Field(
+    versions: TopicName = Field(
         default="policy.versions", description="Compacted VersionAnnouncement topic (trainer)."
     )
-    ticks: str | None = Field(
+    ticks: TopicName | None = Field(
         default=None,
         description="Internal timer topic co-partitioned with raw (default <app_id>-ticks).",
     )
@@ -159,10 +164,12 @@ class GroupsConfig(StrictModel):
 class ValidationConfig(StrictModel):
     """Limits applied to every incoming record (``schemas.validation.ValidationLimits``)."""
 
-    vocab_size: int | None = Field(default=None, description="Token ids must be below this.")
+    vocab_size: int | None = Field(default=None, ge=1, description="Token ids must be below this.")
     max_prompt_tokens: int = Field(default=32_768, ge=1, description="Longest prompt accepted.")
     max_response_tokens: int = Field(default=32_768, ge=1, description="Longest response.")
-    max_record_bytes: int = Field(default=4 * 1024 * 1024, ge=1, description="Largest record.")
+    max_record_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=1, le=MAX_RECORD_BYTES, description="Largest record."
+    )
     max_group_size: int = Field(
         default=MAX_GROUP_SIZE,
         ge=1,
@@ -199,7 +206,7 @@ class OperatorSpec(StrictModel):
 class StreamsConfig(StrictModel):
     """The stream processors: one Faust app, any number of workers."""
 
-    app_id: str = Field(
+    app_id: TopicName = Field(
         default="rollstream-streams",
         description="Faust app id: consumer group, transactional ids, table changelog prefix.",
     )
@@ -254,7 +261,7 @@ class StreamsConfig(StrictModel):
         gt=0,
         description="Consumer group session timeout: how long a dead worker keeps its partitions.",
     )
-    metrics_port: int | None = Field(
+    metrics_port: Port | None = Field(
         default=None, description="Serve Prometheus metrics on this port (none: off)."
     )
     metrics_host: str = Field(

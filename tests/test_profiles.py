@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from pydantic import ValidationError
 
+from core.config import InvalidConfigError
 from rollstream.cli import main
 from rollstream.config import RollstreamConfig, UpConfig, load_config
 from rollstream.profiles import ProfileConfig, profile_sections
@@ -84,7 +84,7 @@ def test_auto_precision_takes_bf16_only_where_the_machine_computes_it_natively(
     assert load_config(None).trainer.engine.bf16 is False
     pinned = load_config(None, profile={"model": "smollm2", "precision": "fp32"})
     assert pinned.streams.old_logits.dtype == "float32" and not pinned.trainer.engine.bf16
-    with pytest.raises(ValidationError):
+    with pytest.raises(InvalidConfigError):
         load_config(None, profile={"precision": "fp8"})
 
 
@@ -115,7 +115,7 @@ def test_profile_none_applies_nothing() -> None:
     [{"name": "huge"}, {"model": "gpt-17"}, {"staleness_window": -1}, {"groups": 3}],
 )
 def test_bad_profiles_are_refused(profile: dict[str, object]) -> None:
-    with pytest.raises(ValidationError):
+    with pytest.raises(InvalidConfigError):
         load_config(None, profile=profile)
 
 
