@@ -25,9 +25,10 @@ instances are immutable. In TOML a bounds pair is an array: ``token_bounds = [0.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, TypeAdapter, field_validator
+from pydantic import ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from core.config import StrictModel
 
@@ -45,7 +46,18 @@ def _check_bounds(value: Bounds, name: str) -> Bounds:
 
 
 class _LossBase(StrictModel):
-    """Fields every loss variant shares."""
+    """Fields every loss variant shares. A clip bound may be infinite (no bound on that
+    side); NaN is refused, as everywhere."""
+
+    model_config = ConfigDict(allow_inf_nan=True)
+
+    @model_validator(mode="after")
+    def _no_nan(self) -> _LossBase:
+        for name, value in self:
+            values = value if isinstance(value, tuple) else (value,)
+            if any(isinstance(v, float) and math.isnan(v) for v in values):
+                raise ValueError(f"{name} is NaN")
+        return self
 
     aggregation: Aggregation = Field(
         default="token_mean",
