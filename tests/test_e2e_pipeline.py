@@ -114,40 +114,29 @@ def test_multi_turn_echo_episodes_train_policy_tokens_only_and_reconcile(
     assert_reconciles(run.run_dir, rows)
 
 
-@pytest.mark.timeout(900)  # up's own 600 s, then its stop, come first
-def test_smollm2_runs_the_calculator_environment_end_to_end(
-    kafka_config: KafkaConfig, s3_config: S3Config, tmp_path: Path
-) -> None:
-    config = write_config(tmp_path, kafka_config, s3_config, "calc", _SMOLLM2_BATCH)
-    args = ("--model", "smollm2-135m", "--task", "arithmetic-calculator",
-            "--max-steps", "2", "--groups-per-step", "1")  # fmt: skip
-    rows = run_up(tmp_path, config, 600, *args).rows
-    assert len(rows) == 2
-    for row in rows:  # episodes, scored per episode, old logits exact over policy tokens
-        assert row["data/trajectories"] == 8 and row["data/exact_old_frac"] == 1.0
-        assert "episode/tool_calls_total" in row and "episode/turns_mean" in row
-        assert sum(v for k, v in row.items() if k.startswith("episode/end/")) == 8
-
-
 # A step of the language-model profile closes 5 s after its first group (async: never wait
 # long for stragglers); on 2 CPU cores a SmolLM2 group takes longer than that to follow,
-# so these runs wait for whole steps, which is what their assertions count.
+# so this run waits for whole steps, which is what its assertions count.
 _SMOLLM2_BATCH = {"trainer": {"batch": {"max_wait_s": 300.0}}}
 
 
 @pytest.mark.timeout(900)  # up's own 600 s, then its stop, come first
-def test_smollm2_trains_the_arithmetic_profile_and_reconciles(
+def test_smollm2_trains_calculator_episodes_and_reconciles(
     kafka_config: KafkaConfig, s3_config: S3Config, tmp_path: Path
 ) -> None:
-    """What a new user runs first on a real model (``--model smollm2-135m``, the default
-    task and profile), a few steps: every step trains whole groups with exact old logits
-    and a reward signal (the format reward alone makes a zero-reward step all but
-    impossible), and the audit reconciles. The longer run is in the docs."""
+    """A real model under the language-model profile (``--model smollm2-135m``), a few
+    steps of its agentic task: every step trains whole groups of episodes with exact old
+    logits over policy tokens and a reward signal (the answer's format alone makes a
+    zero-reward step all but impossible), and the audit reconciles. What it learns over a
+    longer run is measured in the docs."""
     config = write_config(tmp_path, kafka_config, s3_config, "smol", _SMOLLM2_BATCH)
-    args = ("--model", "smollm2-135m", "--max-steps", "3", "--groups-per-step", "2")
+    args = ("--model", "smollm2-135m", "--task", "arithmetic-calculator",
+            "--max-steps", "2", "--groups-per-step", "2")  # fmt: skip
     run = run_up(tmp_path, config, 600, *args)
-    assert len(run.rows) == 3
+    assert len(run.rows) == 2
     for row in run.rows:
         assert row["data/trajectories"] == 16 and row["data/exact_old_frac"] == 1.0
         assert row["reward/mean"] > 0.0
+        assert "episode/tool_calls_total" in row and "episode/turns_mean" in row
+        assert sum(v for k, v in row.items() if k.startswith("episode/end/")) == 16
     assert_reconciles(run.run_dir, run.rows)
