@@ -390,6 +390,8 @@ def start_groups_at_end(config: RollstreamConfig) -> dict[str, int]:
     """
     from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+    from core.config import RetryConfig
+    from core.retry import retrying
     from core.topic_reader import committed_offsets, topic_partitions, whole_topic
     from streams.start import read_start_offsets, write_start_offsets
 
@@ -411,7 +413,13 @@ def start_groups_at_end(config: RollstreamConfig) -> dict[str, int]:
             parts = [TopicPartition(topic, p) for p in partitions]
             if any(tp.offset >= 0 for tp in committed_offsets(consumer, parts)):
                 continue  # a resumed run: keep its offsets
-            ends = whole_topic(consumer, topic, partitions)
+            # a topic created a moment ago may have no leader yet (NOT_LEADER_FOR_PARTITION)
+            for attempt in retrying(
+                RetryConfig(initial_s=0.2, max_s=2.0), (KafkaException,), f"{topic}'s end offsets",
+                max_attempts=15,
+            ):  # fmt: skip
+                with attempt:
+                    ends = whole_topic(consumer, topic, partitions)
             if group == streams.app_id and not read_start_offsets(
                 kafka, streams.start_topic, topic
             ):  # recorded before the commit: a retry after a crash keeps the first record

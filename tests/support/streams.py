@@ -352,18 +352,29 @@ def stream_topics(name: Any) -> dict[str, str]:
 def create_stream_topics(
     client_config: Mapping[str, str], topics: Mapping[str, str], raw_partitions: int = 4
 ) -> None:
-    from infra.topics import ensure_topics
-    from schemas.topics import TopicSpec
+    """The worker's topics under the test's names, each as its spec declares it (sizes,
+    compaction), one partition each but raw's ``raw_partitions``."""
+    import dataclasses
 
-    specs = [TopicSpec(topics["raw"], raw_partitions)]
-    specs += [
-        TopicSpec(topics[name], 1)
-        for name in ("scored", "stale", "dlq", "filtered")
-        if name in topics
+    from infra.topics import ensure_topics
+    from schemas import topics as declared
+
+    spec_of = {
+        "raw": declared.ROLLOUTS_RAW,
+        "scored": declared.ROLLOUTS_SCORED,
+        "stale": declared.ROLLOUTS_STALE,
+        "dlq": declared.ROLLOUTS_DLQ,
+        "filtered": declared.ROLLOUTS_FILTERED,
+        "versions": declared.POLICY_VERSIONS,
+        "prompt_stats": declared.PROMPTS_STATS,
+    }
+    specs = [
+        dataclasses.replace(
+            spec, name=topics[key], partitions=raw_partitions if key == "raw" else 1
+        )
+        for key, spec in spec_of.items()
+        if key in topics
     ]
-    specs.append(TopicSpec(topics["versions"], 1, cleanup_policy="compact"))
-    if "prompt_stats" in topics:
-        specs.append(TopicSpec(topics["prompt_stats"], 1, cleanup_policy="compact"))
     ensure_topics(client_config, specs)
 
 
