@@ -78,14 +78,19 @@ class Services(Generic[ConfigT]):
         return self.config.state_dir / "keys"
 
     def _uses_state_keys(self) -> bool:
-        """Whether the weight keys are this state dir's (the config names none)."""
+        """Whether the weight keys are this state dir's: the config names none and does
+        not choose unsigned weights."""
         weights = self.config.weights
-        return weights.signing_key is None and weights.public_key is None
+        return (
+            weights.signing_key is None
+            and weights.public_key is None
+            and not weights.allow_unsigned
+        )
 
     def ensure_keys(self) -> None:
         """Create the state dir's weight key pair unless the config names keys, allows
         unsigned weights, or the pair exists."""
-        if not self._uses_state_keys() or self.config.weights.allow_unsigned:
+        if not self._uses_state_keys():
             return
         private, public = self.key_dir / SIGNING_KEY_FILE, self.key_dir / PUBLIC_KEY_FILE
         if not private.exists():
