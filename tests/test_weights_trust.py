@@ -41,6 +41,7 @@ from infra.topics import ensure_topics
 from producers.versions import start_follower
 from schemas.control import VersionAnnouncement
 from schemas.topics import TopicSpec
+from streams.snapshots import FollowerSource, VersionUnavailable
 from streams.staleness import VersionTracker
 from streams.versions import VersionReader
 from weights.announce import Announcer
@@ -159,6 +160,15 @@ def test_followers_refuse_forged_versions_and_keep_the_last_genuine_one(
             follower.sync(version)
         assert refused.value.reason == reason
         assert follower.version == 1
+
+    # The stream's old-logit service rebuilds versions the same way, and refuses too.
+    source = FollowerSource(
+        store, make_follower=lambda s: WeightFollower.from_config(s, config), max_attempts=1
+    )
+    assert same_bits(source.load(1), states[1])
+    for forged in (2, 3, HUGE):
+        with pytest.raises(VersionUnavailable):
+            source.load(forged)
 
     # No key and no explicit opt-out: a follower is not built at all.
     with pytest.raises(ConfigurationError, match=r"weights\.public_key is not set"):
