@@ -189,8 +189,11 @@ class WeightFollower:
                 raise
 
     def _sync(self, target: int | None, manifest_sha256: str | None) -> Snapshot | None:
-        if target is None:
-            target = self.store.latest(after=self.version)
+        if target is None:  # the newest genuine one: a forged newer version must not stall us
+            if self.public_key is not None:
+                target = Trust(self.public_key).latest(self.store, after=self.version)
+            else:
+                target = self.store.latest(after=self.version)
             if target is None:
                 return self._snapshot
         if self.version is not None and target <= self.version:

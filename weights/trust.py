@@ -77,10 +77,10 @@ class Trust:
             raise FormatError(RefusalReason.BROKEN_CHAIN, f"v{version}: {problem}")
         return manifest
 
-    def latest(self, store: WeightStore) -> int | None:
-        """The newest version whose manifest is genuine (forged ones above it are
-        skipped, with a warning), or None."""
-        for version in reversed(store.versions()):
+    def latest(self, store: WeightStore, after: int | None = None) -> int | None:
+        """The newest version (after ``after``) whose manifest is genuine (forged ones
+        above it are skipped, with a warning), or None."""
+        for version in reversed(store.versions(after)):
             try:
                 self.manifest(store, version)
             except (FormatError, ObjectMissing) as err:
