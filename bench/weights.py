@@ -40,7 +40,10 @@ from weights import format as fmt
 from weights.follower import WeightFollower
 from weights.mirror import mirror_once
 from weights.store import WeightStore, make_s3_client
+from weights.trust import Trust
 from weights.writer import DeltaWriter
+
+UNSIGNED = Trust(None)  # the benchmark writes unsigned versions
 
 LEARNING_RATES = (1e-6, 1e-5)
 TARGETS = {1e-6: 0.01, 1e-5: 0.03}
@@ -149,7 +152,7 @@ def main() -> None:
             writer = DeltaWriter(store_a, base_every=10_000, max_delta_fraction=0.25)
             follower = WeightFollower(store_b)
             writer.publish(before, version=0)
-            mirror_once(store_a, store_b)
+            mirror_once(store_a, store_b, trust=UNSIGNED)
             follower.sync(0)
             runs: list[dict[str, float]] = []
             for version in range(1, args.repeats + 1):
@@ -157,7 +160,7 @@ def main() -> None:
                 start = time.perf_counter()
                 result = writer.publish(state, version=version)
                 published = time.perf_counter()
-                mirror_once(store_a, store_b)
+                mirror_once(store_a, store_b, trust=UNSIGNED)
                 mirrored = time.perf_counter()
                 snapshot = follower.sync(version)
                 done = time.perf_counter()

@@ -262,9 +262,11 @@ class Trainer:
         if cfg.publish.every or cfg.publish.initial:
             from consumers.weight_publisher import Publisher
             from weights.store import WeightStore
+            from weights.trust import Trust
             from weights.writer import DeltaWriter
 
             store = WeightStore.from_config(self.shared.s3, self.shared.run_id, self.shared.policy)
+            trust = Trust.from_config(self.shared.weights)  # no key, no training (unless allowed)
             writer = DeltaWriter.from_config(store, self.shared.weights)
             announcer = trainer_announcer(self.kafka, cfg) if cfg.publish.announce else None
             self.publisher = Publisher(
@@ -274,6 +276,7 @@ class Trainer:
                 announcer,
                 keep_versions=self.shared.weights.keep_versions,
                 orphan_grace_s=self.shared.weights.orphan_grace_s,
+                trust=trust,
             )
             first = self.publisher.resume(self.step, self._full_weights)
             if first is not None:

@@ -21,7 +21,9 @@ when the store has none).
   never rewrites a version), so the restarted trainer does not publish again until its
   step passes ``m``; its first publish after a restart is a full base (the writer holds
   no previous state). Version numbers in the store stay gap-free with respect to the
-  schedule and monotonic.
+  schedule and monotonic. Only genuine versions count (``weights.trust``): a forged
+  manifest with a huge number, written by whoever could write the bucket, is ignored
+  rather than stopping publication until the trainer reaches it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from weights.announce import Announcer
 from weights.errors import VersionTaken, WeightsError
 from weights.manifest import parse_manifest, sha256_hex
 from weights.retention import collect_garbage
+from weights.trust import Trust
 from weights.writer import DeltaWriter, PublishResult
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,7 @@ class Publisher:
         announcer: Announcer | None = None,
         keep_versions: int | None = None,
         orphan_grace_s: float = 3600.0,
+        trust: Trust | None = None,
     ) -> None:
         self.keep_versions = keep_versions  # None: no retention here
         self.orphan_grace_s = orphan_grace_s
@@ -84,6 +88,9 @@ class Publisher:
         self.config = config
         self.retry = retry
         self.announcer = announcer
+        # which stored versions are genuine; by default those signed by this writer's key
+        signer = writer.signing_key
+        self.trust = trust or Trust(None if signer is None else signer.public_key())
         self.skip_through = -1  # versions up to this one already exist in the store
         self.last: Published | None = None
         self.last_version: int | None = None
@@ -91,9 +98,9 @@ class Publisher:
     def resume(
         self, step: int, state: Callable[[], Mapping[str, torch.Tensor]]
     ) -> Published | None:
-        """Look at the store once at start: remember the newest version (never republish
-        it or anything before it) and publish ``step`` when the store is empty."""
-        latest = self._s3(self.store.latest, "list versions")
+        """Look at the store once at start: remember the newest genuine version (never
+        republish it or anything before it) and publish ``step`` when there is none."""
+        latest = self._s3(lambda: self.trust.latest(self.store), "list versions")
         if latest is not None:
             self.skip_through = latest
             self.last_version = latest

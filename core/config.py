@@ -192,7 +192,13 @@ class WeightsConfig(StrictModel):
     )
     public_key: Path | None = Field(
         default=None,
-        description="ed25519 public key (PEM); when set, followers refuse unsigned versions.",
+        description="ed25519 public key (PEM) every version must be signed with; "
+        "`rollstream up` / `infra up` create a key pair in the state dir and fill both in.",
+    )
+    allow_unsigned: bool = Field(
+        default=False,
+        description="Accept unsigned versions when no key is configured (anyone who can "
+        "write the bucket then controls the weights); without it, no key is an error.",
     )
     verify_state: bool = Field(
         default=True,

@@ -120,8 +120,11 @@ class ServiceProcess:
     def running(self) -> bool:
         return self.pid() is not None
 
-    def start(self, argv: Sequence[str], env: Mapping[str, str], marker: str) -> int:
-        """Start detached; ``marker`` is a string unique to this command line."""
+    def start(
+        self, argv: Sequence[str], env: Mapping[str, str], marker: str, cwd: Path | None = None
+    ) -> int:
+        """Start detached (in ``cwd`` if given); ``marker`` is a string unique to this
+        command line."""
         if (pid := self.pid()) is not None:
             return pid
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -132,6 +135,7 @@ class ServiceProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=dict(env),
+                cwd=cwd,
                 start_new_session=True,
             )
         # Until exec() completes, /proc shows the forked Python's command line; wait for

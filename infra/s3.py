@@ -5,11 +5,18 @@
 mini`` opens a dozen ports (master, volume, filer, S3, their gRPC twins, admin, Iceberg,
 Lance); all of them are chosen once and stored in the data directory, so two instances
 (two "regions" in tests) never collide and a restarted one comes back where it was.
+
+Only the S3 gateway may write: its secret is random per data directory (``s3-secret``,
+mode 0600), and a ``security.toml`` beside it (0600, random keys; ``weed`` reads it from
+its working directory) makes the filer's HTTP API and the volume servers demand a JWT
+signed with keys only the gateway holds. Without that, anyone on the host could write
+the bucket through the filer port with no credentials at all.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import sys
 import urllib.request
@@ -23,9 +30,10 @@ from core.config import S3Config
 from core.process import ServiceError, ServiceProcess, free_port
 from weights.store import make_s3_client
 
-# Credentials of the embedded store (it is bound to loopback; real stores use the AWS chain).
+# Access key id of the embedded store; its secret is random per data directory.
 EMBEDDED_ACCESS_KEY = "rollstream"
-EMBEDDED_SECRET_KEY = "rollstream-embedded-secret"
+SECRET_FILE = "s3-secret"
+SECURITY_FILE = "security.toml"
 
 _PORT_FLAGS = (
     "master.port",
@@ -61,6 +69,29 @@ class SeaweedServer:
         self.memory_limit = memory_limit
         self.process = ServiceProcess("seaweedfs", data_dir)
 
+    def secret(self) -> str:
+        """The S3 secret of this data directory, created (random, mode 0600) on first use."""
+        path = self.data_dir / SECRET_FILE
+        if not path.exists():
+            _write_private(path, secrets.token_urlsafe(32))
+        return path.read_text().strip()
+
+    def _write_security(self) -> None:
+        """``security.toml``: JWT keys for the filer's HTTP API and the volume servers, so
+        that only the S3 gateway (which reads the same file) can read or write data."""
+        path = self.data_dir / SECURITY_FILE
+        if path.exists():
+            return
+        sections = (
+            "jwt.signing",
+            "jwt.signing.read",
+            "jwt.filer_signing",
+            "jwt.filer_signing.read",
+        )
+        _write_private(
+            path, "".join(f'[{name}]\nkey = "{secrets.token_hex(32)}"\n' for name in sections)
+        )
+
     def ports(self) -> dict[str, int]:
         ports_file = self.data_dir / "ports.json"
         if ports_file.exists():
@@ -83,7 +114,7 @@ class SeaweedServer:
             endpoint_url=self.endpoint_url,
             bucket=bucket,
             access_key_id=EMBEDDED_ACCESS_KEY,
-            secret_access_key=EMBEDDED_SECRET_KEY,  # type: ignore[arg-type]
+            secret_access_key=self.secret(),  # type: ignore[arg-type]
         )
 
     def launch(self) -> None:
@@ -91,6 +122,7 @@ class SeaweedServer:
         if not self.process.running():
             store = self.data_dir / "store"
             store.mkdir(parents=True, exist_ok=True)
+            self._write_security()
             argv = [
                 weed_binary(),
                 "mini",
@@ -108,10 +140,11 @@ class SeaweedServer:
             env = dict(os.environ)
             env.update(
                 AWS_ACCESS_KEY_ID=EMBEDDED_ACCESS_KEY,
-                AWS_SECRET_ACCESS_KEY=EMBEDDED_SECRET_KEY,
+                AWS_SECRET_ACCESS_KEY=self.secret(),
                 GOMEMLIMIT=self.memory_limit,
             )
-            self.process.start(argv, env, marker=f"-dir={store}")
+            # weed finds security.toml in its working directory
+            self.process.start(argv, env, marker=f"-dir={store}", cwd=self.data_dir)
 
     def wait_ready(self, timeout: float = 60.0) -> str:
         """Wait until S3 answers and every volume on disk is registered; returns the URL.
@@ -136,6 +169,14 @@ class SeaweedServer:
 
     def stop(self) -> bool:
         return self.process.stop(timeout=20)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Create ``path`` readable by its owner only (never briefly readable by others)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
 
 
 def _answers(client: Any) -> bool:

@@ -5,6 +5,11 @@
 the bucket on whichever cluster and store are in use. ``Services.resolved`` gives every
 role a config whose addresses are filled in, so a role never needs to know whether the
 broker is embedded or a managed cluster in another region.
+
+Weights are signed by default: ``up`` creates an ed25519 key pair under
+``<state_dir>/keys`` (private key mode 0600) unless the config names keys or sets
+``weights.allow_unsigned``, and ``resolved`` fills both paths in, so the trainer signs
+and every follower, mirror and stream refuses a version not signed with it.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Generic, TypeVar
 
 from core.config import SharedConfig
@@ -20,7 +26,11 @@ from infra.kafka import EmbeddedKafka
 from infra.s3 import SeaweedServer, ensure_bucket
 from infra.topics import TopicReport, ensure_topics
 from schemas.topics import ALL_TOPICS, TopicSpec
+from weights.manifest import generate_keypair
 from weights.store import make_s3_client
+
+SIGNING_KEY_FILE = "weights-signing.pem"
+PUBLIC_KEY_FILE = "weights-public.pem"
 
 
 @dataclass(frozen=True)
@@ -63,9 +73,38 @@ class Services(Generic[ConfigT]):
             else None
         )
 
+    @property
+    def key_dir(self) -> Path:
+        return self.config.state_dir / "keys"
+
+    def _uses_state_keys(self) -> bool:
+        """Whether the weight keys are this state dir's: the config names none and does
+        not choose unsigned weights."""
+        weights = self.config.weights
+        return (
+            weights.signing_key is None
+            and weights.public_key is None
+            and not weights.allow_unsigned
+        )
+
+    def ensure_keys(self) -> None:
+        """Create the state dir's weight key pair unless the config names keys, allows
+        unsigned weights, or the pair exists."""
+        if not self._uses_state_keys():
+            return
+        private, public = self.key_dir / SIGNING_KEY_FILE, self.key_dir / PUBLIC_KEY_FILE
+        if not private.exists():
+            generate_keypair(private, public)
+
     def resolved(self) -> ConfigT:
-        """The config with embedded addresses (and embedded S3 credentials) filled in."""
+        """The config with embedded addresses (and embedded S3 credentials) filled in,
+        and the state dir's weight keys when the config names none."""
         update: dict[str, object] = {}
+        public = self.key_dir / PUBLIC_KEY_FILE
+        if self._uses_state_keys() and public.exists():
+            update["weights"] = self.config.weights.model_copy(
+                update={"signing_key": self.key_dir / SIGNING_KEY_FILE, "public_key": public}
+            )
         if self.kafka is not None:
             update["kafka"] = self.config.kafka.model_copy(
                 update={"bootstrap_servers": self.kafka.bootstrap_servers}
@@ -87,6 +126,7 @@ class Services(Generic[ConfigT]):
         started = time.monotonic()
         if not self.s3_only:
             self._require_external_reachable(self.resolved())  # before anything starts
+            self.ensure_keys()
         # Launch both before waiting on either: the JVM's start-up overlaps SeaweedFS's.
         for service in (self.kafka, self.s3):
             if service is not None:

@@ -305,14 +305,19 @@ def start_follower(config: SharedConfig, target: VersionTarget, stop: threading.
     from weights.announce import AnnouncementListener
     from weights.follower import Snapshot, WeightFollower
     from weights.store import WeightStore
+    from weights.trust import Trust
 
     def on_version(snapshot: Snapshot) -> None:
         target.submit_version(snapshot.version, snapshot.state)
 
     store = WeightStore.from_config(config.s3, config.run_id, config.policy)
     follower = WeightFollower.from_config(store, config.weights, on_version)
+    # an announcement counts (credit, lag) only once the store holds its signed manifest
+    confirm = Trust.from_config(config.weights).announcement_check(store)
     listener = WatchedListener(
-        AnnouncementListener(config.kafka.client_config(), config.run_id, config.weights.topic)
+        AnnouncementListener(
+            config.kafka.client_config(), config.run_id, config.weights.topic, confirm=confirm
+        )
     )
     thread = threading.Thread(
         target=follower.follow,

@@ -30,7 +30,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from core.config import S3Config
+from core.config import S3Config, WeightsConfig
 from core.models import cast_parameters, load_model
 from rollstream.config import RollstreamConfig
 from rollstream.records import ReplayRecord
@@ -91,6 +91,14 @@ def resolved_s3(config: RollstreamConfig) -> S3Config:
     return Services(config).resolved().s3
 
 
+def resolved_weights(config: RollstreamConfig) -> WeightsConfig:
+    """``[weights]`` with the state dir's key pair filled in when the config names none,
+    so a rerun verifies versions as the run's followers do."""
+    from infra.services import Services
+
+    return Services(config).resolved().weights
+
+
 def old_logit_engine(config: RollstreamConfig, run_id: str) -> OldLogitEngine:
     """The engine the stream worker builds (``streams.app``), for this config."""
     import torch
@@ -110,7 +118,7 @@ def old_logit_engine(config: RollstreamConfig, run_id: str) -> OldLogitEngine:
         store = WeightStore.from_config(resolved_s3(config), run_id, config.policy)
         source = FollowerSource(
             store,
-            make_follower=lambda s: WeightFollower.from_config(s, config.weights),
+            make_follower=lambda s: WeightFollower.from_config(s, resolved_weights(config)),
             timeout_s=old.rebuild_timeout_s,
         )
     snapshots = SnapshotStore(
@@ -320,7 +328,7 @@ def load_policy(
 
         store = WeightStore.from_config(resolved_s3(config), options.run_id, config.policy)
         source = FollowerSource(
-            store, make_follower=lambda s: WeightFollower.from_config(s, config.weights)
+            store, make_follower=lambda s: WeightFollower.from_config(s, resolved_weights(config))
         )
         params = params_for(model, source.load(options.weights_version), torch.float32)
         with torch.no_grad():

@@ -40,6 +40,12 @@ class WeightsContext:
             home = Services(self.config).resolved().s3
         return self.weights.region(region or self.region, home)
 
+    def trusted(self) -> WeightsConfig:
+        """``[weights]`` with the state dir's key pair filled in when it names none."""
+        from infra.services import Services
+
+        return Services(self.config).resolved().weights
+
     def store(self, region: str | None = None) -> Any:
         from weights.store import WeightStore
 
@@ -136,7 +142,7 @@ def show(ctx: WeightsContext, version: int) -> None:
 def _follower(ctx: WeightsContext) -> Any:
     from weights.follower import WeightFollower
 
-    return WeightFollower.from_config(ctx.store(), ctx.weights)
+    return WeightFollower.from_config(ctx.store(), ctx.trusted())
 
 
 @weights.command("pull")
@@ -201,16 +207,18 @@ def verify(ctx: WeightsContext, start: int | None) -> None:
 def mirror(ctx: WeightsContext, src: str, dst: str, since: int | None, watch: bool) -> None:
     """Copy complete versions between regions (files first, manifest last)."""
     from weights.mirror import mirror_forever, mirror_once
+    from weights.trust import Trust
 
     source, target = ctx.store(src), ctx.store(dst)
+    trust = Trust.from_config(ctx.trusted())
     if watch:
         stop = threading.Event()
         try:
-            mirror_forever(source, target, stop, ctx.weights.poll_interval_s)
+            mirror_forever(source, target, stop, ctx.weights.poll_interval_s, trust=trust)
         except KeyboardInterrupt:
             stop.set()
         return
-    report = mirror_once(source, target, since)
+    report = mirror_once(source, target, since, trust=trust)
     click.echo(
         f"copied {len(report.copied)} version(s) ({_fmt_bytes(report.bytes)}): "
         f"{report.copied}; already there: {report.present}"

@@ -12,8 +12,9 @@ It never fails open. Any failure (the topic or broker unavailable, a consumer er
 ``rollstream_streams_version_read_errors_total{kind}``, clears ``caught_up`` and is
 retried with back-off (``core.retry``) until it works; the thread only ends on
 ``stop``. A version whose ``on_version`` callback failed is handed to it again before
-anything newer is read. A malformed announcement is counted and skipped: it is not an
-outage.
+anything newer is read. A malformed announcement, or one ``confirm`` finds no genuine
+manifest for in the weight store (``weights.trust``), is counted and skipped: it is not
+an outage, and it never moves the clock.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from core.config import RetryConfig
 from core.retry import retrying
+from schemas.control import VersionAnnouncement
 from streams.staleness import VersionTracker
 from weights.announce import AnnouncementListener
 
@@ -49,7 +51,7 @@ class VersionReaderMetrics:
         self.errors = Counter(
             "rollstream_streams_version_read_errors",
             "Failed reads of the version topic, by kind "
-            "(unavailable, broker, consumer, malformed, callback, exception).",
+            "(unavailable, broker, consumer, malformed, forged, callback, exception).",
             ["kind"],
             registry=self.registry,
         )
@@ -73,6 +75,7 @@ class VersionReader:
         *,
         registry: CollectorRegistry | None = None,
         retry: RetryConfig = DEFAULT_RETRY,
+        confirm: Callable[[VersionAnnouncement], bool | None] | None = None,
     ) -> None:
         self.client_config = dict(client_config)
         self.topic = topic
@@ -80,6 +83,7 @@ class VersionReader:
         self.tracker = tracker
         self.on_version = on_version
         self.retry = retry
+        self.confirm = confirm  # the weight store's word on each announcement
         self.metrics = VersionReaderMetrics(registry)
         self.caught_up = threading.Event()
         self._stop = threading.Event()
@@ -130,7 +134,11 @@ class VersionReader:
         self._outage = None
         if self._listener is None:
             self._listener = AnnouncementListener(
-                self.client_config, self.run, self.topic, on_error=self._listener_error
+                self.client_config,
+                self.run,
+                self.topic,
+                on_error=self._listener_error,
+                confirm=self.confirm,
             )
         if self._undelivered is not None:
             self._deliver(self._undelivered)
@@ -155,7 +163,7 @@ class VersionReader:
 
     def _listener_error(self, kind: str, detail: str) -> None:
         self.metrics.errors.labels(kind=kind).inc()
-        if kind != "malformed":  # a bad record is skipped, not an outage
+        if kind not in ("malformed", "forged"):  # a bad record is skipped, not an outage
             self._outage = f"{kind}: {detail}"
 
     def _failed(self, err: BaseException | None) -> None:

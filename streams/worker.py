@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import faust
@@ -24,6 +25,7 @@ from faust.types import TP, StreamT, TableT
 from core.config import SharedConfig
 from core.presence import Beacon, default_instance
 from core.topic_reader import group_lag, member_of
+from schemas.control import VersionAnnouncement
 from schemas.topics import TopicSpec, largest_message, producer_limits
 from streams.agent import Assembler, message_of, now_ms, wait_for_versions
 from streams.broker import broker_credentials, broker_urls
@@ -117,8 +119,24 @@ class OldLogitPass:
             on_version=self.snapshots.on_snapshot,
             metrics=FollowerMetrics(self.metrics.registry),
         )
-        listener = AnnouncementListener(kafka, shared.run_id, versions_topic)
+        listener = AnnouncementListener(
+            kafka, shared.run_id, versions_topic, confirm=announcement_check(shared)
+        )
         FollowerFeed(follower, listener, shared.weights.poll_interval_s).start()
+
+
+def announcement_check(shared: SharedConfig) -> Callable[[VersionAnnouncement], bool | None] | None:
+    """Announcements move the stream's clock only once the weight store holds a signed
+    manifest for them (``weights.trust``); None where unsigned weights are allowed."""
+    from weights.store import WeightStore
+    from weights.trust import Trust
+
+    trust = Trust.from_config(shared.weights)
+    if trust.public_key is None:
+        return None
+    return trust.announcement_check(
+        WeightStore.from_config(shared.s3, shared.run_id, shared.policy)
+    )
 
 
 class StreamWorker:
@@ -159,6 +177,7 @@ class StreamWorker:
             self.tracker,
             on_version=self._on_new_version,
             registry=self.metrics.registry,
+            confirm=announcement_check(shared),
         )
         self.gaps = self._make_gap_guard()
         self.assembler = Assembler(

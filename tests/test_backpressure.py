@@ -52,7 +52,10 @@ def test_a_stopped_trainer_pauses_generation_within_the_window(
     versions_topic = unique_name("policy.versions")
     ensure_topics(client, [dataclasses.replace(POLICY_VERSIONS, name=versions_topic)])
     config = rs_config(kafka_config, tmp_path).model_copy(
-        update={"s3": s3_config, "weights": WeightsConfig(topic=versions_topic, poll_interval_s=1)}
+        update={
+            "s3": s3_config,
+            "weights": WeightsConfig(topic=versions_topic, poll_interval_s=1, allow_unsigned=True),
+        }
     )
     trainer = TrainerConfig.model_validate(
         {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from core.process import pid_alive, port_open
 from infra.services import Services
 from rollstream.config import RollstreamConfig, load_config
 from weights.store import make_s3_client
+from weights.trust import Trust
 
 
 def _cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -58,6 +60,12 @@ def test_up_status_down_up_keeps_data(tmp_path: Path) -> None:
     )
 
     config = Services(load_config(state_dir=state)).resolved()
+    # up made the state dir's weight key pair and the store's secret, owner-only
+    assert config.weights.signing_key == state / "keys" / "weights-signing.pem"
+    assert config.weights.public_key == state / "keys" / "weights-public.pem"
+    for private in (config.weights.signing_key, state / "s3" / "s3-secret"):
+        assert stat.S_IMODE(private.stat().st_mode) == 0o600, private
+    assert Trust.from_config(config.weights).public_key is not None
     pids = _pids(state)
     assert len(pids) == 2
     broker_port = int(config.kafka.bootstrap_servers.rsplit(":", 1)[1])
@@ -123,7 +131,8 @@ def test_external_services_are_used_not_started(
     report = services.up()
     assert report.bootstrap_servers == kafka_config.bootstrap_servers
     assert report.s3_endpoint == s3_config.endpoint_url
-    assert not (tmp_path / "state").exists(), "nothing embedded may be started"
+    # nothing embedded is started: the state dir holds only the weight key pair
+    assert [p.name for p in (tmp_path / "state").iterdir()] == ["keys"]
     # The bucket was created on the external store, the topics on the external cluster.
     make_s3_client(config.s3).head_bucket(Bucket=config.s3.bucket)
     assert set(report.topics.created) | set(report.topics.existing) >= {"rollouts.raw"}

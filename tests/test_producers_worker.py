@@ -266,7 +266,10 @@ def test_worker_follows_published_weights(kafka_config, s3_config, unique_name, 
     versions_topic = unique_name("policy.versions")
     ensure_topics(client, [dataclasses.replace(POLICY_VERSIONS, name=versions_topic)])
     config = rs_config(kafka_config, tmp_path).model_copy(
-        update={"s3": s3_config, "weights": WeightsConfig(topic=versions_topic, poll_interval_s=1)}
+        update={
+            "s3": s3_config,
+            "weights": WeightsConfig(topic=versions_topic, poll_interval_s=1, allow_unsigned=True),
+        }
     )
     # The trainer's weights differ from the engine's own (seed 0): only following helps.
     published = {0: build_tiny_llama(seed=2), 1: build_tiny_llama(seed=3)}
@@ -331,7 +334,10 @@ def test_an_engine_that_forgets_its_weights_gets_them_again(
     versions_topic = unique_name("policy.versions")
     ensure_topics(client, [dataclasses.replace(POLICY_VERSIONS, name=versions_topic)])
     config = rs_config(kafka_config, tmp_path).model_copy(
-        update={"s3": s3_config, "weights": WeightsConfig(topic=versions_topic, poll_interval_s=1)}
+        update={
+            "s3": s3_config,
+            "weights": WeightsConfig(topic=versions_topic, poll_interval_s=1, allow_unsigned=True),
+        }
     )
     # v0 is the engine's own initial model (as in a real run); v1 differs.
     published = {0: build_tiny_llama(seed=0), 1: build_tiny_llama(seed=3)}

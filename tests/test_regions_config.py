@@ -55,4 +55,4 @@ def test_a_store_without_credentials_is_a_clear_error(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr
     assert "no S3 credentials for the store 'local'" in result.stderr
-    assert "rollstream-embedded-secret" in result.stderr and "Traceback" not in result.stderr
+    assert "s3-secret" in result.stderr and "Traceback" not in result.stderr

@@ -526,7 +526,8 @@ def test_rerun_train_loads_a_stored_version(
         "access_key_id": s3_config.access_key_id,
         "secret_access_key": secret.get_secret_value() if secret else None,
     }
-    config = write_config(tmp_path, kafka_config, topics, s3=s3)
+    # the test's writer does not sign
+    config = write_config(tmp_path, kafka_config, topics, s3=s3, weights={"allow_unsigned": True})
     result = run_cli(config, "replay", "scored", "-q", "--rerun", "train", "--weights-version", "1")
     assert "version 1 of run run (float32)" in result.output
 

@@ -22,7 +22,7 @@ import faust
 import pytest
 from support.streams import synthetic
 
-from core.config import KafkaConfig, PresenceConfig, SharedConfig
+from core.config import KafkaConfig, PresenceConfig, SharedConfig, WeightsConfig
 from schemas.codec import encode, routing_headers
 from schemas.control import DeadLetter
 from schemas.group import decode_group
@@ -64,7 +64,12 @@ def test_build_app_registers_the_table_agent_timers_and_task(
     config = StreamsConfig(
         app_id=app_id, topics=topics, old_logits=OldLogitsConfig(mode="off"), commit_interval_s=0.5
     )
-    shared = SharedConfig(run_id="run-worker", kafka=kafka_config, presence=PresenceConfig())
+    shared = SharedConfig(
+        run_id="run-worker",
+        kafka=kafka_config,
+        presence=PresenceConfig(),
+        weights=WeightsConfig(allow_unsigned=True),  # no weight store in this test
+    )
     app = build_app(shared, config)
     assert isinstance(app, faust.App)
 

@@ -144,9 +144,14 @@ def trainer_config(tmp: Path, topics: dict[str, str], **extra: object) -> dict:
 
 
 def shared_for(kafka: KafkaConfig, s3: S3Config | None = None) -> SharedConfig:
-    """The shared sections a trainer in this process gets: this cluster, no heartbeats."""
+    """The shared sections a trainer in this process gets: this cluster, no heartbeats,
+    unsigned versions (these tests read them back with unkeyed followers)."""
     return SharedConfig(
-        run_id=RUN, kafka=kafka, presence={"enabled": False}, **({"s3": s3} if s3 else {})
+        run_id=RUN,
+        kafka=kafka,
+        presence={"enabled": False},
+        weights={"allow_unsigned": True},
+        **({"s3": s3} if s3 else {}),
     )
 
 
@@ -414,7 +419,8 @@ def test_kill_9_between_checkpoints_then_restart_trains_each_trajectory_once(
             "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
             "s3": {k: v for k, v in s3.items() if v is not None},
             "trainer": trainer,
-            "weights": {"max_delta_fraction": 1.0},  # deltas even at this high lr
+            # deltas even at this high lr; unsigned (read back by unkeyed followers)
+            "weights": {"max_delta_fraction": 1.0, "allow_unsigned": True},
         },
     )
     log_path = tmp_path / "trainer.log"

@@ -82,7 +82,7 @@ def launch() -> Iterator[Launch]:
 
 def config_file(tmp: Path, kafka: KafkaConfig, trainer: dict, **sections: object) -> Path:
     """The run's config file: ``run_id`` (default ``RUN``), Kafka, the trainer, and any
-    other sections (``s3``)."""
+    other sections (``s3``); versions unsigned (read back by unkeyed followers)."""
     path = tmp / "rollstream.toml"
     write_toml(
         path,
@@ -90,6 +90,7 @@ def config_file(tmp: Path, kafka: KafkaConfig, trainer: dict, **sections: object
             "run_id": RUN,
             "kafka": {"bootstrap_servers": kafka.bootstrap_servers},
             "trainer": trainer,
+            "weights": {"allow_unsigned": True},
             **sections,
         },
     )

@@ -226,6 +226,7 @@ def test_stale_groups_of_a_checkpoint_cut_short_by_kill_9_are_routed_once_after_
             "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
             "s3": s3_table(s3_config),
             "trainer": trainer,
+            "weights": {"allow_unsigned": True},
         },
     )
     log_path = tmp_path / "trainer.log"

@@ -12,7 +12,7 @@ import time
 import orjson
 import pytest
 import zstandard
-from weights_support import store_for
+from weights_support import UNSIGNED, store_for
 
 from core.config import S3Config
 from tests.test_weights_store import overwrite, publish_chain
@@ -107,7 +107,7 @@ def test_follower_refuses_an_oversize_manifest_and_keeps_its_version(published) 
     assert f"larger than {MAX_MANIFEST_BYTES} bytes" in str(err)
     # The mirror refuses it too, and copies nothing of it.
     other = WeightStore(store.client, store.bucket, store.run, prefix="mirror/")
-    report = mirror_once(store, other, since=2)
+    report = mirror_once(store, other, since=2, trust=UNSIGNED)
     assert 2 in report.failed and "larger than" in report.failed[2]
     assert other.versions() == []
 

@@ -26,7 +26,7 @@ def write_config(tmp_path: Path, home: S3Config, other: S3Config, run: str) -> P
     path = tmp_path / "rollstream.toml"
     path.write_text(
         f'run_id = "{run}"\n\n[s3]\n{s3_table(home)}\n'
-        f"[weights]\nkeep_versions = 2\norphan_grace_s = 0\n\n"
+        f"[weights]\nkeep_versions = 2\norphan_grace_s = 0\nallow_unsigned = true\n\n"
         f"[weights.regions.{other.name}]\n{s3_table(other)}"
     )
     return path

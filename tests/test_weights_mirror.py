@@ -6,7 +6,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from weights_support import same_bits, step, store_for, tiny_state, wait_for
+from weights_support import UNSIGNED, same_bits, step, store_for, tiny_state, wait_for
 
 from core.config import KafkaConfig, S3Config
 from infra.topics import ensure_topics
@@ -22,6 +22,7 @@ from weights.manifest import (
     load_public_key,
 )
 from weights.mirror import mirror_forever, mirror_once, versions_to_copy
+from weights.trust import Trust
 from weights.writer import DeltaWriter
 
 
@@ -39,12 +40,13 @@ def test_mirror_copies_complete_versions_manifest_bytes_unchanged(
         states.append(step(states[-1], seed=i))
         writer.publish(states[-1])
 
-    report = mirror_once(src, dst, since=0)
+    trust = Trust(load_public_key(tmp_path / "k.pub"))
+    report = mirror_once(src, dst, since=0, trust=trust)
     assert report.copied == list(range(7)) and not report.failed
     assert dst.versions() == src.versions()
     for version in range(7):
         assert dst.read_manifest(version) == src.read_manifest(version)
-    assert mirror_once(src, dst).copied == []  # nothing new
+    assert mirror_once(src, dst, trust=trust).copied == []  # nothing new
 
     follower = WeightFollower(dst, public_key=load_public_key(tmp_path / "k.pub"))
     for version in (2, 6):
@@ -52,8 +54,8 @@ def test_mirror_copies_complete_versions_manifest_bytes_unchanged(
 
     states.append(step(states[-1], seed=99))
     writer.publish(states[-1])
-    assert versions_to_copy(src, dst) == [7]
-    assert mirror_once(src, dst).copied == [7]
+    assert versions_to_copy(src, dst, trust=trust) == [7]
+    assert mirror_once(src, dst, trust=trust).copied == [7]
     assert same_bits(follower.sync().state, states[7])
 
 
@@ -66,7 +68,7 @@ def test_empty_region_starts_from_the_latest_base(
     for i in range(7):  # bases at 0 and 4
         state = step(state, seed=i)
         writer.publish(state)
-    assert mirror_once(src, dst).copied == [4, 5, 6]
+    assert mirror_once(src, dst, trust=UNSIGNED).copied == [4, 5, 6]
     assert same_bits(WeightFollower(dst).sync().state, state)
 
 
@@ -83,7 +85,7 @@ def test_a_corrupt_source_version_is_not_mirrored(
     key = src.key(1, manifest.files[0].name)
     src.client.put_object(Bucket=src.bucket, Key=key, Body=src.get_bytes(key)[:-3])
 
-    report = mirror_once(src, dst, since=0)
+    report = mirror_once(src, dst, since=0, trust=UNSIGNED)
     assert report.copied == [0, 2]
     assert list(report.failed) == [1] and "does not match its manifest" in report.failed[1]
     # No manifest for v1 at the destination: readers there never see the damaged version.
@@ -111,7 +113,12 @@ def test_follower_in_second_region_follows_kafka_and_mirror(
     listener = AnnouncementListener(kafka_config.client_config(), run, topic)
     stop = threading.Event()
     threads = [
-        threading.Thread(target=mirror_forever, args=(src, dst, stop, 0.2), daemon=True),
+        threading.Thread(
+            target=mirror_forever,
+            args=(src, dst, stop, 0.2),
+            kwargs={"trust": UNSIGNED},
+            daemon=True,
+        ),
         threading.Thread(
             target=follower.follow,
             args=(stop,),

@@ -11,6 +11,10 @@ import torch
 from core.config import S3Config
 from weights import format as fmt
 from weights.store import WeightStore
+from weights.trust import Trust
+
+#: For tests that write unsigned versions on purpose (signing has tests of its own).
+UNSIGNED = Trust(None)
 
 
 def tiny_state(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -3,6 +3,11 @@
 Weights travel through S3; Kafka only carries the small ``VersionAnnouncement`` that says
 "version N of run R is published, its manifest hashes to H". The topic is compacted and
 keyed by run id, so a listener that starts late still finds each run's latest version.
+
+Anyone who can produce to the topic can announce anything, so a listener given a
+``confirm`` check (``weights.trust.Trust.confirms``) believes an announcement only once
+the store holds a genuine manifest with the announced hash: a forged "version 10**12"
+is refused (``on_error("forged", ...)``) instead of moving every clock for good.
 """
 
 from __future__ import annotations
@@ -107,7 +112,10 @@ class AnnouncementListener:
     ``unavailable`` (the topic could not be looked up), ``broker`` (no broker can be
     reached: reported on every read until a metadata request answers again),
     ``consumer`` (an error the consumer returned instead of a record) and ``malformed``
-    (a record of this run that is not a valid announcement; it is skipped).
+    (a record of this run that is not a valid announcement; it is skipped) and ``forged``
+    (``confirm`` found no genuine manifest behind it; it is skipped). An announcement
+    whose manifest is not in the store yet (a mirror behind) is asked about again on
+    the next read.
     """
 
     def __init__(
@@ -116,10 +124,13 @@ class AnnouncementListener:
         run: str,
         topic: str = DEFAULT_TOPIC,
         on_error: Callable[[str, str], None] | None = None,
+        confirm: Callable[[VersionAnnouncement], bool | None] | None = None,
     ) -> None:
         self.run = run
         self.topic = topic
         self.on_error = on_error
+        self.confirm = confirm  # True: genuine, False: forged, None: not in the store yet
+        self._pending: VersionAnnouncement | None = None  # to confirm again next read
         config = reader_config(client_config, f"versions-{run}")
         self._consumer = Consumer(
             {**config, "enable.partition.eof": False, "error_cb": self._client_error}
@@ -136,18 +147,34 @@ class AnnouncementListener:
         if self._ends is None and not self._assign():
             time.sleep(timeout_s)
             return None
-        newest: VersionAnnouncement | None = None
+        read: list[VersionAnnouncement] = []
         # ``poll`` returns at the first message; ``consume`` would wait for a full batch.
         first = self._consumer.poll(timeout_s)
         messages = [] if first is None else [first]
         while messages:
-            for msg in messages:
-                found = self._announcement(msg)
-                if found is not None and (newest is None or found.version > newest.version):
-                    newest = found
+            read.extend(found for msg in messages if (found := self._announcement(msg)))
             # Drain what is already buffered without waiting again.
             messages = self._consumer.consume(num_messages=1000, timeout=0)
-        return newest
+        return self._newest_confirmed(read)
+
+    def _newest_confirmed(self, read: list[VersionAnnouncement]) -> VersionAnnouncement | None:
+        """The newest of ``read`` (and the one pending) that ``confirm`` accepts."""
+        if self.confirm is None:
+            return max(read, key=lambda a: a.version, default=None)
+        if self._pending is not None:
+            read.append(self._pending)
+            self._pending = None
+        for announcement in sorted(read, key=lambda a: a.version, reverse=True):
+            verdict = self.confirm(announcement)
+            if verdict:
+                return announcement
+            if verdict is None:
+                self._pending = self._pending or announcement  # the newest not there yet
+                continue
+            self._error(
+                "forged", f"v{announcement.version}: no genuine manifest with the announced hash"
+            )
+        return None
 
     @property
     def caught_up(self) -> bool:

@@ -48,13 +48,14 @@ from weights.errors import (
 from weights.manifest import (
     FileEntry,
     Manifest,
+    chain_fields_problem,
     check_file_entry,
-    load_public_key,
     parse_manifest,
     sha256_hex,
     verify_signature,
 )
 from weights.store import WeightStore, sha256_file
+from weights.trust import Trust
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ class WeightFollower:
         return cls(
             store,
             on_version,
-            public_key=load_public_key(config.public_key) if config.public_key else None,
+            public_key=Trust.from_config(config).public_key,
             verify_state=config.verify_state,
             retry_max_s=config.retry_max_s,
             metrics=metrics,
@@ -188,8 +189,11 @@ class WeightFollower:
                 raise
 
     def _sync(self, target: int | None, manifest_sha256: str | None) -> Snapshot | None:
-        if target is None:
-            target = self.store.latest(after=self.version)
+        if target is None:  # the newest genuine one: a forged newer version must not stall us
+            if self.public_key is not None:
+                target = Trust(self.public_key).latest(self.store, after=self.version)
+            else:
+                target = self.store.latest(after=self.version)
             if target is None:
                 return self._snapshot
         if self.version is not None and target <= self.version:
@@ -361,7 +365,7 @@ class WeightFollower:
             verify_signature(manifest, canonical, self.public_key)
         except FormatError as err:
             raise self._refuse(target, err.reason, f"manifest of v{version}: {err}") from None
-        problem = _chain_fields_problem(manifest, self.store.run, version)
+        problem = chain_fields_problem(manifest, self.store.run, version)
         if problem:
             raise self._refuse(target, RefusalReason.BROKEN_CHAIN, f"v{version}: {problem}")
         return manifest
@@ -494,20 +498,3 @@ class WeightFollower:
                 )
             except Exception:  # a bug must not stop following; retried at the next poll
                 log.exception("weights: sync failed at v%s", self.version)
-
-
-def _chain_fields_problem(manifest: Manifest, run: str, version: int) -> str | None:
-    """What makes a manifest's run/version/parent/base fields inconsistent, if anything."""
-    if manifest.run != run:
-        return f"manifest belongs to run {manifest.run!r}"
-    if manifest.version != version:
-        return f"manifest says version {manifest.version}"
-    if manifest.kind == "base" and (manifest.base != version or manifest.parent is not None):
-        return "a base must be its own base and have no parent"
-    if manifest.kind == "delta" and (
-        manifest.parent is None or not manifest.base <= manifest.parent < version
-    ):
-        return f"delta with parent {manifest.parent} and base {manifest.base}"
-    if not manifest.files:
-        return "no files"
-    return None

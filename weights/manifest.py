@@ -394,3 +394,20 @@ def load_public_key(path: Path) -> Ed25519PublicKey:
     if not isinstance(key, Ed25519PublicKey):
         raise ValueError(f"{path} is not an ed25519 public key")
     return key
+
+
+def chain_fields_problem(manifest: Manifest, run: str, version: int) -> str | None:
+    """What makes a manifest's run/version/parent/base fields inconsistent, if anything."""
+    if manifest.run != run:
+        return f"manifest belongs to run {manifest.run!r}"
+    if manifest.version != version:
+        return f"manifest says version {manifest.version}"
+    if manifest.kind == "base" and (manifest.base != version or manifest.parent is not None):
+        return "a base must be its own base and have no parent"
+    if manifest.kind == "delta" and (
+        manifest.parent is None or not manifest.base <= manifest.parent < version
+    ):
+        return f"delta with parent {manifest.parent} and base {manifest.base}"
+    if not manifest.files:
+        return "no files"
+    return None

@@ -92,7 +92,7 @@ def make_s3_client(config: S3Config) -> Any:
         raise ConfigurationError(
             f"no S3 credentials for the store {config.name!r} "
             f"({config.endpoint_url or 'AWS'}): set s3.access_key_id and s3.secret_access_key "
-            "(an embedded store's are rollstream / rollstream-embedded-secret), or "
+            "(an embedded store's are rollstream / the secret in <state_dir>/s3/s3-secret), or "
             "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, or leave endpoint_url out to run "
             "the embedded store"
         )

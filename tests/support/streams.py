@@ -391,12 +391,13 @@ def worker_config(
 ) -> dict[str, Any]:
     """A whole config file (as a dict) for ``WorkerProcess``; ``streams`` are
     ``[streams]`` keys, ``s3`` an ``S3Config`` (its secret written out), ``kafka`` more
-    ``[kafka]`` keys (security settings)."""
+    ``[kafka]`` keys (security settings). Unsigned versions are allowed unless
+    ``weights`` says otherwise (these tests' writers do not sign)."""
     config: dict[str, Any] = {
         "run_id": run_id,
         "kafka": {"bootstrap_servers": bootstrap_servers, **(kafka or {})},
         "streams": {"app_id": app_id, "topics": dict(topics), "commit_interval_s": 0.5, **streams},
-        "weights": dict(weights or {}),
+        "weights": {"allow_unsigned": True, **(weights or {})},
     }
     if s3 is not None:
         secret = s3.secret_access_key.get_secret_value() if s3.secret_access_key else None
