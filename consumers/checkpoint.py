@@ -27,7 +27,8 @@ after a restart that re-reads it, never lost).
 
 ``TrainingLedger``: a JSONL file, one line per optimiser step
 ``{"step": n, "trajectory_ids": [...], "stale_ids": [...]}`` (``stale_ids``: the samples
-of the groups routed as stale while that step was gathered), appended only for steps
+of the groups routed as stale while that step was gathered; ``refused_ids``, when there
+are any: the samples of groups refused as already trained), appended only for steps
 covered by a durable checkpoint. The entries of the steps since the previous checkpoint
 travel inside the checkpoint itself, so after a crash between the checkpoint and the ledger append,
 ``reconcile`` writes the missing lines from the loaded checkpoint. The ledger therefore
@@ -85,6 +86,10 @@ class TrainerState:
     runner: dict[str, Any] = field(default_factory=dict)
     last_published: int | None = None
     stale: list[StaleGroup] = field(default_factory=list)  # since the previous checkpoint
+    # group ids trained lately (oldest first, bounded: ``consumers.recent``), and the sample
+    # ids of groups refused as already trained, per step, since the previous checkpoint
+    recent_groups: list[str] = field(default_factory=list)
+    refused: list[tuple[int, list[str]]] = field(default_factory=list)
 
     def to_client_state(self) -> dict[str, Any]:
         return {
@@ -95,6 +100,8 @@ class TrainerState:
                 "runner": self.runner,
                 "last_published": self.last_published,
                 "stale": [g.to_state() for g in self.stale],
+                "recent_groups": list(self.recent_groups),
+                "refused": [[s, list(ids)] for s, ids in self.refused],
             }
         }
 
@@ -110,6 +117,8 @@ class TrainerState:
             runner=dict(raw.get("runner") or {}),
             last_published=raw.get("last_published"),
             stale=[StaleGroup.from_state(g) for g in raw.get("stale") or []],
+            recent_groups=[str(g) for g in raw.get("recent_groups") or []],
+            refused=[(int(s), [str(i) for i in ids]) for s, ids in raw.get("refused") or []],
         )
 
 
@@ -249,18 +258,33 @@ class TrainingLedger:
                 last = max(last, int(orjson.loads(line)["step"]))
         return last
 
-    def append(self, entries: list[tuple[int, list[str]]], stale: Sequence[StaleGroup] = ()) -> int:
+    def append(
+        self,
+        entries: list[tuple[int, list[str]]],
+        stale: Sequence[StaleGroup] = (),
+        refused: Sequence[tuple[int, list[str]]] = (),
+    ) -> int:
         """Append entries of steps after ``last_step`` (others are already there), each
-        with the sample ids of ``stale`` groups of its step; returns how many lines were
-        written."""
+        with the sample ids of ``stale`` groups of its step and of groups ``refused`` as
+        already trained while it was gathered; returns how many lines were written."""
         fresh = [(s, ids) for s, ids in entries if s > self._last_step]
         if not fresh:
             return 0
         stale_ids: dict[int, list[str]] = {}
         for group in stale:
             stale_ids.setdefault(group.step, []).extend(group.trajectory_ids)
+        refused_ids: dict[int, list[str]] = {}
+        for step, ids in refused:
+            refused_ids.setdefault(step, []).extend(ids)
         payload = b"".join(
-            orjson.dumps({"step": s, "trajectory_ids": ids, "stale_ids": stale_ids.get(s, [])})
+            orjson.dumps(
+                {
+                    "step": s,
+                    "trajectory_ids": ids,
+                    "stale_ids": stale_ids.get(s, []),
+                    **({"refused_ids": refused_ids[s]} if s in refused_ids else {}),
+                }
+            )
             + b"\n"
             for s, ids in fresh
         )
@@ -283,6 +307,17 @@ class TrainingLedger:
                     row = orjson.loads(line)
                     entries.append((int(row["step"]), list(row.get("stale_ids") or [])))
         return entries
+
+    @staticmethod
+    def read_refused(path: Path) -> list[str]:
+        """Sample ids of every group the trainer refused as already trained (a group
+        scored twice upstream), once per refusal."""
+        refused: list[str] = []
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(path).read_bytes().splitlines(keepends=True):
+                if line.endswith(b"\n") and line.strip():
+                    refused.extend(orjson.loads(line).get("refused_ids") or [])
+        return refused
 
     @staticmethod
     def read(path: Path) -> list[tuple[int, list[str]]]:

@@ -53,6 +53,7 @@ from consumers.ranks import (
     split_for_ranks,
     token_imbalance,
 )
+from consumers.recent import RecentGroups
 from core.config import SharedConfig
 from core.models import load_model
 from schemas.trajectory import Trajectory
@@ -66,6 +67,17 @@ log = logging.getLogger(__name__)
 FAILPOINT_ENV = "ROLLSTREAM_TRAINER_FAILPOINT"
 """Crash tests only: ``after_checkpoint:N`` makes the trainer SIGKILL itself right after
 checkpoint N is durable, before the ledger append and the offset commit."""
+
+
+Gathered = tuple[
+    list[list[Trajectory]],
+    dict[TopicPartition, int],
+    list[StaleGroup],
+    set[str],
+    set[str],
+    list[tuple[str, list[str]]],
+]
+"""What ``Trainer._gather`` returns (see there)."""
 
 
 def _failpoint(name: str, step: int) -> None:
@@ -111,6 +123,7 @@ class TrainSummary:
     stale_groups: int
     checkpoints: int
     published: list[int]
+    refused_groups: int = 0  # read again after being trained: not trained twice
 
 
 class Trainer:
@@ -128,6 +141,8 @@ class Trainer:
         self.pending_ledger: list[tuple[int, list[str]]] = []
         self.last_checkpoint_step = 0
         self.pending_stale: list[StaleGroup] = []
+        self.recent = RecentGroups()  # groups trained into the weights lately (checkpointed)
+        self.pending_refused: list[tuple[int, list[str]]] = []
         self.set_aside = False  # offsets moved past records set aside, not checkpointed yet
         window = self.config.staleness.max_staleness or 0
         self.recent_producers: deque[set[str]] = deque(maxlen=window + 1)
@@ -192,6 +207,7 @@ class Trainer:
             return
         self.step = self.last_checkpoint_step = state.step
         self.offsets = dict(state.offsets)
+        self.recent = RecentGroups(state.recent_groups)
         self.runner.load_state_dict(state.runner)
         if self.engine.global_steps != state.step:
             raise RuntimeError(
@@ -217,7 +233,7 @@ class Trainer:
             self.source.route_stale(unrouted)
             log.warning("routed %d stale group(s) of the last checkpoint again", len(unrouted))
         if self.ledger is not None:
-            written = self.ledger.append(state.ledger, state.stale)
+            written = self.ledger.append(state.ledger, state.stale, state.refused)
             if written:
                 log.warning("ledger: wrote %d step(s) the checkpoint had and it lacked", written)
         self.restored = None
@@ -337,7 +353,7 @@ class Trainer:
         gathered = self._gather(cfg.engine.grad_accum_steps)
         if gathered is None:
             return False
-        micro_batches, covered, stale, relaxed = gathered
+        micro_batches, covered, stale, relaxed, consumed, refused = gathered
         computed = time.perf_counter()
         version = self.step  # the weights being trained are version `step`
         if self.channel is None:
@@ -350,6 +366,11 @@ class Trainer:
         ids = [t.trajectory_id for t in result.trained]
         self._count_producers(result.trained)
         self.pending_ledger.append((self.step, ids))
+        for group_id in consumed:
+            self.recent.add(group_id)
+        if refused:
+            self.pending_refused.append((self.step, [t for g in refused for t in g[1]]))
+            self.summary.refused_groups += len(refused)
         self.pending_stale.extend(stale)
         self.summary.stale_groups += len(stale)
 
@@ -367,6 +388,8 @@ class Trainer:
         metrics["data/stale_groups"] = float(len(stale))
         metrics["data/over_window_trajectories"] = float(len(relaxed))
         metrics["data/stale_total"] = float(self.summary.stale_groups)
+        metrics["data/refused_groups"] = float(len(refused))
+        metrics["data/refused_total"] = float(self.summary.refused_groups)
         if stale:
             metrics["data/stale_staleness_max"] = float(max(g.staleness for g in stale))
         lag = self.source.lag(self.offsets)
@@ -462,22 +485,22 @@ class Trainer:
                 self.sink.record_roles(found)
             announcer.producers = sharing_producers(self.recent_producers, gone)
 
-    def _gather(
-        self, count: int
-    ) -> (
-        tuple[list[list[Trajectory]], dict[TopicPartition, int], list[StaleGroup], set[str]] | None
-    ):
+    def _gather(self, count: int) -> Gathered | None:
         """``count`` non-empty micro-batches, the offsets they (and any empty ones between
-        them) cover, the groups set aside as too stale to train at version ``step``, and
-        the ids of records over the window trained with the relaxed clip
-        (``over_window = "relaxed_clip"``); None if a stop was requested first (nothing is
-        set aside then: the offsets do not move, and the same records are judged again)."""
+        them) cover, the groups set aside as too stale to train at version ``step``, the
+        ids of records over the window trained with the relaxed clip (``over_window =
+        "relaxed_clip"``), the ids of the groups consumed, and the groups refused as
+        already trained (``consumers.recent``: ``(group id, sample ids)``); None if a stop
+        was requested first (nothing is set aside then: the offsets do not move, and the
+        same records are judged again)."""
         window = self.config.staleness.max_staleness
         limit = self.config.staleness.route_limit()
         batches: list[list[Trajectory]] = []
         covered: dict[TopicPartition, int] = {}
         stale: list[StaleGroup] = []
         relaxed: set[str] = set()
+        consumed: set[str] = set()
+        refused: list[tuple[str, list[str]]] = []
         while len(batches) < count:
             micro = self.source.next_micro_batch(self.stop_event)
             if micro is None:
@@ -485,21 +508,25 @@ class Trainer:
                     self._set_aside(covered, stale)
                 return None
             covered = merge_offsets(covered, micro.next_offsets)
-            if limit is not None:
-                fresh = []
-                for group in micro.groups:
-                    lag = group.staleness(self.step)
-                    if lag > limit:
-                        stale.append(StaleGroup.of(group, self.step + 1, self.step, limit))
-                        continue
-                    fresh.append(group)
-                    if window is not None and lag > window:  # over_window = relaxed_clip
-                        relaxed.update(t.trajectory_id for t in group.trajectories)
-                micro.groups = fresh
+            fresh = []
+            for group in micro.groups:
+                if group.group_id in self.recent or group.group_id in consumed:
+                    log.warning("group %s read again after it was trained: refused", group.group_id)
+                    refused.append((group.group_id, [t.trajectory_id for t in group.trajectories]))
+                    continue
+                consumed.add(group.group_id)
+                lag = group.staleness(self.step)
+                if limit is not None and lag > limit:
+                    stale.append(StaleGroup.of(group, self.step + 1, self.step, limit))
+                    continue
+                fresh.append(group)
+                if window is not None and lag > window:  # over_window = relaxed_clip
+                    relaxed.update(t.trajectory_id for t in group.trajectories)
+            micro.groups = fresh
             kept, _dropped = self.runner.select(micro.trajectories)
             if kept:  # a micro-batch left empty (route=drop, stale) only advances the offsets
                 batches.append(micro.trajectories)
-        return batches, covered, stale, relaxed
+        return batches, covered, stale, relaxed, consumed, refused
 
     def _set_aside(self, covered: dict[TopicPartition, int], stale: list[StaleGroup]) -> None:
         """At a stop, keep what was consumed without anything to train (groups over the
@@ -527,6 +554,8 @@ class Trainer:
             runner=self.runner.state_dict(),
             last_published=None if self.publisher is None else self.publisher.last_version,
             stale=list(self.pending_stale),
+            recent_groups=self.recent.to_state(),
+            refused=list(self.pending_refused),
         )
         if self.channel is not None:
             self.channel.scatter([CheckpointOrder(state)] * self.world)
@@ -535,8 +564,9 @@ class Trainer:
         if self.pending_stale:  # their offsets are durable now: never trained after a restart
             self.source.route_stale(self.pending_stale)
         if self.ledger is not None:
-            self.ledger.append(self.pending_ledger, self.pending_stale)
+            self.ledger.append(self.pending_ledger, self.pending_stale, self.pending_refused)
         self.pending_ledger = []
+        self.pending_refused = []
         self.pending_stale = []
         self.set_aside = False
         self.last_checkpoint_step = self.step

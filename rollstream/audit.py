@@ -29,7 +29,8 @@ The verdict (``AuditReport.problems``), counted per id, not as sets: delivered b
 without an outcome (*missing*); more than one outcome (trained more than once, or trained
 and also stale, filtered or dead-lettered, or dead-lettered and also stale or filtered);
 dead-lettered from more than one record; in ``rollouts.raw`` or ``rollouts.scored`` more
-than once (in flight or not); trained but never produced; and records the progress views
+than once (in flight or not); read again by the trainer after it was trained (refused
+there, listed in its ledger); trained but never produced; and records the progress views
 would call in flight although a later record of their partition already has an outcome
 (*lost in flight*). A stale group routed twice is one decision told twice (a trainer
 restart) and is counted once. Ids dead-lettered that no ledger knows are listed too (a
@@ -141,6 +142,13 @@ def read_trainer_ledger(path: Path) -> Counter[str]:
     from consumers.checkpoint import TrainingLedger
 
     return Counter(tid for _, ids in TrainingLedger.read(path) for tid in ids)
+
+
+def read_trainer_refused(path: Path) -> Counter[str]:
+    """How many times the trainer refused each sample id's group as already trained."""
+    from consumers.checkpoint import TrainingLedger
+
+    return Counter(TrainingLedger.read_refused(path))
 
 
 # --- the topics --------------------------------------------------------------------------
@@ -363,6 +371,8 @@ class AuditReport:
     raw: TopicView | None = None
     progress: Progress | None = None
     delivery: str = "ledgers"  # where ``produced`` came from: ledgers | topic
+    # sample ids of groups the trainer read again after training them, and refused
+    refused: Counter[str] = field(default_factory=Counter)
 
     @property
     def delivered(self) -> set[str]:
@@ -503,6 +513,7 @@ class AuditReport:
             ("dead-lettered from more than one record", set(self.dlq_twice)),
             ("in the raw topic more than once", set(self.raw_twice)),
             ("in the scored topic more than once", set(self.scored_twice)),
+            ("refused by the trainer as already trained (scored twice)", set(self.refused)),
             ("in flight behind a later record that has an outcome (lost)", self.lost_in_flight),
         ):
             if ids:
@@ -541,6 +552,7 @@ class AuditReport:
             "trained_and_dead_lettered": len(self.trained_and_dead_lettered),
             "dead_lettered_and_set_aside": len(self.dead_lettered_and_set_aside),
             "dlq_twice": len(self.dlq_twice),
+            "refused_by_trainer": len(self.refused),
         }
         if self.scored is not None:
             data["scored"] = len(self.scored.ids)
@@ -653,6 +665,7 @@ def audit(
         run_id=run,
         produced=produced,
         trained=trained,
+        refused=read_trainer_refused(sources.trainer_ledger),
         stale=read_sinks(client, sources.stales, run, timeout_s),
         dlq=read_sinks(client, sources.dlqs, run, timeout_s),
         delivery=delivery,

@@ -35,20 +35,85 @@ This reaches into two private attributes of Faust's aiokafka producer (pinned at
 faust-streaming==0.15.3); ``check_faust_internals`` fails fast if they change. With
 ``at_least_once`` the same records go through the plain producer, each step waits for its
 acknowledgements, and the watermark still makes replays of whole steps idempotent.
+
+A step whose records cannot all be sent is never left half in a transaction: each step
+waits, still holding the lock, until the broker has acknowledged every one of its records
+(a record the broker refuses fails only its own batch in aiokafka, and the transaction
+would commit without it). Any failure other than losing the partition (fenced, producer
+stopped: its transaction can no longer commit) aborts the partition's transaction and
+ends the worker (``STEP_FAILED_EXIT``): the memory holding the earlier steps of that
+transaction is gone with it, and a restart resumes from what was committed, so the step
+is replayed whole or not at all. ``FAILPOINT_ENV`` lets crash tests fail or kill a step
+at chosen points.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Iterable
-from typing import Any
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
+from aiokafka.errors import ProducerClosed, ProducerFenced
 from aiokafka.structs import TopicPartition
 
 from streams.processor import Step
 
 log = logging.getLogger(__name__)
+
+FAILPOINT_ENV = "ROLLSTREAM_STREAMS_FAILPOINT"
+"""Crash tests only: ``after_produce:N`` SIGKILLs the worker once the N-th step with
+outputs has all its records acknowledged in the open transaction, before any commit;
+``send_fails:N`` makes the last record of that step (a table write, after its outputs)
+fail to send, as a refused or oversize record would."""
+
+STEP_FAILED_EXIT = 75
+"""The worker's exit code after a step failed and its transaction was aborted: the
+supervisor (``rollstream stream``) restarts it from committed state."""
+
+ABORT_TIMEOUT_S = 10.0
+
+LOST_PARTITION = (ProducerFenced, ProducerClosed)
+"""Send failures meaning the partition is no longer ours: its transaction cannot commit."""
+
+
+@dataclass(frozen=True)
+class Failpoint:
+    """Where a crash test wants a step to fail (``FAILPOINT_ENV``)."""
+
+    name: str
+    step: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Failpoint | None:
+        """The failpoint ``env`` names; None when unset. A malformed one is refused."""
+        text = env.get(FAILPOINT_ENV)
+        if not text:
+            return None
+        name, _, step = text.partition(":")
+        if name not in ("after_produce", "send_fails") or not step.isdigit() or int(step) < 1:
+            raise ValueError(
+                f"{FAILPOINT_ENV}={text!r}: expected after_produce:N or send_fails:N, N >= 1"
+            )
+        return cls(name, int(step))
+
+
+class StepFailed(RuntimeError):
+    """A step's records could not all be sent: its transaction must not commit."""
+
+
+def stop_worker(reason: str) -> NoReturn:
+    """End the worker at once, without Faust's shutdown (which would commit the open
+    transaction's offsets): a restart recovers from what was committed."""
+    log.critical("%s: stopping the worker (exit %d)", reason, STEP_FAILED_EXIT)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(STEP_FAILED_EXIT)
 
 
 def check_faust_internals(producer: Any) -> None:
@@ -64,10 +129,23 @@ def check_faust_internals(producer: Any) -> None:
 class EffectWriter:
     """Sends a step's records and updates the table's memory, atomically per partition."""
 
-    def __init__(self, app: Any, table: Any, *, exactly_once: bool) -> None:
+    def __init__(
+        self,
+        app: Any,
+        table: Any,
+        *,
+        exactly_once: bool,
+        failpoint: Failpoint | None = None,
+        on_failure: Callable[[str], NoReturn] = stop_worker,
+    ) -> None:
+        """``on_failure(reason)``: called, after the transaction was aborted, when a step
+        failed; it must not return (by default it ends the process)."""
         self.app = app
         self.table = table
         self.exactly_once = exactly_once
+        self.failpoint = failpoint
+        self.on_failure = on_failure
+        self.steps_with_outputs = 0  # counted for the failpoint
 
     def transactional_id(self, topic: str, partition: int) -> str:
         """Faust's transactional id for a source topic partition."""
@@ -110,18 +188,35 @@ class EffectWriter:
             if producer._transaction_producers.get(tid) is not txp:
                 log.warning("transaction %s replaced while waiting; step dropped", tid)
                 return False
+            failing = self._failpoint_hit(step, "send_fails")
             try:
-                for topic, key, value, partition, headers in records:
-                    fut = await txp.send(
-                        topic, value, key=key, partition=partition, headers=headers
+                acks = []
+                for n, (topic, key, value, partition, headers) in enumerate(records, 1):
+                    if failing and n == len(records):
+                        raise StepFailed(f"failpoint send_fails:{self.steps_with_outputs}")
+                    acks.append(
+                        await txp.send(topic, value, key=key, partition=partition, headers=headers)
                     )
-                    fut.add_done_callback(_log_failure)
-            except Exception:
-                # Fenced or stopped (rebalance): the transaction will be aborted and the
-                # message redelivered to the partition's new owner.
-                log.exception("transactional send failed for %s; step dropped", tid)
+                # Every record acknowledged before a commit can take the lock: a record
+                # the broker refuses must not leave the rest of its step to be committed.
+                await asyncio.gather(*acks)
+            except LOST_PARTITION:
+                # Fenced or stopped (rebalance): the transaction cannot commit, and the
+                # message is redelivered to the partition's new owner.
+                log.warning("partition of %s lost mid-step; step dropped", tid, exc_info=True)
                 return False
+            except Exception as err:
+                await self._abort(txp, tid)
+                self.on_failure(
+                    f"step of {msg.topic}-{msg.partition}@{msg.offset} failed "
+                    f"({type(err).__name__}: {err}); transaction {tid} aborted"
+                )
             self._update_memory(step)
+            if self._failpoint_hit(step, "after_produce"):
+                log.warning(
+                    "failpoint after_produce:%d: killing this process", self.steps_with_outputs
+                )
+                os.kill(os.getpid(), signal.SIGKILL)
         if commit:
             source = TopicPartition(msg.topic, msg.partition)  # what aiokafka's commit takes
             try:
@@ -129,6 +224,24 @@ class EffectWriter:
             except Exception:  # Faust's commit timer or the next re-read commits it
                 log.exception("committing re-read %s-%d@%d", msg.topic, msg.partition, msg.offset)
         return True
+
+    def _failpoint_hit(self, step: Step, name: str) -> bool:
+        """Whether ``step`` is where the failpoint ``name`` strikes (steps with outputs
+        are counted once, by the first check)."""
+        if self.failpoint is None or not step.sends:
+            return False
+        if name == "send_fails":  # the first check of each step
+            self.steps_with_outputs += 1
+        return self.failpoint.name == name and self.failpoint.step == self.steps_with_outputs
+
+    async def _abort(self, txp: Any, tid: str) -> None:
+        """Abort ``tid``'s open transaction (we hold its lock), so read_committed readers
+        need not wait for the broker's timeout; a failure here changes nothing (the
+        transaction is aborted when the restarted worker's producer claims ``tid``)."""
+        try:
+            await asyncio.wait_for(txp.abort_transaction(), ABORT_TIMEOUT_S)
+        except Exception:
+            log.exception("aborting transaction %s failed", tid)
 
     def _records(self, step: Step) -> list[tuple[str, bytes | None, bytes | None, int | None, Any]]:
         changelog = self.table.changelog_topic.get_topic_name()
@@ -161,9 +274,3 @@ def mirror_writes(
             data[key] = value
             if key_partition is not None:
                 key_partition[key] = partition
-
-
-def _log_failure(fut: Awaitable[Any]) -> None:
-    future = fut  # an asyncio future from aiokafka
-    if not future.cancelled() and future.exception() is not None:  # type: ignore[attr-defined]
-        log.error("transactional record failed: %r", future.exception())  # type: ignore[attr-defined]

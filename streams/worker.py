@@ -44,7 +44,7 @@ from streams.snapshots import (
 )
 from streams.staleness import StalenessPolicy, VersionTracker
 from streams.topics import TABLE_NAME, changelog_name, prepare_topics
-from streams.txn import EffectWriter, check_faust_internals, mirror_writes
+from streams.txn import EffectWriter, Failpoint, check_faust_internals, mirror_writes
 from streams.versions import VersionReader
 from weights.announce import AnnouncementListener
 
@@ -168,7 +168,10 @@ class StreamWorker:
         self.old_logits = OldLogitPass(shared, config.old_logits, self.metrics)
         self.processor = self._make_processor()
         self.writer = EffectWriter(
-            self.app, self.groups, exactly_once=config.processing_guarantee == "exactly_once"
+            self.app,
+            self.groups,
+            exactly_once=config.processing_guarantee == "exactly_once",
+            failpoint=Failpoint.from_env(),
         )
         self.versions = VersionReader(
             self.kafka,

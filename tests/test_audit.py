@@ -14,6 +14,7 @@ from rollstream.audit import (
     TopicView,
     read_producer_ledgers,
     read_trainer_ledger,
+    read_trainer_refused,
 )
 
 
@@ -282,3 +283,16 @@ def test_a_record_skipped_behind_what_was_trained_or_applied_is_lost(tmp_path: P
     assert report.untrained == {"d-0"} and report.unprocessed == {"e-0", "f-0"}
     assert "a-0" in _problem(report, "in flight behind a later record")
     assert report.counts()["lost_in_flight"] == 2
+
+
+def test_a_group_the_trainer_refused_as_already_trained_is_a_problem(tmp_path: Path) -> None:
+    """Trained once, yet read again: the trainer refused the copy and its ledger says so;
+    the stream emitted the group twice, which the audit names."""
+    report = _settled(tmp_path, "ab")
+    ledger = TrainingLedger(tmp_path / "trainer.jsonl", fsync=False)
+    ledger.append([(1, ["a-0"]), (2, ["b-0"])], refused=[(2, ["a-0"])])
+    report.trained = read_trainer_ledger(ledger.path)
+    report.refused = read_trainer_refused(ledger.path)
+    assert report.trained == Counter({"a-0": 1, "b-0": 1}) and report.missing == set()
+    assert "a-0" in _problem(report, "refused by the trainer as already trained")
+    assert report.counts()["refused_by_trainer"] == 1

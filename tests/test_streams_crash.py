@@ -313,3 +313,93 @@ def test_rollstream_stream_restarts_a_crashed_worker_and_loses_nothing(
 
     assert "restart 1 of 5" in supervised.log()
     assert_every_group_once(msgs, dead, groups)
+
+
+@pytest.mark.parametrize("failpoint", ["after_produce:3", "send_fails:3"])
+def test_a_step_killed_or_failed_before_its_commit_is_replayed_whole(
+    kafka_config: KafkaConfig, unique_name, tmp_path: Path, failpoint: str
+) -> None:
+    """The first worker dies inside a step, its records in the open transaction: killed
+    -9 once the 3rd step with outputs has them all acknowledged (``after_produce``), or
+    that step's last record fails to send (``send_fails``, as a refused or oversize record
+    would), which must abort the transaction and stop the worker, not leave the step's
+    outputs to be committed. A second worker finishes from committed state: every scored
+    group, filtered sample, stale record and prompt statistic comes out exactly once."""
+    from schemas.codec import decode
+    from schemas.control import PromptStats, VersionAnnouncement
+    from streams.txn import FAILPOINT_ENV, STEP_FAILED_EXIT
+    from weights.announce import Announcer
+
+    client = kafka_config.client_config()
+    topics = stream_topics(unique_name)
+    create_stream_topics(client, topics, raw_partitions=2)
+    announcer = Announcer(client, topics["versions"])
+    announcer.announce(VersionAnnouncement(RUN, 10, "s3://b/v10/", None, 10, "0" * 64, 1, 1))
+    announcer.close()
+    app_id = unique_name("app")
+    config = worker_config(
+        kafka_config.bootstrap_servers,
+        topics,
+        app_id,
+        run_id=RUN,
+        session_timeout_s=8.0,
+        groups={"timeout_s": 600},
+        staleness={"max_staleness": 4},
+        old_logits={"mode": "off"},
+        operators=[{"name": "support.user_operators.DropLowMean", "options": {"threshold": 0.5}}],
+    )
+    groups = 12
+    kept = {f"grp-{g:02d}" for g in range(0, groups, 2)}  # the odd groups are filtered
+
+    def sample(g: int, i: int):  # staleness 1 or 2: admitted
+        return synthetic(
+            run_id=RUN, group_id=f"grp-{g:02d}", group_size=SIZE, sample_index=i,
+            versions=(8 + i % 3,), reward=0.9 if g % 2 == 0 else 0.1, seed=g * 10 + i,
+        )  # fmt: skip
+
+    records = [sample(g, i) for g in range(groups) for i in range(SIZE)]
+    stale = [
+        synthetic(run_id=RUN, group_id=f"old-{k}", group_size=SIZE, versions=(2, 3), seed=k)
+        for k in range(4)
+    ]  # staleness 8: each routed to rollouts.stale
+    mixed = [r for pair in zip(records[:4], stale, strict=True) for r in pair] + records[4:]
+    produce(client, topics["raw"], [keyed(t) for t in mixed])
+
+    def applied() -> bool:
+        return all_applied(client, app_id, topics["raw"])
+
+    first = WorkerProcess(config, tmp_path / "w1", name="w1", env={FAILPOINT_ENV: failpoint})
+    second = WorkerProcess(config, tmp_path / "w2", name="w2")
+    try:
+        first.start()
+        wait_until(lambda: not first.alive() or applied(), 180, "w1 to reach its failpoint")
+        left_work = not applied()
+        first.kill()
+        second.start()
+        wait_until(applied, 180, "w2 applies everything", check=alive(second))
+        out = {
+            name: read_topic(client, [topics[name]], timeout=60)
+            for name in ("scored", "filtered", "stale", "prompt_stats", "dlq")
+        }
+    finally:
+        first.kill()
+        second.kill()
+
+    scored = Counter(decode_group(m.value()).group_id for m in out["scored"])
+    assert scored == Counter(dict.fromkeys(kept, 1))
+    filtered = Counter(decode(m.value()).trajectory_id for m in out["filtered"])
+    assert filtered == Counter({t.trajectory_id: 1 for t in records if t.group_id not in kept})
+    assert Counter(decode(m.value()).trajectory_id for m in out["stale"]) == Counter(
+        {t.trajectory_id: 1 for t in stale}
+    )
+    stats = [PromptStats.from_json(m.value()) for m in out["prompt_stats"]]
+    latest = {s.key: s for s in stats}  # cumulative per key: the last one is the total
+    assert len(stats) == groups  # one update per closed group (filtered ones too), none twice
+    assert sum(s.samples for s in latest.values()) == SIZE * groups
+    assert [DeadLetter.from_headers(m.headers()) for m in out["dlq"]] == []
+    # the failpoint was hit, and left work for the second worker
+    log = first.log()
+    assert f"failpoint {failpoint}" in log, log[-5000:]
+    expected_exit = -signal.SIGKILL if failpoint.startswith("after_produce") else STEP_FAILED_EXIT
+    assert first.process is not None and first.process.returncode == expected_exit, log[-5000:]
+    assert left_work

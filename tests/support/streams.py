@@ -171,9 +171,12 @@ class WorkerProcess:
         name: str = "worker",
         *,
         supervised: bool = False,
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        """``env``: more environment variables for the worker (a failpoint)."""
         self.config = config
         self.supervised = supervised
+        self.env = dict(env or {})
         self.workdir = Path(workdir)
         self.name = name
         self.process: subprocess.Popen | None = None
@@ -184,6 +187,7 @@ class WorkerProcess:
         config_path = self.workdir / f"{self.name}.toml"
         config_path.write_text(to_toml(self.config))
         env = dict(os.environ, ROLLSTREAM_CONFIG=str(config_path), PYTHONUNBUFFERED="1")
+        env.update(self.env)
         # user code the tests name by dotted path (``support.user_operators``) is importable
         tests_dir = str(REPO_ROOT / "tests")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, env.get("PYTHONPATH")) if p)

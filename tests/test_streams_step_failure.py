@@ -1,0 +1,108 @@
+"""A record the broker refuses fails its whole step: nothing of it is committed, nothing lost.
+
+Real broker, real Faust worker, exactly-once processing. The scored topic refuses records
+over a few hundred bytes (``max.message.bytes``), so each group's record passes the
+producer's own size check and fails only in the broker's answer: an asynchronous,
+per-record failure, which must not let the step's other records (its table writes and
+watermark) commit without it. The worker aborts the transaction and stops; once the topic
+takes the records again, a new worker emits every group exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    ResourceType,
+)
+from support.streams import (
+    WorkerProcess,
+    all_applied,
+    create_stream_topics,
+    keyed,
+    produce,
+    read_topic,
+    stream_topics,
+    synthetic,
+    wait_until,
+    worker_config,
+)
+
+from core.config import KafkaConfig
+from schemas.control import DeadLetter
+from schemas.group import decode_group
+from streams.txn import STEP_FAILED_EXIT
+
+pytestmark = pytest.mark.system
+
+RUN = "run-step-failure"
+GROUPS = 4
+SIZE = 4
+
+
+def set_max_message_bytes(client: dict, topic: str, size: int) -> None:
+    admin = AdminClient(client)
+    entry = ConfigEntry("max.message.bytes", str(size), incremental_operation=AlterConfigOpType.SET)
+    resource = ConfigResource(ResourceType.TOPIC, topic, incremental_configs=[entry])
+    for future in admin.incremental_alter_configs([resource]).values():
+        future.result(30)
+
+
+def test_a_record_the_broker_refuses_aborts_its_step_and_stops_the_worker(
+    kafka_config: KafkaConfig, unique_name, tmp_path: Path
+) -> None:
+    client = kafka_config.client_config()
+    topics = stream_topics(unique_name)
+    create_stream_topics(client, topics, raw_partitions=2)
+    set_max_message_bytes(client, topics["scored"], 256)
+    app_id = unique_name("app")
+    config = worker_config(
+        kafka_config.bootstrap_servers,
+        topics,
+        app_id,
+        run_id=RUN,
+        session_timeout_s=8.0,
+        groups={"timeout_s": 600},
+        staleness={"max_staleness": 100},
+        old_logits={"mode": "off"},
+    )
+    samples = [
+        synthetic(run_id=RUN, group_id=f"grp-{g}", group_size=SIZE, sample_index=i, seed=g * 10 + i)
+        for g in range(GROUPS)
+        for i in range(SIZE)
+    ]
+    produce(client, topics["raw"], [keyed(t) for t in samples])
+
+    def applied() -> bool:
+        return all_applied(client, app_id, topics["raw"])
+
+    first = WorkerProcess(config, tmp_path / "w1", name="w1").start()
+    try:
+        wait_until(lambda: not first.alive() or applied(), 180, "w1 to stop on the refused record")
+        left_work = not applied()  # the failed step's table writes were not committed either
+        scored_before = read_topic(client, [topics["scored"]], timeout=30)
+    finally:
+        first.kill()
+
+    set_max_message_bytes(client, topics["scored"], 8 * 1024 * 1024)
+    second = WorkerProcess(config, tmp_path / "w2", name="w2").start()
+    try:
+        wait_until(applied, 180, "w2 applies everything")
+        scored = read_topic(client, [topics["scored"]], timeout=60)
+        dead = read_topic(client, [topics["dlq"]], timeout=30)
+    finally:
+        second.kill()
+    assert [DeadLetter.from_headers(m.headers()) for m in dead] == []
+    assert Counter(decode_group(m.value()).group_id for m in scored) == Counter(
+        {f"grp-{g}": 1 for g in range(GROUPS)}
+    )  # none lost with the refused record, none doubled
+    log = first.log()
+    assert first.process is not None and first.process.returncode == STEP_FAILED_EXIT, log[-5000:]
+    assert "stopping the worker" in log and "TooLarge" in log, log[-5000:]
+    assert left_work and scored_before == []
