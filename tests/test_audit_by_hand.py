@@ -17,6 +17,7 @@ from confluent_kafka import Producer
 from support.synthetic import scored_group, synthetic_groups
 
 from core.config import KafkaConfig, S3Config, merge_tables, to_toml
+from infra.services import Services
 from infra.topics import ensure_topics
 from rollstream.cli import main
 from rollstream.config import load_config, role_config
@@ -94,7 +95,10 @@ def test_a_trainer_started_from_the_example_config_keeps_a_ledger_the_audit_find
     scored = [(g[0].group_id.encode(), encode_group(scored_group(g))) for g in groups]
     _produce(kafka_config, config.trainer.topics.scored, scored)
 
-    shared, section = role_config(config, "trainer")
+    # what `rollstream infra up` does for roles started by hand: the state dir's key pair
+    services = Services(config)
+    services.ensure_keys()
+    shared, section = role_config(services.resolved(), "trainer")
     summary = Trainer(shared, section).run()
     assert summary.step == 2 and summary.trained == 16
 

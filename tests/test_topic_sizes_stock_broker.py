@@ -64,6 +64,7 @@ def shared(kafka: dict) -> SharedConfig:
         run_id="run-stock",
         kafka=KafkaConfig(bootstrap_servers=kafka["bootstrap.servers"]),
         presence=PresenceConfig(),
+        weights={"allow_unsigned": True},  # topic sizes only: no versions are read here
     )
 
 
