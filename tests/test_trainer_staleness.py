@@ -19,12 +19,16 @@ import orjson
 import pytest
 from support.synthetic import synthetic_groups
 from test_trainer_kafka import (
+    assert_same_weights,
     end_and_committed,
     group_records,
     ids_of,
     make_topics,
     produce,
     read_all,
+    reference_weights,
+    restored_weights,
+    s3_table,
     shared_for,
     spawn,
     trainer_config,
@@ -64,19 +68,6 @@ def topics_with_stale(kafka: KafkaConfig, unique_name: Callable[[str], str]) -> 
         kafka.client_config(), [dataclasses.replace(ROLLOUTS_STALE, name=topics["stale"])]
     )
     return topics
-
-
-def s3_table(s3: S3Config) -> dict:
-    secret = s3.secret_access_key.get_secret_value() if s3.secret_access_key else None
-    table = {
-        "name": s3.name,
-        "endpoint_url": s3.endpoint_url,
-        "bucket": s3.bucket,
-        "embedded": False,
-        "access_key_id": s3.access_key_id,
-        "secret_access_key": secret,
-    }
-    return {k: v for k, v in table.items() if v is not None}
 
 
 def metrics_lines(tmp: Path) -> list[dict]:
@@ -263,6 +254,10 @@ def test_stale_groups_of_a_checkpoint_cut_short_by_kill_9_are_routed_once_after_
     assert sorted(routed) == sorted(ids_of(late))  # each once: none lost, none twice
     lines = metrics_lines(tmp_path)
     assert all(m["staleness/max"] <= WINDOW for m in lines)
+    # the weights are the proof: the same steps trained without a crash end identical
+    config = third.config
+    reference = reference_weights(kafka_config, config, ledger_path, first + fresh)
+    assert_same_weights(restored_weights(config), reference)
 
 
 @pytest.mark.system
