@@ -89,7 +89,9 @@ def test_groups_too_stale_by_training_time_are_routed_not_trained(
     # behind (over the window of 2) and must not be trained; version-3 groups are fresh
     late = synthetic_groups(3, seed=32, run_id=RUN, version=0)
     fresh = synthetic_groups(2, seed=33, run_id=RUN, version=3)
-    produce(kafka_config, topics["scored"], group_records(late + fresh))
+    # one partition, late first: across partitions a fetch could bring a fresh group
+    # first, leaving the last late one alone in a micro-batch no step ever counts
+    produce(kafka_config, topics["scored"], group_records(late + fresh), partition=0)
     trainer = Trainer(*settings_for(tmp_path, topics, kafka_config))
     done = threading.Event()
     thread = threading.Thread(target=lambda: (trainer.run(), done.set()), daemon=True)
