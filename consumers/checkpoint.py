@@ -52,6 +52,7 @@ import orjson
 
 from consumers.batching import StaleGroup, TopicPartition
 from consumers.config import CheckpointConfig
+from consumers.failpoint import failpoint
 from consumers.train_engine import TrainEngine, barrier, rank
 
 log = logging.getLogger(__name__)
@@ -181,6 +182,7 @@ class CheckpointManager:
         barrier()
         engine.save_checkpoint(self.dir, tag, state.to_client_state())
         barrier()
+        failpoint("mid_checkpoint", state.step)  # written, not yet LATEST: a torn attempt
         if rank() == 0:
             if self.config.fsync:
                 _fsync_tree(target)

@@ -181,6 +181,12 @@ class EngineConfig(StrictModel):
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
     adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
     seed: int = Field(default=0, description="torch seed set before building the engine.")
+    deterministic: bool = Field(
+        default=False,
+        description="Bit-for-bit repeatable steps on CPU: deterministic torch algorithms and "
+        "one compute thread, so the crash tests can compare weights with a run that never "
+        "crashed (slower).",
+    )
     gradient_checkpointing: bool = Field(
         default=False, description="Recompute activations in backward (less memory, slower)."
     )

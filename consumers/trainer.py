@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
 import threading
 import time
@@ -43,6 +42,8 @@ from typing import TYPE_CHECKING, Any
 from consumers.batching import StaleGroup, TopicPartition, merge_offsets
 from consumers.checkpoint import CheckpointManager, TrainerState, TrainingLedger
 from consumers.config import CheckpointConfig, TrainerConfig, checkpoint_dir, ledger_path
+from consumers.failpoint import FAILPOINT_ENV as FAILPOINT_ENV  # the crash tests set it
+from consumers.failpoint import failpoint
 from consumers.metrics import MetricsSink, data_metrics
 from consumers.ranks import (
     CheckpointOrder,
@@ -64,11 +65,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FAILPOINT_ENV = "ROLLSTREAM_TRAINER_FAILPOINT"
-"""Crash tests only: ``after_checkpoint:N`` makes the trainer SIGKILL itself right after
-checkpoint N is durable, before the ledger append and the offset commit."""
-
-
 Gathered = tuple[
     list[list[Trajectory]],
     dict[TopicPartition, int],
@@ -78,12 +74,6 @@ Gathered = tuple[
     list[tuple[str, list[str]]],
 ]
 """What ``Trainer._gather`` returns (see there)."""
-
-
-def _failpoint(name: str, step: int) -> None:
-    if os.environ.get(FAILPOINT_ENV) == f"{name}:{step}":
-        log.warning("failpoint %s:%d: killing this process", name, step)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def trainer_announcer(kafka: Mapping[str, str], config: TrainerConfig) -> Announcer:
@@ -167,6 +157,9 @@ class Trainer:
 
         cfg = self.config
         torch.manual_seed(cfg.engine.seed)
+        if cfg.engine.deterministic:  # the same records give the same weights, bit for bit
+            torch.use_deterministic_algorithms(True)
+            torch.set_num_threads(1)
         # float32 master weights; DeepSpeed casts the module for bf16 training
         model = load_model(cfg.model.spec, "float32", cache_dir=self.shared.cache_dir)
         model_cfg = model.config
@@ -284,6 +277,7 @@ class Trainer:
             store = WeightStore.from_config(self.shared.s3, self.shared.run_id, self.shared.policy)
             trust = Trust.from_config(self.shared.weights)  # no key, no training (unless allowed)
             writer = DeltaWriter.from_config(store, self.shared.weights)
+            writer.before_claim = lambda version: failpoint("mid_publish", version)
             announcer = trainer_announcer(self.kafka, cfg) if cfg.publish.announce else None
             self.publisher = Publisher(
                 writer,
@@ -560,11 +554,13 @@ class Trainer:
         if self.channel is not None:
             self.channel.scatter([CheckpointOrder(state)] * self.world)
         tag = self.checkpoints.save(self.engine, state)
-        _failpoint("after_checkpoint", self.step)
+        failpoint("after_checkpoint", self.step)
         if self.pending_stale:  # their offsets are durable now: never trained after a restart
             self.source.route_stale(self.pending_stale)
+            failpoint("after_route_stale", self.step)
         if self.ledger is not None:
             self.ledger.append(self.pending_ledger, self.pending_stale, self.pending_refused)
+            failpoint("after_ledger", self.step)
         self.pending_ledger = []
         self.pending_refused = []
         self.pending_stale = []

@@ -186,6 +186,19 @@ class ServiceProcess:
         self.pid_file.unlink(missing_ok=True)
         return True
 
+    def kill(self) -> bool:
+        """SIGKILL the process group at once, no shutdown at all (crash tests); True if
+        it was running."""
+        pid = self.pid()
+        if pid is None:
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        while pid_alive(pid):
+            time.sleep(0.05)
+        self.pid_file.unlink(missing_ok=True)
+        return True
+
 
 def pid_alive(pid: int) -> bool:
     """True while the process exists and is not a zombie."""

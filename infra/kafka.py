@@ -251,5 +251,10 @@ class EmbeddedKafka:
         """Controlled shutdown (SIGTERM); True if a broker was running."""
         return self.process.stop(timeout=60)
 
+    def kill(self) -> bool:
+        """Crash the broker (SIGKILL, no controlled shutdown): the next start recovers its
+        log directory as after a power cut. True if a broker was running."""
+        return self.process.kill()
+
     def describe_failure(self) -> str:
         return tail(self.process.log_file)

@@ -1,22 +1,24 @@
-"""Chaos: kill -9 every role in turn and restart the broker during one run, then reconcile.
+"""Chaos: kill -9 every role in turn and the broker during one run, then reconcile.
 
 One run of the whole pipeline (tiny model, ``copy-first-digit-twice``), with its own
 embedded Kafka broker and SeaweedFS store in the test's temporary directory (the broker
 must be restarted, so the session's shared one cannot be used). The roles are the
 commands ``rollstream up`` starts (``rollstream.up_plan.role_specs``), supervised with
-``core.process``. While data flows: SIGKILL and restart the producer, the engine,
-the stream worker and the trainer (between two of its checkpoints), then stop and start
-the broker on the same data directory. Then drain: stop the producer (SIGTERM), start it
-once more to deliver ``GROUPS`` groups and stop by itself (``--groups``), wait until the
-stream has an outcome for every raw record and the trainer has trained everything scored,
-and stop the trainer (it checkpoints).
+``core.process``. While data flows: SIGKILL and restart the producer, the engine, the
+stream worker and the trainer (between two of its checkpoints), then SIGKILL the broker
+and start it again on the same data directory. Then drain: stop the producer (SIGTERM),
+start it once more to deliver ``GROUPS`` groups and stop by itself (``--groups``), wait
+until the stream has an outcome for every raw record and the trainer has trained
+everything scored, and stop the trainer (it checkpoints).
 
 The reconciliation (``rollstream.audit``) must hold on the real sets: every trajectory id
 the producer ledger says was delivered is trained (trainer ledger), stale
 (``rollouts.stale``) or dead-lettered (``rollouts.dlq``); nothing is trained twice; nothing
-is trained that the producer ledger does not know. Partial groups from the producer kill
-(orphaned records) are trained as partial groups or dead-lettered as incomplete: the
-documented policy (``streams.processor``), accounted for but not counted as delivered.
+is trained that the producer ledger does not know; no scored, stale or filtered trajectory
+is there twice, and ``prompts.stats`` counts each emitted sample once. Partial groups from
+the producer kill (orphaned records) are trained as partial groups or dead-lettered as
+incomplete: the documented policy (``streams.processor``), accounted for but not counted
+as delivered.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ import dataclasses
 import os
 import signal
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support.streams import read_topic
 
 from core.process import Launcher, RoleProcess
 from infra.services import Services
@@ -37,6 +41,9 @@ from rollstream.config import RollstreamConfig, UpConfig, load_config
 from rollstream.up_display import TrainerLog
 from rollstream.up_plan import Ports, build_config, plan_policies, role_specs, write_config
 from rollstream.up_supervise import STOP_ORDER
+from schemas.codec import decode
+from schemas.control import PromptStats, prompt_key
+from schemas.group import decode_group
 
 pytestmark = pytest.mark.system
 
@@ -192,8 +199,8 @@ def test_kill_every_role_and_restart_broker_then_reconcile(
         run.wait_steps(2)
 
         assert services.kafka is not None
-        services.kafka.stop()
-        run.events.append(f"broker stopped at trainer step {run.last_step()}")
+        assert services.kafka.kill()  # a crash, not a controlled shutdown
+        run.events.append(f"broker killed (SIGKILL) at trainer step {run.last_step()}")
         time.sleep(3.0)
         services.kafka.start()
         run.events.append("broker started")
@@ -248,6 +255,7 @@ def test_kill_every_role_and_restart_broker_then_reconcile(
         run.events.append(f"{len(steps)} steps taken, {retrained} of them again after a crash")
         _print(report, run.events, time.monotonic() - started)
         _check(report)
+        _check_prompt_stats(config)
         assert retrained > 0, "the trainer was not killed between two checkpoints"
     finally:
         if run is not None:
@@ -290,3 +298,38 @@ def _check(report: AuditReport) -> None:
     assert all(n == 1 for n in report.raw.ids.values())
     assert report.problems() == []
     assert trained, "nothing was trained"
+    # no side output doubled by a crash: each stale or filtered trajectory told once
+    assert report.stale.ids and report.scored.ids and report.raw.ids
+    assert {t: n for t, n in report.stale.ids.items() if n != 1} == {}
+    assert {t: n for t, n in report.filtered.ids.items() if n != 1} == {}
+
+
+def _check_prompt_stats(config: RollstreamConfig) -> None:
+    """``prompts.stats`` counts each emitted group's samples once per prompt: the last
+    totals of each prompt (added up over the stream's partitions) equal the samples of
+    that prompt the stream emitted, to ``rollouts.scored`` or ``rollouts.filtered``."""
+    topics = config.streams.topics
+    client = config.kafka.client_config()
+    emitted: Counter[str] = Counter()
+    seen: set[str] = set()
+    for msg in read_topic(client, [topics.scored], timeout=60):
+        samples = decode_group(msg.value()).samples
+        for traj in samples:
+            assert traj.trajectory_id not in seen, f"{traj.trajectory_id} scored twice"
+            seen.add(traj.trajectory_id)
+            emitted[prompt_key(traj.prompt_ids)] += 1
+    for msg in read_topic(client, [topics.filtered], timeout=60):
+        traj = decode(msg.value())
+        assert traj.trajectory_id not in seen, f"{traj.trajectory_id} emitted twice"
+        seen.add(traj.trajectory_id)
+        emitted[prompt_key(traj.prompt_ids)] += 1
+    latest: dict[bytes, PromptStats] = {}
+    for msg in read_topic(client, [topics.prompt_stats], timeout=60):
+        stats = PromptStats.from_json(msg.value())
+        if stats.run_id == RUN:
+            latest[msg.key()] = stats
+    totals: Counter[str] = Counter()
+    for stats in latest.values():
+        totals[stats.prompt_key] += stats.samples
+    assert emitted, "nothing was emitted"
+    assert totals == emitted, {k: (totals[k], emitted[k]) for k in totals | emitted}

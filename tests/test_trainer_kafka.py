@@ -42,8 +42,8 @@ from infra.s3 import SeaweedServer, ensure_bucket
 from infra.topics import ensure_topics
 from schemas.codec import encode
 from schemas.control import DeadLetter, VersionAnnouncement
-from schemas.group import encode_group
-from schemas.topics import POLICY_VERSIONS, ROLLOUTS_DLQ, ROLLOUTS_SCORED
+from schemas.group import decode_group, encode_group
+from schemas.topics import POLICY_VERSIONS, ROLLOUTS_DLQ, ROLLOUTS_SCORED, ROLLOUTS_STALE
 from schemas.trajectory import (
     LOGPROB_DTYPE,
     SEGMENT_LENGTH_DTYPE,
@@ -80,11 +80,13 @@ def produce(
     topic: str,
     items: Iterable[tuple[bytes, bytes]],
     timestamp_ms: int = 0,
+    partition: int | None = None,
 ) -> None:
     """``timestamp_ms`` (0: now) orders records across partitions for the trainer, which
-    serves the oldest first."""
+    serves the oldest first; ``partition`` (default: by key) puts every record in one."""
     producer = Producer({**kafka.client_config(), "enable.idempotence": True})
     errors: list[object] = []
+    where = {} if partition is None else {"partition": partition}
     for key, value in items:
         producer.produce(
             topic,
@@ -92,6 +94,7 @@ def produce(
             value=value,
             timestamp=timestamp_ms,
             on_delivery=lambda e, _m: errors.append(e),
+            **where,
         )
         producer.poll(0)
     assert producer.flush(30) == 0
@@ -130,7 +133,8 @@ def trainer_config(tmp: Path, topics: dict[str, str], **extra: object) -> dict:
     return {
         # explicit, so the trainer subprocesses (which derive the rest from the profile)
         # and the in-process checks build the same engine
-        "engine": {"lr": 1e-3, "zero_stage": 1, "bf16": True},
+        # deterministic: a crash test compares its weights with a run that never crashed
+        "engine": {"lr": 1e-3, "zero_stage": 1, "bf16": True, "deterministic": True},
         "batch": {"max_groups": 2, "max_wait_s": 30.0},
         "topics": {**topics, "group_id": f"trainer-{topics['scored']}"},
         "checkpoint": {"dir": str(tmp / "ckpt"), "every": 3},
@@ -155,6 +159,20 @@ def shared_for(kafka: KafkaConfig, s3: S3Config | None = None) -> SharedConfig:
     )
 
 
+def s3_table(s3: S3Config) -> dict:
+    """``s3`` as the ``[s3]`` table of a trainer subprocess's config file."""
+    secret = s3.secret_access_key.get_secret_value() if s3.secret_access_key else None
+    table = {
+        "name": s3.name,
+        "endpoint_url": s3.endpoint_url,
+        "bucket": s3.bucket,
+        "embedded": False,
+        "access_key_id": s3.access_key_id,
+        "secret_access_key": secret,
+    }
+    return {k: v for k, v in table.items() if v is not None}
+
+
 def ids_of(groups: list[list[Trajectory]]) -> list[str]:
     return [t.trajectory_id for g in groups for t in g]
 
@@ -163,6 +181,46 @@ def restored_weights(config: TrainerConfig) -> dict[str, torch.Tensor]:
     engine = TrainEngine(load_model(config.model.spec), config.engine)
     assert CheckpointManager(config.checkpoint).load(engine) is not None
     return engine.state_dict()
+
+
+def reference_weights(
+    kafka: KafkaConfig, config: TrainerConfig, ledger_path: Path, groups: list[list[Trajectory]]
+) -> dict[str, torch.Tensor]:
+    """The weights of a trainer that never crashed: an engine built as the trainer builds
+    it (same seed, deterministic) trains, step by step, exactly the trajectories the ledger
+    says each step trained, in one micro-batch (``grad_accum_steps = 1``). The ledger fixes
+    the batches, which a second run from Kafka could form differently (fetch timing); a
+    gradient applied twice or optimiser state lost on a restart makes the crashed run's
+    weights differ from these."""
+    assert config.engine.grad_accum_steps == 1 and config.engine.deterministic
+    by_id = {t.trajectory_id: t for g in groups for t in g}
+    home = ledger_path.parent / "reference"
+    ref = config.model_copy(
+        update={
+            "checkpoint": config.checkpoint.model_copy(update={"dir": home / "ckpt"}),
+            "ledger_file": None,
+            "metrics_file": home / "metrics.jsonl",
+        }
+    )
+    trainer = Trainer(shared_for(kafka), ref)
+    threads, strict = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    try:
+        trainer._build()
+        for step, ids in TrainingLedger.read(ledger_path):
+            batch = [by_id[i] for i in ids]
+            result = trainer.runner.train_step([batch], step=step - 1, relaxed=set())
+            assert [t.trajectory_id for t in result.trained] == ids, step
+        return trainer.engine.state_dict()
+    finally:
+        trainer.sink.close()
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(strict)
+
+
+def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    differ = [name for name, value in want.items() if not torch.equal(got[name], value)]
+    assert not differ, f"weights differ from the uninterrupted reference: {differ[:5]}"
 
 
 @pytest.mark.system
@@ -502,6 +560,11 @@ def test_kill_9_between_checkpoints_then_restart_trains_each_trajectory_once(
     assert snapshot is not None
     for name, value in final.items():
         assert torch.equal(snapshot.state[name], value), name
+    # the weights are the proof: the same steps trained without a crash end identical
+    reference = reference_weights(
+        kafka_config, TrainerConfig.model_validate(trainer), ledger_path, groups
+    )
+    assert_same_weights(final, reference)
 
 
 @pytest.mark.system
@@ -560,3 +623,104 @@ def test_an_s3_outage_is_retried_without_a_version_gap(
         ]
     finally:
         server.stop()
+
+
+FAILPOINT_CASES = ("after_route_stale", "after_ledger", "mid_checkpoint", "mid_publish")
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("point", FAILPOINT_CASES)
+def test_a_kill_at_each_failpoint_loses_nothing_trains_nothing_twice_and_ends_on_the_same_weights(
+    point: str,
+    kafka_config: KafkaConfig,
+    s3_config: S3Config,
+    unique_name: Callable[[str], str],
+    tmp_path: Path,
+) -> None:
+    """A trainer SIGKILLs itself at ``point`` of step 4 (the failpoint's log line and the
+    exit by SIGKILL prove the kill landed there), then a second life runs to step 5.
+    Steps 1-3 train six version-0 groups; gathering step 4 finds two more version-0 groups
+    now over the window (set aside, routed at checkpoint 4) and trains fresh version-3
+    ones. Afterwards: the ledger holds every fresh trajectory once and the late ones once
+    as stale, the stale topic holds each late group once (twice only after a kill between
+    routing and the ledger: the documented repeat of the same decision), offsets are
+    committed to the end, the store holds versions 0-5 once each, and the final weights
+    equal those of the same steps trained without a crash."""
+    topics = make_topics(kafka_config, unique_name)
+    topics["stale"] = unique_name("rollouts.stale")
+    ensure_topics(
+        kafka_config.client_config(), [dataclasses.replace(ROLLOUTS_STALE, name=topics["stale"])]
+    )
+    first = synthetic_groups(6, seed=51, run_id=RUN, version=0)
+    late = synthetic_groups(2, seed=52, run_id=RUN, version=0)
+    fresh = synthetic_groups(4, seed=53, run_id=RUN, version=3)
+    # all in one partition: the groups are judged in the order produced, in both lives
+    # (across partitions the order depends on what each fetch brought)
+    produce(kafka_config, topics["scored"], group_records(first + late + fresh), partition=0)
+    trainer = trainer_config(
+        tmp_path,
+        topics,
+        max_steps=5,
+        staleness={"max_staleness": 2},
+        checkpoint={"dir": str(tmp_path / "ckpt"), "every": 2},
+    )
+    config = TrainerConfig.model_validate(trainer)
+    config_path = tmp_path / "rollstream.toml"
+    write_toml(
+        config_path,
+        {
+            "run_id": RUN,
+            "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
+            "s3": s3_table(s3_config),
+            "trainer": trainer,
+            "weights": {"max_delta_fraction": 1.0},
+        },
+    )
+    log_path = tmp_path / "trainer.log"
+    ledger_path = tmp_path / "ledger.jsonl"
+    checkpoints = CheckpointManager(config.checkpoint)
+    store = WeightStore.from_config(s3_config, RUN)
+
+    life = spawn(config_path, log_path, failpoint=f"{point}:4")
+    assert life.wait(180) == -signal.SIGKILL, log_path.read_text()[-4000:]
+    assert f"failpoint {point}:4: killing this process" in log_path.read_text()
+    # what the kill left behind is what that point promises
+    steps = [s for s, _ in TrainingLedger.read(ledger_path)]
+    committed_ends = end_and_committed(kafka_config, topics["scored"], config.topics.group_id)
+    if point in ("after_route_stale", "after_ledger"):
+        assert checkpoints.latest() == ("step000000004", 4)
+        assert steps == ([1, 2] if point == "after_route_stale" else [1, 2, 3, 4])
+        committed = committed_ends[1].values()
+        assert sum(max(o, 0) for o in committed) == 4  # checkpoint 2's offsets, not 4's
+    else:
+        assert checkpoints.latest() == ("step000000002", 2) and steps == [1, 2]
+    if point == "mid_checkpoint":
+        assert (checkpoints.dir / "step000000004").is_dir()  # torn: written, never LATEST
+    if point == "mid_publish":
+        assert store.versions() == [0, 1, 2, 3]  # v4's file is up, its manifest is not
+
+    second = spawn(config_path, log_path)
+    try:
+        assert second.wait(180) == 0, log_path.read_text()[-4000:]
+    finally:
+        if second.poll() is None:
+            second.kill()
+
+    ledger = TrainingLedger.read(ledger_path)
+    assert [s for s, _ in ledger] == [1, 2, 3, 4, 5]
+    trained = [i for _, ids in ledger for i in ids]
+    assert sorted(trained) == sorted(ids_of(first + fresh)), "lost or trained twice"
+    stale_ids = [i for _, ids in TrainingLedger.read_stale(ledger_path) for i in ids]
+    assert sorted(stale_ids) == sorted(ids_of(late))
+    routed_twice = 2 if point == "after_route_stale" else 1
+    records = read_all(kafka_config, topics["stale"], expected=len(late) * routed_twice)
+    routed = [s.trajectory_id for m in records for s in decode_group(m.value()).samples]
+    assert sorted(routed) == sorted(ids_of(late) * routed_twice)
+    ends, committed = end_and_committed(kafka_config, topics["scored"], config.topics.group_id)
+    assert committed[0] == ends[0] == sum(ends.values()) == 12  # the other partitions: empty
+    assert store.versions() == list(range(6))
+    final = restored_weights(config)
+    snapshot = WeightFollower(store).sync(5)
+    assert snapshot is not None
+    assert_same_weights(snapshot.state, final)
+    assert_same_weights(final, reference_weights(kafka_config, config, ledger_path, first + fresh))

@@ -25,11 +25,11 @@ from test_trainer_kafka import (
     make_topics,
     produce,
     read_all,
+    s3_table,
     trainer_config,
     wait_for_step,
     write_toml,
 )
-from test_trainer_staleness import s3_table
 
 from consumers.config import TrainerConfig
 from consumers.ranks import split_for_ranks, token_imbalance
@@ -38,6 +38,7 @@ from consumers.train_engine import TrainEngine
 from core.config import KafkaConfig, S3Config
 from core.models import load_model
 from schemas.group import decode_group
+from schemas.trajectory import Trajectory
 
 pytestmark = pytest.mark.system
 
@@ -227,6 +228,38 @@ def test_kill_9_of_one_rank_takes_the_world_down_and_a_restart_trains_each_recor
         kafka_config, topics["scored"], f"trainer-{topics['scored']}"
     )
     assert committed == ends
+
+    # the weights are the proof: a world that never crashed, fed the same batches in the
+    # order the ledger says they were trained (one partition, one step's groups after the
+    # other), ends on the same weights bit for bit
+    by_group = {g[0].group_id: g for g in first + more}
+    ordered = [by_group[gid] for gid in ledger_group_order(ledger, first + more)]
+    ref_topics = make_topics(kafka_config, unique_name)
+    produce(kafka_config, ref_topics["scored"], group_records(ordered), partition=0)
+    home = tmp_path / "reference"
+    home.mkdir()
+    reference = trainer_config(
+        home,
+        ref_topics,
+        checkpoint={"dir": str(home / "ckpt"), "every": 3},
+        publish={"every": 0, "initial": False},
+        max_steps=6,
+    )
+    path = config_file(home, kafka_config, reference)
+    uninterrupted = launch(path, home / "ranks.log")
+    assert uninterrupted.wait(300) == 0, (home / "ranks.log").read_text()[-4000:]
+    assert ledger_steps(home / "ledger.jsonl") == ledger  # the same batches, in order
+    got, want = checkpoint_weights(tmp_path / "ckpt"), checkpoint_weights(home / "ckpt")
+    assert got.keys() == want.keys()
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []
+
+
+def ledger_group_order(
+    ledger: list[tuple[int, list[str]]], groups: list[list[Trajectory]]
+) -> list[str]:
+    """The group ids in the order the ledger's steps trained their trajectories."""
+    group_of = {t.trajectory_id: t.group_id for g in groups for t in g}
+    return list(dict.fromkeys(group_of[i] for _, ids in ledger for i in ids))
 
 
 def test_two_ranks_under_zero_2_publish_versions_equal_to_their_weights(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +71,9 @@ class DeltaWriter:
         self._aliases: dict[str, str] = {}
         self._version: int | None = None
         self._base: int | None = None
+        # called with the version once its data file is uploaded, before the manifest is
+        # claimed: the trainer's crash tests kill the process there (a torn publish)
+        self.before_claim: Callable[[int], None] | None = None
 
     @classmethod
     def from_config(
@@ -156,6 +159,8 @@ class DeltaWriter:
             file_key = self.store.key(version, name)
             self.store.upload(file_key, payload)
             timings["upload"] = time.perf_counter() - clock
+            if self.before_claim is not None:
+                self.before_claim(version)
             clock = time.perf_counter()
             try:
                 manifest_key = self.store.claim(version, manifest_bytes)
