@@ -125,10 +125,11 @@ def test_smollm2_trains_calculator_episodes_and_reconciles(
     kafka_config: KafkaConfig, s3_config: S3Config, tmp_path: Path
 ) -> None:
     """A real model under the language-model profile (``--model smollm2-135m``), a few
-    steps of its agentic task: every step trains whole groups of episodes with exact old
-    logits over policy tokens and a reward signal (the answer's format alone makes a
-    zero-reward step all but impossible), and the audit reconciles. What it learns over a
-    longer run is measured in the docs."""
+    steps of its agentic task: every step trains whole groups of scored episodes with
+    exact old logits over policy tokens, and the audit reconciles. The calculator task
+    rewards exact answers only, which the untrained model rarely gives, so what is
+    asserted of the scoring is that answers were read: some episodes end with an answer
+    line (``format_ok``). What it learns over a longer run is measured in the docs."""
     config = write_config(tmp_path, kafka_config, s3_config, "smol", _SMOLLM2_BATCH)
     args = ("--model", "smollm2-135m", "--task", "arithmetic-calculator",
             "--max-steps", "2", "--groups-per-step", "2")  # fmt: skip
@@ -136,7 +137,7 @@ def test_smollm2_trains_calculator_episodes_and_reconciles(
     assert len(run.rows) == 2
     for row in run.rows:
         assert row["data/trajectories"] == 16 and row["data/exact_old_frac"] == 1.0
-        assert row["reward/mean"] > 0.0
-        assert "episode/tool_calls_total" in row and "episode/turns_mean" in row
+        assert "reward/correct_frac" in row and "episode/tool_calls_total" in row
         assert sum(v for k, v in row.items() if k.startswith("episode/end/")) == 16
+    assert sum(row["reward/format_ok_frac"] for row in run.rows) > 0.0
     assert_reconciles(run.run_dir, run.rows)

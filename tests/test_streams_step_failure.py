@@ -37,6 +37,7 @@ from support.streams import (
 from core.config import KafkaConfig
 from schemas.control import DeadLetter
 from schemas.group import decode_group
+from schemas.topics import ROLLOUTS_SCORED
 from streams.txn import STEP_FAILED_EXIT
 
 pytestmark = pytest.mark.system
@@ -60,7 +61,6 @@ def test_a_record_the_broker_refuses_aborts_its_step_and_stops_the_worker(
     client = kafka_config.client_config()
     topics = stream_topics(unique_name)
     create_stream_topics(client, topics, raw_partitions=2)
-    set_max_message_bytes(client, topics["scored"], 256)
     app_id = unique_name("app")
     config = worker_config(
         kafka_config.bootstrap_servers,
@@ -77,20 +77,25 @@ def test_a_record_the_broker_refuses_aborts_its_step_and_stops_the_worker(
         for g in range(GROUPS)
         for i in range(SIZE)
     ]
-    produce(client, topics["raw"], [keyed(t) for t in samples])
 
     def applied() -> bool:
         return all_applied(client, app_id, topics["raw"])
 
     first = WorkerProcess(config, tmp_path / "w1", name="w1").start()
     try:
+        # shrunk once the worker has checked its topics' sizes at start (it would refuse
+        # a topic declared smaller than its spec), then the records come
+        wait_until(lambda: "Ready" in first.log() or not first.alive(), 180, "w1 to start")
+        assert first.alive(), first.log()[-3000:]
+        set_max_message_bytes(client, topics["scored"], 256)
+        produce(client, topics["raw"], [keyed(t) for t in samples])
         wait_until(lambda: not first.alive() or applied(), 180, "w1 to stop on the refused record")
         left_work = not applied()  # the failed step's table writes were not committed either
         scored_before = read_topic(client, [topics["scored"]], timeout=30)
     finally:
         first.kill()
 
-    set_max_message_bytes(client, topics["scored"], 8 * 1024 * 1024)
+    set_max_message_bytes(client, topics["scored"], ROLLOUTS_SCORED.max_message_bytes)
     second = WorkerProcess(config, tmp_path / "w2", name="w2").start()
     try:
         wait_until(applied, 180, "w2 applies everything")

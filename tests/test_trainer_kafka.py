@@ -673,7 +673,7 @@ def test_a_kill_at_each_failpoint_loses_nothing_trains_nothing_twice_and_ends_on
             "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
             "s3": s3_table(s3_config),
             "trainer": trainer,
-            "weights": {"max_delta_fraction": 1.0},
+            "weights": {"max_delta_fraction": 1.0, "allow_unsigned": True},
         },
     )
     log_path = tmp_path / "trainer.log"
