@@ -183,7 +183,12 @@ def test_a_prompt_that_becomes_solved_stops_being_sampled(
         records += [t for i in range(3) for t in group(f"o{i}", OPEN, [1.0, 0.0, 1.0, 0.0])]
         produce(client, topics["raw"], [keyed(t) for t in records])
         limit = time.monotonic() + 120
-        while curriculum.skip_reason(SOLVED) != "solved":
+        def arrived() -> bool:  # every group's statistics, of both prompts
+            totals = view.get(prompt_key(OPEN))
+            solved = curriculum.skip_reason(SOLVED) == "solved"
+            return solved and totals is not None and totals.samples >= 12
+
+        while not arrived():
             assert worker.alive(), worker.log()[-3000:]
             assert time.monotonic() < limit, "the stream's statistics did not arrive"
             time.sleep(0.5)
