@@ -28,7 +28,7 @@ from functools import partial
 from typing import Any
 
 from producers.config import RolloutConfig
-from producers.ledger import Ledger
+from producers.ledger import Ledger, recover
 from producers.metrics import ProducerMetrics
 from schemas.codec import encode, routing_headers
 from schemas.topics import ROLLOUTS_RAW, producer_limits
@@ -245,7 +245,6 @@ async def recovered_publisher(
     the groups a crash left pending resolved, the topic's end offsets marked (where a
     later recovery starts looking)."""
     from core.topic_reader import end_offsets
-    from producers.ledger import recover
 
     await asyncio.to_thread(recover, ledger, client_config, rollout.topic)
     ledger.mark(await asyncio.to_thread(end_offsets, client_config, rollout.topic))
