@@ -183,6 +183,7 @@ def test_a_prompt_that_becomes_solved_stops_being_sampled(
         records += [t for i in range(3) for t in group(f"o{i}", OPEN, [1.0, 0.0, 1.0, 0.0])]
         produce(client, topics["raw"], [keyed(t) for t in records])
         limit = time.monotonic() + 120
+
         def arrived() -> bool:  # every group's statistics, of both prompts
             totals = view.get(prompt_key(OPEN))
             solved = curriculum.skip_reason(SOLVED) == "solved"

@@ -96,7 +96,7 @@ def test_up_stops_at_max_steps_and_leaves_no_role_behind(tiny_run: UpRun) -> Non
 # longer than the suite affords (80 steps reached 0.17 of the digits right against 0.10
 # for a policy that does not read it, the reward rising mostly from the format), so the
 # learning assertion stays with the single-turn run above.
-ECHO_STEPS = 30
+ECHO_STEPS = 16
 
 
 @pytest.mark.timeout(900)  # up's own 600 s, then its stop, come first

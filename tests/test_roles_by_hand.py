@@ -4,8 +4,11 @@ Every process is started from one config file, the shipped example
 (``infra/rollstream.example.toml``) with only the addresses, names and files of this test
 laid over it, as a user would: an engine and a producer in the home region, a stream
 worker, a trainer, a mirror copying versions to a second region, and a second engine and
-producer there (``produce --region``). No ``up``. The run must learn, train nothing
-staler than the window, and reconcile (``rollstream audit``) after the roles stop.
+producer there (``produce --region``). No ``up``. The run must train nothing staler than
+the window, the second region must generate with versions the mirror copied there, and
+the audit must reconcile after the roles stop. Learning through the pipeline is asserted
+by the end-to-end run of ``up`` (``tests/test_e2e_pipeline.py``): this run is the same
+pipeline, started differently, so it runs only as long as its own assertions need.
 """
 
 from __future__ import annotations
@@ -28,8 +31,7 @@ pytestmark = pytest.mark.system
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "infra" / "rollstream.example.toml"
-STEPS = 80  # as the end-to-end test of `up`: the same bar
-MIN_GAIN = 0.15
+STEPS = 24  # enough versions for the mirror to carry some to the second region
 
 
 def _store(config: S3Config) -> dict[str, object]:
@@ -107,7 +109,7 @@ def _rollstream(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def test_roles_started_by_hand_from_the_example_config_learn_and_reconcile(
+def test_roles_started_by_hand_from_the_example_config_span_two_regions_and_reconcile(
     kafka_config: KafkaConfig,
     s3_config: S3Config,
     second_s3_config: S3Config,
@@ -156,9 +158,6 @@ def test_roles_started_by_hand_from_the_example_config_learn_and_reconcile(
 
     rows = _rows(metrics)
     assert len(rows) == STEPS
-    first = sum(r["reward/mean"] for r in rows[:10]) / 10
-    last = sum(r["reward/mean"] for r in rows[-10:]) / 10
-    assert last >= first + MIN_GAIN, (first, last)
     window = tomllib.loads(config.read_text())["profile"]["staleness_window"]
     assert max(r["staleness/max"] for r in rows) <= window
 
@@ -178,11 +177,13 @@ def test_roles_started_by_hand_from_the_example_config_learn_and_reconcile(
     assert from_topic["delivery_from"] == "topic" and from_topic["producers"] == 2
     for key in ("delivered", "trained", "stale", "dlq", "missing", "problems"):
         assert from_topic[key] == figures[key], key
-    assert _regions(config) == {"home", "eu"}
+    # the second region generated under versions it read from its own store (the mirror's)
+    newest = _newest_versions(config)
+    assert set(newest) == {"home", "eu"} and newest["eu"] >= 1, newest
 
 
-def _regions(config: Path) -> set[str]:
-    """The regions the raw records of the run carry."""
+def _newest_versions(config: Path) -> dict[str, int]:
+    """The newest policy version each region's raw records were generated under."""
     from confluent_kafka import Consumer
 
     from core.topic_reader import read_range, reader_config, whole_topic
@@ -191,11 +192,11 @@ def _regions(config: Path) -> set[str]:
     loaded = load_config(config)
     topic = loaded.producers.rollout.topic
     consumer = Consumer(reader_config(loaded.kafka.client_config(), "regions"))
+    found: dict[str, int] = {}
     try:
-        found = {
-            decode(msg.value()).region
-            for msg in read_range(consumer, topic, whole_topic(consumer, topic))
-        }
+        for msg in read_range(consumer, topic, whole_topic(consumer, topic)):
+            record = decode(msg.value())
+            found[record.region] = max(found.get(record.region, -1), record.max_version)
     finally:
         consumer.close()
     return found
