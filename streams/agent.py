@@ -22,7 +22,7 @@ from streams.gaps import GapGuard
 from streams.oldlogits import OldLogitEngine
 from streams.processor import Message, Processor, Step
 from streams.txn import EffectWriter
-from streams.versions import VersionReader
+from streams.versions import VersionReader, VersionVoucher
 
 log = logging.getLogger("streams")  # the worker's logger, whichever module logs
 
@@ -84,9 +84,13 @@ class Assembler:
         executor: Executor,
         *,
         clock: Callable[[], int] = now_ms,
+        voucher: VersionVoucher | None = None,
     ) -> None:
         """``executor``: where old logits are computed (one thread: the forward passes
-        share the cores ``old_logits.torch_threads`` gives them)."""
+        share the cores ``old_logits.torch_threads`` gives them). ``voucher``: asked about
+        a record's version that no announcement has reached yet (None: such records are
+        ``future_version``)."""
+        self.voucher = voucher
         self.processor = processor
         self.engine = engine
         self.gaps = gaps
@@ -107,9 +111,19 @@ class Assembler:
                 step = self.processor.failed(msg, err)
             await self.writer.apply(step, commit=self.gaps.rereading(msg))
 
+    async def vouch_for(self, msg: Message) -> None:
+        """Before a record claiming an unannounced version is judged, ask the weight store
+        whether that version was published (off the event loop: a store read)."""
+        claimed = self.processor.unannounced_version(msg)
+        if claimed is None or self.voucher is None:
+            return
+        if await asyncio.to_thread(self.voucher.vouches, claimed):
+            self.processor.tracker.vouch(claimed)
+
     async def step(self, msg: Message) -> Step:
         """A group whose old logits fail is failed alone (every sample dead-lettered by
         ``Processor.finish``); the other groups closed by the same message go on."""
+        await self.vouch_for(msg)
         step = self.processor.handle(msg, self.clock())
         attached: dict[str, list[Trajectory]] = {}
         failed: dict[str, str] = {}

@@ -62,7 +62,13 @@ import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 
-from schemas.codec import DecodeError, decode, header_disagreements, routing_headers
+from schemas.codec import (
+    DecodeError,
+    decode,
+    header_disagreements,
+    parse_headers,
+    routing_headers,
+)
 from schemas.control import (
     DEAD_LETTER_HEADER,
     FILTERED_HEADER,
@@ -228,6 +234,21 @@ class Processor:
             self._record(step, now_ms)
         return step
 
+    def unannounced_version(self, msg: Message) -> int | None:
+        """The version a raw record's ``rs-max-version`` header claims, when it is beyond
+        every version known (announced plus the allowance, or vouched for): the weight
+        store may hold it (``streams.versions.VersionVoucher``) before its announcement
+        arrives. None otherwise, and for a message without readable routing headers (the
+        record's own checks say what is wrong with it)."""
+        if msg.topic == self.ticks_topic or self.tracker.version == NO_VERSION:
+            return None
+        try:
+            claimed = parse_headers(msg.headers).max_version
+        except DecodeError:
+            return None
+        known = self.policy.newest_known(self.tracker.version, self.tracker.vouched)
+        return claimed if claimed > known else None
+
     def finish(
         self,
         step: Step,
@@ -345,7 +366,9 @@ class Processor:
             self._drop_from_group(step, traj, now_ms)
             return
         trainer = self.tracker.version
-        verdict = self.policy.judge(traj.min_version, trainer, traj.max_version)
+        verdict = self.policy.judge(
+            traj.min_version, trainer, traj.max_version, self.tracker.vouched
+        )
         if verdict.future:
             self._reject(step, DeadLetterReason.FUTURE_VERSION, self._future_detail(traj, trainer))
             self._drop_from_group(step, traj, now_ms)
@@ -452,7 +475,9 @@ class Processor:
             else:
                 raw = self.table[sample_key(state.group_id, entry.trajectory_id)]
                 traj = decode(raw)  # validated on arrival
-            verdict = self.policy.judge(traj.min_version, version, traj.max_version)
+            verdict = self.policy.judge(
+                traj.min_version, version, traj.max_version, self.tracker.vouched
+            )
             if verdict.admitted:
                 samples.append(traj)
                 raws.append(raw)

@@ -15,16 +15,29 @@ from streams.config import StalenessConfig
 
 
 class VersionTracker:
-    """The newest trainer version announced for one run (``NO_VERSION`` until one is)."""
+    """The newest trainer version announced for one run (``NO_VERSION`` until one is):
+    the staleness clock. Beside it, ``vouched``: the newest version the weight store was
+    found to hold a genuine manifest of, ahead of the announcements (a broker outage
+    delays them); it widens what is not ``future`` and never moves the clock."""
 
     def __init__(self) -> None:
         self._version = NO_VERSION
+        self._vouched = NO_VERSION
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
 
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def vouched(self) -> int:
+        return self._vouched
+
+    def vouch(self, version: int) -> None:
+        """The store holds a genuine ``version`` (so every version before it was published)."""
+        with self._lock:
+            self._vouched = max(self._vouched, version)
 
     def observe(self, version: int) -> bool:
         """Record an announced version; returns True if it is newer than the one held."""
@@ -60,7 +73,8 @@ class StalenessPolicy:
     One clock: the newest version announced on ``policy.versions`` (``VersionTracker``).
     Staleness = that version - the record's oldest segment version, floored at 0: a
     record may come from a version up to ``future_allowance`` versions *ahead* of the
-    clock (its announcement is still on its way to the stream) and then counts as fresh
+    clock (its announcement is still on its way to the stream), or up to a version the
+    weight store vouches for (``VersionTracker.vouched``), and then counts as fresh
     (staleness 0). A record whose newest segment version is further ahead claims a
     version that was never published: ``future``. While no version is known (nothing
     announced yet) nothing can be compared: every record is admitted with staleness 0.
@@ -78,18 +92,27 @@ class StalenessPolicy:
         return trainer_version - oldest_stage * self.config.stage_versions
 
     def judge(
-        self, min_version: int, trainer_version: int, max_version: int | None = None
+        self,
+        min_version: int,
+        trainer_version: int,
+        max_version: int | None = None,
+        vouched: int = NO_VERSION,
     ) -> Verdict:
         """The verdict on a record whose segment versions span ``[min_version,
-        max_version]`` (``max_version`` defaults to ``min_version``) at ``trainer_version``."""
+        max_version]`` (``max_version`` defaults to ``min_version``) at ``trainer_version``,
+        the store vouching for versions up to ``vouched``."""
         if trainer_version == NO_VERSION:
             return Verdict(True, 0, self.config.max_staleness)
         newest = min_version if max_version is None else max_version
         limit = self.limit(trainer_version)
-        if newest > trainer_version + self.config.future_allowance:
+        if newest > self.newest_known(trainer_version, vouched):
             return Verdict(False, 0, limit, future=True)
         staleness = max(0, trainer_version - min_version)
         return Verdict(staleness <= limit, staleness, limit)
+
+    def newest_known(self, trainer_version: int, vouched: int = NO_VERSION) -> int:
+        """The newest version a record may claim without being ``future``."""
+        return max(trainer_version + self.config.future_allowance, vouched)
 
     def oldest_admitted(self, trainer_version: int) -> int:
         """Oldest version still admitted (snapshots below it can be dropped)."""

@@ -14,22 +14,29 @@ retried with back-off (``core.retry``) until it works; the thread only ends on
 ``stop``. A version whose ``on_version`` callback failed is handed to it again before
 anything newer is read. A malformed announcement, or one ``confirm`` finds no genuine
 manifest for in the weight store (``weights.trust``), is counted and skipped: it is not
-an outage, and it never moves the clock.
+an outage, and it never moves the clock. ``VersionVoucher`` answers for versions the
+announcements have not reached yet: the weight store's word.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 
+from botocore.exceptions import BotoCoreError, ClientError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from core.config import RetryConfig
 from core.retry import retrying
 from schemas.control import VersionAnnouncement
+from schemas.trajectory import NO_VERSION
 from streams.staleness import VersionTracker
 from weights.announce import AnnouncementListener
+from weights.errors import FormatError, ObjectMissing
+from weights.store import WeightStore
+from weights.trust import Trust
 
 log = logging.getLogger(__name__)
 
@@ -180,3 +187,50 @@ class VersionReader:
 class _CallbackFailed(RuntimeError):
     def __init__(self, version: int, err: Exception) -> None:
         super().__init__(f"on_version({version}) raised {type(err).__name__}: {err}")
+
+
+class VersionVoucher:
+    """Whether the weight store holds a genuine manifest of a version no announcement has
+    reached the stream with yet.
+
+    A broker outage delays announcements while producers, which follow the store, go on
+    generating with newer versions; their records then reach the stream ahead of its
+    clock. Asked about such a version, the voucher reads its manifest (``weights.trust``:
+    signed with the run's key, naming the run and version). A version found genuine is
+    remembered, with every version before it; one that is not (missing, forged, the store
+    not answering) is asked about again only after ``recheck_s``, so a stream of records
+    claiming it costs one read per interval, not one per record.
+    """
+
+    def __init__(
+        self,
+        store: WeightStore,
+        trust: Trust,
+        *,
+        recheck_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.trust = trust
+        self.recheck_s = recheck_s
+        self.clock = clock
+        self._newest = NO_VERSION
+        self._refused: dict[int, float] = {}  # version -> when it may be asked about again
+
+    def vouches(self, version: int) -> bool:
+        """Whether ``version`` was published (blocking: a store read at most)."""
+        if version <= self._newest:
+            return True
+        now = self.clock()
+        if self._refused.get(version, now) > now:
+            return False
+        try:
+            self.trust.manifest(self.store, version)
+        except (ObjectMissing, FormatError, BotoCoreError, ClientError) as err:
+            if len(self._refused) > 1024:  # claims of versions never published: forget old ones
+                self._refused.clear()
+            self._refused[version] = now + self.recheck_s
+            log.info("v%d claimed by a record is not in the weight store: %s", version, err)
+            return False
+        self._newest = version
+        return True

@@ -45,7 +45,7 @@ from streams.snapshots import (
 from streams.staleness import StalenessPolicy, VersionTracker
 from streams.topics import TABLE_NAME, changelog_name, prepare_topics
 from streams.txn import EffectWriter, Failpoint, check_faust_internals, mirror_writes
-from streams.versions import VersionReader
+from streams.versions import VersionReader, VersionVoucher
 from weights.announce import AnnouncementListener
 
 log = logging.getLogger("streams")
@@ -139,6 +139,15 @@ def announcement_check(shared: SharedConfig) -> Callable[[VersionAnnouncement], 
     )
 
 
+def store_voucher(shared: SharedConfig) -> VersionVoucher:
+    """The weight store's word on versions the announcements have not brought yet."""
+    from weights.store import WeightStore
+    from weights.trust import Trust
+
+    store = WeightStore.from_config(shared.s3, shared.run_id, shared.policy)
+    return VersionVoucher(store, Trust.from_config(shared.weights))
+
+
 class StreamWorker:
     """One stream worker: builds and wires its Faust app (``self.app``) on construction.
 
@@ -184,7 +193,12 @@ class StreamWorker:
         )
         self.gaps = self._make_gap_guard()
         self.assembler = Assembler(
-            self.processor, self.old_logits.engine, self.gaps, self.writer, executor
+            self.processor,
+            self.old_logits.engine,
+            self.gaps,
+            self.writer,
+            executor,
+            voucher=store_voucher(shared),
         )
         ticks = next(s for s in self.topic_specs if s.name == config.ticks_topic)
         self._ticks = Producer({**self.kafka, **producer_limits(ticks), "linger.ms": 0})

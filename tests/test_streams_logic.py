@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from support.streams import synthetic
 
-from schemas.codec import MAGIC, encode
+from schemas.codec import MAGIC, encode, routing_headers
 from schemas.control import DeadLetter, StaleRecord
 from schemas.group import decode_group
 from schemas.trajectory import NO_VERSION
@@ -461,6 +461,31 @@ def test_versions_never_published_are_dead_lettered() -> None:
     group = decode_group(out.value)
     assert [s.sample_index for s in group.samples] == [0, 2]
     assert [d.staleness for d in group.diagnostics] == [0, 1]  # never negative
+
+
+def test_a_version_the_store_vouches_for_is_fresh_and_the_clock_stays() -> None:
+    """A broker outage delays announcements while producers follow the weight store: a
+    record of a version the store holds reaches the stream ahead of its clock. The agent
+    asks the store (``streams.versions.VersionVoucher``); vouched for, the record is
+    admitted as fresh, and the clock staleness is measured against does not move."""
+    h = Harness(staleness={"max_staleness": 2, "future_allowance": 1})
+    h.tracker.observe(10)
+    ahead = synthetic(run_id=RUN, group_id="g", group_size=2, sample_index=0, versions=(14,))
+    msg = Message(RAW, 0, 0, b"g", encode(ahead), tuple(routing_headers(ahead)))
+    h.offsets[(RAW, 0)] = 0
+    assert h.processor.unannounced_version(msg) == 14
+    assert h.processor.unannounced_version(dataclasses.replace(msg, headers=())) is None
+    h.tracker.vouch(14)
+    assert h.processor.unannounced_version(msg) is None
+    h.deliver(msg)
+    h.sample(group_id="g", group_size=2, sample_index=1, versions=(9,))
+    assert h.dead_letters() == []
+    (out,) = h.on("rollouts.scored")
+    assert [d.staleness for d in decode_group(out.value).diagnostics] == [0, 1]
+    assert h.tracker.version == 10  # the clock: still the newest announcement
+    # beyond what the store vouched for: a version never published
+    h.sample(group_id="g2", group_size=1, sample_index=0, versions=(15,))
+    assert [d.reason for d in h.dead_letters()] == ["future_version"]
 
 
 def test_a_version_unknown_on_arrival_is_judged_when_the_group_closes() -> None:

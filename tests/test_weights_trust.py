@@ -43,7 +43,7 @@ from schemas.control import VersionAnnouncement
 from schemas.topics import TopicSpec
 from streams.snapshots import FollowerSource, VersionUnavailable
 from streams.staleness import VersionTracker
-from streams.versions import VersionReader
+from streams.versions import VersionReader, VersionVoucher
 from weights.announce import Announcer
 from weights.errors import RefusalReason, VersionRefused
 from weights.follower import WeightFollower
@@ -367,3 +367,29 @@ def test_unsigned_configs_must_say_so(tmp_path: Path) -> None:
     signer_only = Trust.from_config(WeightsConfig(signing_key=private))
     assert signer_only.public_key is not None
     assert orjson.dumps(WeightsConfig().model_dump(mode="json"))  # the field is plain config
+
+
+def test_the_stream_asks_the_store_about_unannounced_versions(
+    s3_config: S3Config, tmp_path: Path
+) -> None:
+    """``VersionVoucher``: a genuine version (and every one before it) is vouched for; a
+    forged or missing one is not, and is asked about again only after ``recheck_s``."""
+    private, public = keypair(tmp_path)
+    store = store_for(s3_config)
+    writer = DeltaWriter(store, signing_key=load_private_key(private))
+    states = [tiny_state()]
+    for version in range(3):
+        writer.publish(states[-1], version)
+        states.append(step(states[-1], seed=version + 1))
+    forge(store, 3, like=2)  # unsigned
+    now = [0.0]
+    voucher = VersionVoucher(
+        store_for(s3_config, store.run), Trust(load_public_key(public)), clock=lambda: now[0]
+    )
+    assert voucher.vouches(2) and voucher.vouches(0)
+    assert not voucher.vouches(3)  # forged
+    assert not voucher.vouches(4)  # not published yet
+    writer.publish(states[-1], 4)
+    assert not voucher.vouches(4)  # asked too soon: the last answer stands
+    now[0] += voucher.recheck_s
+    assert voucher.vouches(4)
