@@ -200,8 +200,14 @@ def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> E
     run_dir = state / "runs" / run_id
     tmp.mkdir(parents=True, exist_ok=True)
     base = tmp / "base.toml"
-    # A killed stream worker's partitions move after its session times out.
-    base.write_text(to_toml({"state_dir": str(state), "streams": {"session_timeout_s": 10.0}}))
+    # A killed stream worker's partitions move after its session times out; it is told
+    # silent after three missed heartbeats.
+    settings = {
+        "state_dir": str(state),
+        "streams": {"session_timeout_s": 10.0},
+        "presence": {"interval_s": 2.0},
+    }
+    base.write_text(to_toml(settings))
     report = ElasticReport(run_id, run_dir)
     logs = tmp / "logs"
     logs.mkdir(parents=True, exist_ok=True)

@@ -622,6 +622,9 @@ def _spawn(
             progress = false
             follow_weights = false
             stop_policy = "{stop_policy}"
+            # no trainer: credit for as many groups as asked, so that generation never
+            # pauses on it and groups are in flight whenever the signal comes
+            groups_per_version = {groups}
             """
         )
     )
