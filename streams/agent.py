@@ -118,6 +118,8 @@ class Assembler:
         if claimed is None or self.voucher is None:
             return
         if await asyncio.to_thread(self.voucher.vouches, claimed):
+            if claimed > self.processor.tracker.vouched:
+                log.info("v%d is in the weight store ahead of its announcement", claimed)
             self.processor.tracker.vouch(claimed)
 
     async def step(self, msg: Message) -> Step:
