@@ -79,8 +79,9 @@ class StalenessConfig(StrictModel):
         default=1,
         ge=0,
         description="How many versions a record may be ahead of the newest announced "
-        "version (its announcement still on its way); further ahead: dead-lettered as "
-        "future_version. Such records count as staleness 0.",
+        "version (its announcement still on its way); further ahead, unless the weight "
+        "store holds the version's genuine manifest: dead-lettered as future_version. "
+        "Such records count as staleness 0.",
     )
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from botocore.exceptions import BotoCoreError, ClientError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from core.config import RetryConfig
+from core.config import ConfigurationError, RetryConfig
 from core.retry import retrying
 from schemas.control import VersionAnnouncement
 from schemas.trajectory import NO_VERSION
@@ -199,18 +199,21 @@ class VersionVoucher:
     signed with the run's key, naming the run and version). A version found genuine is
     remembered, with every version before it; one that is not (missing, forged, the store
     not answering) is asked about again only after ``recheck_s``, so a stream of records
-    claiming it costs one read per interval, not one per record.
+    claiming it costs one read per interval, not one per record. The store is made on the
+    first question (``store``: a factory), so a worker whose run never needs one (no
+    record ever ahead of the clock) starts without S3.
     """
 
     def __init__(
         self,
-        store: WeightStore,
+        store: Callable[[], WeightStore],
         trust: Trust,
         *,
         recheck_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.store = store
+        self._make_store = store
+        self._store: WeightStore | None = None
         self.trust = trust
         self.recheck_s = recheck_s
         self.clock = clock
@@ -225,8 +228,10 @@ class VersionVoucher:
         if self._refused.get(version, now) > now:
             return False
         try:
-            self.trust.manifest(self.store, version)
-        except (ObjectMissing, FormatError, BotoCoreError, ClientError) as err:
+            if self._store is None:
+                self._store = self._make_store()
+            self.trust.manifest(self._store, version)
+        except (ObjectMissing, FormatError, BotoCoreError, ClientError, ConfigurationError) as err:
             if len(self._refused) > 1024:  # claims of versions never published: forget old ones
                 self._refused.clear()
             self._refused[version] = now + self.recheck_s

@@ -144,8 +144,10 @@ def store_voucher(shared: SharedConfig) -> VersionVoucher:
     from weights.store import WeightStore
     from weights.trust import Trust
 
-    store = WeightStore.from_config(shared.s3, shared.run_id, shared.policy)
-    return VersionVoucher(store, Trust.from_config(shared.weights))
+    return VersionVoucher(
+        lambda: WeightStore.from_config(shared.s3, shared.run_id, shared.policy),
+        Trust.from_config(shared.weights),
+    )
 
 
 class StreamWorker:

@@ -384,7 +384,9 @@ def test_the_stream_asks_the_store_about_unannounced_versions(
     forge(store, 3, like=2)  # unsigned
     now = [0.0]
     voucher = VersionVoucher(
-        store_for(s3_config, store.run), Trust(load_public_key(public)), clock=lambda: now[0]
+        lambda: store_for(s3_config, store.run),
+        Trust(load_public_key(public)),
+        clock=lambda: now[0],
     )
     assert voucher.vouches(2) and voucher.vouches(0)
     assert not voucher.vouches(3)  # forged
