@@ -129,10 +129,11 @@ def test_smollm2_trains_calculator_episodes_and_reconciles(
 ) -> None:
     """A real model under the language-model profile (``--model smollm2-135m``), a few
     steps of its agentic task: every step trains whole groups of scored episodes with
-    exact old logits over policy tokens, and the audit reconciles. The calculator task
-    rewards exact answers only, which the untrained model rarely gives, so what is
-    asserted of the scoring is that answers were read: some episodes end with an answer
-    line (``format_ok``). What it learns over a longer run is measured in the docs."""
+    exact old logits over policy tokens, and the audit reconciles. What the untrained
+    model answers is luck (a run of 16 episodes may hold no ``Answer:`` line at all), so
+    what is asserted of the scoring is that every episode was scored: its flags reach the
+    step's metrics. How scoring reads answers is tested in test_producers_tasks; what the model
+    learns over a longer run is measured in the docs."""
     config = write_config(tmp_path, kafka_config, s3_config, "smol", _SMOLLM2_BATCH)
     args = ("--model", "smollm2-135m", "--task", "arithmetic-calculator",
             "--max-steps", "2", "--groups-per-step", "1")  # fmt: skip
@@ -142,5 +143,5 @@ def test_smollm2_trains_calculator_episodes_and_reconciles(
         assert row["data/trajectories"] == 8 and row["data/exact_old_frac"] == 1.0
         assert "reward/correct_frac" in row and "episode/tool_calls_total" in row
         assert sum(v for k, v in row.items() if k.startswith("episode/end/")) == 8
-    assert sum(row["reward/format_ok_frac"] for row in run.rows) > 0.0
+        assert 0.0 <= row["reward/format_ok_frac"] <= 1.0
     assert_reconciles(run.run_dir, run.rows)
