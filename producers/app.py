@@ -85,7 +85,9 @@ async def run_producer(
         tokenizer = None
         vocab_size: int | None = None  # an engine's vocabulary, to check observations against
         if rollout.engine_url:
-            backend = await http_backend(rollout, producers.engine, directory / "weights")
+            backend = await http_backend(
+                rollout, producers.engine, directory / "weights", config.cache_dir
+            )
         else:
             local = await local_backend(producers.engine, config.cache_dir, rollout.initial_version)
             tokenizer, vocab_size = local.engine.tokenizer, local.engine.vocab_size

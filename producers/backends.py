@@ -8,9 +8,10 @@ worker has one code path. New policy versions arrive as ``(version, state_dict)`
 - ``HttpBackend`` writes ``<weights_dir>/v<version>/model.safetensors`` and asks the
   engine to ``/update_weights_from_disk`` it with ``weight_version=str(version)`` and the
   file's sha256 (the engine loads nothing else); the engine must see ``weights_dir``
-  (same host or a shared volume) below its own ``[producers.engine] weights_dir``. For a real SGLang
-  server pass ``template_dir``: its non-weight files (config.json, tokenizer files) are
-  copied next to the weights so the directory is a complete checkpoint.
+  (same host or a shared volume) below its own ``[producers.engine] weights_dir``. The
+  model's other files (config, generation config, tokenizer: ``core.model_files``) are
+  copied next to the weights from ``template_dir``, so each version directory is a
+  complete Hugging Face checkpoint, as a real SGLang server needs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from typing import Any, Protocol
 
 from producers.client import EngineClient, GenerateOutput, parse_generate_response
 from producers.config import EngineConfig, RolloutConfig
+
+#: Where ``http_backend`` keeps the model's non-weight files, below the weights directory.
+MODEL_FILES_DIR = "model-files"
 
 
 class Backend(Protocol):
@@ -155,11 +159,13 @@ async def local_backend(
 
 
 async def http_backend(
-    rollout: RolloutConfig, engine: EngineConfig, weights_dir: Path
+    rollout: RolloutConfig, engine: EngineConfig, weights_dir: Path, cache_dir: Path
 ) -> HttpBackend:
     """The engine at ``rollout.engine_url``, checked to serve ``engine.model`` (or
     ``rollout.expected_model``) and called with ``engine.api_key``; new versions go
-    through ``weights_dir``."""
+    through ``weights_dir``, each with the model's files from ``weights_dir/model-files``."""
+    from core.model_files import write_model_files
+
     key = engine.api_key.get_secret_value() if engine.api_key is not None else None
     client = EngineClient(
         rollout.engine_url or "",
@@ -170,4 +176,6 @@ async def http_backend(
         api_key=key,
     )
     await client.check_model(rollout.expected_model or engine.model)
-    return HttpBackend(client, weights_dir)
+    template = Path(weights_dir) / MODEL_FILES_DIR
+    await asyncio.to_thread(write_model_files, engine.model, template, cache_dir)
+    return HttpBackend(client, weights_dir, template_dir=template)

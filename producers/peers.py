@@ -311,7 +311,9 @@ class PeerSide:
         directory = ledger_dir(peer.state_dir, peer.run_id, self.producer_id, name)
         backend: Backend
         if rollout.engine_url:
-            backend = await http_backend(rollout, producers.engine, directory / "weights")
+            backend = await http_backend(
+                rollout, producers.engine, directory / "weights", peer.cache_dir
+            )
         else:
             backend = await local_backend(producers.engine, peer.cache_dir, rollout.initial_version)
         self._on_close(f"engine of {name}", backend.aclose)

@@ -196,6 +196,7 @@ def topics_ensure(config: RollstreamConfig) -> None:
 def _register_role_commands() -> None:
     """Sub-commands that live with their role; importing them does not import torch."""
     from rollstream.audit import audit_command
+    from rollstream.export import export
     from rollstream.inspect_group import inspect_group
     from rollstream.produce_cli import produce, serve
     from rollstream.replay import replay
@@ -208,7 +209,7 @@ def _register_role_commands() -> None:
 
     for command in (weights, serve, produce, stream, train, up):
         main.add_command(command)
-    for command in (replay, inspect_group, report, audit_command, roles_command):
+    for command in (replay, inspect_group, report, audit_command, roles_command, export):
         main.add_command(command)
 
 
