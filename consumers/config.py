@@ -147,6 +147,19 @@ class PpoConfig(StrictModel):
         return self.epochs * self.minibatches
 
 
+#: ``transformers.get_scheduler`` names that need no arguments besides the step counts.
+LrSchedulerName = Literal[
+    "constant",
+    "constant_with_warmup",
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "inverse_sqrt",
+]
+DECAYING_SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial")
+
+
 class EngineConfig(StrictModel):
     """The DeepSpeed engine and its AdamW optimiser."""
 
@@ -176,7 +189,24 @@ class EngineConfig(StrictModel):
     grad_clip: float | None = Field(
         default=1.0, gt=0, description="Clip the global gradient norm at this value; empty: off."
     )
-    lr: float = Field(default=1e-5, gt=0, description="AdamW learning rate (constant).")
+    lr: float = Field(
+        default=1e-5, gt=0, description="AdamW learning rate: the peak of lr_scheduler."
+    )
+    lr_scheduler: LrSchedulerName = Field(
+        default="constant",
+        description="transformers.get_scheduler name, stepped once per optimiser step: "
+        "constant, constant_with_warmup, linear, cosine, cosine_with_restarts, polynomial, "
+        "inverse_sqrt. Its position is saved with each checkpoint.",
+    )
+    warmup_steps: int = Field(
+        default=0, ge=0, description="Optimiser steps of linear warmup from 0 to lr."
+    )
+    decay_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="Optimiser steps over which linear, cosine, cosine_with_restarts and "
+        "polynomial decay to 0 (warmup included); required by those schedules.",
+    )
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
     adam_eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
@@ -197,6 +227,22 @@ class EngineConfig(StrictModel):
             "zero_optimization.offload_optimizer). Use with care."
         ),
     )
+
+    @model_validator(mode="after")
+    def _decay_has_a_length(self) -> EngineConfig:
+        """A decaying schedule without its length would decay over a default nobody chose."""
+        if self.lr_scheduler in DECAYING_SCHEDULES:
+            if self.decay_steps is None:
+                raise ValueError(
+                    f"lr_scheduler = {self.lr_scheduler!r} decays over decay_steps: set "
+                    "[trainer.engine] decay_steps (optimiser steps, warmup included)"
+                )
+            if self.decay_steps <= self.warmup_steps:
+                raise ValueError(
+                    f"decay_steps ({self.decay_steps}) must exceed warmup_steps "
+                    f"({self.warmup_steps})"
+                )
+        return self
 
 
 class ApproxConfig(StrictModel):

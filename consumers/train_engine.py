@@ -18,13 +18,14 @@ import copy
 import datetime
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from consumers.build_lock import extensions_dir, extensions_root, preload_ops
-from consumers.config import EngineConfig
+from consumers.config import DECAYING_SCHEDULES, EngineConfig
 from core.config import merge_tables
 from core.models import cast_parameters
 from core.process import free_port
@@ -111,6 +112,40 @@ def deepspeed_config(config: EngineConfig) -> dict[str, Any]:
     return merge_tables(ds, config.deepspeed)
 
 
+def lr_schedule(optimizer: torch.optim.Optimizer, config: EngineConfig) -> Any:
+    """``config``'s ``transformers.get_scheduler`` schedule over ``optimizer``, or ``None``
+    for a constant rate without warmup (DeepSpeed then keeps ``lr`` as it is). DeepSpeed
+    steps it at every optimiser step and saves its position in each checkpoint."""
+    if config.lr_scheduler == "constant" and config.warmup_steps == 0:
+        return None
+    from transformers import get_scheduler
+
+    name = config.lr_scheduler
+    if name == "constant" and config.warmup_steps:
+        name = "constant_with_warmup"  # warmup asked for on a constant rate
+    schedule = get_scheduler(
+        name,
+        optimizer,
+        num_warmup_steps=config.warmup_steps,
+        num_training_steps=config.decay_steps,
+    )
+    if config.lr_scheduler in DECAYING_SCHEDULES and config.decay_steps is not None:
+        # transformers' cosine rises again past its end: an RL run outlasting decay_steps
+        # keeps the final rate instead
+        schedule.lr_lambdas = [_held_after(f, config.decay_steps) for f in schedule.lr_lambdas]
+    return schedule
+
+
+def _held_after(factor: Callable[[int], float], end: int) -> Callable[[int], float]:
+    """``factor`` up to step ``end``, then its value at ``end``. A plain function, so
+    LambdaLR leaves it out of its state dict (the checkpoint keeps only the position)."""
+
+    def held(step: int) -> float:
+        return factor(min(step, end))
+
+    return held
+
+
 class TrainEngine:
     """A DeepSpeed engine plus what the trainer asks of it.
 
@@ -141,7 +176,10 @@ class TrainEngine:
             weight_decay=config.weight_decay,
         )
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=deepspeed_config(config)
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=lr_schedule(optimizer, config),
+            config=deepspeed_config(config),
         )
         self.dtype = next(self.engine.module.parameters()).dtype
 

@@ -3,11 +3,13 @@ complete; the training ledger repairs torn lines and is reconciled from a checkp
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import orjson
 import pytest
 import torch
+from pydantic import ValidationError
 from support.synthetic import synthetic_groups
 
 from consumers.checkpoint import (
@@ -141,3 +143,71 @@ def test_ledger_appends_once_repairs_torn_lines_and_reconciles(tmp_path: Path) -
         (4, ["e"]),
         (5, ["f"]),
     ]
+
+
+def _cosine_with_warmup(step: int, peak: float, warmup: int, decay: int) -> float:
+    """The rate after ``step`` optimiser steps, written out independently of transformers."""
+    if step < warmup:
+        return peak * step / warmup
+    progress = min(1.0, (step - warmup) / (decay - warmup))  # held at the end
+    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def test_a_warmup_and_cosine_schedule_steps_per_optimiser_step_and_resumes_from_a_checkpoint(
+    tmp_path: Path,
+) -> None:
+    peak, warmup, decay = 1e-3, 2, 6
+    config = TrainerConfig.model_validate(
+        {
+            "engine": {
+                "lr": peak,
+                "lr_scheduler": "cosine",
+                "warmup_steps": warmup,
+                "decay_steps": decay,
+            },
+            "checkpoint": {"dir": str(tmp_path / "ck")},
+        }
+    )
+    engine, runner = build(config)
+    records = [t for g in synthetic_groups(2, seed=2, status="missing") for t in g]
+    assert engine.lr() == 0.0  # warmup starts from nothing
+    rates = []
+    for step in (1, 2, 3):
+        result = runner.train_step([records])
+        rates.append(result.metrics["optim/lr"])
+        state = TrainerState(step=step, offsets={}, ledger=[], runner=runner.state_dict())
+        CheckpointManager(config.checkpoint).save(engine, state)
+    expected = [_cosine_with_warmup(s, peak, warmup, decay) for s in (1, 2, 3)]
+    assert rates == pytest.approx(expected, rel=1e-9)
+    assert rates[1] == pytest.approx(peak)  # the peak right after warmup
+
+    fresh, fresh_runner = build(config)  # a restart: the schedule goes on where it was
+    CheckpointManager(config.checkpoint).load(fresh)
+    assert fresh.lr() == pytest.approx(expected[-1], rel=1e-9)
+    for step in (4, 5, 6, 7):
+        rate = fresh_runner.train_step([records]).metrics["optim/lr"]
+        assert rate == pytest.approx(_cosine_with_warmup(step, peak, warmup, decay), abs=1e-12)
+    assert fresh.lr() == pytest.approx(0.0, abs=1e-12)  # decayed at decay_steps; stays
+
+
+@pytest.mark.parametrize(
+    ("engine", "error"),
+    [
+        ({"lr_scheduler": "cosine"}, "decays over decay_steps"),
+        ({"lr_scheduler": "linear", "warmup_steps": 5, "decay_steps": 5}, "must exceed"),
+        ({"lr_scheduler": "exponential"}, "lr_scheduler"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"lr_scheduler": "cosine", "decay_steps": "soon"}, "decay_steps"),
+        ({"lr_scheduler": None}, "lr_scheduler"),
+    ],
+)
+def test_a_bad_schedule_is_a_config_error_naming_it(engine: dict, error: str) -> None:
+    with pytest.raises(ValidationError, match=error):
+        TrainerConfig.model_validate({"engine": engine})
+
+
+def test_a_constant_rate_without_warmup_adds_no_scheduler() -> None:
+    """The default leaves DeepSpeed's optimiser as it was: checkpoints made before
+    schedules existed still load."""
+    engine, _ = build(TrainerConfig.model_validate({"engine": {"lr": 2e-4}}))
+    assert engine.engine.lr_scheduler is None and engine.lr() == 2e-4
