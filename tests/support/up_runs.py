@@ -47,6 +47,7 @@ def write_config(
         "kafka": {"bootstrap_servers": kafka.bootstrap_servers},
         "s3": s3.model_dump(mode="python"),
         "weights": {"topic": versions},
+        "presence": {"topic": f"rollstream.roles-{suffix}"},
         "producers": {"rollout": {"topic": topics["raw"]}},
         "streams": {"topics": {**topics, "versions": versions}},
         "trainer": {
