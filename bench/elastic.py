@@ -3,9 +3,8 @@ audit at the end.
 
 Run from the repository root: ``python -m bench.elastic [--phase-s 60]``.
 
-On its own embedded broker and store (or on the services of the tables it is given),
-``rollstream up`` runs the tiny default (one engine, producer, stream worker and
-trainer). Then, as a user on another machine would,
+On its own embedded broker and store, ``rollstream up`` runs the tiny default (one
+engine, producer, stream worker and trainer). Then, as a user on another machine would,
 with nothing but the run's config file:
 
 1. **before**: ``phase_s`` seconds of the run as started;
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.config import merge_tables, to_toml
+from core.config import to_toml
 from core.process import free_port
 from rollstream.config import RollstreamConfig, load_config
 
@@ -190,15 +189,8 @@ def _joined_records(config: RollstreamConfig, producer_id: str) -> list[int]:
     return versions
 
 
-def run_elastic(
-    tmp: Path,
-    phase_s: float = 60.0,
-    timeout_s: float = 600.0,
-    services: dict[str, Any] | None = None,
-) -> ElasticReport:
-    """The scenario of the module doc on fresh embedded services under ``tmp``, or on
-    running ones: ``services`` are config tables (``kafka``, ``s3``, topic names) under
-    the scenario's own settings."""
+def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> ElasticReport:
+    """The scenario of the module doc on fresh embedded services under ``tmp``."""
     from infra.services import Services
     from producers.ledger import LEDGER_NAME, read_ledger
     from rollstream.roles import run_roles
@@ -215,8 +207,7 @@ def run_elastic(
         "streams": {"session_timeout_s": 10.0},
         "presence": {"interval_s": 2.0},
     }
-    embedded = services is None
-    base.write_text(to_toml(merge_tables(services or {}, settings)))
+    base.write_text(to_toml(settings))
     report = ElasticReport(run_id, run_dir)
     logs = tmp / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -306,11 +297,8 @@ def run_elastic(
         if up.poll() is None:
             up.send_signal(signal.SIGTERM)
         report.up_exit = up.wait(180)
-    config_path = run_dir / "rollstream.toml"
-    if not embedded:
-        report.audit = _rollstream_json(config_path, "audit")
-        return report
     # `up` stopped the embedded services it started: the run's file brings them back.
+    config_path = run_dir / "rollstream.toml"
     subprocess.run(
         [sys.executable, "-m", "rollstream", "--config", str(config_path), "infra", "up"],
         env=_env(), capture_output=True, timeout=180, check=True,

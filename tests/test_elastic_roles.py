@@ -3,20 +3,16 @@ run's config, then leave: one by SIGTERM, one by SIGKILL. Nothing is lost or tra
 twice (the audit), the presence topic tells who is there, the joined producer starts at
 the current version and says in its ledger what it did with its groups in flight.
 
-The scenario is ``bench.elastic`` (which prints the throughput of each phase), run short
-on the session's broker and store.
+The scenario is ``bench.elastic`` (which prints the throughput of each phase), run short.
 """
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
-from support.up_runs import write_config
 
 from bench.elastic import run_elastic
-from core.config import KafkaConfig, S3Config
 
 pytestmark = pytest.mark.system
 
@@ -25,11 +21,8 @@ def _instances(roles: dict, state: str, role: str) -> list[str]:
     return sorted(b["instance"] for b in roles[state] if b["role"] == role)
 
 
-def test_a_producer_and_a_stream_worker_join_and_leave_a_running_run(
-    kafka_config: KafkaConfig, s3_config: S3Config, tmp_path: Path
-) -> None:
-    services = tomllib.loads(write_config(tmp_path, kafka_config, s3_config, "elastic").read_text())
-    report = run_elastic(tmp_path / "elastic", phase_s=8.0, timeout_s=300.0, services=services)
+def test_a_producer_and_a_stream_worker_join_and_leave_a_running_run(tmp_path: Path) -> None:
+    report = run_elastic(tmp_path, phase_s=8.0, timeout_s=300.0)
     for phase in report.phases:
         print(phase)  # the figures, in the test's output
 
