@@ -121,8 +121,8 @@ def lr_schedule(optimizer: torch.optim.Optimizer, config: EngineConfig) -> Any:
     from transformers import get_scheduler
 
     name = config.lr_scheduler
-    if name == "constant" and config.warmup_steps:
-        name = "constant_with_warmup"  # warmup asked for on a constant rate
+    if name == "constant":  # with warmup, as the early return leaves only that case
+        name = "constant_with_warmup"
     schedule = get_scheduler(
         name,
         optimizer,

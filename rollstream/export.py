@@ -63,14 +63,13 @@ def export_version(
     from core.models import cast_parameters, load_model, torch_dtype
     from producers.engine_weights import load_state_dict_checked
     from weights.errors import VersionRefused
-    from weights.follower import WeightFollower
 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"{out} exists and is not an empty directory: choose a new one")
     if dtype is not None:
         torch_dtype(dtype)  # a clear error before anything is read
     try:
-        snapshot = WeightFollower.from_config(weights.store(), weights.trusted()).sync(version)
+        snapshot = weights.follower().sync(version)
     except VersionRefused as err:
         raise ExportError(str(err)) from None
     if snapshot is None:

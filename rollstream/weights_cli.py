@@ -51,6 +51,12 @@ class WeightsContext:
 
         return WeightStore.from_config(self.s3(region), self.run, self.config.policy)
 
+    def follower(self) -> Any:
+        """A follower of the region's store that verifies as every role's does."""
+        from weights.follower import WeightFollower
+
+        return WeightFollower.from_config(self.store(), self.trusted())
+
 
 def load_settings(
     path: Path | None, policy: str | None = None
@@ -139,12 +145,6 @@ def show(ctx: WeightsContext, version: int) -> None:
     click.echo(orjson.dumps(orjson.loads(data), option=orjson.OPT_INDENT_2).decode())
 
 
-def _follower(ctx: WeightsContext) -> Any:
-    from weights.follower import WeightFollower
-
-    return WeightFollower.from_config(ctx.store(), ctx.trusted())
-
-
 @weights.command("pull")
 @click.argument("version", type=int, required=False)
 @click.option(
@@ -163,7 +163,7 @@ def pull(ctx: WeightsContext, version: int | None, output: Path) -> None:
     from weights.format import base_payload
 
     try:
-        snapshot = _follower(ctx).sync(version)
+        snapshot = ctx.follower().sync(version)
     except VersionRefused as err:
         raise click.ClickException(str(err)) from None
     if snapshot is None:
@@ -182,7 +182,7 @@ def verify(ctx: WeightsContext, start: int | None) -> None:
     from weights.errors import VersionRefused
 
     store = ctx.store()
-    follower = _follower(ctx)
+    follower = ctx.follower()
     bad = 0
     for version in store.versions():
         if start is not None and version < start:
