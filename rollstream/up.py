@@ -46,6 +46,7 @@ from rollstream.up_display import Dashboard, fmt, trainer_logs
 from rollstream.up_plan import (
     Ports,
     build_config,
+    check_models,
     plan_policies,
     role_specs,
     start_groups_at_end,
@@ -207,6 +208,10 @@ def up(ctx: click.Context, run_id: str | None, run_dir: Path | None, **options: 
     up_config = with_options(config.up, given)
     run_id = run_id or _default_run_id(config)
     run_dir = (run_dir or config.state_dir / "runs" / run_id).absolute()
+    try:
+        check_models(config)
+    except ConfigurationError as err:
+        raise click.UsageError(str(err)) from err
     result = run_up(config, up_config, run_id, run_dir)
     click.echo(
         f"{result.reason}: {result.steps} steps in {result.seconds:.0f}s, mean reward "

@@ -22,7 +22,7 @@ from typing import Any
 import click
 from pydantic import BaseModel
 
-from core.config import merge_tables, to_toml
+from core.config import ConfigurationError, merge_tables, to_toml
 from core.process import RoleSpec
 from rollstream.config import RollstreamConfig, UpConfig
 from rollstream.profiles import ProfileConfig, profile_sections
@@ -196,6 +196,24 @@ def write_config(config: RollstreamConfig, path: Path) -> None:
             f"{path} does not read back as the config it was written from "
             "(a value TOML cannot hold, such as an explicit empty optional)"
         )
+
+
+def check_models(config: RollstreamConfig) -> None:
+    """Resolve every model the run's roles name on this machine, before anything starts:
+    a Hub id missing from the cache or a directory that is not a checkpoint is a
+    ``ConfigurationError`` naming it, not a role that dies after the services came up."""
+    from core.models import model_directory
+
+    specs: set[str] = set()
+    for view in policy_views(config).values():
+        specs.update(
+            (view.trainer.model.spec, view.streams.old_logits.model, view.producers.engine.model)
+        )
+    for spec in sorted(specs):
+        try:
+            model_directory(spec, config.cache_dir)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigurationError(str(exc)) from exc
 
 
 # --- the run's policies ------------------------------------------------------------------

@@ -19,6 +19,7 @@ from support.synthetic import synthetic_groups
 from consumers.batching import pack
 from consumers.batching import response_logprobs as trainer_logprobs
 from consumers.config import TrainerConfig
+from core.config import ConfigurationError
 from consumers.train_engine import TrainEngine
 from core.logprobs import response_logprobs_tensor
 from core.models import (
@@ -223,6 +224,8 @@ def test_spec_grammar_and_canonical_names() -> None:
         ("tiny:seed=1,seed=2", "given twice"),
         ("smollm2:q=4", "takes no options"),
         ("./no/such/checkpoint", "is not a directory"),
+        ("org/name:trust=yes", "not a Hub option"),
+        ("org/name:trust_remote_code=maybe", "must be true or false"),
     ],
 )
 def test_bad_specs_are_clear_errors(spec: str, message: str) -> None:
@@ -250,7 +253,8 @@ def test_every_section_takes_the_same_spec_and_stores_it_canonical() -> None:
     assert nested.model.spec == "tiny:seed=1" and nested.model.temperature == 0.5
     assert ProfileConfig(model="tiny-llama").model == "tiny"
     # a checkpoint is checked when loaded, not when a config naming it is read
-    assert EngineConfig(model="./elsewhere/ckpt/").model == "elsewhere/ckpt"  # normalised
+    assert EngineConfig(model="./elsewhere/ckpt/").model == "./elsewhere/ckpt"  # normalised
+    assert EngineConfig(model="org/name@v1").model == "org/name@v1"  # a Hub id
 
 
 @pytest.mark.parametrize(
@@ -278,3 +282,56 @@ def test_the_profile_gives_every_role_the_same_spec(model: str, dtype: str) -> N
     assert engine.model == old.model == trainer.model.spec == canonical
     assert engine.dtype == old.dtype == dtype
     assert trainer.engine.bf16 == (dtype == "bfloat16")
+
+
+# --- a Hub id from the local Hugging Face cache -------------------------------------------
+
+
+def cache_snapshot(cache: Path, repo_id: str, commit: str, source: Path, ref: str) -> None:
+    """``source``'s files laid out as the Hub cache holds a download of ``repo_id``."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in source.iterdir():
+        (snapshot / file.name).write_bytes(file.read_bytes())
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
+
+
+def test_a_hub_id_loads_from_the_local_cache(
+    checkpoint: Path, trajectories: list[Trajectory], tmp_path: Path, monkeypatch
+) -> None:
+    from huggingface_hub import constants
+
+    from rollstream.up_plan import check_models
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    cache_snapshot(cache, "acme/tiny-seed5", commit, checkpoint, "main")
+    spec = parse_model_spec("acme/tiny-seed5@" + commit + ":trust_remote_code=false")
+    assert (spec.kind, spec.repo_id, spec.revision) == ("hub", "acme/tiny-seed5", commit)
+    assert spec.name == "acme/tiny-seed5@" + commit and parse_model_spec(spec.name) == spec
+    assert parse_model_spec("acme/x:trust_remote_code=true").trust_remote_code
+
+    pairs = pairs_of(trajectories)
+    expected = logprobs(load_model(str(checkpoint)), pairs, torch.float32)
+    for name in ("acme/tiny-seed5", spec.name):  # the cache's main, and a pinned commit
+        assert model_directory(name) == cache / "models--acme--tiny-seed5/snapshots" / commit
+        assert torch.equal(logprobs(load_model(name), pairs, torch.float32), expected)
+
+    # What is not in the cache is refused with the fetch command, never fetched.
+    with pytest.raises(ValueError, match=r"acme/tiny-seed5 at revision v2 .*hf download"):
+        load_model("acme/tiny-seed5@v2")
+    # A relative directory that reads as a Hub id is named in the error.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "acme" / "local").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"write './acme/local'"):
+        model_directory("acme/local")
+
+    # `up` resolves every role's model before it starts anything.
+    config = load_config(None, profile={"model": "acme/tiny-seed5"})
+    check_models(config)
+    missing = load_config(None, profile={"model": "acme/elsewhere"})
+    with pytest.raises(ConfigurationError, match="acme/elsewhere at revision main"):
+        check_models(missing)
