@@ -103,6 +103,7 @@ def data_metrics(trajectories: Sequence[Trajectory], version: int) -> dict[str, 
     }
     out.update(episode_metrics(trajectories))
     out.update(reward_flag_metrics(trajectories))
+    out.update(reward_function_metrics(trajectories))
     for name, _, _ in STALENESS_BUCKETS:
         out[f"staleness/hist/{name}"] = 0.0
     token_staleness: list[np.ndarray] = []
@@ -141,6 +142,24 @@ def reward_flag_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
             if isinstance(value, bool) and (key in seen or len(seen) < MAX_REWARD_FLAGS):
                 seen.setdefault(key, []).append(value)
     return {f"reward/{key}_frac": sum(flags) / len(flags) for key, flags in seen.items()}
+
+
+def reward_function_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Each reward function's mean value per step (``reward/fn/<name>``), over the
+    trajectories it gave a value for, from the ``rewards`` a task's reward functions
+    record per sample (``producers.rewards``)."""
+    seen: dict[str, list[float]] = {}
+    for traj in trajectories:
+        values = traj.reward_details.get("rewards")
+        if not isinstance(values, dict):
+            continue
+        for name, value in values.items():
+            if name not in seen and len(seen) >= MAX_REWARD_FLAGS:
+                continue
+            numbers = seen.setdefault(str(name), [])
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                numbers.append(float(value))
+    return {f"reward/fn/{name}": float(np.mean(v)) for name, v in seen.items() if v}
 
 
 def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import producers.environments
+import producers.file_task
 import producers.games  # noqa: F401  (registers the multi-policy tasks)
 from producers.tasks import Task, TaskContext, load_object, registered_factory, registered_names
 
@@ -28,7 +29,9 @@ def make_task(name: str, options: dict[str, Any] | None, context: TaskContext) -
             raise KeyError(f"unknown task {name!r}; registered: {available_tasks()}")
         factory = load_object(name)
     task = factory(context, **(options or {}))
-    for attr in ("name", "max_new_tokens", "stop_token_ids", "sample", "reward"):
+    for attr in ("name", "max_new_tokens", "stop_token_ids", "sample"):
         if not hasattr(task, attr):
             raise TypeError(f"task {name!r} built by {factory!r} has no {attr!r}")
+    if not hasattr(task, "reward") and not hasattr(task, "score_group"):
+        raise TypeError(f"task {name!r} built by {factory!r} has no 'reward' or 'score_group'")
     return task

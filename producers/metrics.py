@@ -92,6 +92,13 @@ class ProducerMetrics:
         self.tool_calls = Counter(
             p + "tool_calls", "Tool calls made by the policy in published episodes.", registry=r
         )
+        self.reward_errors = Counter(
+            p + "reward_errors",
+            "Completions a reward function gave no value for: it raised, timed out or "
+            "returned something that is not a finite number per completion.",
+            ["function"],
+            registry=r,
+        )
         self.peer_samples = Counter(
             p + "peer_samples",
             "Turns of peer policies published as their policy's records, by policy.",

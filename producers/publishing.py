@@ -24,6 +24,7 @@ from producers.generation import Sample, now_ms
 from producers.group_publisher import GroupPublisher
 from producers.metrics import ProducerMetrics, Progress
 from producers.peers import Peers, PeerSample
+from producers.rewards import Score
 from producers.tasks import Prompt, Task
 from schemas.trajectory import Trajectory
 from schemas.validation import ValidationLimits, validate
@@ -63,11 +64,41 @@ class RecordBuilder:
         self.peers = peers or Peers()
         self.limits = limits or ValidationLimits()
 
+    async def group_trajectories(
+        self, prompt: Prompt, group_id: str, samples: Sequence[Sample], created_ms: int
+    ) -> list[Trajectory]:
+        """The records of a single-turn group, scored together."""
+        scores = await self.scores(prompt, [sample.response_ids for sample in samples])
+        return [
+            self.trajectory(prompt, group_id, i, len(samples), sample, created_ms, score)
+            for i, (sample, score) in enumerate(zip(samples, scores, strict=True))
+        ]
+
+    async def scores(self, prompt: Prompt, responses: list[list[int]]) -> list[Score]:
+        """A group's scores: by the task's ``score_group`` where it has one (a whole
+        group at once, reward functions' failures contained and counted here), else by
+        its per-sample ``reward``."""
+        score_group = getattr(self.task, "score_group", None)
+        if score_group is None:
+            return [Score(*self.task.reward(prompt, ids)) for ids in responses]
+        scores = await score_group(prompt, responses)
+        for score in scores:
+            for function in score.details.get("reward_errors", {}):
+                self.metrics.reward_errors.labels(function=function).inc()
+        return scores
+
     def trajectory(
-        self, prompt: Prompt, group_id: str, index: int, size: int, sample: Sample, created_ms: int
+        self,
+        prompt: Prompt,
+        group_id: str,
+        index: int,
+        size: int,
+        sample: Sample,
+        created_ms: int,
+        score: Score,
     ) -> Trajectory:
-        """The record of a single-turn ``Sample`` (its reward computed here)."""
-        reward, details = self.task.reward(prompt, sample.response_ids)
+        """The record of a single-turn ``Sample`` with its score."""
+        reward, details = score.reward, score.details
         if sample.interruptions:
             details = {**details, "interruptions": sample.interruptions}
         return self._record(

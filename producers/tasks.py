@@ -15,9 +15,8 @@ factories; ``producers.catalog.make_task(name, options, context)`` builds one. B
   from templates with a seeded RNG (no dataset download), checked exactly. The model is
   asked to end with ``Answer: <number>``; ``format_ok`` tells whether it did. By default
   one-step problems after one worked example, with a format reward (``ArithmeticTask``).
-- ``file``: your own prompts (JSONL or Parquet) with your own reward function by dotted
-  path, signature ``reward(response_text: str, response_ids: list[int], example: dict)
-  -> float | tuple[float, dict]``.
+- ``file`` (``producers.file_task``): your own prompts from a data file, scored by your
+  reward functions.
 
 Register more with ``@register_task("name")`` on a factory ``(context, **options) -> Task``,
 or name a factory directly as ``"package.module:factory"``. Reward details (parsed answer,
@@ -27,8 +26,6 @@ correctness, format) are a small JSON object that travels in the trajectory's
 
 from __future__ import annotations
 
-import json
-import math
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -68,7 +65,12 @@ class Prompt:
 
 
 class Task(Protocol):
-    """A prompt source and a reward function."""
+    """A prompt source and a reward function.
+
+    A task may score whole groups instead, with ``async score_group(prompt, responses)
+    -> list[producers.rewards.Score]`` (the file task's TRL-style reward functions do);
+    the producer uses it where a task has it, and then ``reward`` may be absent.
+    """
 
     name: str
     max_new_tokens: int
@@ -312,8 +314,11 @@ class ArithmeticTask:
         return score_arithmetic(text, prompt.meta["answer"], self.format_reward)
 
 
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+    """The chat template's rendering of ``messages``, ready for the assistant's turn."""
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, **template_kwargs
+    )
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
@@ -345,111 +350,15 @@ def arithmetic(context: TaskContext, tokenizer: str | None = None, **kw: Any) ->
     return ArithmeticTask(hf_tokenizer(context, tokenizer), **kw)
 
 
-# --- user prompts from a file -------------------------------------------------------------
-
-
-def read_examples(path: Path) -> list[dict[str, Any]]:
-    """Rows of a JSONL or Parquet file as dicts."""
-    path = Path(path)
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    rows = []
-    with path.open() as fh:
-        for number, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{number}: not JSON ({exc})") from exc
-    return rows
-
-
-@dataclass
-class FileTask:
-    """Prompts from a file (``prompt_ids``, or ``prompt`` text via a tokenizer), scored by
-    a user function."""
-
-    examples: list[dict[str, Any]]
-    reward_fn: Callable[..., Any]
-    tokenizer: Any
-    name: str = "file"
-    max_new_tokens: int = 128
-    stop_token_ids: list[int] = field(default_factory=list)
-    chat: bool = False
-
-    def sample(self, rng: random.Random) -> Prompt:
-        index = rng.randrange(len(self.examples))
-        example = self.examples[index]
-        if "prompt_ids" in example:
-            ids = [int(t) for t in example["prompt_ids"]]
-            text = None
-        elif "prompt" in example:
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (task option 'tokenizer')")
-            text = str(example["prompt"])
-            if self.chat:
-                ids = chat_ids(self.tokenizer, [{"role": "user", "content": text}])
-            else:
-                ids = list(self.tokenizer.encode(text))
-        else:
-            raise ValueError(f"example {index} has neither 'prompt_ids' nor 'prompt'")
-        return Prompt(ids, {"example": example, "index": index}, text)
-
-    def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> tuple[float, dict]:
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
-        result = self.reward_fn(text, list(response_ids), prompt.meta["example"])
-        reward, details = result if isinstance(result, tuple) else (result, {})
-        reward = float(reward)
-        if not math.isfinite(reward):
-            raise ValueError(f"reward function {self.reward_fn!r} returned {reward}")
-        if not isinstance(details, dict):
-            raise TypeError(f"reward details must be a dict, got {type(details).__name__}")
-        return reward, {**details, "example_index": prompt.meta["index"]}
-
-
-@register_task("file")
-def file_task(
-    context: TaskContext,
-    path: str,
-    reward: str,
-    tokenizer: str | None = None,
-    name: str = "file",
-    **kw: Any,
-) -> FileTask:
-    """Options: ``path`` (.jsonl or .parquet), ``reward`` (dotted path), ``tokenizer``
-    (a model spec whose tokenizer to use: 'tiny', 'smollm2-135m-instruct', a checkpoint
-    directory; none: the engine's), ``max_new_tokens``,
-    ``stop_token_ids``, ``chat`` (apply the chat template), ``name``."""
-    examples = read_examples(Path(path))
-    if not examples:
-        raise ValueError(f"{path} holds no examples")
-    tok: Any
-    if tokenizer is None and context.tokenizer is None:
-        tok = None
-    else:
-        tok = hf_tokenizer(context, tokenizer)
-    stops = kw.pop("stop_token_ids", None)
-    if stops is None:
-        eos = getattr(tok, "eos_token_id", None)
-        stops = [eos] if eos is not None else []
-    return FileTask(examples, load_object(reward), tok, name=name, stop_token_ids=stops, **kw)
-
-
 __all__ = [
     "PAD_ID",
     "ArithmeticTask",
     "DigitsTask",
-    "FileTask",
     "Prompt",
     "Task",
     "TaskContext",
     "load_object",
     "make_word_problem",
-    "read_examples",
     "register_task",
     "registered_factory",
     "registered_names",

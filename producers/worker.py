@@ -355,10 +355,9 @@ class RolloutWorker:
             ]
             peer_groups = self.records.peer_groups(episodes, group_id, created_ms)
         else:
-            trajectories = [
-                self.records.trajectory(prompt, group_id, i, size, sample, created_ms)
-                for i, sample in enumerate(samples)
-            ]
+            trajectories = await self.records.group_trajectories(
+                prompt, group_id, samples, created_ms
+            )
         began = time.perf_counter()
         try:
             await self.outbox.publish(group_id, trajectories, peer_groups)

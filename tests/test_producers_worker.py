@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from core.config import default_cache_dir
-from core.models import build_tiny_llama
+from core.models import TinyTokenizer, build_tiny_llama
 from core.topic_reader import end_offsets
 from infra.topics import ensure_topics
 from producers.app import run_producer
@@ -185,6 +186,67 @@ def test_worker_delivers_exactly_n_groups_over_http(kafka_config, unique_name, t
     assert state.delivered_ids == {t.trajectory_id for t in records}
     positions = {(m.partition(), m.offset()) for m in messages}
     assert len(positions) == groups * size
+
+
+def test_trl_reward_functions_score_groups_on_the_producer(
+    kafka_config, unique_name, tmp_path, monkeypatch
+):
+    """The file task's reward list through a real producer: one async function, one that
+    raises on some groups; every group is delivered and each record says what happened."""
+    (tmp_path / "my_trl_rewards.py").write_text(
+        "import asyncio\n"
+        "async def has_target(completions, target, **kwargs):\n"
+        "    await asyncio.sleep(0.01)\n"
+        "    return [float(t in c) for c, t in zip(completions, target)]\n"
+        "def short(completions, prompts, **kwargs):\n"
+        "    if prompts[0].startswith('<bos>9'):\n"
+        "        raise RuntimeError('cannot score nines')\n"
+        "    return [1.0 / (1 + len(c)) for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"prompt": f"<bos>{a}{b}<sep>", "target": f"{b}{a}"} for a, b in ("12", "93", "45")]
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    topic = make_topic(kafka_config, unique_name)
+    config = rs_config(kafka_config, tmp_path)
+    options = {
+        "path": str(tmp_path / "p.jsonl"),
+        "tokenizer": "tiny",
+        "max_new_tokens": 4,
+        "rewards": [
+            {"function": "my_trl_rewards:has_target", "weight": 2.0},
+            {"function": "my_trl_rewards:short", "timeout_s": 5},
+        ],
+    }
+    engine = Engine(build_tiny_llama(seed=0), model_path="tiny", seed=0)
+    with ServerThread(engine) as server:
+        settings = ProducersConfig(
+            rollout=rollout(
+                topic,
+                engine_url=server.url,
+                groups=6,
+                max_inflight_groups=3,
+                task="file",
+                task_options=options,
+            )
+        )
+        report = asyncio.run(run_producer(config, settings, install_signals=False))
+    assert report.groups_delivered == 6
+    records = check_records(read_topic(kafka_config, topic), 6, 4, config.run_id)
+    tok = TinyTokenizer()
+    assert {t.reward_details["example_index"] for t in records} == {0, 1, 2}  # seed 1's draw
+    for traj in records:
+        details, row = traj.reward_details, rows[traj.reward_details["example_index"]]
+        text = tok.decode([int(t) for t in traj.response_ids], skip_special_tokens=True)
+        expected_target = float(row["target"] in text)
+        assert details["rewards"]["has_target"] == expected_target
+        if row["prompt"].startswith("<bos>9"):
+            assert details["rewards"]["short"] is None and details["reward_failed"]
+            assert details["reward_errors"] == {"short": "raised RuntimeError: cannot score nines"}
+            assert traj.reward == 2.0 * expected_target
+        else:
+            assert details["rewards"]["short"] == 1.0 / (1 + len(text))
+            assert traj.reward == pytest.approx(2.0 * expected_target + 1.0 / (1 + len(text)))
+            assert not details["reward_failed"]
 
 
 def _prompt_of(traj: Trajectory):
