@@ -297,6 +297,19 @@ def response_logprobs(
     return logp
 
 
+def response_logprobs_entropy(
+    model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0, pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``response_logprobs`` and the ``[B, T]`` entropy at each response token (no
+    gradient), from one forward pass."""
+    from core.logprobs import response_logprobs_entropy as logprobs_entropy
+
+    logp, _mask, entropy = logprobs_entropy(
+        model, batch.pairs, temperature=temperature, pad_id=pad_id
+    )
+    return logp, entropy
+
+
 def check_trainable(traj: Trajectory, vocab_size: int, max_length: int) -> str | None:
     """Why ``traj`` cannot be trained (a short reason for the DLQ), or None."""
     if traj.num_prompt_tokens < 1:

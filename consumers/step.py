@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from consumers.batching import PackedBatch, pack, response_logprobs
+from consumers.batching import PackedBatch, pack, response_logprobs, response_logprobs_entropy
 from consumers.config import TrainerConfig
 from consumers.ewma import EwmaProximal
 from consumers.losses import LossInputs, compute_loss, k3
@@ -168,7 +168,9 @@ class StepRunner:
     def _micro_step(
         self, batch: PackedBatch, relaxed: list[bool] | None = None
     ) -> dict[str, float]:
-        logp_new = self._logp(self.engine.engine, batch)  # through DeepSpeed
+        logp_new, entropy = response_logprobs_entropy(  # through DeepSpeed
+            self.engine.engine, batch, temperature=self.config.model.temperature, pad_id=self.pad_id
+        )
         logp_prox = self._logp_prox(batch) if needs_prox(self.config, batch) else None
         logp_ref = None
         if self.ref_model is not None:
@@ -185,7 +187,10 @@ class StepRunner:
             )
         out = compute_loss(self.loss_config, inputs)
         self.engine.backward(out.loss)
-        return step_metrics(out.metrics, batch, anchored_on_prox)
+        metrics = step_metrics(out.metrics, batch, anchored_on_prox)
+        trained = batch.loss_mask
+        metrics["policy/entropy"] = float((entropy * trained).sum()) / max(int(trained.sum()), 1)
+        return metrics
 
     def _idle_micro_step(self) -> None:
         """A backward of a zero loss over every trainable parameter: zero gradients that

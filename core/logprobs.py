@@ -93,6 +93,7 @@ def response_logprobs_tensor(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logp, mask)``, both ``[B, R_max]``: log-prob of each response token, and 1.0 where
     a response token exists (0.0 on padding, where ``logp`` is 0).
+    ``response_logprobs_entropy`` adds the entropy of each position's distribution.
 
     Carries gradients when called under grad mode (the trainer's ``logp_new``).
 
@@ -102,6 +103,40 @@ def response_logprobs_tensor(
     ``torch.func.functional_call`` without touching the module's own weights) tensors of
     another dtype are cast. ``None`` means the model's dtype.
     """
+    logp, mask, _ = _response_logprobs(
+        model, batch, dtype, temperature=temperature, state=state, pad_id=pad_id, entropy=False
+    )
+    return logp, mask
+
+
+def response_logprobs_entropy(
+    model: Any,
+    batch: Sequence[Pair],
+    dtype: torch.dtype | None = None,
+    *,
+    temperature: float = 1.0,
+    pad_id: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``response_logprobs_tensor``'s ``(logp, mask)`` and ``[B, R_max]`` entropies (nats,
+    no gradient) of the tempered distribution each response token was drawn from: the
+    trainer's ``policy/entropy``, from the same forward pass."""
+    logp, mask, entropy = _response_logprobs(
+        model, batch, dtype, temperature=temperature, state=None, pad_id=pad_id, entropy=True
+    )
+    assert entropy is not None
+    return logp, mask, entropy
+
+
+def _response_logprobs(
+    model: Any,
+    batch: Sequence[Pair],
+    dtype: torch.dtype | None,
+    *,
+    temperature: float,
+    state: Mapping[str, torch.Tensor] | None,
+    pad_id: int,
+    entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     import torch
 
     if temperature <= 0:
@@ -155,7 +190,14 @@ def response_logprobs_tensor(
     )
     logp = logp.index_put(index, picked)
     mask = mask.index_put(index, torch.ones_like(picked))
-    return logp, mask
+    if not entropy:
+        return logp, mask, None
+    with torch.no_grad():
+        rows_t, cols_t = index[0].new_tensor(rows), index[0].new_tensor(cols)
+        at = logp_all[rows_t, cols_t]  # [N, V]: the distributions the tokens came from
+        values = -(at.exp() * at).sum(-1)
+        entropies = logp_all.new_zeros((len(spans), width)).index_put(index, values)
+    return logp, mask, entropies
 
 
 def response_logprobs(

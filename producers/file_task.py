@@ -1,8 +1,8 @@
 """The ``file`` task: your prompts from a data file, scored by your reward functions.
 
-Rows come from JSONL, Parquet, CSV or a ``datasets`` dataset saved with ``save_to_disk``
-(``read_examples``; a CSV file's cells are read as text). ``columns`` maps the names used here to the file's own
-(``{prompt = "question"}``). A row's prompt is, first found:
+Rows come from JSONL, Parquet, CSV (cells read as text) or a ``datasets`` dataset saved
+with ``save_to_disk`` (``read_examples``). ``columns`` maps the names used here to the
+file's own (``{prompt = "question"}``). A row's prompt is, first found:
 
 * ``prompt_ids``: token ids, used as they are;
 * ``messages``, or a ``prompt`` that is a list of ``{"role", "content"}`` messages: a

@@ -10,6 +10,7 @@ from core.logprobs import (
     PADDED_BATCH_ATOL,
     batch_layout,
     response_logprobs,
+    response_logprobs_entropy,
     response_logprobs_tensor,
 )
 from core.models import build_tiny_llama
@@ -71,6 +72,24 @@ def test_temperature_divides_logits(model) -> None:
     prompt, response = np.array([1, 5, 6]), np.array([7, 8, 2])
     (got,) = response_logprobs(model, [(prompt, response)], temperature=0.7)
     assert got.tobytes() == direct(model, prompt, response, temperature=0.7).tobytes()
+
+
+def test_entropy_is_that_of_each_tokens_distribution(model) -> None:
+    pairs = random_pairs(np.random.default_rng(4), 4)
+    batch = [(list(p), list(r)) for p, r in pairs]
+    logp, mask = response_logprobs_tensor(model, batch, temperature=0.8)
+    same_logp, same_mask, entropy = response_logprobs_entropy(model, batch, temperature=0.8)
+    assert torch.equal(logp, same_logp) and torch.equal(mask, same_mask)
+    assert not entropy.requires_grad
+    for row, (prompt, response) in enumerate(pairs):
+        ids = torch.tensor([list(prompt) + list(response)])
+        with torch.inference_mode():
+            logits = model(input_ids=ids).logits[0].float() / 0.8
+        p = len(prompt)
+        want = torch.distributions.Categorical(logits=logits[p - 1 : p - 1 + len(response)])
+        got = entropy[row, : len(response)]
+        torch.testing.assert_close(got, want.entropy(), atol=PADDED_BATCH_ATOL, rtol=0)
+        assert torch.all(entropy[row, len(response) :] == 0)
 
 
 def test_state_replaces_weights_without_touching_the_module(model) -> None:

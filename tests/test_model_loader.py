@@ -19,8 +19,8 @@ from support.synthetic import synthetic_groups
 from consumers.batching import pack
 from consumers.batching import response_logprobs as trainer_logprobs
 from consumers.config import TrainerConfig
-from core.config import ConfigurationError
 from consumers.train_engine import TrainEngine
+from core.config import ConfigurationError
 from core.logprobs import response_logprobs_tensor
 from core.models import (
     MODEL_ALIASES,

@@ -190,6 +190,23 @@ def test_a_warmup_and_cosine_schedule_steps_per_optimiser_step_and_resumes_from_
     assert fresh.lr() == pytest.approx(0.0, abs=1e-12)  # decayed at decay_steps; stays
 
 
+def test_a_step_reports_the_policys_entropy(tmp_path: Path) -> None:
+    config = TrainerConfig.model_validate({"checkpoint": {"dir": str(tmp_path / "ck")}})
+    engine, runner = build(config)
+    records = [t for g in synthetic_groups(2, seed=3, status="missing") for t in g]
+    entropies = []
+    for traj in records:  # under the weights the step starts from, written independently
+        prompt, response = list(traj.prompt_ids), list(traj.response_ids)
+        with torch.no_grad():
+            logits = engine.module(input_ids=torch.tensor([prompt + response])).logits[0]
+        at = logits.float()[len(prompt) - 1 : len(prompt) - 1 + len(response)]
+        entropies.append(torch.distributions.Categorical(logits=at).entropy())
+    want = float(torch.cat(entropies).mean())
+    got = runner.train_step([records]).metrics["policy/entropy"]
+    assert got == pytest.approx(want, rel=1e-5)
+    assert 0.0 < got <= math.log(16)
+
+
 @pytest.mark.parametrize(
     ("engine", "error"),
     [
