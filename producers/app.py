@@ -119,6 +119,9 @@ async def run_producer(
             rollout.task_options,
             TaskContext(config.cache_dir, tokenizer, peers=peer_side.peers),
         )
+        resume = getattr(task, "resume", None)
+        if resume is not None:  # a task walking its dataset goes on where the ledger says
+            resume(ledger.state.delivered_positions)
         watcher: WatchedListener | None = None  # the follower's, once it runs
         worker = RolloutWorker(
             rollout,

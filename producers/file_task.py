@@ -11,6 +11,13 @@ file's own (``{prompt = "question"}``). A row's prompt is, first found:
   to ``apply_chat_template``);
 * ``prompt`` text: encoded as it is, or as one user message when ``chat`` is set.
 
+``order = "epochs"`` walks the rows without replacement, epoch after epoch, each epoch
+shuffled by ``shuffle_seed``; a prompt's position in that walk travels in its records'
+``reward_details["prompt_position"]`` and in the producer's ledger, and a restarted
+producer goes on from the ledger (``resume``): positions whose groups were delivered are
+never given again, the others (in flight at a crash or a stop) are given first. The
+default ``order = "random"`` draws rows with replacement from the producer's RNG.
+
 Scoring is either ``rewards``, a list of TRL-style reward functions with weights
 (``producers.rewards``: the whole group at once, sync or async, contained), or the older
 ``reward``, one function per sample with the signature ``reward(response_text: str,
@@ -25,7 +32,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from producers.rewards import RewardSet, Score
 from producers.tasks import Prompt, TaskContext, chat_ids, hf_tokenizer, load_object, register_task
@@ -143,12 +150,46 @@ class FileTask:
     chat: bool = False
     system_prompt: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    order: Literal["random", "epochs"] = "random"
+    shuffle_seed: int = 0
+    next_position: int = 0
+    """``order = "epochs"``: the next position not given yet."""
+    redo: list[int] = field(default_factory=list)
+    """``order = "epochs"``: positions given before a restart but never delivered."""
+
+    def __post_init__(self) -> None:
+        if self.order not in ("random", "epochs"):
+            raise ValueError(f"order must be 'random' or 'epochs', not {self.order!r}")
 
     def sample(self, rng: random.Random) -> Prompt:
-        index = rng.randrange(len(self.examples))
+        meta: dict[str, Any] = {}
+        if self.order == "epochs":
+            position = self.redo.pop(0) if self.redo else self._advance()
+            index = self.epoch_order(position // len(self.examples))[position % len(self.examples)]
+            meta["position"] = position
+        else:
+            index = rng.randrange(len(self.examples))
         example = self.examples[index]
         ids, text, shown = self.render(index, example)
-        return Prompt(ids, {"example": example, "index": index, "prompt": shown}, text)
+        return Prompt(ids, {**meta, "example": example, "index": index, "prompt": shown}, text)
+
+    def _advance(self) -> int:
+        position, self.next_position = self.next_position, self.next_position + 1
+        return position
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The row indices of ``epoch`` in the order they are given."""
+        order = list(range(len(self.examples)))
+        random.Random(self.shuffle_seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def resume(self, delivered: set[int]) -> None:
+        """Go on after a restart: ``delivered`` are the positions the ledger says were
+        delivered; every earlier position not among them is given again first."""
+        if self.order != "epochs" or not delivered:
+            return
+        self.next_position = max(delivered) + 1
+        self.redo = sorted(set(range(self.next_position)) - delivered)
 
     def render(self, index: int, example: dict[str, Any]) -> tuple[list[int], str | None, Any]:
         """Token ids, text and the prompt as reward functions see it (text or messages)."""
@@ -199,7 +240,15 @@ class FileTask:
             raise ValueError(f"reward function {self.reward_fn!r} returned {reward}")
         if not isinstance(details, dict):
             raise TypeError(f"reward details must be a dict, got {type(details).__name__}")
-        return reward, {**details, "example_index": prompt.meta["index"]}
+        return reward, {**details, **self.provenance(prompt)}
+
+    @staticmethod
+    def provenance(prompt: Prompt) -> dict[str, int]:
+        """Which row (and, in epochs, which position) a record's prompt was."""
+        found = {"example_index": prompt.meta["index"]}
+        if "position" in prompt.meta:
+            found["prompt_position"] = prompt.meta["position"]
+        return found
 
     async def score_group(self, prompt: Prompt, responses: Sequence[Sequence[int]]) -> list[Score]:
         """Every response of a group, scored by the reward functions together."""
@@ -216,7 +265,7 @@ class FileTask:
         columns = {key: [value] * size for key, value in example.items() if key != "prompt"}
         scores = await self.rewards.score([shown] * size, completions, responses, columns)
         for score in scores:
-            score.details["example_index"] = prompt.meta["index"]
+            score.details.update(self.provenance(prompt))
         return scores
 
     def _decode(self, ids: Sequence[int]) -> str:
@@ -241,8 +290,9 @@ def file_task(
     ``split`` for a ``DatasetDict``), ``columns`` (our name -> the file's column),
     ``rewards`` (a list of ``{function, weight, name, timeout_s}``) or ``reward`` (a
     per-sample function), ``tokenizer`` (a model spec whose tokenizer to use; none: the
-    engine's), ``chat``, ``system_prompt``, ``chat_template_kwargs``,
-    ``max_new_tokens``, ``stop_token_ids``, ``name``."""
+    engine's), ``chat``, ``system_prompt``, ``chat_template_kwargs``, ``order``
+    (``random`` or ``epochs``), ``shuffle_seed``, ``max_new_tokens``, ``stop_token_ids``,
+    ``name``."""
     if (reward is None) == (rewards is None):
         raise ValueError("the file task takes either 'rewards' (a list) or 'reward', not both")
     examples = read_examples(Path(path), split)

@@ -139,7 +139,13 @@ class GroupPublisher:
         ids = [t.trajectory_id for t in trajectories]
         values = [encode(t) for t in trajectories]
         headers = [routing_headers(t) for t in trajectories]
-        self.ledger.pending(group_id, ids, sync=False)
+        position = trajectories[0].reward_details.get("prompt_position") if trajectories else None
+        self.ledger.pending(
+            group_id,
+            ids,
+            sync=False,
+            prompt_position=position if isinstance(position, int) else None,
+        )
         self._groups[group_id] = _Group(ids)
         self.metrics.undelivered_groups.set(len(self._groups))
         return _Prepared(group_id, values, headers)

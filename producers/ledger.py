@@ -5,7 +5,8 @@ one event a line, flushed to the OS as it is written (enough to survive kill -9)
 
 - ``mark``: the end offsets of every partition of the topic, queried at start-up and
   then periodically. Any record produced after a mark lies at or beyond it.
-- ``pending``: a group is about to be produced (its id and its G trajectory ids).
+- ``pending``: a group is about to be produced (its id and its G trajectory ids, and the
+  position of its prompt in the task's epochs where the task walks a dataset in order).
 - ``delivered``: all G records of the group are acknowledged by the broker, with their
   partitions and offsets. Only this line counts a group as delivered.
 - ``orphaned`` / ``lost``: written by recovery for a group left pending by a crash: some
@@ -84,10 +85,17 @@ class LedgerState:
     marks: list[tuple[int, dict[int, int]]] = field(default_factory=list)  # (line, offsets)
     stops: list[StopRecord] = field(default_factory=list)
     lines: int = 0
+    positions: dict[str, int] = field(default_factory=dict)  # group -> prompt position
 
     @property
     def delivered_ids(self) -> set[str]:
         return {tid for ids in self.delivered.values() for tid in ids}
+
+    @property
+    def delivered_positions(self) -> set[int]:
+        """The prompt positions of the delivered groups: what a task walking its dataset
+        in epochs must not give again after a restart."""
+        return {self.positions[gid] for gid in self.delivered if gid in self.positions}
 
 
 class Ledger:
@@ -151,10 +159,24 @@ class Ledger:
         self._append({"kind": "mark", "offsets": {str(p): o for p, o in offsets.items()}})
         self.state.marks.append((self.state.lines - 1, dict(offsets)))
 
-    def pending(self, group_id: str, trajectory_ids: list[str], *, sync: bool = True) -> None:
+    def pending(
+        self,
+        group_id: str,
+        trajectory_ids: list[str],
+        *,
+        sync: bool = True,
+        prompt_position: int | None = None,
+    ) -> None:
         """Record a group about to be produced; with ``sync=False`` the caller must call
         ``sync()`` before producing (e.g. from another thread, off the event loop)."""
-        event = {"kind": "pending", "group_id": group_id, "trajectory_ids": trajectory_ids}
+        event: dict[str, Any] = {
+            "kind": "pending",
+            "group_id": group_id,
+            "trajectory_ids": trajectory_ids,
+        }
+        if prompt_position is not None:
+            event["prompt_position"] = prompt_position
+            self.state.positions[group_id] = prompt_position
         self._append(event, sync=sync)
         self.state.pending[group_id] = PendingGroup(group_id, trajectory_ids, self.state.lines - 1)
 
@@ -241,6 +263,8 @@ def read_ledger(path: Path) -> LedgerState:
                 state.marks.append((line, {int(p): o for p, o in event["offsets"].items()}))
             elif kind == "pending":
                 state.pending[gid] = PendingGroup(gid, event["trajectory_ids"], line)
+                if "prompt_position" in event:
+                    state.positions[gid] = int(event["prompt_position"])
             elif kind == "delivered":
                 state.pending.pop(gid, None)
                 state.delivered[gid] = event["trajectory_ids"]

@@ -305,9 +305,10 @@ class RolloutWorker:
 
     async def _group_task(self) -> None:
         backoff = 1.0
+        prompt = self._prompt()  # kept across retries: a prompt is not skipped for an outage
         while True:
             try:
-                await self._run_group()
+                await self._run_group(prompt)
                 return
             except Stopped:
                 self.report.groups_dropped += 1
@@ -327,9 +328,8 @@ class RolloutWorker:
             return self.curriculum.choose(lambda: self.task.sample(self.rng))
         return self.task.sample(self.rng)
 
-    async def _run_group(self) -> None:
+    async def _run_group(self, prompt: Prompt) -> None:
         """Generate one group, build its records and publish them (and its peer groups)."""
-        prompt = self._prompt()
         group_id = uuid.uuid4().hex
         created_ms = now_ms()
         size = self.config.group_size

@@ -666,8 +666,16 @@ def test_ledger_is_exclusive(tmp_path):
 
 
 def _spawn(
-    kafka_config, tmp_path: Path, run_id: str, topic: str, groups: int, stop_policy: str = "abort"
+    kafka_config,
+    tmp_path: Path,
+    run_id: str,
+    topic: str,
+    groups: int,
+    stop_policy: str = "abort",
+    task_options: str = "",
 ):
+    """A producer process; ``task_options`` (a ``[producers.rollout.task_options]`` table)
+    gives it the file task instead of the default."""
     settings = tmp_path / "rollstream.toml"
     settings.write_text(
         textwrap.dedent(
@@ -689,6 +697,7 @@ def _spawn(
             groups_per_version = {groups}
             """
         )
+        + (f'task = "file"\n{task_options}' if task_options else "")
     )
     env = {
         **os.environ,
@@ -807,3 +816,65 @@ def test_sigterm_stops_cleanly(kafka_config, unique_name, tmp_path, stop_policy)
         assert stop.aborted == []
     in_topic = {decode(m.value()).group_id for m in read_topic(kafka_config, topic)}
     assert not set(stop.aborted) & in_topic
+
+
+def test_a_dataset_walked_in_epochs_survives_kill_9(kafka_config, unique_name, tmp_path):
+    """``order = "epochs"``: across a kill -9 and a restart, the delivered groups' prompt
+    positions are 0, 1, 2, ... with none skipped and none given twice, each the row its
+    epoch's shuffle puts there."""
+    rows = [
+        {"prompt_ids": [1, 5 + a, 5 + b, 3], "solution": f"{b}{a}"}
+        for a, b in ((1, 2), (3, 4), (5, 6), (7, 8), (9, 1))
+    ]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    task = textwrap.dedent(
+        f"""
+        [producers.rollout.task_options]
+        path = "{data}"
+        tokenizer = "tiny"
+        max_new_tokens = 3
+        order = "epochs"
+        shuffle_seed = 7
+        rewards = [{{ function = "producers.math_reward:math_accuracy" }}]
+        """
+    )
+    topic = make_topic(kafka_config, unique_name)
+    run_id = f"run-{uuid.uuid4().hex[:6]}"
+    ledger_file = ledger_dir(tmp_path / "state", run_id, "worker-k") / "ledger.jsonl"
+    first = _spawn(kafka_config, tmp_path, run_id, topic, groups=100_000, task_options=task)
+    try:
+        _wait_for_deliveries(ledger_file, 4, first)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    second = _spawn(kafka_config, tmp_path, run_id, topic, groups=3, task_options=task)
+    output = second.communicate(timeout=300)[0].decode()
+    assert second.returncode == 0, output[-3000:]
+    complete, _ = _ledger_matches_topic(kafka_config, topic, ledger_file)
+    records = [decode(m.value()) for m in read_topic(kafka_config, topic)]
+    delivered = read_ledger(ledger_file).delivered
+    positions = {}
+    for traj in records:
+        if traj.group_id in delivered:
+            positions.setdefault(traj.group_id, set()).add(
+                (traj.reward_details["prompt_position"], traj.reward_details["example_index"])
+            )
+    assert all(len(found) == 1 for found in positions.values())  # one prompt a group
+    walked = sorted(found.pop() for found in positions.values())
+    assert [position for position, _ in walked] == list(range(complete))
+    assert complete >= 4 + 3
+    order = [
+        index
+        for epoch in range(complete // len(rows) + 1)
+        for index in _epoch_order(len(rows), 7, epoch)
+    ]
+    assert [index for _, index in walked] == order[:complete]
+
+
+def _epoch_order(size: int, seed: int, epoch: int) -> list[int]:
+    import random
+
+    order = list(range(size))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order

@@ -336,3 +336,30 @@ def test_group_records_carry_each_function_and_the_step_reports_them(
     step = data_metrics(records, version=1)
     assert step["reward/reward_failed_frac"] == 1.0
     assert step["reward/fn/echo"] == 0.0 and "reward/fn/picky" not in step
+
+
+def test_epochs_walk_every_row_once_and_resume_gives_back_what_was_not_delivered(
+    tmp_path: Path,
+) -> None:
+    rows = [{"prompt_ids": [1, 5 + i, 3]} for i in range(5)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    options = {"path": str(path), "reward": "producers.math_reward:completion_text"}
+
+    def walk(task: FileTask, n: int) -> list[tuple[int, int]]:
+        prompts = [task.sample(random.Random(0)) for _ in range(n)]
+        return [(p.meta["position"], p.meta["index"]) for p in prompts]
+
+    context = TaskContext(cache_dir=tmp_path)
+    task = make_task("file", {**options, "order": "epochs", "shuffle_seed": 3}, context)
+    first = walk(task, 12)
+    assert [pos for pos, _ in first] == list(range(12))
+    for epoch in (0, 1):  # each epoch is every row once, in its own order
+        assert sorted(i for _, i in first[5 * epoch : 5 * epoch + 5]) == list(range(5))
+    assert [i for _, i in first[:5]] != [i for _, i in first[5:10]]
+
+    again = make_task("file", {**options, "order": "epochs", "shuffle_seed": 3}, context)
+    again.resume({0, 1, 3, 4, 6})  # 2 and 5 were in flight at a crash
+    assert walk(again, 4) == [first[2], first[5], first[7], first[8]]
+    with pytest.raises(ValueError, match="order must be"):
+        make_task("file", {**options, "order": "sequential"}, context)
