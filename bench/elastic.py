@@ -10,12 +10,15 @@ with nothing but the run's config file:
 1. **before**: ``phase_s`` seconds of the run as started;
 2. **joined**: one more engine + producer (``rollstream serve`` / ``produce``) and one more
    stream worker (``rollstream stream``) join; once the producer has delivered and the
-   stream worker holds raw partitions, ``phase_s`` seconds are measured;
+   stream worker holds raw partitions and the trainer has stepped again, ``phase_s``
+   seconds are measured (the pause until that step is reported apart: the joining
+   worker restores its tables and rebuilds old-logit snapshots first);
 3. **after**: the joined producer is stopped with SIGTERM (it finishes or aborts its
    groups in flight and says which in its ledger) and the joined stream worker with
    SIGKILL of its process group, supervisor and worker, as if its machine died (its
    partitions go back to the first worker when its session times out);
-   once the consumer group has one member again, ``phase_s`` seconds are measured.
+   once the consumer group has one member again and the trainer has stepped again,
+   ``phase_s`` seconds are measured.
 
 Then ``up`` is stopped (SIGTERM) and ``rollstream audit`` reconciles every producer's
 ledger with the trainer's: nothing lost, nothing trained twice. Figures per phase:
@@ -71,6 +74,8 @@ class ElasticReport:
     joined_raw_partitions: int = 0  # the joined stream worker's own metric
     joined_first_version: int | None = None  # lowest version in its records
     version_at_join: int = 0  # the trainer's version when it was started
+    join_pause_s: float = 0.0  # joined worker holding partitions -> the trainer's next step
+    leave_pause_s: float = 0.0  # one worker holding them all again -> the next step
     audit: dict[str, Any] = field(default_factory=dict)
     up_exit: int | None = None
 
@@ -148,6 +153,16 @@ def _delivered_stamps(state_dir: Path, run_id: str) -> list[float]:
             if '"kind":"delivered"' in line:
                 stamps.append(json.loads(line)["ts_ms"] / 1000)
     return stamps
+
+
+def _wait_for_step(run_dir: Path, since: float, timeout_s: float) -> float:
+    """Seconds from ``since`` (unix) until the trainer logged a step after it."""
+
+    def stepped() -> bool:
+        return any(row["time/unix_s"] > since for row in _trainer_rows(run_dir))
+
+    _wait("a trainer step", stepped, timeout_s, poll_s=0.2)
+    return time.time() - since
 
 
 def measure(name: str, seconds: float, run_dir: Path, state_dir: Path, run_id: str) -> Phase:
@@ -266,6 +281,10 @@ def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> E
             return bool(found)
 
         _wait("the joined worker's partitions in its metrics", partitions_in_metrics, 60)
+        # The phase measures the run with both joined, so it starts once the trainer
+        # steps again: a joining worker first restores its tables and rebuilds old-logit
+        # snapshots, a pause measured apart (``join_pause_s``).
+        report.join_pause_s = _wait_for_step(run_dir, time.time(), timeout_s)
         report.phases.append(measure("joined", phase_s, run_dir, state, run_id))
 
         # --- leave: SIGTERM the producer, SIGKILL the stream worker -----------------------
@@ -283,6 +302,7 @@ def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> E
             lambda: len([w for w in run_roles(config).stream_lag if w.partitions]) == 1,
             timeout_s,
         )
+        report.leave_pause_s = _wait_for_step(run_dir, time.time(), timeout_s)
         report.phases.append(measure("after", phase_s, run_dir, state, run_id))
         # A killed worker stops beating: silent after three heartbeat intervals.
         time.sleep(3 * config.presence.interval_s + 1)
@@ -329,6 +349,10 @@ def main() -> None:
         f"after/before {after.steps_per_s / max(before.steps_per_s, 1e-9):.2f}x; "
         f"groups delivered/s joined/before "
         f"{during.groups_delivered_per_s / max(before.groups_delivered_per_s, 1e-9):.2f}x"
+    )
+    print(
+        f"until the trainer's next step: after the join {report.join_pause_s:.1f}s, "
+        f"after the leave {report.leave_pause_s:.1f}s"
     )
     print(f"joined producer: {report.joined_groups} groups, stop {report.joined_stop}")
     print(
