@@ -177,11 +177,9 @@ def _response_logprobs(
         out_rows.extend([i] * r)
         out_cols.extend(range(r))
     device = logp_all.device
-    picked = logp_all[
-        torch.tensor(rows, dtype=torch.long, device=device),
-        torch.tensor(cols, dtype=torch.long, device=device),
-        torch.tensor(targets, dtype=torch.long, device=device),
-    ]
+    rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+    cols_t = torch.tensor(cols, dtype=torch.long, device=device)
+    picked = logp_all[rows_t, cols_t, torch.tensor(targets, dtype=torch.long, device=device)]
     logp = logp_all.new_zeros((len(spans), width))
     mask = logp_all.new_zeros((len(spans), width))
     index = (
@@ -193,7 +191,6 @@ def _response_logprobs(
     if not entropy:
         return logp, mask, None
     with torch.no_grad():
-        rows_t, cols_t = index[0].new_tensor(rows), index[0].new_tensor(cols)
         at = logp_all[rows_t, cols_t]  # [N, V]: the distributions the tokens came from
         values = -(at.exp() * at).sum(-1)
         entropies = logp_all.new_zeros((len(spans), width)).index_put(index, values)

@@ -180,10 +180,12 @@ class RewardSet:
                 raise outcome  # cancellation: the group is being aborted
             for i in range(size):
                 try:
-                    if isinstance(outcome, RewardError):
-                        raise outcome
-                    values[i][function.name] = checked_value(outcome[i])
-                except RewardError as exc:
+                    if isinstance(outcome, RewardError):  # no values for the whole group
+                        values[i][function.name] = None
+                        errors[i][function.name] = str(outcome)
+                    else:
+                        values[i][function.name] = checked_value(outcome[i])
+                except RewardError as exc:  # this completion's value is not a number
                     values[i][function.name] = None
                     errors[i][function.name] = str(exc)
             reasons = {errors[i][function.name] for i in range(size) if function.name in errors[i]}

@@ -768,20 +768,32 @@ def test_the_ledger_check_sees_a_group_produced_twice(kafka_config, unique_name,
         _ledger_matches_topic(kafka_config, topic, tmp_path / "ledger.jsonl")
 
 
-def test_kill_9_and_restart_keep_ledger_and_topic_in_agreement(kafka_config, unique_name, tmp_path):
-    topic = make_topic(kafka_config, unique_name)
+def _kill_9_then_restart(
+    kafka_config, tmp_path: Path, topic: str, deliveries: int, groups: int, task_options: str = ""
+) -> tuple[Path, int, str]:
+    """A producer killed with SIGKILL after ``deliveries`` groups, then a second one on
+    the same ledger asked for ``groups``: the ledger file, the groups delivered before
+    the kill, and the second producer's output (it must exit 0)."""
     run_id = f"run-{uuid.uuid4().hex[:6]}"
     ledger_file = ledger_dir(tmp_path / "state", run_id, "worker-k") / "ledger.jsonl"
-    first = _spawn(kafka_config, tmp_path, run_id, topic, groups=100_000)
+    first = _spawn(kafka_config, tmp_path, run_id, topic, groups=100_000, task_options=task_options)
     try:
-        _wait_for_deliveries(ledger_file, 3, first)
+        _wait_for_deliveries(ledger_file, deliveries, first)
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(30)
     delivered_before = len(read_ledger(ledger_file).delivered)
-    second = _spawn(kafka_config, tmp_path, run_id, topic, groups=2)
+    second = _spawn(kafka_config, tmp_path, run_id, topic, groups=groups, task_options=task_options)
     output = second.communicate(timeout=300)[0].decode()
     assert second.returncode == 0, output[-3000:]
+    return ledger_file, delivered_before, output
+
+
+def test_kill_9_and_restart_keep_ledger_and_topic_in_agreement(kafka_config, unique_name, tmp_path):
+    topic = make_topic(kafka_config, unique_name)
+    ledger_file, delivered_before, output = _kill_9_then_restart(
+        kafka_config, tmp_path, topic, deliveries=3, groups=2
+    )
     assert "delivered 2 group(s), 8 record(s)" in output
     complete, _ = _ledger_matches_topic(kafka_config, topic, ledger_file)
     assert complete >= delivered_before + 2
@@ -840,17 +852,9 @@ def test_a_dataset_walked_in_epochs_survives_kill_9(kafka_config, unique_name, t
         """
     )
     topic = make_topic(kafka_config, unique_name)
-    run_id = f"run-{uuid.uuid4().hex[:6]}"
-    ledger_file = ledger_dir(tmp_path / "state", run_id, "worker-k") / "ledger.jsonl"
-    first = _spawn(kafka_config, tmp_path, run_id, topic, groups=100_000, task_options=task)
-    try:
-        _wait_for_deliveries(ledger_file, 4, first)
-    finally:
-        first.send_signal(signal.SIGKILL)
-        first.wait(30)
-    second = _spawn(kafka_config, tmp_path, run_id, topic, groups=3, task_options=task)
-    output = second.communicate(timeout=300)[0].decode()
-    assert second.returncode == 0, output[-3000:]
+    ledger_file, _, _ = _kill_9_then_restart(
+        kafka_config, tmp_path, topic, deliveries=4, groups=3, task_options=task
+    )
     complete, _ = _ledger_matches_topic(kafka_config, topic, ledger_file)
     records = [decode(m.value()) for m in read_topic(kafka_config, topic)]
     delivered = read_ledger(ledger_file).delivered
