@@ -69,6 +69,7 @@ class ElasticReport:
     phases: list[Phase] = field(default_factory=list)
     roles_joined: dict[str, Any] = field(default_factory=dict)  # `rollstream roles --json`
     roles_after: dict[str, Any] = field(default_factory=dict)
+    roles_before: dict[str, Any] = field(default_factory=dict)
     joined_stop: dict[str, Any] = field(default_factory=dict)  # the ledger's stopped line
     joined_groups: int = 0  # groups the joined producer delivered
     joined_raw_partitions: int = 0  # the joined stream worker's own metric
@@ -236,6 +237,7 @@ def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> E
         _wait("up's first steps", lambda: len(_trainer_rows(run_dir)) >= 3, timeout_s)
         config = Services(load_config(config_path)).resolved()
         report.phases.append(measure("before", phase_s, run_dir, state, run_id))
+        report.roles_before = _rollstream_json(config_path, "roles")
 
         # --- join: one more engine + producer, one more stream worker ---------------------
         report.version_at_join = int(_trainer_rows(run_dir)[-1]["version"])
