@@ -349,8 +349,37 @@ class RolloutConfig(StrictModel):
         return self
 
 
+class EvalConfig(StrictModel):
+    """``rollstream eval``: the task's eval split, generated and scored every N versions."""
+
+    every_versions: int = Field(
+        default=0,
+        ge=0,
+        description="Evaluate each version that is a multiple of this (0: no evaluation; "
+        "`rollstream up` starts the eval role when it is set).",
+    )
+    samples_per_prompt: int = Field(default=1, ge=1, le=64, description="Completions per prompt.")
+    temperature: float = Field(
+        default=0.0, ge=0.0, le=10.0, description="0: greedy; else sampled at this temperature."
+    )
+    max_prompts: int | None = Field(
+        default=None, ge=1, description="Evaluate the first this many eval prompts (none: all)."
+    )
+    engine_url: str | None = Field(
+        default=None,
+        description="An engine of its own speaking SGLang's API (none: one in this process). "
+        "Not the producers' engine: the eval loads each version it measures.",
+    )
+    metrics_file: Path | None = Field(
+        default=None,
+        description="JSONL, one row per evaluated version (none: "
+        "<state_dir>/eval/<run>[/<policy>]/metrics.jsonl, where `rollstream report` looks).",
+    )
+
+
 class ProducersConfig(StrictModel):
-    """The ``producers`` section: engine and rollout worker."""
+    """The ``producers`` section: engine, rollout worker and evaluation."""
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)

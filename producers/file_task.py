@@ -156,6 +156,8 @@ class FileTask:
     """``order = "epochs"``: the next position not given yet."""
     redo: list[int] = field(default_factory=list)
     """``order = "epochs"``: positions given before a restart but never delivered."""
+    eval_examples: list[dict[str, Any]] = field(default_factory=list)
+    """The held-out rows ``rollstream eval`` measures each version on; never sampled."""
 
     def __post_init__(self) -> None:
         if self.order not in ("random", "epochs"):
@@ -172,6 +174,19 @@ class FileTask:
         example = self.examples[index]
         ids, text, shown = self.render(index, example)
         return Prompt(ids, {**meta, "example": example, "index": index, "prompt": shown}, text)
+
+    def eval_prompts(self) -> list[Prompt]:
+        """The eval split's prompts, in file order (``rollstream eval``)."""
+        if not self.eval_examples:
+            raise ValueError(
+                f"task {self.name!r} has no eval split: set the task option eval_split "
+                "(a split of the dataset) or eval_path (a file of its own)"
+            )
+        prompts = []
+        for index, example in enumerate(self.eval_examples):
+            ids, text, shown = self.render(index, example)
+            prompts.append(Prompt(ids, {"example": example, "index": index, "prompt": shown}, text))
+        return prompts
 
     def _advance(self) -> int:
         position, self.next_position = self.next_position, self.next_position + 1
@@ -284,21 +299,33 @@ def file_task(
     name: str = "file",
     columns: dict[str, str] | None = None,
     split: str | None = None,
+    eval_path: str | None = None,
+    eval_split: str | None = None,
     **kw: Any,
 ) -> FileTask:
     """Options: ``path`` (.jsonl, .parquet, .csv or a ``save_to_disk`` directory, with
     ``split`` for a ``DatasetDict``), ``columns`` (our name -> the file's column),
     ``rewards`` (a list of ``{function, weight, name, timeout_s}``) or ``reward`` (a
-    per-sample function), ``tokenizer`` (a model spec whose tokenizer to use; none: the
-    engine's), ``chat``, ``system_prompt``, ``chat_template_kwargs``, ``order``
-    (``random`` or ``epochs``), ``shuffle_seed``, ``max_new_tokens``, ``stop_token_ids``,
-    ``name``."""
+    per-sample function), ``eval_split`` and/or ``eval_path`` (the held-out rows: a split
+    of ``eval_path``, default ``path``, or all of ``eval_path``), ``tokenizer`` (a model
+    spec whose tokenizer to use; none: the engine's), ``chat``, ``system_prompt``,
+    ``chat_template_kwargs``, ``order`` (``random`` or ``epochs``), ``shuffle_seed``,
+    ``max_new_tokens``, ``stop_token_ids``, ``name``."""
     if (reward is None) == (rewards is None):
         raise ValueError("the file task takes either 'rewards' (a list) or 'reward', not both")
     examples = read_examples(Path(path), split)
     if not examples:
         raise ValueError(f"{path} holds no examples")
     examples = mapped_rows(examples, columns or {}, path)
+    held_out: list[dict[str, Any]] = []
+    if eval_path is not None or eval_split is not None:
+        source = eval_path or path
+        if (Path(source), eval_split) == (Path(path), split):
+            raise ValueError(f"the eval split is the training data ({source}, split {split})")
+        held_out = read_examples(Path(source), eval_split)
+        if not held_out:
+            raise ValueError(f"the eval split of {source} holds no examples")
+        held_out = mapped_rows(held_out, columns or {}, source)
     tok: Any
     if tokenizer is None and context.tokenizer is None:
         tok = None
@@ -315,7 +342,10 @@ def file_task(
         rewards=RewardSet.from_configs(rewards) if rewards is not None else None,
         name=name,
         stop_token_ids=stops,
+        eval_examples=held_out,
         **kw,
     )
     task.render(0, examples[0])  # a prompt that cannot be rendered fails here, not later
+    if held_out:
+        task.render(0, held_out[0])
     return task

@@ -46,6 +46,15 @@ class ProducerIdentity:
     policy: str = ""
 
 
+async def task_scores(task: Task, prompt: Prompt, responses: list[list[int]]) -> list[Score]:
+    """A group's scores by the task's ``score_group`` where it has one, else by its
+    per-sample ``reward``."""
+    score_group = getattr(task, "score_group", None)
+    if score_group is None:
+        return [Score(*task.reward(prompt, ids)) for ids in responses]
+    return list(await score_group(prompt, responses))
+
+
 class RecordBuilder:
     """Validated records of a task's groups, for this producer's policy and its peers'."""
 
@@ -78,10 +87,7 @@ class RecordBuilder:
         """A group's scores: by the task's ``score_group`` where it has one (a whole
         group at once, reward functions' failures contained and counted here), else by
         its per-sample ``reward``."""
-        score_group = getattr(self.task, "score_group", None)
-        if score_group is None:
-            return [Score(*self.task.reward(prompt, ids)) for ids in responses]
-        scores = await score_group(prompt, responses)
+        scores = await task_scores(self.task, prompt, responses)
         for score in scores:
             for function in score.details.get("reward_errors", {}):
                 self.metrics.reward_errors.labels(function=function).inc()

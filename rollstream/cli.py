@@ -198,7 +198,7 @@ def _register_role_commands() -> None:
     from rollstream.audit import audit_command
     from rollstream.export import export
     from rollstream.inspect_group import inspect_group
-    from rollstream.produce_cli import produce, serve
+    from rollstream.produce_cli import evaluate, produce, serve
     from rollstream.replay import replay
     from rollstream.report import report
     from rollstream.roles import roles_command
@@ -207,7 +207,7 @@ def _register_role_commands() -> None:
     from rollstream.up import up
     from rollstream.weights_cli import weights
 
-    for command in (weights, serve, produce, stream, train, up):
+    for command in (weights, serve, produce, evaluate, stream, train, up):
         main.add_command(command)
     for command in (replay, inspect_group, report, audit_command, roles_command, export):
         main.add_command(command)

@@ -79,6 +79,10 @@ def policy_namespace(values: dict[str, Any], policy: str) -> dict[str, Any]:
         if trainer.get(key):
             path = Path(trainer[key])
             trainer_section[key] = str(path.with_name(f"{path.stem}.{policy}{path.suffix}"))
+    evaluation: dict[str, Any] = {}
+    if producers["eval"].get("metrics_file"):
+        path = Path(producers["eval"]["metrics_file"])
+        evaluation["metrics_file"] = str(path.with_name(f"{path.stem}.{policy}{path.suffix}"))
     if trainer["checkpoint"].get("dir"):
         trainer_section["checkpoint"] = {"dir": str(Path(trainer["checkpoint"]["dir"]) / policy)}
     return {
@@ -89,7 +93,8 @@ def policy_namespace(values: dict[str, Any], policy: str) -> dict[str, Any]:
             "rollout": {
                 "topic": topic(producers["rollout"]["topic"]),
                 "curriculum": {"topic": topic(producers["rollout"]["curriculum"]["topic"])},
-            }
+            },
+            "eval": evaluation,
         },
         "streams": {"app_id": group(streams["app_id"]), "topics": stream_topics},
         "trainer": trainer_section,

@@ -1,4 +1,4 @@
-"""``rollstream serve`` and ``rollstream produce``: the producer role's commands.
+"""``rollstream serve``, ``produce`` and ``eval``: the producer role's commands.
 
 Both take the ``RollstreamConfig`` that the ``rollstream`` group puts in ``ctx.obj``
 (``--config``, the environment, ``--set``: one way for every role) and give the role what
@@ -29,12 +29,11 @@ def _logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per engine call
 
 
-def _role(
-    config: RollstreamConfig, engine: dict[str, Any], rollout: dict[str, Any]
-) -> RoleConfig[ProducersConfig]:
-    """What the producer role receives, the command-line options applied (and validated)."""
+def _role(config: RollstreamConfig, options: dict[str, Any]) -> RoleConfig[ProducersConfig]:
+    """What the producer role receives, the command-line options (a table in the section's
+    layout) applied and validated."""
     try:
-        return role_config(config, "producers", {"engine": engine, "rollout": rollout})
+        return role_config(config, "producers", options)
     except (OSError, ValueError) as err:  # pydantic's ValidationError is a ValueError
         raise click.UsageError(f"invalid producers configuration:\n{err}") from err
 
@@ -63,7 +62,7 @@ def serve(
     endpoint: producers/server.py)."""
     config.require_policy()  # a multi-policy run: each policy's engine runs its model
     options = {"host": host, "port": port, "model": model, "api_key": api_key}
-    shared, section = _role(config, options, {})
+    shared, section = _role(config, {"engine": options})
     engine_config = section.engine
     key = engine_config.api_key.get_secret_value() if engine_config.api_key else None
     from producers.engine_auth import check_bind
@@ -124,7 +123,7 @@ def produce(
         "topic": topic,
         "producer_id": producer_id,
     }
-    shared, section = _role(config, {}, overrides)
+    shared, section = _role(config, {"rollout": overrides})
     _logging()
     from infra.services import Services
     from producers.app import run_producer
@@ -149,3 +148,41 @@ def produce(
         f"({report.interrupted_samples} interrupted sample(s), "
         f"{report.groups_dropped} group(s) dropped at shutdown)"
     )
+
+
+@click.command("eval")
+@click.option("--every-versions", type=int, help="Evaluate each version that is a multiple of N.")
+@click.option(
+    "--engine-url", help="An engine of its own speaking SGLang's API; default: in-process."
+)
+@click.option("--max-evaluations", type=int, help="Stop after evaluating this many versions.")
+@click.pass_obj
+def evaluate(
+    config: RollstreamConfig,
+    every_versions: int | None,
+    engine_url: str | None,
+    max_evaluations: int | None,
+) -> None:
+    """Generate and score the task's eval split at every N-th version, never trained on
+    (producers/evaluation.py); one metrics row per version."""
+    config.require_policy()
+    options = {"every_versions": every_versions, "engine_url": engine_url}
+    shared, section = _role(config, {"eval": options})
+    if section.eval.every_versions < 1:
+        raise click.UsageError("set producers.eval.every_versions (or --every-versions) to N >= 1")
+    _logging()
+    import signal
+    import threading
+
+    from infra.services import Services
+    from producers.evaluation import eval_metrics_path, run_evaluator
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    resolved = Services(shared).resolved()
+    try:
+        count = asyncio.run(run_evaluator(resolved, section, stop, max_evaluations))
+    except ValueError as err:  # no eval split, a bad task option
+        raise click.ClickException(str(err)) from err
+    click.echo(f"evaluated {count} version(s) into {eval_metrics_path(resolved, section)}")

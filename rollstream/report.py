@@ -17,6 +17,10 @@ The JSONL carries no run id (one file per run). A trainer restarted from a check
 appends and repeats the steps after that checkpoint; the last line of a step wins, which is
 the run the weights actually continued from.
 
+**Eval** rows of ``rollstream eval`` (``[producers.eval] metrics_file`` when RUN is the
+config's ``run_id``, else ``<state_dir>/eval/<RUN>/metrics.jsonl``) join the step equal to
+the version they measured and get a panel of their own; not with ``--metrics``.
+
 **Panels** (x: trainer step): reward (``reward/mean``, ``reward/std``); staleness
 (``staleness/mean``, ``staleness/max``); fractions: tokens masked by MIS
 (``mis/masked_frac``), clipped by PPO (``clip/frac``), vetoed by NAV (``nav/vetoed_frac``),
@@ -79,6 +83,7 @@ PANELS: tuple[Panel, ...] = (
     ),
     Panel("version lag per region", "mean token staleness", prefix="staleness/region/"),
     Panel("loss and train-inference mismatch", "value", ("loss/total", "mismatch/k3_kl")),
+    Panel("held-out eval (x: the version measured)", "reward", ("eval/reward/mean",)),
 )
 
 DERIVED = {"veto/catastrophic_frac": ("veto/catastrophic_seqs", "data/trajectories")}
@@ -128,32 +133,55 @@ def metrics_paths(config: RollstreamConfig, run: str, given: Sequence[Path]) -> 
     raise click.ClickException(f"no metrics for run {run!r}: looked at {shown}; use --metrics")
 
 
-def load_metrics(run: str, paths: Sequence[Path]) -> RunMetrics:
-    """Parse the JSONL files; the last line of a step wins; derived series added."""
+def eval_path(config: RollstreamConfig, run: str) -> Path | None:
+    """RUN's eval metrics (``rollstream eval``), where its config or state dir puts them."""
+    configured = config.producers.eval.metrics_file
+    if configured is not None and run == config.run_id and Path(configured).is_file():
+        return Path(configured)
+    home = config.state_dir / "eval" / run
+    path = (home / config.policy if config.policy else home) / "metrics.jsonl"
+    return path if path.is_file() else None
+
+
+def load_metrics(run: str, paths: Sequence[Path], evals: Sequence[Path] = ()) -> RunMetrics:
+    """Parse the JSONL files; the last line of a step wins; an eval row (its step is the
+    version it measured) joins that step's row; derived series added."""
     by_step: dict[float, dict[str, float]] = {}
     for path in paths:
-        with path.open("rb") as fh:
-            for number, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = orjson.loads(line)
-                except orjson.JSONDecodeError as err:
-                    raise click.ClickException(f"{path}:{number}: not JSON ({err})") from err
-                if not isinstance(row, dict) or "step" not in row:
-                    raise click.ClickException(f"{path}:{number}: a metrics row needs 'step'")
-                clean = {
-                    k: float(v)
-                    for k, v in row.items()
-                    if isinstance(v, int | float) and not isinstance(v, bool)
-                }
-                by_step[clean["step"]] = clean
+        for row in _rows(path):
+            by_step[row["step"]] = row
+    for path in evals:
+        for row in _rows(path):
+            by_step.setdefault(row["step"], {}).update(row)
     rows = [by_step[step] for step in sorted(by_step)]
     for row in rows:
         for name, (num, den) in DERIVED.items():
             if num in row and row.get(den):
                 row[name] = row[num] / row[den]
-    return RunMetrics(run, rows, tuple(paths))
+    return RunMetrics(run, rows, (*paths, *evals))
+
+
+def _rows(path: Path) -> list[dict[str, float]]:
+    """A metrics JSONL's rows, numbers only; each must have a ``step``."""
+    found = []
+    with path.open("rb") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = orjson.loads(line)
+            except orjson.JSONDecodeError as err:
+                raise click.ClickException(f"{path}:{number}: not JSON ({err})") from err
+            if not isinstance(row, dict) or "step" not in row:
+                raise click.ClickException(f"{path}:{number}: a metrics row needs 'step'")
+            found.append(
+                {
+                    k: float(v)
+                    for k, v in row.items()
+                    if isinstance(v, int | float) and not isinstance(v, bool)
+                }
+            )
+    return found
 
 
 def render_png(metrics: RunMetrics) -> bytes:
@@ -321,7 +349,8 @@ def _report(
     config: RollstreamConfig, run: str, given: Sequence[Path], out: Path, label: str = ""
 ) -> None:
     paths = metrics_paths(config, run, given)
-    metrics = load_metrics(run, paths)
+    evaluated = eval_path(config, run)
+    metrics = load_metrics(run, paths, [evaluated] if evaluated and not given else [])
     if not metrics.rows:
         raise click.ClickException(f"no metrics rows in {', '.join(map(str, paths))}")
     png_path, html_path = write_report(metrics, out)

@@ -42,7 +42,7 @@ from pydantic import ValidationError
 
 from core.config import ConfigurationError
 from rollstream.config import RollstreamConfig, UpConfig
-from rollstream.up_display import Dashboard, fmt, trainer_logs
+from rollstream.up_display import Dashboard, eval_logs, fmt, trainer_logs
 from rollstream.up_plan import (
     Ports,
     build_config,
@@ -69,6 +69,7 @@ class UpResult:
     reward_last: float | None
     pids: dict[str, int]
     policies: dict[str, dict[str, Any]] = field(default_factory=dict)  # per policy's trainer
+    evaluations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # eval rows
 
 
 def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> UpResult:
@@ -90,6 +91,7 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
         ]
         launcher = Launcher(run_dir / "logs")
         logs = trainer_logs(config)
+        evals = eval_logs(config)
         reason, finished = "interrupted", False
         try:
             click.echo(f"run {run_id}: {run_dir}", err=True)
@@ -135,7 +137,7 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
             launcher.stop_all(stop_order(list(launcher.roles)), timeout_s=up.stop_timeout_s)
             for service in ours:
                 service.stop()
-    for log in logs.values():
+    for log in [*logs.values(), *evals.values()]:
         log.poll()
     furthest = max(logs.values(), key=lambda log: len(log.rows))  # the run's figures
     result = UpResult(
@@ -147,6 +149,7 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
         **furthest.summary(),
         pids=launcher.pids(),
         policies={name: log.summary() for name, log in logs.items() if name},
+        evaluations={name: log.rows for name, log in evals.items()},
     )
     (run_dir / "summary.json").write_text(json.dumps(result.__dict__, indent=2))
     return result

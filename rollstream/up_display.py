@@ -16,7 +16,7 @@ from typing import Any
 from rollstream.config import RollstreamConfig
 from rollstream.up_plan import PolicyPlan, policy_views
 
-ROLE_ORDER = ("streams", "trainer", "engine", "producer")
+ROLE_ORDER = ("streams", "trainer", "engine", "producer", "eval")
 
 
 def scrape(port: int, timeout_s: float = 1.0) -> dict[str, float]:
@@ -142,6 +142,15 @@ def _role_table(title: str, rows: list[tuple[str, str, str]]) -> Any:
     return table
 
 
+def eval_logs(config: RollstreamConfig) -> dict[str, TrainerLog]:
+    """Each evaluated policy's eval metrics file (``eval.jsonl``, ``eval.<policy>.jsonl``)."""
+    return {
+        name: TrainerLog(Path(str(view.producers.eval.metrics_file)))
+        for name, view in policy_views(config).items()
+        if view.producers.eval.every_versions and view.producers.eval.metrics_file
+    }
+
+
 def trainer_logs(config: RollstreamConfig) -> dict[str, TrainerLog]:
     """Each policy's trainer metrics file (``trainer.jsonl``, ``trainer.<policy>.jsonl``)."""
     return {
@@ -177,6 +186,7 @@ class Dashboard:
         self.roles = roles or {}  # per policy, a core.presence.Poller of run_roles
         self.started = time.monotonic()
         self.rates = {policy.name: _Rates() for policy in plan}
+        self.evals = eval_logs(config)
 
     def rows(self, alive: Mapping[str, str]) -> list[tuple[str, str, str]]:
         """(role, state, figures) rows; processes no row counts come last, bare."""
@@ -235,6 +245,16 @@ class Dashboard:
                 f"{rates.producer_tokens.update(tokens):.0f} tok/s  "
                 f"paused {fmt(p.get('rollstream_producer_admission_paused'), '.0f')}"
                 + (f"  peer samples: {peers}" if peers else "")
+            )
+        evaluated = self.evals.get(policy.name)
+        if evaluated is not None and policy.drives:
+            evaluated.poll()
+            latest = evaluated.rows[-1] if evaluated.rows else {}
+            figures["eval"] = (
+                f"{_running(alive, policy.role('eval'))}  "
+                f"every {view.producers.eval.every_versions} versions  "
+                f"last v{fmt(latest.get('version'), '.0f')}  "
+                f"reward {fmt(latest.get('eval/reward/mean'))}"
             )
         if found is not None:  # instances joined by hand count too
             for kind in ("producer", "streams", "trainer"):

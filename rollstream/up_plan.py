@@ -103,6 +103,7 @@ def up_sections(up: UpConfig, run_id: str, run_dir: Path, ports: Ports) -> dict[
                 "metrics_port": ports.producer_metrics,
                 "progress": False,
             },
+            "eval": {"metrics_file": str(run_dir / "eval.jsonl")},
         },
         "streams": {
             "app_id": f"rollstream-streams-{run_id}",
@@ -298,7 +299,7 @@ def _policy_specs(
     cpus: dict[str, frozenset[int]],
     run_dir: Path,
 ) -> list[RoleSpec]:
-    """One policy's roles (``rollstream [--policy NAME] stream|train|serve|produce``)."""
+    """One policy's roles (``rollstream [--policy NAME] stream|train|serve|produce|eval``)."""
     ports = policy.ports
     specs = []
     for i, port in enumerate(ports.all_streams_metrics):
@@ -354,6 +355,8 @@ def _policy_specs(
                 cpus.get("producer"),
             )
         )
+    if policy.config.producers.eval.every_versions:  # its own engine, in its process
+        specs.append(RoleSpec(policy.role("eval"), [*on, "eval"], env, None, cpus.get("producer")))
     return specs
 
 

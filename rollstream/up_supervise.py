@@ -17,7 +17,7 @@ import click
 
 from core.process import Launcher
 
-STOP_ORDER = ("producer", "engine", "streams", "trainer")
+STOP_ORDER = ("eval", "producer", "engine", "streams", "trainer")
 
 
 class StopFlag:
@@ -64,7 +64,8 @@ def port_probe(port: int) -> Callable[[], bool]:
 
 
 def stop_order(names: list[str]) -> list[str]:
-    """Producers first (no new data), then engines, stream workers, the trainer."""
+    """The evaluator and producers first (no new data), then engines, stream workers,
+    the trainer."""
     rank = {kind: i for i, kind in enumerate(STOP_ORDER)}
     return sorted(names, key=lambda name: rank[name.split("-")[0]])
 

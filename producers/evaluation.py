@@ -1,0 +1,250 @@
+"""``rollstream eval``: the task's held-out eval split, generated and scored every N versions.
+
+An evaluator follows the run's weights as a producer does, but it publishes nothing to
+``rollouts.raw``: what it generates is never trained on. Each version that is a multiple
+of ``producers.eval.every_versions`` is loaded into the evaluator's own engine (nothing
+else changes that engine's weights, and every completion is checked to come from that
+version), the eval prompts are generated (``samples_per_prompt`` each, greedy by
+default), scored with the task's own reward functions, and one row is appended to the
+metrics file: ``{"step": v, "version": v, "eval/reward/mean": ..., ...}``. A version is
+the trainer's step count when it was published, so ``rollstream report`` draws eval beside
+training on one axis.
+
+When versions arrive faster than an evaluation takes, the newest due version is
+evaluated next and the ones passed over are logged. A restarted evaluator skips the
+versions its metrics file already holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from core.config import SharedConfig
+from producers.backends import Backend
+from producers.client import GenerateOutput
+from producers.config import ProducersConfig
+from producers.publishing import task_scores
+from producers.tasks import Prompt, Task
+
+logger = logging.getLogger(__name__)
+
+
+class EvalError(RuntimeError):
+    """The engine answered with something other than the version being measured."""
+
+
+def eval_metrics_path(config: SharedConfig, producers: ProducersConfig) -> Path:
+    """The configured metrics file, else ``<state_dir>/eval/<run>[/<policy>]/metrics.jsonl``."""
+    if producers.eval.metrics_file is not None:
+        return Path(producers.eval.metrics_file)
+    home = Path(config.state_dir) / "eval" / config.run_id
+    return (home / config.policy if config.policy else home) / "metrics.jsonl"
+
+
+def evaluated_versions(path: Path) -> set[int]:
+    """Versions the metrics file already holds (a torn last line is ignored)."""
+    if not path.is_file():
+        return set()
+    done = set()
+    for line in path.read_bytes().splitlines():
+        with contextlib.suppress(orjson.JSONDecodeError):
+            row = orjson.loads(line)
+            if isinstance(row, dict) and isinstance(row.get("version"), int):
+                done.add(row["version"])
+    return done
+
+
+@dataclass
+class DueVersions:
+    """The newest version due for evaluation, handed over by the follower's thread."""
+
+    every: int
+    done: set[int]
+    loop: asyncio.AbstractEventLoop
+    arrived: asyncio.Event
+    _latest: tuple[int, Mapping[str, Any]] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def submit_version(self, version: int, state_dict: Mapping[str, Any]) -> None:
+        """The follower's callback (its thread): keep the version if it is due."""
+        if version % self.every or version in self.done:
+            return
+        with self._lock:
+            if self._latest is not None and self._latest[0] >= version:
+                return
+            passed = self._latest
+            self._latest = (version, state_dict)
+        if passed is not None:
+            logger.warning(
+                "version %d arrived before v%d was evaluated: v%d skipped",
+                version,
+                passed[0],
+                passed[0],
+            )
+        self.loop.call_soon_threadsafe(self.arrived.set)
+
+    def take(self) -> tuple[int, Mapping[str, Any]] | None:
+        with self._lock:
+            latest, self._latest = self._latest, None
+        return latest
+
+
+def summarize(
+    version: int, scores: Sequence[Any], outputs: Sequence[GenerateOutput], prompts: int
+) -> dict[str, Any]:
+    """The metrics row of one evaluated version."""
+    rewards = [s.reward for s in scores]
+    mean = sum(rewards) / len(rewards)
+    row: dict[str, Any] = {
+        "step": version,
+        "version": version,
+        "eval/prompts": prompts,
+        "eval/samples": len(rewards),
+        "eval/reward/mean": mean,
+        "eval/reward/std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
+        "eval/response_length/mean": sum(len(o.output_ids) for o in outputs) / len(outputs),
+        "eval/truncated_frac": sum(o.finish_type == "length" for o in outputs) / len(outputs),
+    }
+    per_function: dict[str, list[float]] = {}
+    for score in scores:
+        for name, value in (score.details.get("rewards") or {}).items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                per_function.setdefault(str(name), []).append(float(value))
+    for name, values in sorted(per_function.items()):
+        row[f"eval/fn/{name}"] = sum(values) / len(values)
+    failed = sum(bool(s.details.get("reward_failed")) for s in scores)
+    if failed:
+        row["eval/reward_failed_frac"] = failed / len(scores)
+    return row
+
+
+class Evaluator:
+    """Generates and scores the eval prompts at one version on its own engine."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        task: Task,
+        prompts: Sequence[Prompt],
+        params: dict[str, Any],
+        samples: int,
+    ) -> None:
+        self.backend = backend
+        self.task = task
+        self.prompts = list(prompts)
+        self.params = params
+        self.samples = samples
+
+    async def evaluate(self, version: int, state_dict: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Load ``version`` (``None``: the engine already serves it) and measure it."""
+        began = time.monotonic()
+        if state_dict is not None:
+            await self.backend.load_version(version, state_dict)
+        n = self.samples
+        batch = [p.ids for p in self.prompts for _ in range(n)]
+        rids = [f"eval-v{version}-{i}-{j}" for i in range(len(self.prompts)) for j in range(n)]
+        outputs = await self.backend.generate(batch, [self.params] * len(batch), rids)
+        wrong = {o.weight_version for o in outputs if o.weight_version != str(version)}
+        if wrong or any(o.aborted for o in outputs):
+            raise EvalError(
+                f"evaluating v{version}: the engine answered with versions "
+                f"{sorted(map(str, wrong))} or aborted; is another client updating its weights?"
+            )
+        scores = []
+        for i, prompt in enumerate(self.prompts):
+            responses = [list(o.output_ids) for o in outputs[i * n : (i + 1) * n]]
+            scores += await task_scores(self.task, prompt, responses)
+        row = summarize(version, scores, outputs, len(self.prompts))
+        row["eval/seconds"] = time.monotonic() - began
+        return row
+
+
+async def run_evaluator(
+    config: SharedConfig,
+    producers: ProducersConfig,
+    stop: threading.Event,
+    max_evaluations: int | None = None,
+) -> int:
+    """Evaluate due versions until ``stop`` is set (or ``max_evaluations`` are done);
+    returns how many were evaluated."""
+    from producers.backends import http_backend, local_backend
+    from producers.catalog import make_task
+    from producers.tasks import TaskContext
+    from producers.versions import start_follower
+
+    settings = producers.eval
+    if settings.every_versions < 1:
+        raise ValueError("producers.eval.every_versions must be at least 1 to evaluate")
+    rollout = producers.rollout
+    path = eval_metrics_path(config, producers)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = evaluated_versions(path)
+    loop = asyncio.get_running_loop()
+    due = DueVersions(settings.every_versions, done, loop, asyncio.Event())
+    count = 0
+    async with contextlib.AsyncExitStack() as stack:
+        backend: Backend
+        tokenizer = None
+        if settings.engine_url:
+            weights_dir = path.parent / "weights"
+            own = rollout.model_copy(update={"engine_url": settings.engine_url})
+            backend = await http_backend(own, producers.engine, weights_dir, config.cache_dir)
+        else:
+            local = await local_backend(producers.engine, config.cache_dir, rollout.initial_version)
+            tokenizer = local.engine.tokenizer
+            backend = local
+        stack.push_async_callback(backend.aclose)
+        task = make_task(
+            rollout.task, rollout.task_options, TaskContext(config.cache_dir, tokenizer)
+        )
+        eval_prompts = getattr(task, "eval_prompts", None)
+        if eval_prompts is None:
+            raise ValueError(f"task {rollout.task!r} has no eval split to evaluate")
+        prompts = eval_prompts()[: settings.max_prompts]
+        sampling = rollout.sampling.model_copy(update={"temperature": settings.temperature})
+        params = sampling.to_sglang(task.max_new_tokens, task.stop_token_ids)
+        evaluator = Evaluator(backend, task, prompts, params, settings.samples_per_prompt)
+        following = threading.Event()
+        follower = start_follower(config, due, following)
+        stack.callback(follower.listener.close)
+        stack.push_async_callback(follower.join)
+        stack.callback(following.set)
+        logger.info(
+            "evaluating %d prompt(s) x %d every %d version(s) into %s",
+            len(prompts),
+            settings.samples_per_prompt,
+            settings.every_versions,
+            path,
+        )
+        while not stop.is_set() and (max_evaluations is None or count < max_evaluations):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(due.arrived.wait(), timeout=0.5)
+            due.arrived.clear()
+            taken = due.take()
+            if taken is None:
+                continue
+            version, state_dict = taken
+            row = await evaluator.evaluate(version, state_dict)
+            with path.open("ab") as fh:
+                fh.write(orjson.dumps(row) + b"\n")
+            done.add(version)
+            count += 1
+            logger.info(
+                "v%d: eval reward %.4f over %d sample(s) in %.1fs",
+                version,
+                row["eval/reward/mean"],
+                row["eval/samples"],
+                row["eval/seconds"],
+            )
+    return count
