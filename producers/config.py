@@ -376,6 +376,13 @@ class EvalConfig(StrictModel):
         "<state_dir>/eval/<run>[/<policy>]/metrics.jsonl, where `rollstream report` looks).",
     )
 
+    @staticmethod
+    def default_metrics_file(state_dir: Path, run: str, policy: str = "") -> Path:
+        """Where a run's eval rows go without ``metrics_file``, and where ``rollstream
+        report`` looks for them."""
+        home = Path(state_dir) / "eval" / run
+        return (home / policy if policy else home) / "metrics.jsonl"
+
 
 class ProducersConfig(StrictModel):
     """The ``producers`` section: engine, rollout worker and evaluation."""

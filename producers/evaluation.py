@@ -33,7 +33,7 @@ import orjson
 from core.config import SharedConfig
 from producers.backends import Backend
 from producers.client import GenerateOutput
-from producers.config import ProducersConfig
+from producers.config import EvalConfig, ProducersConfig
 from producers.publishing import task_scores
 from producers.tasks import Prompt, Task
 
@@ -48,8 +48,7 @@ def eval_metrics_path(config: SharedConfig, producers: ProducersConfig) -> Path:
     """The configured metrics file, else ``<state_dir>/eval/<run>[/<policy>]/metrics.jsonl``."""
     if producers.eval.metrics_file is not None:
         return Path(producers.eval.metrics_file)
-    home = Path(config.state_dir) / "eval" / config.run_id
-    return (home / config.policy if config.policy else home) / "metrics.jsonl"
+    return EvalConfig.default_metrics_file(config.state_dir, config.run_id, config.policy)
 
 
 def evaluated_versions(path: Path) -> set[int]:

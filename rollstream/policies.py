@@ -74,15 +74,18 @@ def policy_namespace(values: dict[str, Any], policy: str) -> dict[str, Any]:
     trainer_topics["group_id"] = group(trainer["topics"]["group_id"])
     if trainer["topics"].get("group_instance_id"):
         trainer_topics["group_instance_id"] = group(trainer["topics"]["group_instance_id"])
+
+    def own_file(name: str) -> str:  # trainer.jsonl -> trainer.<policy>.jsonl
+        path = Path(name)
+        return str(path.with_name(f"{path.stem}.{policy}{path.suffix}"))
+
     trainer_section: dict[str, Any] = {"topics": trainer_topics}
     for key in ("metrics_file", "ledger_file"):
         if trainer.get(key):
-            path = Path(trainer[key])
-            trainer_section[key] = str(path.with_name(f"{path.stem}.{policy}{path.suffix}"))
+            trainer_section[key] = own_file(trainer[key])
     evaluation: dict[str, Any] = {}
     if producers["eval"].get("metrics_file"):
-        path = Path(producers["eval"]["metrics_file"])
-        evaluation["metrics_file"] = str(path.with_name(f"{path.stem}.{policy}{path.suffix}"))
+        evaluation["metrics_file"] = own_file(producers["eval"]["metrics_file"])
     if trainer["checkpoint"].get("dir"):
         trainer_section["checkpoint"] = {"dir": str(Path(trainer["checkpoint"]["dir"]) / policy)}
     return {

@@ -49,6 +49,7 @@ from pathlib import Path
 import click
 import orjson
 
+from producers.config import EvalConfig
 from rollstream.config import RollstreamConfig
 
 
@@ -138,8 +139,7 @@ def eval_path(config: RollstreamConfig, run: str) -> Path | None:
     configured = config.producers.eval.metrics_file
     if configured is not None and run == config.run_id and Path(configured).is_file():
         return Path(configured)
-    home = config.state_dir / "eval" / run
-    path = (home / config.policy if config.policy else home) / "metrics.jsonl"
+    path = EvalConfig.default_metrics_file(config.state_dir, run, config.policy)
     return path if path.is_file() else None
 
 

@@ -124,7 +124,7 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
             if not stop:
                 pollers = {policy.name: roles_poller(policy.config) for policy in plan}
                 try:
-                    dashboard = Dashboard(config, plan, logs, pollers)
+                    dashboard = Dashboard(config, plan, logs, pollers, evals)
                     reason, finished = supervise(launcher, dashboard, stop, up.restarts)
                 finally:
                     for poller in pollers.values():

@@ -179,6 +179,7 @@ class Dashboard:
         plan: Sequence[PolicyPlan],
         logs: Mapping[str, TrainerLog],
         roles: Mapping[str, Any] | None = None,
+        evals: Mapping[str, TrainerLog] | None = None,
     ) -> None:
         self.config = config
         self.plan = plan
@@ -186,7 +187,7 @@ class Dashboard:
         self.roles = roles or {}  # per policy, a core.presence.Poller of run_roles
         self.started = time.monotonic()
         self.rates = {policy.name: _Rates() for policy in plan}
-        self.evals = eval_logs(config)
+        self.evals = evals or {}  # per evaluated policy, its eval rows (``eval_logs``)
 
     def rows(self, alive: Mapping[str, str]) -> list[tuple[str, str, str]]:
         """(role, state, figures) rows; processes no row counts come last, bare."""
