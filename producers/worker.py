@@ -119,7 +119,8 @@ class RolloutWorker:
             config, self.versions, outbox, self.metrics, trainer=self.trainer, peers=self.peers
         )
         self._stop_deadline: float | None = None
-        self._inflight_groups: set[str] = set()
+        # group id of each admitted group task, by task name, until the loop reaps it
+        self._inflight: dict[str, str] = {}
         self._failure: BaseException | None = None
         self._stop_abort: asyncio.Future | None = None
 
@@ -151,7 +152,7 @@ class RolloutWorker:
     @property
     def inflight_groups(self) -> frozenset[str]:
         """Ids of the groups being generated or published now."""
-        return frozenset(self._inflight_groups)
+        return frozenset(self._inflight.values())
 
     def request_stop(self) -> None:
         """Stop starting groups; abort generation in flight or let it finish, as
@@ -160,13 +161,13 @@ class RolloutWorker:
         if self._stop.requested.is_set():
             return
         self.report.stop_requested = True
-        self.report.inflight_at_stop = sorted(self._inflight_groups)
+        self.report.inflight_at_stop = sorted(self._inflight.values())
         self._stop.requested.set()
         self.versions.open_gate()  # wake anything waiting for a version change
         if self.config.stop_policy == "finish":
             logger.info(
                 "stopping: no new groups; finishing %d in flight (up to %.0fs)",
-                len(self._inflight_groups),
+                len(self._inflight),
                 self.config.stop_finish_timeout_s,
             )
             self._stop_deadline = time.monotonic() + self.config.stop_finish_timeout_s
@@ -232,7 +233,12 @@ class RolloutWorker:
                     break
                 started += 1
                 self.admission.started()
-                tasks.add(asyncio.create_task(self._group_task(), name=f"group-{started}"))
+                # in flight from here until reaped, not only while it awaits the engine: a
+                # stop that comes before the task runs or before the loop saw it end must
+                # still account for it
+                name = f"group-{started}"
+                self._inflight[name] = uuid.uuid4().hex
+                tasks.add(asyncio.create_task(self._group_task(name), name=name))
             while tasks:
                 if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
                     logger.warning("groups in flight not finished in time: aborting them")
@@ -246,6 +252,7 @@ class RolloutWorker:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self._inflight.clear()
             raise
         finally:
             for helper in helpers:
@@ -278,6 +285,7 @@ class RolloutWorker:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED, timeout=0.5)
         for task in done:
             tasks.discard(task)
+            self._inflight.pop(task.get_name(), None)
             task.result()  # a group's fatal error stops the worker
         if self._failure is not None:
             raise self._failure
@@ -303,12 +311,17 @@ class RolloutWorker:
 
     # --- one group -----------------------------------------------------------------------
 
-    async def _group_task(self) -> None:
+    async def _group_task(self, name: str) -> None:
+        """One admitted group (its id in ``_inflight[name]``). A retry after an engine
+        outage generates it again under a new id."""
+        if self._stop.cancelled.is_set():  # aborted before it began
+            self.report.groups_dropped += 1
+            return
         backoff = 1.0
         prompt = self._prompt()  # kept across retries: a prompt is not skipped for an outage
         while True:
             try:
-                await self._run_group(prompt)
+                await self._run_group(prompt, self._inflight[name])
                 return
             except Stopped:
                 self.report.groups_dropped += 1
@@ -322,28 +335,24 @@ class RolloutWorker:
                 if self._stop.cancelled.is_set():
                     self.report.groups_dropped += 1
                     return
+                self._inflight[name] = uuid.uuid4().hex
 
     def _prompt(self) -> Prompt:
         if self.curriculum is not None:
             return self.curriculum.choose(lambda: self.task.sample(self.rng))
         return self.task.sample(self.rng)
 
-    async def _run_group(self, prompt: Prompt) -> None:
+    async def _run_group(self, prompt: Prompt, group_id: str) -> None:
         """Generate one group, build its records and publish them (and its peer groups)."""
-        group_id = uuid.uuid4().hex
         created_ms = now_ms()
         size = self.config.group_size
         self.metrics.inflight_groups.inc()
-        self._inflight_groups.add(group_id)
         began = time.perf_counter()
         try:
             if self.generator.episodes is not None:
                 episodes = await self.generator.episodes_of(prompt, group_id)
             else:
                 samples = await self.generator.group(prompt, group_id)
-        except BaseException:  # aborted, or to be generated again under a new id
-            self._inflight_groups.discard(group_id)
-            raise
         finally:
             self.metrics.inflight_groups.dec()
         generated = time.perf_counter() - began
@@ -359,9 +368,6 @@ class RolloutWorker:
                 prompt, group_id, samples, created_ms
             )
         began = time.perf_counter()
-        try:
-            await self.outbox.publish(group_id, trajectories, peer_groups)
-        finally:
-            self._inflight_groups.discard(group_id)
+        await self.outbox.publish(group_id, trajectories, peer_groups)
         self.metrics.publish_seconds.observe(time.perf_counter() - began)
         self.metrics.generate_seconds.observe(generated)
