@@ -1,11 +1,13 @@
 """Per-step metrics of the trainer: what they mean, and where they go.
 
 Every trainer step (one scored batch) produces one flat dict of floats (namespaced names)
-that goes to three sinks at once: a JSONL file (one object per step, flushed), Prometheus
+that goes to four sinks at once: a JSONL file (one object per step, flushed), Prometheus
 gauges on a registry this object owns (no global state; served on ``prometheus_port`` if
-set), and a rich progress line on stderr. Prometheus also has the run's role instances by their
-heartbeats, ``rollstream_trainer_run_roles{role, state}`` (``core.presence``): how many
-producers, stream workers and trainers are active, left or silent.
+set; one gauge per metric, see ``StepGauges``), the ``[tracking]`` backends
+(``core.tracking``) and a rich progress line on stderr. Prometheus also has the run's role
+instances by their heartbeats, ``rollstream_trainer_run_roles{role, state}``
+(``core.presence``): how many producers, stream workers and trainers are active, left or
+silent.
 
 Data metrics (``data_metrics``), over the trajectories trained in the step:
 
@@ -52,16 +54,18 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, ClassVar
 
 import numpy as np
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from core.presence import Presence
+from core.tracking import Tracker
 from schemas.control import ROLE_KINDS
 from schemas.trajectory import Trajectory
 
@@ -188,6 +192,45 @@ def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     return out
 
 
+class StepGauges:
+    """One Prometheus gauge per step metric, named by convention: ``reward/mean`` is
+    ``rollstream_trainer_reward_mean``. The families whose last part is data (a partition,
+    a region, a staleness bucket, an episode's end) are one gauge with that part as a
+    label: ``rollstream_trainer_lag_partition{partition="3"}``."""
+
+    LABELLED: ClassVar[dict[str, str]] = {
+        "lag/partition/": "partition",
+        "staleness/region/": "region",
+        "staleness/hist/": "bucket",
+        "episode/end/": "reason",
+    }
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._gauges: dict[str, Gauge] = {}
+
+    @staticmethod
+    def prometheus_name(metric: str) -> str:
+        return "rollstream_trainer_" + re.sub(r"[^a-zA-Z0-9_]", "_", metric)
+
+    def set(self, metric: str, value: float) -> None:
+        for prefix, label in self.LABELLED.items():
+            if metric.startswith(prefix):
+                gauge = self._gauge(prefix.rstrip("/"), (label,))
+                gauge.labels(metric[len(prefix) :]).set(value)
+                return
+        self._gauge(metric, ()).set(value)
+
+    def _gauge(self, metric: str, labels: tuple[str, ...]) -> Gauge:
+        name = self.prometheus_name(metric)
+        if name not in self._gauges:
+            self._gauges[name] = Gauge(
+                name, f"Trainer step metric {metric} (consumers.metrics).", labels,
+                registry=self.registry,
+            )  # fmt: skip
+        return self._gauges[name]
+
+
 class MetricsSink:
     """JSONL file + Prometheus registry + optional rich progress line."""
 
@@ -198,18 +241,15 @@ class MetricsSink:
         registry: CollectorRegistry | None = None,
         progress: bool = False,
         total_steps: int | None = None,
+        tracker: Tracker | None = None,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._file: IO[bytes] | None = None
         if metrics_file is not None:
             metrics_file.parent.mkdir(parents=True, exist_ok=True)
             self._file = metrics_file.open("ab")
-        self._gauge = Gauge(
-            "rollstream_trainer_metric",
-            "Latest value of a per-step trainer metric (see consumers.metrics).",
-            ["name"],
-            registry=self.registry,
-        )
+        self._gauges = StepGauges(self.registry)
+        self._tracker = tracker if tracker is not None else Tracker([])
         self.steps = Counter(
             "rollstream_trainer_steps", "Optimiser steps taken.", registry=self.registry
         )
@@ -300,7 +340,8 @@ class MetricsSink:
                 self._file.write(orjson.dumps(clean) + b"\n")
                 self._file.flush()
             for name, value in clean.items():
-                self._gauge.labels(name=name).set(value)
+                self._gauges.set(name, value)
+            self._tracker.log(clean, int(metrics.get("step", 0)))
             self.steps.inc()
             self.trajectories.inc(len(trajectories))
             self.tokens.inc(sum(t.num_prompt_tokens + t.num_response_tokens for t in trajectories))
@@ -321,6 +362,7 @@ class MetricsSink:
                 )
 
     def close(self) -> None:
+        self._tracker.close()
         if self._progress is not None:
             self._progress.stop()
             self._progress = None

@@ -57,6 +57,7 @@ from consumers.ranks import (
 from consumers.recent import RecentGroups
 from core.config import SharedConfig
 from core.models import load_model
+from core.tracking import Tracker
 from schemas.trajectory import Trajectory
 
 if TYPE_CHECKING:
@@ -188,7 +189,12 @@ class Trainer:
         self.ledger: TrainingLedger | None = TrainingLedger(
             ledger_path(self.shared, cfg), fsync=cfg.checkpoint.fsync
         )
-        self.sink = MetricsSink(cfg.metrics_file, progress=cfg.progress, total_steps=cfg.max_steps)
+        shared = self.shared
+        role = f"trainer-{shared.policy}" if shared.policy else "trainer"
+        tracker = Tracker.open(shared.tracking, shared.state_dir, shared.run_id, role)
+        self.sink = MetricsSink(
+            cfg.metrics_file, progress=cfg.progress, total_steps=cfg.max_steps, tracker=tracker
+        )
         if cfg.prometheus_port is not None:
             port = self.sink.serve(cfg.prometheus_port, cfg.prometheus_host)
             log.info("prometheus metrics on %s:%d", cfg.prometheus_host, port)

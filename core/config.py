@@ -300,6 +300,39 @@ class PresenceConfig(StrictModel):
     enabled: bool = Field(default=True, description="Send heartbeats at all.")
 
 
+TrackingBackend = Literal["tensorboard", "wandb", "mlflow"]
+
+
+class TrackingConfig(StrictModel):
+    """The ``[tracking]`` section: where metric rows go besides their JSONL files."""
+
+    backends: list[TrackingBackend] = Field(
+        default_factory=list,
+        description="Any of tensorboard, wandb, mlflow (none: the JSONL files only).",
+    )
+    dir: Path | None = Field(
+        default=None,
+        description="TensorBoard logs, W&B offline runs and the local MLflow store "
+        "(default: <state_dir>/tracking/<run_id>).",
+    )
+    project: str = Field(
+        default="rollstream",
+        min_length=1,
+        description="The W&B project and the MLflow experiment.",
+    )
+    wandb_mode: Literal["offline", "online"] = Field(
+        default="offline",
+        description="offline writes under dir with no network (sync later with `wandb sync`).",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        description="An MLflow server or store URI (default: an SQLite store, dir/mlflow.db).",
+    )
+
+    def directory(self, state_dir: Path, run_id: str) -> Path:
+        return self.dir if self.dir is not None else Path(state_dir) / "tracking" / run_id
+
+
 class SharedConfig(BaseSettings):
     """The sections every role reads: the run, where state lives, Kafka, S3 and weights.
 
@@ -337,6 +370,7 @@ class SharedConfig(BaseSettings):
     s3: S3Config = Field(default_factory=S3Config)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     presence: PresenceConfig = Field(default_factory=PresenceConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
 
 SectionT = TypeVar("SectionT", bound=BaseModel)

@@ -31,6 +31,7 @@ from typing import Any
 import orjson
 
 from core.config import SharedConfig
+from core.tracking import Tracker
 from producers.backends import Backend
 from producers.client import GenerateOutput
 from producers.config import EvalConfig, ProducersConfig
@@ -214,6 +215,9 @@ async def run_evaluator(
         sampling = rollout.sampling.model_copy(update={"temperature": settings.temperature})
         params = sampling.to_sglang(task.max_new_tokens, task.stop_token_ids)
         evaluator = Evaluator(backend, task, prompts, params, settings.samples_per_prompt)
+        role = f"eval-{config.policy}" if config.policy else "eval"
+        tracker = Tracker.open(config.tracking, config.state_dir, config.run_id, role)
+        stack.callback(tracker.close)
         following = threading.Event()
         follower = start_follower(config, due, following)
         stack.callback(follower.listener.close)
@@ -237,6 +241,7 @@ async def run_evaluator(
             row = await evaluator.evaluate(version, state_dict)
             with path.open("ab") as fh:
                 fh.write(orjson.dumps(row) + b"\n")
+            tracker.log(row, version)
             done.add(version)
             count += 1
             logger.info(

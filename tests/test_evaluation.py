@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.tracking import tensorboard_scalars
 
-from core.config import WeightsConfig, default_cache_dir
+from core.config import TrackingConfig, WeightsConfig, default_cache_dir
 from core.models import build_tiny_llama
 from infra.topics import ensure_topics
 from producers.backends import LocalBackend
@@ -247,6 +248,7 @@ def test_every_second_version_is_measured_once_across_a_restart(
         kafka=kafka_config,
         s3=s3_config,
         weights=WeightsConfig(topic=versions_topic, poll_interval_s=0.5, allow_unsigned=True),
+        tracking=TrackingConfig(backends=["tensorboard"]),
     )
     settings = ProducersConfig(
         engine=EngineConfig(seed=0),
@@ -305,6 +307,14 @@ def test_every_second_version_is_measured_once_across_a_restart(
         for key in ("eval/reward/mean", "eval/fn/first_token", "eval/fn/target_seen"):
             assert row[key] == expected[key], (row["version"], key)
         assert row["eval/prompts"] == 3 and row["eval/samples"] == 6
+    # and in TensorBoard, at the version as its step, across the restart
+    board = (
+        tmp_path / "state" / "tracking" / config.run_id / "tensorboard" / f"{config.run_id}-eval"
+    )
+    scalars = tensorboard_scalars(board, "eval/reward/mean")
+    assert [(s, pytest.approx(v)) for s, v in scalars] == [
+        (row["version"], row["eval/reward/mean"]) for row in found
+    ]
 
 
 @pytest.mark.unit

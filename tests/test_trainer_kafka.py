@@ -31,12 +31,13 @@ import torch
 from confluent_kafka import Consumer, Producer, TopicPartition
 from support.streams import read_topic
 from support.synthetic import scored_group, synthetic_groups
+from support.tracking import mlflow_history, tensorboard_scalars
 
 from consumers.checkpoint import CheckpointManager, TrainingLedger
 from consumers.config import TrainerConfig
 from consumers.train_engine import TrainEngine
 from consumers.trainer import FAILPOINT_ENV, Trainer
-from core.config import KafkaConfig, S3Config, SharedConfig
+from core.config import KafkaConfig, S3Config, SharedConfig, TrackingConfig
 from core.models import load_model
 from infra.s3 import SeaweedServer, ensure_bucket
 from infra.topics import ensure_topics
@@ -242,7 +243,11 @@ def test_trains_every_valid_group_dead_letters_the_rest_and_publishes(
     produce(kafka_config, topics["scored"], group_records(groups))
 
     config = TrainerConfig.model_validate(trainer_config(tmp_path, topics, max_steps=3))
-    summary = Trainer(shared_for(kafka_config, s3_config), config).run()
+    tracking = TrackingConfig(backends=["tensorboard", "mlflow"])
+    shared = shared_for(kafka_config, s3_config).model_copy(
+        update={"state_dir": tmp_path / "state", "tracking": tracking}
+    )
+    summary = Trainer(shared, config).run()
 
     assert summary.step == 3 and summary.trained == 24 and summary.dead_letters == 2
     ledger = TrainingLedger.read(tmp_path / "ledger.jsonl")
@@ -263,6 +268,14 @@ def test_trains_every_valid_group_dead_letters_the_rest_and_publishes(
     assert [m["step"] for m in lines] == [1.0, 2.0, 3.0]
     for key in ("loss/total", "reward/mean", "staleness/hist/0", "grad/norm", "clip/frac"):
         assert key in lines[-1]
+    # the same rows in the tracking backends
+    home = tmp_path / "state" / "tracking" / RUN
+    for key in ("loss/total", "reward/mean"):
+        want = [(int(m["step"]), m[key]) for m in lines]
+        board = tensorboard_scalars(home / "tensorboard" / f"{RUN}-trainer", key)
+        assert [(s, pytest.approx(v)) for s, v in board] == want  # TensorBoard keeps float32
+        uri = f"sqlite:///{home / 'mlflow.db'}"
+        assert mlflow_history(uri, "rollstream", f"{RUN}-trainer", key) == want
 
     store = WeightStore.from_config(s3_config, RUN)
     assert store.versions() == [0, 1, 2, 3]

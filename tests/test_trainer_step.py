@@ -315,13 +315,20 @@ def test_metrics_sink_writes_jsonl_and_prometheus(tmp_path) -> None:
     path = tmp_path / "m" / "metrics.jsonl"
     sink = MetricsSink(path)
     records = flat(synthetic_groups(1, group_size=2, seed=13, version=1))
-    sink.emit({"step": 1.0, "version": 2.0, "loss/total": 0.5, "bad": float("nan")}, records)
+    row = {"step": 1.0, "version": 2.0, "loss/total": 0.5, "bad": float("nan")}
+    row |= {"lag/partition/3": 7.0, "episode/end/max_turns": 2.0}
+    sink.emit(row, records)
     sink.record_dlq("bad_magic")
     sink.close()
     (line,) = path.read_bytes().splitlines()
-    assert orjson.loads(line) == {"step": 1.0, "version": 2.0, "loss/total": 0.5}
+    assert orjson.loads(line) == {k: v for k, v in row.items() if k != "bad"}
     value = sink.registry.get_sample_value
-    assert value("rollstream_trainer_metric", {"name": "loss/total"}) == 0.5
+    # one gauge per metric; a family whose last part is data has it as a label
+    assert value("rollstream_trainer_loss_total") == 0.5
+    assert value("rollstream_trainer_version") == 2.0
+    assert value("rollstream_trainer_bad") is None  # not finite: not set
+    assert value("rollstream_trainer_lag_partition", {"partition": "3"}) == 7.0
+    assert value("rollstream_trainer_episode_end", {"reason": "max_turns"}) == 2.0
     assert value("rollstream_trainer_trajectories_total") == 2.0
     assert value("rollstream_trainer_dlq_records_total", {"reason": "bad_magic"}) == 1.0
     assert value("rollstream_trainer_staleness_count") == 2.0
