@@ -112,7 +112,10 @@ def _rollstream_json(config: Path, *args: str, timeout_s: float = 300) -> dict[s
         check=False,
     )
     if done.returncode != 0:
-        raise RuntimeError(f"rollstream {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(  # audit exits 1 with its figures and problems on stdout
+            f"rollstream {' '.join(args)} exited {done.returncode}:\n"
+            f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
     return dict(json.loads(done.stdout))
 
 
