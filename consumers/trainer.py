@@ -189,9 +189,7 @@ class Trainer:
         self.ledger: TrainingLedger | None = TrainingLedger(
             ledger_path(self.shared, cfg), fsync=cfg.checkpoint.fsync
         )
-        shared = self.shared
-        role = f"trainer-{shared.policy}" if shared.policy else "trainer"
-        tracker = Tracker.open(shared.tracking, shared.state_dir, shared.run_id, role)
+        tracker = Tracker.for_role(self.shared, "trainer")
         self.sink = MetricsSink(
             cfg.metrics_file, progress=cfg.progress, total_steps=cfg.max_steps, tracker=tracker
         )

@@ -8,7 +8,7 @@ logged once and dropped: a dashboard outage never stops training.
 
 A role's tracked run is named ``<run_id>-<role>`` (``trainer``, ``eval``, or with a
 policy ``eval-<policy>``) and resumes under that name after a restart: W&B by run id,
-MLflow by the run id kept in the tracking directory, TensorBoard by appending to the
+MLflow by finding the run of that name in its store, TensorBoard by appending to the
 same log directory.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from core.config import TrackingConfig
+from core.config import SharedConfig, TrackingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,13 @@ class Tracker:
 
     def __init__(self, backends: list[_Backend]) -> None:
         self._backends = backends
+
+    @classmethod
+    def for_role(cls, shared: SharedConfig, role: str) -> Tracker:
+        """The tracker of ``role`` (``trainer``, ``eval``) in this process's run and
+        policy: its tracked run is ``<run_id>-<role>[-<policy>]``."""
+        name = f"{role}-{shared.policy}" if shared.policy else role
+        return cls.open(shared.tracking, shared.state_dir, shared.run_id, name)
 
     @classmethod
     def open(cls, config: TrackingConfig, state_dir: Path, run_id: str, role: str) -> Tracker:

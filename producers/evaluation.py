@@ -215,8 +215,7 @@ async def run_evaluator(
         sampling = rollout.sampling.model_copy(update={"temperature": settings.temperature})
         params = sampling.to_sglang(task.max_new_tokens, task.stop_token_ids)
         evaluator = Evaluator(backend, task, prompts, params, settings.samples_per_prompt)
-        role = f"eval-{config.policy}" if config.policy else "eval"
-        tracker = Tracker.open(config.tracking, config.state_dir, config.run_id, role)
+        tracker = Tracker.for_role(config, "eval")
         stack.callback(tracker.close)
         following = threading.Event()
         follower = start_follower(config, due, following)
