@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from core.config import RoleConfig, SharedConfig
-from core.models import load_tokenizer
 from producers.admission import TrainerSignals
 from producers.backends import Backend, http_backend, local_backend
 from producers.config import ProducersConfig
@@ -86,14 +85,10 @@ async def run_producer(
         tokenizer = None
         vocab_size: int | None = None  # an engine's vocabulary, to check observations against
         if rollout.engine_url:
-            backend = await http_backend(
+            remote = await http_backend(
                 rollout, producers.engine, directory / "weights", config.cache_dir
             )
-            # the served model's tokenizer, resolved as the model files sent to the engine
-            # are: a task renders chat and text prompts with it, as with a local engine
-            tokenizer = await asyncio.to_thread(
-                load_tokenizer, producers.engine.model, config.cache_dir
-            )
+            tokenizer, backend = remote.tokenizer, remote
         else:
             local = await local_backend(producers.engine, config.cache_dir, rollout.initial_version)
             tokenizer, vocab_size = local.engine.tokenizer, local.engine.vocab_size

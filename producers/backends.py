@@ -92,11 +92,13 @@ class HttpBackend:
         weights_dir: Path,
         *,
         template_dir: Path | None = None,
+        tokenizer: Any = None,
         keep_versions: int = 2,
     ) -> None:
         self.client = client
         self.weights_dir = Path(weights_dir)
         self.template_dir = template_dir
+        self.tokenizer = tokenizer  # the served model's, for tasks that render prompts
         self.keep_versions = keep_versions
 
     async def generate(
@@ -163,8 +165,10 @@ async def http_backend(
 ) -> HttpBackend:
     """The engine at ``rollout.engine_url``, checked to serve ``engine.model`` (or
     ``rollout.expected_model``) and called with ``engine.api_key``; new versions go
-    through ``weights_dir``, each with the model's files from ``weights_dir/model-files``."""
+    through ``weights_dir``, each with the model's files from ``weights_dir/model-files``;
+    ``tokenizer`` is that model's, resolved from the same spec as its files."""
     from core.model_files import write_model_files
+    from core.models import load_tokenizer
 
     key = engine.api_key.get_secret_value() if engine.api_key is not None else None
     client = EngineClient(
@@ -178,4 +182,5 @@ async def http_backend(
     await client.check_model(rollout.expected_model or engine.model)
     template = Path(weights_dir) / MODEL_FILES_DIR
     await asyncio.to_thread(write_model_files, engine.model, template, cache_dir)
-    return HttpBackend(client, weights_dir, template_dir=template)
+    tokenizer = await asyncio.to_thread(load_tokenizer, engine.model, cache_dir)
+    return HttpBackend(client, weights_dir, template_dir=template, tokenizer=tokenizer)

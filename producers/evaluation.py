@@ -199,7 +199,8 @@ async def run_evaluator(
         if settings.engine_url:
             weights_dir = path.parent / "weights"
             own = rollout.model_copy(update={"engine_url": settings.engine_url})
-            backend = await http_backend(own, producers.engine, weights_dir, config.cache_dir)
+            remote = await http_backend(own, producers.engine, weights_dir, config.cache_dir)
+            tokenizer, backend = remote.tokenizer, remote
         else:
             local = await local_backend(producers.engine, config.cache_dir, rollout.initial_version)
             tokenizer = local.engine.tokenizer

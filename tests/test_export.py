@@ -122,6 +122,7 @@ def test_an_http_engine_is_handed_a_directory_from_pretrained_loads(tmp_path: Pa
             rollout, EngineConfig(model="tiny"), weights_dir / "p0", tmp_path
         )
         try:
+            assert isinstance(backend.tokenizer, TinyTokenizer)  # the served model's
             await backend.load_version(3, trained.state_dict())
             return (await backend.model_info())["weight_version"]
         finally:

@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 import torch
-from support import trl_rewards
 from support.chat_model import VOCAB, save_chat_model
 from support.tracking import tensorboard_scalars
 from support.up_runs import (
@@ -38,6 +37,8 @@ from support.up_runs import (
 )
 
 from core.config import KafkaConfig, S3Config
+from producers.rewards import RewardSet
+from rollstream.config import load_config
 
 pytestmark = pytest.mark.system
 
@@ -153,7 +154,7 @@ def test_the_eval_split_is_reported_at_its_versions_and_tracked(chat_run: UpRun)
 
 
 def test_the_export_loads_in_transformers_and_answers_like_the_last_eval(
-    chat_run: UpRun, tmp_path: Path
+    chat_run: UpRun, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -167,22 +168,28 @@ def test_the_export_loads_in_transformers_and_answers_like_the_last_eval(
     assert export.returncode == 0, export.stdout + export.stderr
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out)
+    # greedy over the eval split, scored by the run's own reward list as its evaluation
+    # scores each prompt: the same answers give the same reward
+    monkeypatch.syspath_prepend(str(SUPPORT))
+    rewards = RewardSet.from_configs(load_config(config).producers.rollout.task_options["rewards"])
     eval_rows = [json.loads(line) for line in (chat_run.run_dir.parent / "test.jsonl").open()]
-    answers = []
+    answers, scores = [], []
     for row in eval_rows:
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, *row["messages"]]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
         prompt = torch.tensor([ids["input_ids"]])
         generated = model.generate(prompt, max_new_tokens=2, do_sample=False)[0, prompt.shape[1] :]
-        answers.append(tokenizer.decode(generated, skip_special_tokens=True))
-    # greedy, as the run's own evaluation of that version: the same answers, the same reward
-    targets = [row["answer"] for row in eval_rows]
-    digits = asyncio.run(trl_rewards.answer_digits(answers, targets))
-    scored = [2.0 * d + (0.0 if t[0] == "0" else f) for d, t, f in zip(
-        digits, targets, trl_rewards.two_digits(answers, ["1"] * len(answers)), strict=True
-    )]  # fmt: skip
+        answer = tokenizer.decode(generated, skip_special_tokens=True)
+        completion = [{"role": "assistant", "content": answer}]
+        (score,) = asyncio.run(
+            rewards.score(
+                [messages], [completion], [generated.tolist()], {"answer": [row["answer"]]}
+            )
+        )
+        answers.append(answer)
+        scores.append(score.reward)
     evals = [json.loads(line) for line in (chat_run.run_dir / "eval.jsonl").read_text().split()]
     (last,) = [row for row in evals if row["version"] == STEPS]
-    assert sum(scored) / len(scored) == pytest.approx(last["eval/reward/mean"], abs=0.25), answers
+    assert sum(scores) / len(scores) == pytest.approx(last["eval/reward/mean"], abs=0.25), answers
     assert sum(a.isdigit() for a in answers) >= len(answers) // 2, answers  # the task's format
     assert_reconciles(chat_run.run_dir, chat_run.rows)
