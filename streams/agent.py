@@ -101,6 +101,7 @@ class Assembler:
     async def handle(self, msg: Message) -> None:
         """Process ``msg`` unless the gap guard drops it (records before it were skipped
         upstream and are being re-read); a step that raises is dead-lettered."""
+        epoch = self.writer.epoch  # a rebalance before it is applied drops the step
         with self.gaps.busy():
             if not await self.gaps.admit(msg):
                 return
@@ -109,7 +110,7 @@ class Assembler:
             except Exception as err:  # a bug must not kill the worker: dead-letter it
                 log.exception("processing %s-%d@%d failed", msg.topic, msg.partition, msg.offset)
                 step = self.processor.failed(msg, err)
-            await self.writer.apply(step, commit=self.gaps.rereading(msg))
+            await self.writer.apply(step, commit=self.gaps.rereading(msg), epoch=epoch)
 
     async def vouch_for(self, msg: Message) -> None:
         """Before a record claiming an unannounced version is judged, ask the weight store

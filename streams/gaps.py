@@ -83,8 +83,8 @@ class GapGuard:
         """``start_topic``: the control topic whose recorded offset, when there is one, is
         where a partition without a watermark starts (``first_start = "committed"``,
         ``streams.start``). ``restore``: rebuilds a partition's table state from the
-        changelog (``streams.restore``); asked once per assignment before a partition
-        without a watermark is taken as never processed."""
+        changelog (``streams.restore``); asked once per assignment, before the partition's
+        first record or tick."""
         self.table = table
         self.restore = restore
         self._restored: set[int] = set()  # restored since assigned: once per assignment
@@ -104,11 +104,13 @@ class GapGuard:
         self._checked: dict[int, tuple[int, int]] = {}  # (expected, position) found sound
         self._side: Any = None
         self._side_lock = asyncio.Lock()  # admit and sweep share the side consumer
+        self._restore_lock = asyncio.Lock()
 
     async def admit(self, msg: Message) -> bool:
         """True: process ``msg`` (replays included; the processor skips those). False:
         drop it, records before it are missing and are being fetched again."""
-        if msg.topic != self.topic:
+        if msg.topic != self.topic:  # a tick: it reads the partition's groups
+            await self._ensure_restored(msg.partition)
             return True
         expected = await self._expected(msg.partition)
         if msg.offset <= expected:
@@ -139,8 +141,8 @@ class GapGuard:
         return False
 
     def revoked(self, partitions: Iterable[int]) -> None:
-        """``partitions`` left this worker: if they come back, their state is checked
-        (and rebuilt if lost) again."""
+        """``partitions`` left this worker (at a rebalance, every one: Faust's is eager):
+        each is rebuilt from the changelog again before it is processed."""
         self._restored.difference_update(partitions)
 
     @contextlib.contextmanager
@@ -204,27 +206,33 @@ class GapGuard:
         self._reread_until[partition] = max(self._reread_until.get(partition, 0), until)
 
     async def _expected(self, partition: int) -> int:
-        """The next offset the table needs from ``partition``. Without a watermark, the
-        table may have lost the partition's state (``streams.restore``): it is rebuilt
-        from the changelog first, and only a partition still without one starts at its
-        start offset."""
-        key = offset_key(self.topic, partition)
-        raw = self.table.get(key)
-        if raw is None and self.restore is not None and partition not in self._restored:
-            self._restored.add(partition)
-            await self.restore(partition)
-            raw = self.table.get(key)
-            if raw is not None:
-                log.warning(
-                    "%s-%d: the table had lost this partition's state; rebuilt from the "
-                    "changelog, applied up to %d",
-                    self.topic,
-                    partition,
-                    int(raw),
-                )
+        """The next offset the table needs from ``partition`` (rebuilt from the changelog
+        first, once per assignment); a partition without a watermark starts at its start
+        offset."""
+        await self._ensure_restored(partition)
+        raw = self.table.get(offset_key(self.topic, partition))
         if raw is not None:
             return int(raw) + 1
         return await self._start_of(partition)
+
+    async def _ensure_restored(self, partition: int) -> None:
+        """Rebuild the partition's table state from its committed changelog
+        (``streams.restore``) once per assignment, before anything reads it: neither
+        Faust's recovery nor memory that held aborted steps is taken as the state."""
+        if self.restore is None or partition in self._restored:
+            return
+        async with self._restore_lock:  # admit and sweep: one rebuild per partition
+            if partition in self._restored:
+                return
+            await self.restore(partition)
+            self._restored.add(partition)
+            raw = self.table.get(offset_key(self.topic, partition))
+            log.info(
+                "%s-%d: table rebuilt from the changelog, applied up to %s",
+                self.topic,
+                partition,
+                "nothing yet" if raw is None else int(raw),
+            )
 
     async def _start_of(self, partition: int) -> int:
         """First offset of a partition this app never applied anything from."""

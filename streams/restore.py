@@ -1,17 +1,22 @@
-"""Rebuild one partition of the group table from its changelog when Faust did not.
+"""Rebuild one partition of the group table from its changelog, instead of trusting Faust.
 
-Faust-streaming 0.15.3 with ``exactly_once`` and the in-memory store loses a partition's
-table state when the partition leaves a worker and later comes back: on revocation the
-store drops the partition's keys, and on the new assignment the recovery asks for the
-changelog's highwater with the last stable offset of the *previous fetch*, which a
-partition not fetched since is missing, so it reads nothing. Observed when a joined
-stream worker was killed: its partitions returned to the first worker with an empty
-table, whose gap guard then re-read the raw partition from the run's start.
+The gap guard (``streams.gaps``) asks for this once per assignment, before a partition's
+first record or tick is processed, because Faust-streaming 0.15.3's recovery with
+``exactly_once`` and the in-memory store cannot be taken as the table's state:
+
+- a partition that leaves a worker and comes back: the store drops its keys, and the
+  recovery asks for the changelog's highwater with the last stable offset of the
+  *previous fetch*, which a partition not fetched since is missing, so it reads nothing
+  (seen when a joined stream worker was killed: the first worker got its partitions back
+  with an empty table and re-read them from the run's start);
+- a partition a worker keeps through a rebalance: the recovery replays its committed
+  changelog over memory that also holds the steps of the open transaction
+  (``streams.txn.EffectWriter.abort_open_transactions`` aborts those), leaving keys no
+  committed step wrote beside older committed ones.
 
 ``read_changelog_partition`` reads the partition's committed changelog records in order
-with a side consumer (``read_committed``: the aborted transactions of a killed worker
-are invisible); ``streams.txn.mirror_writes`` applies them as Faust's recovery would. The
-gap guard calls this when a partition it processes has no watermark in the table.
+with a side consumer (``read_committed``: aborted transactions are invisible);
+``streams.txn.replace_partition`` makes the partition's memory exactly what they leave.
 """
 
 from __future__ import annotations

@@ -36,6 +36,17 @@ faust-streaming==0.15.3); ``check_faust_internals`` fails fast if they change. W
 ``at_least_once`` the same records go through the plain producer, each step waits for its
 acknowledgements, and the watermark still makes replays of whole steps idempotent.
 
+A rebalance (eager in Faust: every partition is revoked, the kept ones included) ends
+every open transaction: ``abort_open_transactions``, run once Faust has waited for the
+step in progress, aborts each of them, and a step begun before that is dropped
+(``apply``'s ``epoch``). Faust itself leaves the kept partitions' transactions open and
+replays their committed changelog over the table's memory: the table then held a
+committed watermark beside the group markers of uncommitted steps, and records of such a
+group, re-read from the committed offset, were dead-lettered as late although the open
+transaction, committed later, had emitted it (a joining worker caused it). After the
+abort the committed log is all there is, and ``streams.restore`` rebuilds each
+partition's memory from it before the partition is processed again.
+
 A step whose records cannot all be sent is never left half in a transaction: each step
 waits, still holding the lock, until the broker has acknowledged every one of its records
 (a record the broker refuses fails only its own batch in aiokafka, and the transaction
@@ -116,13 +127,18 @@ def stop_worker(reason: str) -> NoReturn:
     os._exit(STEP_FAILED_EXIT)
 
 
-def check_faust_internals(producer: Any) -> None:
-    """Raise if Faust's producer lacks what ``EffectWriter`` relies on."""
-    for name in ("_transaction_producers", "_trn_locks"):
-        if not hasattr(producer, name):
+def check_faust_internals(producer: Any, store: Any) -> None:
+    """Raise if Faust's producer or the table's memory store lacks what ``EffectWriter``
+    and ``replace_partition`` rely on."""
+    for owner, name in (
+        (producer, "_transaction_producers"),
+        (producer, "_trn_locks"),
+        (store, "_key_partition"),
+    ):
+        if not hasattr(owner, name):
             raise RuntimeError(
-                f"faust producer has no {name}: streams.txn is written for faust-streaming "
-                "0.15.3; check its transaction handling before upgrading"
+                f"faust {type(owner).__name__} has no {name}: streams.txn is written for "
+                "faust-streaming 0.15.3; check its transaction handling before upgrading"
             )
 
 
@@ -146,15 +162,19 @@ class EffectWriter:
         self.failpoint = failpoint
         self.on_failure = on_failure
         self.steps_with_outputs = 0  # counted for the failpoint
+        self.epoch = 0  # transactions aborted at rebalances so far
 
     def transactional_id(self, topic: str, partition: int) -> str:
         """Faust's transactional id for a source topic partition."""
         group = self.app.assignor.group_for_topic(topic)
         return f"{self.app.conf.id}-{group}-{partition}"
 
-    async def apply(self, step: Step, *, commit: bool = False) -> bool:
+    async def apply(self, step: Step, *, commit: bool = False, epoch: int | None = None) -> bool:
         """Produce everything ``step`` holds and update the table. False if the source
-        partition is no longer ours (revoked mid-step): its new owner replays it.
+        partition is no longer ours (revoked mid-step): its new owner replays it; or if
+        ``epoch`` (``self.epoch`` when the step began) is older than the last
+        ``abort_open_transactions``: the step read a table that is being rebuilt, and its
+        record is read again from the committed offset.
 
         ``commit``: commit the partition's transaction now, with the step's source offset
         + 1 as the consumer offset, instead of leaving that to Faust's commit timer. For a
@@ -187,6 +207,14 @@ class EffectWriter:
         async with lock:
             if producer._transaction_producers.get(tid) is not txp:
                 log.warning("transaction %s replaced while waiting; step dropped", tid)
+                return False
+            if epoch is not None and epoch != self.epoch:
+                log.info(
+                    "step of %s-%d@%d began before a rebalance; dropped (read again)",
+                    msg.topic,
+                    msg.partition,
+                    msg.offset,
+                )
                 return False
             failing = self._failpoint_hit(step, "send_fails")
             try:
@@ -225,6 +253,25 @@ class EffectWriter:
                 log.exception("committing re-read %s-%d@%d", msg.topic, msg.partition, msg.offset)
         return True
 
+    async def abort_open_transactions(self) -> None:
+        """Abort every open transaction of this worker (at a rebalance, after Faust has
+        waited for the step in progress; Faust begins new ones for the partitions it
+        assigns); steps begun before are dropped. With ``at_least_once`` only the epoch
+        moves."""
+        self.epoch += 1
+        if not self.exactly_once:
+            return
+        producer = self.app.producer
+        for tid, txp in list(producer._transaction_producers.items()):
+            lock = producer._trn_locks.get(tid)
+            if lock is None:
+                continue
+            async with lock:
+                if not txp._txn_manager.is_in_transaction():
+                    continue
+                await self._abort(txp, tid)  # Faust begins the next when it assigns
+        log.info("rebalance: open transactions aborted (epoch %d)", self.epoch)
+
     def _failpoint_hit(self, step: Step, name: str) -> bool:
         """Whether ``step`` is where the failpoint ``name`` strikes (steps with outputs
         are counted once, by the first check)."""
@@ -253,6 +300,22 @@ class EffectWriter:
 
     def _update_memory(self, step: Step) -> None:
         mirror_writes(self.table, step.partition, step.writes)
+
+
+def replace_partition(
+    table: Any, partition: int, writes: Iterable[tuple[bytes | None, bytes | None]]
+) -> int:
+    """Make the table's memory of ``partition`` exactly what ``writes`` (its whole committed
+    changelog, in order) leave: keys of the partition that no committed record wrote go
+    (an aborted step's). Returns how many keys were dropped that way."""
+    store = table.data
+    key_partition = store._key_partition
+    dropped = [key for key, owner in key_partition.items() if owner == partition]
+    for key in dropped:
+        store.data.pop(key, None)
+        key_partition.pop(key, None)
+    mirror_writes(table, partition, writes)
+    return sum(1 for key in dropped if key not in store.data)
 
 
 def mirror_writes(

@@ -44,7 +44,7 @@ from streams.snapshots import (
 )
 from streams.staleness import StalenessPolicy, VersionTracker
 from streams.topics import TABLE_NAME, changelog_name, prepare_topics
-from streams.txn import EffectWriter, Failpoint, check_faust_internals, mirror_writes
+from streams.txn import EffectWriter, Failpoint, check_faust_internals, replace_partition
 from streams.versions import VersionReader, VersionVoucher
 from weights.announce import AnnouncementListener
 
@@ -291,7 +291,14 @@ class StreamWorker:
         writes, _end = await asyncio.to_thread(
             read_changelog_partition, self.kafka, changelog, partition
         )
-        mirror_writes(self.groups, partition, writes)
+        dropped = replace_partition(self.groups, partition, writes)
+        if dropped:
+            log.warning(
+                "%s-%d: %d key(s) in the table were written by no committed step; dropped",
+                changelog,
+                partition,
+                dropped,
+            )
 
     def _my_raw_partitions(self) -> set[int]:
         """The raw partitions assigned to this worker as active (not standby)."""
@@ -311,6 +318,7 @@ class StreamWorker:
         app.task(self.start_services)
 
     async def _on_revoked(self, app: faust.App, revoked: set[TP], **_: object) -> None:
+        await self.writer.abort_open_transactions()
         self.gaps.revoked(tp.partition for tp in revoked if tp.topic == self.topics.raw)
 
     async def assemble(self, stream: StreamT) -> None:
@@ -360,7 +368,7 @@ class StreamWorker:
 
     async def start_services(self) -> None:
         """Once the app runs: version reading, the heartbeat, weight following, metrics."""
-        check_faust_internals(self.app.producer)
+        check_faust_internals(self.app.producer, self.groups.data)
         self.versions.start()
         presence = self.shared.presence
         if presence.enabled:

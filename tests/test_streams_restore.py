@@ -1,6 +1,14 @@
 """Rebuilding a group-table partition from its changelog (``streams.restore``) on the real
 broker: committed records in order, an aborted transaction's records never, deletes
-applied; the gap guard asks for it once per assignment before starting a partition over."""
+applied, keys no committed record wrote dropped; the gap guard asks for it once per
+assignment, before a partition's first record or tick. A rebalance aborts the worker's
+open transactions and drops the step in flight (``streams.txn``).
+
+The situation comes from CI: a stream worker joining a run made the first worker keep
+partitions whose open transaction Faust left open while it replayed the committed
+changelog over memory; the table then held the group markers of uncommitted steps beside
+an older watermark, and a group the open transaction (committed later) had emitted was
+dead-lettered as late when its records were read again."""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ import uuid
 from collections.abc import Callable
 from types import SimpleNamespace
 
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from confluent_kafka import Producer
 
 from core.config import KafkaConfig
@@ -16,8 +25,9 @@ from infra.topics import ensure_topics
 from schemas.topics import TopicSpec
 from streams.gaps import GapGuard
 from streams.groups import offset_key
+from streams.processor import Message, Send, Step
 from streams.restore import read_changelog_partition
-from streams.txn import mirror_writes
+from streams.txn import EffectWriter, mirror_writes, replace_partition
 
 
 def _transactional(kafka: dict[str, str]) -> Producer:
@@ -60,13 +70,14 @@ def test_restore_reads_committed_changelog_records_only(
     assert store._key_partition == {b"stale": 1, b"g2": 1, watermark: 1}
 
 
-def test_gap_guard_rebuilds_a_lost_partition_once_per_assignment() -> None:
-    table: dict[bytes, bytes] = {}
+def test_the_gap_guard_rebuilds_each_partition_once_per_assignment() -> None:
+    table: dict[bytes, bytes] = {offset_key("raw", 3): b"50"}  # what a replay left in memory
     restored: list[int] = []
 
     async def restore(partition: int) -> None:
+        await asyncio.sleep(0.01)  # a read of the changelog: others wait for it
         restored.append(partition)
-        if partition == 3:  # the changelog knew this partition up to offset 41
+        if partition == 3:  # the committed changelog knew this partition up to offset 41
             table[offset_key("raw", 3)] = b"41"
 
     async def seek(_partition: int, _offset: int) -> None:
@@ -74,14 +85,90 @@ def test_gap_guard_rebuilds_a_lost_partition_once_per_assignment() -> None:
 
     guard = GapGuard(table, {}, "raw", seek, restore=restore)
     guard._log_start = {5: 0}  # a partition never processed starts at the log's start
+    tick = Message("ticks", 7, 0, b"", b"")
 
     async def scenario() -> list[int]:
-        expected = [await guard._expected(3), await guard._expected(3)]
+        expected = list(await asyncio.gather(guard._expected(3), guard._expected(3)))
         expected.append(await guard._expected(5))
+        assert await guard.admit(tick)  # a tick reads its partition's groups: rebuilt first
         expected.append(await guard._expected(5))
-        guard.revoked([5])
+        guard.revoked([3, 5, 7])  # a rebalance: every partition again
         expected.append(await guard._expected(5))
+        assert await guard.admit(tick)
         return expected
 
     assert asyncio.run(scenario()) == [42, 42, 0, 0, 0]
-    assert restored == [3, 5, 5]  # once per assignment, again after a revocation
+    assert restored == [3, 5, 7, 5, 7]  # once per assignment, a watermark or not
+
+
+def test_a_rebalance_aborts_the_open_transaction_and_drops_the_step_in_flight(
+    kafka_config: KafkaConfig, unique_name: Callable[[str], str]
+) -> None:
+    kafka = kafka_config.client_config()
+    scored, changelog, app_id = unique_name("scored"), unique_name("changelog"), unique_name("app")
+    ensure_topics(
+        kafka,
+        [TopicSpec(scored, partitions=1), TopicSpec(changelog, 2, cleanup_policy="compact")],
+    )
+    watermark = offset_key("raw", 1)
+
+    def step(offset: int, key: bytes) -> Step:
+        message = Message("raw", 1, offset, b"g", b"sample")
+        return Step(
+            message,
+            sends=[Send(scored, b"g", b"group %d" % offset)],
+            writes=[(key, b"closed"), (watermark, str(offset).encode())],
+        )
+
+    async def scenario() -> tuple[list[bytes], EffectWriter, SimpleNamespace]:
+        tid = f"{app_id}-0-1"  # Faust's transactional id for raw partition 1
+        txp = AIOKafkaProducer(
+            bootstrap_servers=kafka_config.bootstrap_servers, transactional_id=tid
+        )
+        await txp.start()
+        await txp.begin_transaction()
+        producer = SimpleNamespace(
+            _transaction_producers={tid: txp}, _trn_locks={tid: asyncio.Lock()}
+        )
+        app = SimpleNamespace(
+            producer=producer,
+            conf=SimpleNamespace(id=app_id),
+            assignor=SimpleNamespace(group_for_topic=lambda _topic: 0),
+        )
+        store = SimpleNamespace(data={}, _key_partition={})
+        table = SimpleNamespace(
+            data=store, changelog_topic=SimpleNamespace(get_topic_name=lambda: changelog)
+        )
+        writer = EffectWriter(app, table, exactly_once=True)
+        try:
+            assert await writer.apply(step(5, b"g-early"), epoch=writer.epoch)  # left open
+            began = writer.epoch
+            await writer.abort_open_transactions()
+            assert not await writer.apply(step(6, b"g-in-flight"), epoch=began)  # dropped
+            await txp.begin_transaction()  # Faust's, when it assigns the partition again
+            assert await writer.apply(step(7, b"g-late"), epoch=writer.epoch)
+            await txp.commit_transaction()
+        finally:
+            await txp.stop()
+        consumer = AIOKafkaConsumer(
+            scored,
+            bootstrap_servers=kafka_config.bootstrap_servers,
+            isolation_level="read_committed",
+            auto_offset_reset="earliest",
+            group_id=unique_name("reader"),
+        )
+        await consumer.start()
+        try:
+            batches = await consumer.getmany(timeout_ms=10_000)
+        finally:
+            await consumer.stop()
+        return [m.value for msgs in batches.values() for m in msgs], writer, store
+
+    outputs, writer, store = asyncio.run(scenario())
+    assert outputs == [b"group 7"]  # the aborted step's output never reaches a reader
+    assert writer.epoch == 1
+    assert store.data == {b"g-early": b"closed", watermark: b"7", b"g-late": b"closed"}
+    writes, _end = read_changelog_partition(kafka, changelog, 1)
+    assert writes == [(b"g-late", b"closed"), (watermark, b"7")]
+    assert replace_partition(SimpleNamespace(data=store), 1, writes) == 1  # g-early
+    assert store.data == {b"g-late": b"closed", watermark: b"7"}
