@@ -159,7 +159,7 @@ def read_range(
     consumer.assign([TopicPartition(topic, p, plan[p][0]) for p in sorted(pending)])
     last_progress = time.monotonic()
     while pending:
-        messages = consumer.consume(num_messages=500, timeout=0.5)
+        messages = consumer.consume(num_messages=500, timeout=0.1)  # waits this long if < 500 come
         for msg in messages:
             partition, offset = msg.partition(), msg.offset()
             assert partition is not None and offset is not None

@@ -88,6 +88,7 @@ class GapGuard:
         self.table = table
         self.restore = restore
         self._restored: set[int] = set()  # restored since assigned: once per assignment
+        self._revocations = 0
         self.start_topic = start_topic
         self._start_offsets: dict[int, int] | None = None
         self.stall_after_s = stall_after_s
@@ -110,7 +111,7 @@ class GapGuard:
         """True: process ``msg`` (replays included; the processor skips those). False:
         drop it, records before it are missing and are being fetched again."""
         if msg.topic != self.topic:  # a tick: it reads the partition's groups
-            await self._ensure_restored(msg.partition)
+            await self.ensure_restored(msg.partition)
             return True
         expected = await self._expected(msg.partition)
         if msg.offset <= expected:
@@ -144,6 +145,7 @@ class GapGuard:
         """``partitions`` left this worker (at a rebalance, every one: Faust's is eager):
         each is rebuilt from the changelog again before it is processed."""
         self._restored.difference_update(partitions)
+        self._revocations += 1
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
@@ -209,22 +211,25 @@ class GapGuard:
         """The next offset the table needs from ``partition`` (rebuilt from the changelog
         first, once per assignment); a partition without a watermark starts at its start
         offset."""
-        await self._ensure_restored(partition)
+        await self.ensure_restored(partition)
         raw = self.table.get(offset_key(self.topic, partition))
         if raw is not None:
             return int(raw) + 1
         return await self._start_of(partition)
 
-    async def _ensure_restored(self, partition: int) -> None:
+    async def ensure_restored(self, partition: int) -> None:
         """Rebuild the partition's table state from its committed changelog
         (``streams.restore``) once per assignment, before anything reads it: neither
         Faust's recovery nor memory that held aborted steps is taken as the state."""
         if self.restore is None or partition in self._restored:
             return
-        async with self._restore_lock:  # admit and sweep: one rebuild per partition
+        async with self._restore_lock:  # admit, sweep and ticks: one rebuild at a time
             if partition in self._restored:
                 return
+            revocations = self._revocations
             await self.restore(partition)
+            if revocations != self._revocations:
+                return  # revoked while it was read: rebuilt again when next needed
             self._restored.add(partition)
             raw = self.table.get(offset_key(self.topic, partition))
             log.info(

@@ -2,8 +2,8 @@
 
 The names come from ``[streams.topics]`` (a test or a second policy renames them); the
 settings, sizes included, from ``schemas.topics``. The internal ticks topic and the table
-changelog get raw's partition count: Faust gives a worker the same partitions of all
-three, so a tick reaches the worker that holds the overdue group (``streams.app``).
+changelogs get raw's partition count: Faust gives a worker the same partitions of all of
+them, so a tick reaches the worker that holds the overdue group (``streams.app``).
 """
 
 from __future__ import annotations
@@ -36,18 +36,31 @@ TABLE_NAME = "groups"
 leave every running app's state behind in the old changelog."""
 
 
+MEMORY_TABLE_NAME = "groups-memory"
+"""The Faust table that holds the worker's memory of the group table. Its own changelog
+(``<app_id>-groups-memory-changelog``) is never written, so Faust's recovery, which
+cannot be taken as the state (``streams.restore``), has nothing to replay and ends at
+once; each partition is rebuilt from ``changelog_name`` instead."""
+
+
 def changelog_name(config: StreamsConfig) -> str:
-    """The group table's changelog topic, named the way Faust names it."""
+    """The group table's changelog topic (``streams.txn`` writes it)."""
     return f"{config.app_id}-{TABLE_NAME}-changelog"
+
+
+def memory_changelog_name(config: StreamsConfig) -> str:
+    """The changelog Faust declares for ``MEMORY_TABLE_NAME``: empty, co-partitioned with
+    raw so that Faust's assignor gives a worker the same partitions of all of them."""
+    return f"{config.app_id}-{MEMORY_TABLE_NAME}-changelog"
 
 
 def topic_specs(config: StreamsConfig, raw_partitions: int) -> list[TopicSpec]:
     """Every topic the worker uses, under ``config``'s names; the source topics (raw and
-    ticks) and the table changelog with ``raw_partitions``.
+    ticks) and the table changelogs with ``raw_partitions``.
 
-    The changelog is Faust's, but it is declared here with its size: Faust would create
-    it with the cluster's default limit (1 MB on most), and a larger sample's changelog
-    write would then fail after the step had committed."""
+    The group table's changelog is declared here with its size: Faust would create it
+    with the cluster's default limit (1 MB on most), and a larger sample's changelog write
+    would then fail after the step had committed."""
     names = config.topics
     return [
         replace(ROLLOUTS_RAW, name=names.raw, partitions=raw_partitions),
@@ -64,6 +77,7 @@ def topic_specs(config: StreamsConfig, raw_partitions: int) -> list[TopicSpec]:
             max_message_bytes=1 * MIB,
         ),
         stream_changelog(changelog_name(config), raw_partitions),
+        stream_changelog(memory_changelog_name(config), raw_partitions),
     ]
 
 

@@ -149,15 +149,20 @@ class EffectWriter:
         self,
         app: Any,
         table: Any,
+        changelog: str,
         *,
         exactly_once: bool,
         failpoint: Failpoint | None = None,
         on_failure: Callable[[str], NoReturn] = stop_worker,
     ) -> None:
-        """``on_failure(reason)``: called, after the transaction was aborted, when a step
-        failed; it must not return (by default it ends the process)."""
+        """``table``: the Faust table holding the worker's memory of the group table;
+        ``changelog``: the group table's changelog topic, whose partition ``P`` gets the
+        writes of source partition ``P``'s steps. ``on_failure(reason)``: called, after
+        the transaction was aborted, when a step failed; it must not return (by default
+        it ends the process)."""
         self.app = app
         self.table = table
+        self.changelog = changelog
         self.exactly_once = exactly_once
         self.failpoint = failpoint
         self.on_failure = on_failure
@@ -291,7 +296,7 @@ class EffectWriter:
             log.exception("aborting transaction %s failed", tid)
 
     def _records(self, step: Step) -> list[tuple[str, bytes | None, bytes | None, int | None, Any]]:
-        changelog = self.table.changelog_topic.get_topic_name()
+        changelog = self.changelog
         records: list[tuple[str, bytes | None, bytes | None, int | None, Any]] = [
             (send.topic, send.key, send.value, None, list(send.headers)) for send in step.sends
         ]

@@ -2,10 +2,11 @@
 
 Constructing it declares missing topics (``streams.topics``), creates the app, its source
 topic and table, the services, and registers the agent, the timers and the start-up task
-on the app, in that order. Faust fixes at build time what a worker is: the table's name
-fixes its changelog topic (``<app_id>-groups-changelog``, what a restart restores from),
-and timers and tasks start in the order they were registered; ``tests/test_streams_worker``
-pins both. Each part is a method or a small collaborator: ``OldLogitPass`` (where old
+on the app, in that order. Faust fixes at build time what a worker is: its table (the
+worker's memory of the group table, ``streams.topics.MEMORY_TABLE_NAME``), the group
+table's changelog the steps write (``<app_id>-groups-changelog``, what each partition is
+rebuilt from), and the order timers and tasks start in; ``tests/test_streams_worker``
+pins them. Each part is a method or a small collaborator: ``OldLogitPass`` (where old
 logits come from), ``streams.agent.Assembler`` (the agent's work per message), and the
 worker's own timers (ticks, gap sweeps, lag) and start-up.
 """
@@ -43,7 +44,7 @@ from streams.snapshots import (
     SnapshotStore,
 )
 from streams.staleness import StalenessPolicy, VersionTracker
-from streams.topics import TABLE_NAME, changelog_name, prepare_topics
+from streams.topics import MEMORY_TABLE_NAME, changelog_name, prepare_topics
 from streams.txn import EffectWriter, Failpoint, check_faust_internals, replace_partition
 from streams.versions import VersionReader, VersionVoucher
 from weights.announce import AnnouncementListener
@@ -181,6 +182,7 @@ class StreamWorker:
         self.writer = EffectWriter(
             self.app,
             self.groups,
+            changelog_name(config),
             exactly_once=config.processing_guarantee == "exactly_once",
             failpoint=Failpoint.from_env(),
         )
@@ -242,7 +244,7 @@ class StreamWorker:
 
     def _make_table(self) -> TableT:
         return self.app.Table(
-            TABLE_NAME,
+            MEMORY_TABLE_NAME,
             partitions=self.raw_partitions,
             key_type=bytes,  # raw bytes in and out of the changelog (streams.groups)
             value_type=bytes,
@@ -287,7 +289,7 @@ class StreamWorker:
         await self.app.consumer.seek(TP(self.topics.raw, partition), offset)
 
     async def _restore_partition(self, partition: int) -> None:
-        changelog = self.groups.changelog_topic.get_topic_name()
+        changelog = changelog_name(self.config)
         writes, _end = await asyncio.to_thread(
             read_changelog_partition, self.kafka, changelog, partition
         )
@@ -328,8 +330,19 @@ class StreamWorker:
             await self.assembler.handle(message_of(event))
 
     async def tick(self) -> None:
-        """Send a tick to each of our partitions that holds an overdue group or marker."""
-        for partition in self.processor.due_partitions(now_ms()) & self._my_raw_partitions():
+        """Send a tick to each of our partitions that holds an overdue group or marker
+        (each rebuilt from the changelog first: a partition no record comes to may still
+        hold groups waiting for their timeout)."""
+        if self.app.rebalancing:
+            return
+        mine = self._my_raw_partitions()
+        try:
+            for partition in sorted(mine):
+                await self.gaps.ensure_restored(partition)
+        except Exception:  # revoked mid-rebuild, broker gone: the next tick tries again
+            log.warning("rebuilding the table before a tick failed", exc_info=True)
+            return
+        for partition in self.processor.due_partitions(now_ms()) & mine:
             self._ticks.produce(self.config.ticks_topic, value=b"", partition=partition)
         self._ticks.poll(0)
 

@@ -136,10 +136,8 @@ def test_a_rebalance_aborts_the_open_transaction_and_drops_the_step_in_flight(
             assignor=SimpleNamespace(group_for_topic=lambda _topic: 0),
         )
         store = SimpleNamespace(data={}, _key_partition={})
-        table = SimpleNamespace(
-            data=store, changelog_topic=SimpleNamespace(get_topic_name=lambda: changelog)
-        )
-        writer = EffectWriter(app, table, exactly_once=True)
+        table = SimpleNamespace(data=store)
+        writer = EffectWriter(app, table, changelog, exactly_once=True)
         try:
             assert await writer.apply(step(5, b"g-early"), epoch=writer.epoch)  # left open
             began = writer.epoch

@@ -1,10 +1,11 @@
 """The stream worker's composition root (``streams.worker``, ``streams.app.build_app``).
 
-What Faust registers on the app at build time is part of the worker's contract: the table's
-name fixes its changelog topic (``<app_id>-groups-changelog``, what a restart restores
-from), the agent's channel is raw plus the co-partitioned ticks topic, and the timers and
-the start-up task run in the order they were registered. The integration test pins all of
-it on a real broker; the others test the worker's parts alone.
+What Faust registers on the app at build time is part of the worker's contract: the group
+table's changelog (``<app_id>-groups-changelog``, what a restart restores from) is the
+one the steps write, Faust's own table's changelog stays empty, the agent's channel is
+raw plus the co-partitioned ticks topic, and the timers and the start-up task run in the
+order they were registered. The integration test pins all of it on a real broker; the
+others test the worker's parts alone.
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def test_build_app_registers_the_table_agent_timers_and_task(
     assert not conf.web_enabled
     assert str(conf.store) == "memory:"
 
-    assert list(app.tables) == ["groups"]
-    table = app.tables["groups"]
-    assert table.changelog_topic.get_topic_name() == f"{app_id}-groups-changelog"
+    assert list(app.tables) == ["groups-memory"]  # its changelog is never written
+    table = app.tables["groups-memory"]
+    assert table.changelog_topic.get_topic_name() == f"{app_id}-groups-memory-changelog"
     assert (table.partitions, table.key_type, table.value_type) == (8, bytes, bytes)
 
     assert list(app.agents) == ["streams.app.assemble"]
@@ -103,7 +104,7 @@ def test_build_app_registers_the_table_agent_timers_and_task(
         GAP_SWEEP_INTERVAL_S,
         shared.presence.interval_s,
     ]
-    assert len(list(app.on_partitions_revoked.iter_receivers(app))) == 1  # the gap guard's
+    assert len(list(app.on_partitions_revoked.iter_receivers(app))) == 1  # abort, rebuild
     assert len(list(app.on_before_shutdown.iter_receivers(app))) == 1  # the beacon's leave
 
 
@@ -126,6 +127,7 @@ def test_topic_specs_give_the_source_topics_raw_s_partition_count() -> None:
         "v",
         "app-ticks",
         "app-groups-changelog",
+        "app-groups-memory-changelog",
     ]
     assert specs["r"].partitions == specs["app-ticks"].partitions == 3
     assert specs["app-ticks"].retention_ms == TICKS_RETENTION_MS
@@ -189,8 +191,10 @@ class TableWriter:
     def __init__(self, table: dict[bytes, bytes]) -> None:
         self.table = table
         self.applied: list[tuple[Step, bool]] = []
+        self.epoch = 0  # no rebalance here
 
-    async def apply(self, step: Step, *, commit: bool = False) -> bool:
+    async def apply(self, step: Step, *, commit: bool = False, epoch: int | None = None) -> bool:
+        assert epoch == self.epoch
         self.applied.append((step, commit))
         for key, value in step.writes:
             if value is None:
