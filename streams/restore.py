@@ -1,22 +1,19 @@
-"""Rebuild one partition of the group table from its changelog, instead of trusting Faust.
+"""Rebuild one partition of the group table from its committed changelog.
 
 The gap guard (``streams.gaps``) asks for this once per assignment, before a partition's
-first record or tick is processed, because Faust-streaming 0.15.3's recovery with
-``exactly_once`` and the in-memory store cannot be taken as the table's state:
-
-- a partition that leaves a worker and comes back: the store drops its keys, and the
-  recovery asks for the changelog's highwater with the last stable offset of the
-  *previous fetch*, which a partition not fetched since is missing, so it reads nothing
-  (seen when a joined stream worker was killed: the first worker got its partitions back
-  with an empty table and re-read them from the run's start);
-- a partition a worker keeps through a rebalance: the recovery replays its committed
-  changelog over memory that also holds the steps of the open transaction
-  (``streams.txn.EffectWriter.abort_open_transactions`` aborts those), leaving keys no
-  committed step wrote beside older committed ones.
+first record or tick is processed; the committed changelog is the table's only truth.
+Faust-streaming 0.15.3's own table recovery with ``exactly_once`` could not be taken as
+the state: it read nothing for a partition that came back to a worker (its highwater is
+the last stable offset of the *previous fetch*), and for a partition a worker kept through
+a rebalance it replayed the committed changelog over memory that held the steps of a
+still-open transaction. So Faust's table is declared with a changelog nothing writes
+(``streams.topics.MEMORY_TABLE_NAME``), a rebalance aborts the open transactions
+(``streams.txn.EffectWriter.abort_open_transactions``), and this rebuild decides.
 
 ``read_changelog_partition`` reads the partition's committed changelog records in order
 with a side consumer (``read_committed``: aborted transactions are invisible);
-``streams.txn.replace_partition`` makes the partition's memory exactly what they leave.
+``streams.txn.replace_partition`` makes the partition's memory exactly what they leave,
+dropping keys no committed step wrote.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ import uuid
 from collections.abc import Callable
 from types import SimpleNamespace
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 from confluent_kafka import Producer
+from support.streams import read_topic
 
 from core.config import KafkaConfig
 from infra.topics import ensure_topics
@@ -148,19 +149,7 @@ def test_a_rebalance_aborts_the_open_transaction_and_drops_the_step_in_flight(
             await txp.commit_transaction()
         finally:
             await txp.stop()
-        consumer = AIOKafkaConsumer(
-            scored,
-            bootstrap_servers=kafka_config.bootstrap_servers,
-            isolation_level="read_committed",
-            auto_offset_reset="earliest",
-            group_id=unique_name("reader"),
-        )
-        await consumer.start()
-        try:
-            batches = await consumer.getmany(timeout_ms=10_000)
-        finally:
-            await consumer.stop()
-        return [m.value for msgs in batches.values() for m in msgs], writer, store
+        return [m.value() for m in read_topic(kafka, [scored])], writer, store
 
     outputs, writer, store = asyncio.run(scenario())
     assert outputs == [b"group 7"]  # the aborted step's output never reaches a reader
