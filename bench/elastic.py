@@ -20,8 +20,9 @@ with nothing but the run's config file:
    once the consumer group has one member again and the trainer has stepped again,
    ``phase_s`` seconds are measured.
 
-Then ``up`` is stopped (SIGTERM) and ``rollstream audit`` reconciles every producer's
-ledger with the trainer's: nothing lost, nothing trained twice. Figures per phase:
+Then ``up`` is stopped as a user stops it (Ctrl-C: SIGINT), the run's own config file
+brings the embedded services back (``infra up``) and ``rollstream audit`` reconciles every
+producer's ledger with the trainer's: nothing lost, nothing trained twice. Figures per phase:
 trainer steps/s, trained trajectories/s and groups delivered per second by all producers.
 ``run_elastic`` returns them with what the presence topic said at each point; the slow
 test ``tests/test_elastic_roles.py`` runs it short and asserts on it.
@@ -79,6 +80,9 @@ class ElasticReport:
     leave_pause_s: float = 0.0  # one worker holding them all again -> the next step
     audit: dict[str, Any] = field(default_factory=dict)
     up_exit: int | None = None
+    role_pids: dict[str, int] = field(default_factory=dict)  # up's pids.json before Ctrl-C
+    infra_up_s: float = 0.0  # `infra up` from the run's config file after up stopped
+    infra_up_stderr: str = ""
 
 
 def _env() -> dict[str, str]:
@@ -319,15 +323,20 @@ def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> E
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(30)
+        pids_file = run_dir / "pids.json"
+        report.role_pids = json.loads(pids_file.read_text() or "{}") if pids_file.exists() else {}
         if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
+            up.send_signal(signal.SIGINT)
         report.up_exit = up.wait(180)
     # `up` stopped the embedded services it started: the run's file brings them back.
     config_path = run_dir / "rollstream.toml"
-    subprocess.run(
+    started = time.monotonic()
+    infra = subprocess.run(
         [sys.executable, "-m", "rollstream", "--config", str(config_path), "infra", "up"],
-        env=_env(), capture_output=True, timeout=180, check=True,
+        env=_env(), capture_output=True, text=True, timeout=180, check=True,
     )  # fmt: skip
+    report.infra_up_s = time.monotonic() - started
+    report.infra_up_stderr = infra.stderr
     try:
         report.audit = _rollstream_json(config_path, "audit")
     finally:

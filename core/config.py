@@ -104,6 +104,14 @@ class KafkaConfig(StrictModel):
         pattern=r"^([1-9][0-9]*[kKmMgG]?)?$",
         description="JVM heap (-Xmx/-Xms) of the embedded broker: a size such as 512m or 2g.",
     )
+    jvm_profile: Literal["light", "throughput"] = Field(
+        default="light",
+        description=(
+            "JVM settings of the embedded broker: light (the quick compiler only, a serial"
+            " collector: less CPU on a machine the roles share) or throughput (the optimising"
+            " compiler and G1, for sustained load)."
+        ),
+    )
     kafka_version: str = Field(default="4.1.1", description="Apache Kafka release to resolve.")
 
     @property

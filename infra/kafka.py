@@ -15,6 +15,7 @@ so, never a command that waits forever.
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import subprocess
@@ -33,8 +34,13 @@ LOG4J2_CONFIG = INFRA_DIR / "log4j2.yaml"
 
 #: Resolving the broker's jars downloads ~100 MB the first time.
 MAVEN_TIMEOUT_S = 1200.0
-#: ``StorageTool random-uuid`` and ``format`` start a JVM and return in seconds.
+#: ``StorageTool format`` starts a JVM and returns in seconds.
 STORAGE_TOOL_TIMEOUT_S = 180.0
+# ``kafka.jvm_profile``: see its description in core.config.KafkaConfig.
+JVM_PROFILES: dict[str, list[str]] = {
+    "light": ["-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"],
+    "throughput": ["-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20"],
+}
 
 
 def _run_tool(cmd: list[str], what: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
@@ -52,6 +58,15 @@ def _run_tool(cmd: list[str], what: str, timeout_s: float) -> subprocess.Complet
             f"{what} did not finish within {timeout_s:.0f}s (killed): {' '.join(cmd[:3])} ...\n"
             f"{output[-2000:]}"
         ) from None
+
+
+def cluster_id() -> str:
+    """A fresh cluster id as Kafka's ``StorageTool random-uuid`` prints it (16 random bytes,
+    URL-safe base64 without padding, never starting with '-'), without starting a JVM."""
+    while True:
+        made = base64.urlsafe_b64encode(os.urandom(16)).rstrip(b"=").decode()
+        if not made.startswith("-"):
+            return made
 
 
 def java_binary() -> str:
@@ -177,7 +192,8 @@ class EmbeddedKafka:
         lib_dir = resolve_kafka_jars(self.config.kafka_version, self.cache_dir)
         jvm = [java_binary()]
         if heap:
-            jvm += [f"-Xmx{heap}", f"-Xms{heap}", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20"]
+            jvm += [f"-Xmx{heap}", f"-Xms{heap}"]
+        jvm += JVM_PROFILES[self.config.jvm_profile]
         jvm += [
             "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={LOG4J2_CONFIG}",
@@ -196,14 +212,7 @@ class EmbeddedKafka:
         self._write_properties()
         if self.formatted():
             return
-        made = _run_tool(
-            self._java("kafka.tools.StorageTool", "random-uuid"),
-            "StorageTool random-uuid",
-            STORAGE_TOOL_TIMEOUT_S,
-        )
-        if made.returncode != 0 or not made.stdout.split():
-            raise ServiceError(f"StorageTool random-uuid failed:\n{made.stdout}{made.stderr}")
-        uuid = made.stdout.split()[-1]
+        uuid = cluster_id()
         result = _run_tool(
             self._java(
                 "kafka.tools.StorageTool",

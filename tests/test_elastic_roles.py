@@ -3,16 +3,24 @@ run's config, then leave: one by SIGTERM, one by SIGKILL. Nothing is lost or tra
 twice (the audit), the presence topic tells who is there, the joined producer starts at
 the current version and says in its ledger what it did with its groups in flight.
 
+The run ends as a user ends one: Ctrl-C on ``up`` (exit 130, no role left behind), then
+the run's own config file brings the embedded services back and the audit reconciles,
+what Ctrl-C cut short counted as in flight, not lost.
+
 The scenario is ``bench.elastic`` (which prints the throughput of each phase), run short.
 """
 
 from __future__ import annotations
 
+import stat
+import tomllib
 from pathlib import Path
 
 import pytest
+from support.up_runs import strays
 
 from bench.elastic import run_elastic
+from core.process import pid_alive
 
 pytestmark = pytest.mark.system
 
@@ -66,7 +74,28 @@ def test_a_producer_and_a_stream_worker_join_and_leave_a_running_run(tmp_path: P
     # the leave before it measures; a phase's own figures are printed, not asserted: a
     # fixed window can fall inside a rebalance pause.)
     assert report.phases[0].steps_per_s > 0
-    assert report.up_exit == 130  # stopped by SIGTERM, as the scenario ends it
     audit = report.audit
     assert audit["problems"] == [] and audit["missing"] == 0
     assert audit["trained_twice"] == 0 and audit["trained"] > 0
+    # the producers ran ahead of the last step: those records are in flight, not lost
+    in_flight = audit["untrained"] + audit["unprocessed"]
+    assert audit["delivered"] == (
+        audit["trained_of_delivered"]
+        + audit["stale_of_delivered"]
+        + audit["dlq_of_delivered"]
+        + in_flight
+    )
+
+    # Ctrl-C: up exited 130 and left no role behind.
+    assert report.up_exit == 130
+    assert len(report.role_pids) == 4
+    assert not [name for name, pid in report.role_pids.items() if pid_alive(pid)]
+    assert not strays(report.run_dir)
+    # The run's file: private (it can hold credentials), and embedded stays embedded, so
+    # `infra up` from it started the run's own services again, quickly and cleanly.
+    config = report.run_dir / "rollstream.toml"
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    written = tomllib.loads(config.read_text())
+    assert not written["kafka"].get("bootstrap_servers")
+    assert not written["s3"].get("endpoint_url") and not written["s3"].get("secret_access_key")
+    assert report.infra_up_s < 60 and "Traceback" not in report.infra_up_stderr

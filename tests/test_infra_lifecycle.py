@@ -14,19 +14,31 @@ import pytest
 from confluent_kafka import Consumer, Producer
 
 from core.config import KafkaConfig, S3Config
-from core.process import pid_alive, port_open
+from core.process import free_port, pid_alive, port_open
 from infra.services import Services
 from rollstream.config import RollstreamConfig, load_config
 from weights.store import make_s3_client
 from weights.trust import Trust
 
 
-def _cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _cli(
+    state_dir: Path, *args: str, config: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ROLLSTREAM_", "KAFKA_"))}
     env.pop("AWS_ENDPOINT_URL", None)
     env.pop("AWS_ENDPOINT_URL_S3", None)
+    options = ["--config", str(config)] if config else []
     return subprocess.run(
-        [sys.executable, "-m", "rollstream", "--state-dir", str(state_dir), "infra", *args],
+        [
+            sys.executable,
+            "-m",
+            "rollstream",
+            *options,
+            "--state-dir",
+            str(state_dir),
+            "infra",
+            *args,
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -138,6 +150,17 @@ def test_external_services_are_used_not_started(
     assert set(report.topics.created) | set(report.topics.existing) >= {"rollouts.raw"}
     assert [s.healthy for s in services.status()] == [True, True]
     assert services.down() == []
+
+
+def test_infra_up_against_an_external_broker_that_is_not_there_says_so(tmp_path: Path) -> None:
+    config = tmp_path / "external.toml"
+    config.write_text(f'[kafka]\nbootstrap_servers = "127.0.0.1:{free_port()}"\n')
+    started = time.monotonic()
+    result = _cli(tmp_path / "state", "up", config=config)
+    assert result.returncode != 0
+    assert "configured as external" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - started < 60
 
 
 def test_unreachable_external_cluster_is_reported(tmp_path: Path) -> None:
