@@ -38,6 +38,7 @@ BAD_VALUES = [
     ("producers.engine", "max_batch_size", "1000000000"),
     ("kafka", "heap", '"1g -XX:+X"'),
     ("kafka", "heap", '"lots"'),
+    ("kafka", "jvm_profile", '"-XX:+UnlockDiagnosticVMOptions"'),
     ("s3", "memory_limit", '"512MiB; rm"'),
     ("weights", "public_key", '"/nonexistent/weights.pub"'),
     ("trainer.retry", "initial_s", "60.0"),
