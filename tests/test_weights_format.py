@@ -6,6 +6,8 @@ Everything is compared through integer views of the raw bits, so a -0.0 that bec
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 import safetensors.torch
@@ -110,6 +112,52 @@ def test_chain_of_20_versions_rebuilds_bit_exact(
         assert same_bits(reader, writer), f"v{version} differs"
         assert fmt.state_checksums(reader) == fmt.state_checksums(writer)
         assert fmt.state_digest(reader) == fmt.state_digest(writer)
+
+
+@pytest.mark.parametrize("slab", [1, 7, 64])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_slabs_and_threads_give_the_same_delta_checksums_and_state(
+    monkeypatch: pytest.MonkeyPatch, slab: int, workers: int
+) -> None:
+    """Tensors are compared, patched and checksummed a slab at a time on several threads:
+    positions at slab edges, untouched and wholly changed tensors come out as one pass."""
+    monkeypatch.setattr(fmt, "SLAB_ELEMENTS", slab)
+    gen = torch.Generator().manual_seed(slab * 10 + workers)
+    prev = {
+        name: random_bits((33, 5), dtype, gen)
+        for name, dtype in zip(NAMES, DTYPES * 2, strict=False)
+    }
+    curr = mutate(prev, 0.05, gen)
+    curr[NAMES[0]] = prev[NAMES[0]].clone()  # untouched
+    curr[NAMES[1]] = mutate({"w": prev[NAMES[1]]}, 1.0, gen)["w"]  # every element new
+    held = {k: v.clone() for k, v in prev.items()}
+
+    encoded = fmt.encode_delta(prev, curr, workers=workers)
+    assert encoded.checksums == fmt.state_checksums(curr)
+    changes = fmt.decode_delta(encoded.blob, encoded.raw_bytes, fmt.specs_of(curr))
+    for name in curr:
+        differ = np.flatnonzero(fmt.bits(prev[name]).numpy() != fmt.bits(curr[name]).numpy())
+        found = changes[name].positions.numpy() if name in changes else np.empty(0)
+        assert np.array_equal(found, differ), name
+    applied, checksums = fmt.apply_delta_checked(prev, changes, workers=workers)
+    assert same_bits(applied, curr) and checksums == fmt.state_checksums(curr)
+    assert same_bits(fmt.apply_delta(prev, changes, workers=workers), curr)
+    assert same_bits(prev, held), "applying a delta modified the held state"
+    inplace = {k: v.clone() for k, v in prev.items()}
+    fmt.apply_delta_inplace(inplace, changes)
+    assert same_bits(inplace, curr)
+
+
+def test_checksums_are_zlibs_crc32() -> None:
+    """Manifests already published carry zlib's CRC-32: a faster implementation must give
+    the same numbers, or every stored version would be refused."""
+    gen = torch.Generator().manual_seed(3)
+    state = {
+        name: random_bits((257, 3), dtype, gen)
+        for name, dtype in zip(NAMES, DTYPES * 2, strict=False)
+    }
+    expected = {name: zlib.crc32(fmt.bits(state[name]).numpy()) for name in sorted(state)}
+    assert fmt.state_checksums(state) == expected
 
 
 def test_signed_zeros_and_nan_payloads_survive() -> None:

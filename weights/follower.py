@@ -210,6 +210,7 @@ class WeightFollower:
                 deltas, path = chain[-2::-1], "base"
             else:
                 state, deltas, path = self._unique, chain[::-1], "delta"
+        found: dict[str, int] | None = None  # the last delta checksums what it applies
         for manifest in deltas:
             if fmt.specs_of(state) != manifest.tensors:
                 raise self._refuse(
@@ -217,14 +218,18 @@ class WeightFollower:
                     RefusalReason.BROKEN_CHAIN,
                     f"v{manifest.version} lists tensors that differ from its parent's",
                 )
-            state = fmt.apply_delta(state, self._load_delta(target, manifest))
+            changes = self._load_delta(target, manifest)
+            if self.verify_state and manifest is deltas[-1]:
+                state, found = fmt.apply_delta_checked(state, changes)
+            else:
+                state = fmt.apply_delta(state, changes)
         final = chain[0]
         if fmt.specs_of(state) != final.tensors or not set(final.aliases.values()) <= set(state):
             raise self._refuse(
                 target, RefusalReason.CORRUPT, "rebuilt tensors differ from manifest"
             )
         if self.verify_state:
-            found = fmt.state_checksums(state)
+            found = fmt.state_checksums(state) if found is None else found
             if found != final.checksums:
                 wrong = sorted(
                     k

@@ -118,8 +118,8 @@ class DeltaWriter:
         delta = self._try_delta(unique, aliases, version)
         timings["encode"] = time.perf_counter() - clock
 
-        clock = time.perf_counter()
-        checksums = fmt.state_checksums(unique)
+        clock = time.perf_counter()  # a delta checksummed the new state as it compared it
+        checksums = fmt.state_checksums(unique) if delta is None else delta.checksums
         timings["checksum"] = time.perf_counter() - clock
 
         with tempfile.TemporaryDirectory(prefix="rollstream-weights-") as scratch:
