@@ -111,6 +111,7 @@ case "$cmd" in
   test)
     install
     "$VENV/bin/ruff" check .
+    "$VENV/bin/ruff" format --check .
     "$VENV/bin/lint-imports" --no-cache
     exec "$VENV/bin/python" -m pytest "$@"
     ;;
