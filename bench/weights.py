@@ -35,7 +35,7 @@ import statistics
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,10 +159,6 @@ def peak_extra_bytes(fn: Callable[[], object]) -> tuple[int, object]:
         tracemalloc.stop()
 
 
-def state_bytes(state: Mapping[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
 def throughput(name: str, prev: fmt.StateDict, curr: fmt.StateDict, repeats: int) -> None:
     """Encode and apply GB/s on one thread and on every core; peak extra memory."""
     dense = fmt.dense_bytes(curr)
@@ -193,7 +189,9 @@ def throughput(name: str, prev: fmt.StateDict, curr: fmt.StateDict, repeats: int
     extra_encode, result = peak_extra_bytes(lambda: fmt.encode_delta(prev, curr))
     assert isinstance(result, fmt.EncodedDelta)
     kept = len(result.blob) + sum(
-        state_bytes({"p": d.positions, "v": d.values}) for d in result.changes.values()
+        t.numel() * t.element_size()
+        for d in result.changes.values()
+        for t in (d.positions, d.values)
     )
     del result
     extra_apply, applied = peak_extra_bytes(

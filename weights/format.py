@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import safetensors.torch
@@ -44,6 +45,7 @@ from weights.errors import FormatError, RefusalReason
 from weights.manifest import TensorSpec, max_delta_raw_bytes
 
 StateDict = dict[str, torch.Tensor]
+T = TypeVar("T")
 
 DELTA_METADATA = {"format": "rollstream.delta", "version": "1"}
 BASE_METADATA = {"format": "rollstream.base", "version": "1"}
@@ -58,6 +60,21 @@ SLAB_ELEMENTS = 1 << 22  # elements compared at a time: 4 MB of flags per thread
 def usable_cores() -> int:
     """The cores this process may run on (its CPU affinity, not the machine's count)."""
     return len(os.sched_getaffinity(0)) or 1
+
+
+def per_tensor(
+    fn: Callable[[str], T], names: Iterable[str], workers: int | None = None
+) -> dict[str, T]:
+    """``{name: fn(name)}``, run on ``workers`` threads (default: every usable core), started
+    in the order of ``names``. The tensor work (numpy, CRC-32, zstd) releases the GIL."""
+    ordered = list(names)
+    with ThreadPoolExecutor(max_workers=workers or usable_cores()) as pool:
+        return dict(zip(ordered, pool.map(fn, ordered), strict=True))
+
+
+def largest_first(names: Iterable[str], state: Mapping[str, torch.Tensor]) -> list[str]:
+    """``names`` by decreasing size: on a pool the last task to finish is a small one."""
+    return sorted(names, key=lambda name: -state[name].numel())
 
 
 # --- tensors and specs -------------------------------------------------------------------
@@ -139,13 +156,7 @@ def state_checksums(state: Mapping[str, torch.Tensor]) -> dict[str, int]:
     Tensor by tensor on threads (zlib-ng's CRC-32: the same numbers as ``zlib``'s, about
     six times faster here, and it releases the GIL).
     """
-    ordered = sorted(state)
-
-    def one(name: str) -> int:
-        return zlib_ng.crc32(bits(state[name]).numpy())
-
-    with ThreadPoolExecutor(max_workers=usable_cores()) as pool:
-        return dict(zip(ordered, pool.map(one, ordered), strict=True))
+    return per_tensor(lambda name: zlib_ng.crc32(bits(state[name]).numpy()), sorted(state))
 
 
 def digest_of_checksums(checksums: Mapping[str, int]) -> str:
@@ -284,9 +295,8 @@ def encode_delta(
 ) -> EncodedDelta:
     """Delta turning ``prev`` into ``curr`` (same names, dtypes, shapes; no aliases).
 
-    Tensors are diffed, checksummed and gap-coded on ``workers`` threads (default: every
-    core this process may use; numpy, zlib and zstd release the GIL), largest first so the
-    last to finish is a small one; zstd compresses on as many threads.
+    Tensors are diffed, checksummed and gap-coded on ``workers`` threads (``per_tensor``),
+    largest first; zstd compresses on as many threads.
     """
     if not delta_compatible(specs_of(prev), specs_of(curr)):
         raise ValueError("states differ in names, dtypes or shapes: write a base instead")
@@ -297,9 +307,7 @@ def encode_delta(
         idx = None if delta is None else encode_positions(delta.positions.numpy())
         return delta, idx, crc
 
-    by_size = sorted(curr, key=lambda name: -curr[name].numel())
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        done = dict(zip(by_size, pool.map(one, by_size), strict=True))
+    done = per_tensor(one, largest_first(curr, curr), workers)
     entries: StateDict = {}
     changes: dict[str, TensorDelta] = {}
     for name in sorted(curr):
@@ -364,9 +372,7 @@ def decode_delta(
             raise FormatError(RefusalReason.CORRUPT, f"{name!r}: positions and values differ")
         return TensorDelta(positions=torch.from_numpy(positions), values=val)
 
-    ordered = sorted(names)
-    with ThreadPoolExecutor(max_workers=usable_cores()) as pool:
-        return dict(zip(ordered, pool.map(one, ordered), strict=True))
+    return per_tensor(one, sorted(names))
 
 
 def _patched_copy(
@@ -417,18 +423,11 @@ def _apply(
     checksum: bool,
     workers: int | None,
 ) -> tuple[StateDict, dict[str, int]]:
-    names = sorted(state) if checksum else sorted(delta)
-    by_size = sorted(names, key=lambda name: -state[name].numel())
-    with ThreadPoolExecutor(max_workers=workers or usable_cores()) as pool:
-        done = dict(
-            zip(
-                by_size,
-                pool.map(
-                    lambda name: _patched_copy(state[name], delta.get(name), checksum), by_size
-                ),
-                strict=True,
-            )
-        )
+    done = per_tensor(
+        lambda name: _patched_copy(state[name], delta.get(name), checksum),
+        largest_first(state if checksum else delta, state),
+        workers,
+    )
     out = dict(state)
     out.update((name, tensor) for name, (tensor, _) in done.items())
     crcs = {name: crc for name, (_, crc) in sorted(done.items()) if crc is not None}
@@ -449,8 +448,7 @@ def apply_delta_inplace(
         change = delta[name]
         bits(state[name]).numpy()[change.positions.numpy()] = bits(change.values).numpy()
 
-    with ThreadPoolExecutor(max_workers=usable_cores()) as pool:
-        list(pool.map(one, list(delta)))
+    per_tensor(one, largest_first(delta, state))
 
 
 # --- bases ---------------------------------------------------------------------------------
