@@ -91,6 +91,8 @@ def test_a_stopped_trainer_pauses_generation_within_the_window(
             def settled() -> bool:
                 return bool(m.get("admission_paused")) and not m.get("inflight_groups")
 
+            # paused before v0 is loaded is not the pause under test: wait for v0 first
+            await wait_until(lambda: worker.version == 0, "the producer to load v0")
             # the trainer is stopped at v0: the producer runs out of credit and pauses
             await wait_until(
                 lambda: settled() or worker.publisher.delivered_groups > credit, "a pause"
@@ -111,7 +113,14 @@ def test_a_stopped_trainer_pauses_generation_within_the_window(
             seen["resumed"] = (worker.publisher.delivered_groups, m.get("lead"), worker.version)
             worker.request_stop()
 
-        task = asyncio.create_task(trainer_side())
+        async def trainer_side_then_stop():
+            try:
+                await trainer_side()
+            finally:  # a failed wait stops the producer, so the test reports it, not a hang
+                if "worker" in holder:
+                    holder["worker"].request_stop()
+
+        task = asyncio.create_task(trainer_side_then_stop())
         report = await run_producer(
             config, settings, install_signals=False, on_worker=lambda w: holder.update(worker=w)
         )
