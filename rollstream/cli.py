@@ -196,6 +196,7 @@ def topics_ensure(config: RollstreamConfig) -> None:
 def _register_role_commands() -> None:
     """Sub-commands that live with their role; importing them does not import torch."""
     from rollstream.audit import audit_command
+    from rollstream.dataset_export import export_dataset
     from rollstream.export import export
     from rollstream.inspect_group import inspect_group
     from rollstream.produce_cli import evaluate, produce, serve
@@ -209,7 +210,15 @@ def _register_role_commands() -> None:
 
     for command in (weights, serve, produce, evaluate, stream, train, up):
         main.add_command(command)
-    for command in (replay, inspect_group, report, audit_command, roles_command, export):
+    for command in (
+        replay,
+        inspect_group,
+        report,
+        audit_command,
+        roles_command,
+        export,
+        export_dataset,
+    ):
         main.add_command(command)
 
 

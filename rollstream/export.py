@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,30 @@ PROVENANCE_NAME = "rollstream_export.json"
 
 class ExportError(Exception):
     """What made an export impossible; nothing was written."""
+
+
+def refuse_occupied(out: Path) -> None:
+    """``ExportError`` unless ``out`` is new or an empty directory."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} exists and is not an empty directory: choose a new one")
+
+
+@contextmanager
+def staged_directory(out: Path) -> Iterator[Path]:
+    """A directory beside ``out`` to fill, renamed to ``out`` when the block ends well and
+    removed when it fails: ``out`` appears whole or not at all."""
+    refuse_occupied(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield staging
+        refuse_occupied(out)  # nobody wrote there meanwhile
+        if out.exists():
+            out.rmdir()
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 @dataclass(frozen=True)
@@ -64,8 +90,7 @@ def export_version(
     from producers.engine_weights import load_state_dict_checked
     from weights.errors import VersionRefused
 
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"{out} exists and is not an empty directory: choose a new one")
+    refuse_occupied(out)
     if dtype is not None:
         torch_dtype(dtype)  # a clear error before anything is read
     try:
@@ -84,9 +109,7 @@ def export_version(
         ) from None
     target = dtype or _float_dtype(snapshot.state)
     cast_parameters(model, target)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_directory(out) as staging:
         write_model_files(spec, staging, cache_dir)
         model.save_pretrained(staging, safe_serialization=True)
         provenance = {
@@ -97,12 +120,6 @@ def export_version(
             "dtype": target,
         }
         (staging / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     files = sorted(p.name for p in out.iterdir() if p.is_file())
     return Exported(snapshot.version, out, files, target)
 

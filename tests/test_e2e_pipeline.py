@@ -11,6 +11,7 @@ multi-turn environment and the SmolLM2 model get runs of their own.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,9 @@ from support.up_runs import (
     UpRun,
     assert_learned,
     assert_reconciles,
+    exported_dataset,
     run_up,
+    scored_samples,
     strays,
     write_config,
 )
@@ -87,6 +90,29 @@ def test_the_run_reconciles(tiny_run: UpRun) -> None:
     assert_reconciles(tiny_run.run_dir, tiny_run.rows)
 
 
+def test_the_trained_samples_export_as_a_dataset(tiny_run: UpRun, tmp_path: Path) -> None:
+    """``rollstream export-dataset``: every trained sample once, with the step that trained
+    it, the staleness the trainer measured and the reward the stream recorded."""
+    data = exported_dataset(tiny_run.run_dir, tmp_path / "trained")
+    rows = tiny_run.rows
+    assert Counter(data["step"]) == {int(r["step"]): int(r["data/trajectories"]) for r in rows}
+    most_stale: dict[int, int] = {}
+    for step, staleness in zip(data["step"], data["staleness"], strict=True):
+        most_stale[step] = max(most_stale.get(step, 0), staleness)
+    assert most_stale == {int(r["step"]): int(r["staleness/max"]) for r in rows}
+    recorded = {s.trajectory_id: s for s in scored_samples(tiny_run.run_dir)}
+    for row in data:
+        sample = recorded[row["trajectory_id"]]
+        assert row["reward"] == sample.reward
+        assert row["completion_ids"] == sample.response_ids.tolist()
+        assert row["completion_mask"] == [1] * len(row["completion_ids"])
+        assert row["versions"] == sample.segment_versions.tolist()
+        assert row["prompt"] and row["messages"][0]["content"] == row["prompt"]
+    rewarded = exported_dataset(tiny_run.run_dir, tmp_path / "rewarded", "--min-reward", "0.5")
+    assert len(rewarded) == sum(reward >= 0.5 for reward in data["reward"]) > 0
+    assert min(rewarded["reward"]) >= 0.5
+
+
 def test_up_stops_at_max_steps_and_leaves_no_role_behind(tiny_run: UpRun) -> None:
     summary = json.loads((tiny_run.run_dir / "summary.json").read_text())
     assert summary["finished"] and summary["steps"] == STEPS
@@ -119,6 +145,14 @@ def test_multi_turn_echo_episodes_train_policy_tokens_only_and_reconcile(
     assert all(row["data/exact_old_frac"] == 1.0 for row in rows)
     assert max(row["mismatch/k3_kl"] for row in rows) < 1e-6
     assert_reconciles(run.run_dir, rows)
+    # exported as chats: prompt, then the policy's and the environment's turns in turn,
+    # only the policy's tokens marked as its own
+    data = exported_dataset(run.run_dir, tmp_path / "dataset")
+    assert len(data) == sum(row["data/trajectories"] for row in rows)
+    for row in data:
+        roles = [m["role"] for m in row["messages"]]
+        assert roles == ["user", "assistant", "user", "assistant", "user", "assistant"]
+        assert 0 < sum(row["completion_mask"]) < len(row["completion_ids"])
 
 
 # A step of the language-model profile closes 5 s after its first group (async: never wait

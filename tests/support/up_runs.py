@@ -160,6 +160,20 @@ def audit_figures(run_dir: Path) -> dict[str, Any]:
     return json.loads(audit.stdout)
 
 
+def exported_dataset(run_dir: Path, out: Path, *options: str) -> Any:
+    """``rollstream export-dataset`` of the run, from the run's own config file, loaded
+    back with ``datasets.load_from_disk``."""
+    from datasets import load_from_disk
+
+    export = subprocess.run(
+        [sys.executable, "-m", "rollstream", "--config", str(run_dir / "rollstream.toml"),
+         "export-dataset", "--out", str(out), *options],
+        env=role_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert export.returncode == 0, export.stdout[-3000:] + export.stderr[-3000:]
+    return load_from_disk(str(out))
+
+
 def assert_reconciles(run_dir: Path, rows: list[dict[str, float]]) -> None:
     """``rollstream audit`` of the run: nothing lost, nothing twice, every trained record
     in the trainer's metrics."""
