@@ -351,6 +351,20 @@ def print_costs(trips: dict[str, RegionTrip]) -> None:
         )
 
 
+def refused_fp32(before: fmt.StateDict, repeats: int) -> None:
+    """An fp32 version, where every element moves: what the writer spends before it ships a
+    base, now (compare, then give up on the values' size) against compressing first."""
+    prev = {name: t.float() for name, t in fmt.split_aliases(before)[0].items()}
+    curr = {name: t + 1e-4 * torch.randn_like(t) for name, t in prev.items()}
+    first = median_time(lambda: (fmt.encode_delta(prev, curr), fmt.state_checksums(curr)), repeats)
+    compared = median_time(lambda: fmt.diff_state(prev, curr), repeats)
+    print(f"\nan fp32 version, every element changed ({fmt.dense_bytes(curr) / 1e9:.2f} GB):")
+    print(
+        f"  before a base: compare {compared:.2f} s; compress and checksum again "
+        f"{first:.2f} s ({first / compared:.1f}x)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -387,6 +401,8 @@ def main() -> None:
             f"delta {len(encoded.blob) / 1e6:6.2f} MB / full bf16 {dense / 1e6:.1f} MB "
             f"= {ratio:.2%}  (target <= {TARGETS[lr]:.0%}: {verdict})"
         )
+
+    refused_fp32(pairs[LEARNING_RATES[0]][1], args.repeats)
 
     # --- 2: throughput and memory ---------------------------------------------------------------
     print("\nencode / apply throughput (GB of dense bf16 weights per second)")

@@ -91,16 +91,33 @@ def test_publish_and_follow_bit_exact(s3_config: S3Config) -> None:
     assert same_bits(seen[1].state, states[3])
 
 
-def test_deltas_are_small_and_bases_are_forced_when_deltas_are_big(s3_config: S3Config) -> None:
+def test_deltas_are_small_and_bases_are_forced_when_deltas_are_big(
+    s3_config: S3Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = store_for(s3_config)
     writer = DeltaWriter(store, base_every=100, max_delta_fraction=0.25)
+    compressed: list[int] = []
+    compress = fmt.compress_diff
+
+    def counted(diff, *args, **kwargs):
+        compressed.append(diff.value_bytes)
+        return compress(diff, *args, **kwargs)
+
+    monkeypatch.setattr(fmt, "compress_diff", counted)
     state = tiny_state()
     writer.publish(state)
-    sparse = writer.publish(step(state, seed=1, fraction=0.01))
-    dense = writer.publish(step(state, seed=2, fraction=0.9))
+    states = [step(state, seed=1, fraction=0.01), step(state, seed=2, fraction=0.4)]
+    states.append(step(states[-1], seed=3, fraction=0.9))
+    sparse, half, dense = (writer.publish(s) for s in states)
     assert sparse.manifest.kind == "delta"
     assert sparse.manifest.total_bytes < 0.05 * fmt.dense_bytes(state)
-    assert dense.manifest.kind == "base"
+    # 40% of the values changed: compressed, over a quarter of a base, so a base
+    assert half.manifest.kind == "base" and len(compressed) == 2
+    # 90%: over twice the limit in values alone, a base without compressing it
+    assert dense.manifest.kind == "base" and len(compressed) == 2
+    for result, published in zip((half, dense), states[1:], strict=True):
+        assert result.manifest.checksums == fmt.state_checksums(fmt.split_aliases(published)[0])
+    assert same_bits(WeightFollower(store_for(s3_config, store.run)).sync().state, states[-1])
 
 
 def test_layout_change_publishes_a_base(s3_config: S3Config) -> None:

@@ -287,46 +287,73 @@ def diff_tensor(old: torch.Tensor, new: torch.Tensor) -> TensorDelta | None:
     return _diff_and_checksum(old, new)[0]
 
 
-def encode_delta(
-    prev: Mapping[str, torch.Tensor],
-    curr: Mapping[str, torch.Tensor],
-    level: int = 3,
-    workers: int | None = None,
-) -> EncodedDelta:
-    """Delta turning ``prev`` into ``curr`` (same names, dtypes, shapes; no aliases).
+@dataclass(frozen=True)
+class StateDiff:
+    """What changed between two states, positions gap-coded, not yet compressed."""
 
-    Tensors are diffed, checksummed and gap-coded on ``workers`` threads (``per_tensor``),
-    largest first; zstd compresses on as many threads.
-    """
+    changes: dict[str, TensorDelta]
+    positions: dict[str, np.ndarray]  # ``encode_positions`` of each changed tensor
+    checksums: dict[str, int]  # ``state_checksums`` of the new state
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of the changed values: what compression can shrink least."""
+        return sum(d.values.nbytes for d in self.changes.values())
+
+
+def diff_state(
+    prev: Mapping[str, torch.Tensor], curr: Mapping[str, torch.Tensor], workers: int | None = None
+) -> StateDiff:
+    """The changes turning ``prev`` into ``curr`` (same names, dtypes, shapes; no
+    aliases), diffed, checksummed and gap-coded on ``workers`` threads (``per_tensor``),
+    largest tensor first."""
     if not delta_compatible(specs_of(prev), specs_of(curr)):
         raise ValueError("states differ in names, dtypes or shapes: write a base instead")
-    workers = workers or usable_cores()
 
     def one(name: str) -> tuple[TensorDelta | None, np.ndarray | None, int]:
         delta, crc = _diff_and_checksum(prev[name], curr[name])
         idx = None if delta is None else encode_positions(delta.positions.numpy())
         return delta, idx, crc
 
-    done = per_tensor(one, largest_first(curr, curr), workers)
-    entries: StateDict = {}
+    done = per_tensor(one, largest_first(curr, curr), workers or usable_cores())
     changes: dict[str, TensorDelta] = {}
+    positions: dict[str, np.ndarray] = {}
     for name in sorted(curr):
         delta, idx, _ = done[name]
-        if delta is None or idx is None:
-            continue
-        entries[name + IDX_SUFFIX] = torch.from_numpy(idx)
+        if delta is not None and idx is not None:
+            changes[name], positions[name] = delta, idx
+    checksums = {name: done[name][2] for name in sorted(curr)}
+    return StateDiff(changes=changes, positions=positions, checksums=checksums)
+
+
+def compress_diff(diff: StateDiff, level: int = 3, workers: int | None = None) -> EncodedDelta:
+    """``diff`` as the delta file: safetensors of positions and values, zstd on
+    ``workers`` threads."""
+    entries: StateDict = {}
+    for name, delta in diff.changes.items():
+        entries[name + IDX_SUFFIX] = torch.from_numpy(diff.positions[name])
         entries[name + VAL_SUFFIX] = delta.values
-        changes[name] = delta
     raw = safetensors.torch.save(entries, metadata=DELTA_METADATA)
+    workers = workers or usable_cores()
     threads = workers if workers > 1 else 0  # zstd: 0 is its single-threaded mode
     blob = zstandard.ZstdCompressor(level=level, threads=threads).compress(raw)
     return EncodedDelta(
         blob=blob,
         raw_bytes=len(raw),
-        changed_elements=sum(d.positions.numel() for d in changes.values()),
-        changes=changes,
-        checksums={name: done[name][2] for name in sorted(curr)},
+        changed_elements=sum(d.positions.numel() for d in diff.changes.values()),
+        changes=diff.changes,
+        checksums=diff.checksums,
     )
+
+
+def encode_delta(
+    prev: Mapping[str, torch.Tensor],
+    curr: Mapping[str, torch.Tensor],
+    level: int = 3,
+    workers: int | None = None,
+) -> EncodedDelta:
+    """Delta turning ``prev`` into ``curr``: ``diff_state`` then ``compress_diff``."""
+    return compress_diff(diff_state(prev, curr, workers), level, workers)
 
 
 def decode_delta(

@@ -36,6 +36,11 @@ from weights.store import WeightStore, new_file_name, sha256_file
 
 log = logging.getLogger(__name__)
 
+INCOMPRESSIBLE = 2.0
+"""Changed weights' values seldom compress to half their size, so a delta whose values
+alone exceed this many times the size limit becomes a base without being compressed (a
+full-precision version, where nearly every value changes, saves a compression pass)."""
+
 
 @dataclass(frozen=True)
 class PublishResult:
@@ -115,11 +120,11 @@ class DeltaWriter:
 
         unique, aliases = fmt.split_aliases({k: v.detach() for k, v in state.items()})
         specs = fmt.specs_of(unique)
-        delta = self._try_delta(unique, aliases, version)
+        delta, checksums = self._try_delta(unique, aliases, version)
         timings["encode"] = time.perf_counter() - clock
 
-        clock = time.perf_counter()  # a delta checksummed the new state as it compared it
-        checksums = fmt.state_checksums(unique) if delta is None else delta.checksums
+        clock = time.perf_counter()  # a comparison checksummed the new state as it went
+        checksums = checksums if checksums is not None else fmt.state_checksums(unique)
         timings["checksum"] = time.perf_counter() - clock
 
         with tempfile.TemporaryDirectory(prefix="rollstream-weights-") as scratch:
@@ -221,17 +226,27 @@ class DeltaWriter:
 
     def _try_delta(
         self, unique: fmt.StateDict, aliases: dict[str, str], version: int
-    ) -> fmt.EncodedDelta | None:
-        """The delta to publish, or None when this version should be a base."""
+    ) -> tuple[fmt.EncodedDelta | None, dict[str, int] | None]:
+        """The delta to publish (None when this version should be a base), and the new
+        state's checksums when the comparison computed them."""
         if self._prev is None or self._base is None or self._version is None:
-            return None
+            return None, None
         if version - self._base >= self.base_every or aliases != self._aliases:
-            return None
+            return None, None
         if not fmt.delta_compatible(fmt.specs_of(self._prev), fmt.specs_of(unique)):
             log.info("tensor layout changed at v%d: writing a base", version)
-            return None
-        delta = fmt.encode_delta(self._prev, unique, level=self.zstd_level)
+            return None, None
         limit = self.max_delta_fraction * fmt.dense_bytes(unique)
+        diff = fmt.diff_state(self._prev, unique)
+        if diff.value_bytes > INCOMPRESSIBLE * limit:
+            log.info(
+                "v%d changes %d bytes of values (> %d): writing a base",
+                version,
+                diff.value_bytes,
+                int(INCOMPRESSIBLE * limit),
+            )
+            return None, diff.checksums
+        delta = fmt.compress_diff(diff, level=self.zstd_level)
         if len(delta.blob) > limit:
             log.info(
                 "delta of v%d is %d bytes (> %d): writing a base",
@@ -239,8 +254,8 @@ class DeltaWriter:
                 len(delta.blob),
                 int(limit),
             )
-            return None
-        return delta
+            return None, delta.checksums
+        return delta, delta.checksums
 
     def _announce(self, announcement: VersionAnnouncement) -> None:
         assert self.announcer is not None
