@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from rollstream.config import RollstreamConfig
-from rollstream.export import ExportError, staged_directory
+from rollstream.export import OUT_DIRECTORY, ExportError, staged_directory
 
 if TYPE_CHECKING:
     from schemas.group import ScoredGroup
@@ -225,13 +225,7 @@ def read_scored_groups(
 
 @click.command("export-dataset")
 @click.argument("run", required=False)
-@click.option(
-    "-o",
-    "--out",
-    type=click.Path(file_okay=False, path_type=Path),
-    required=True,
-    help="Directory to write (new, or empty).",
-)
+@OUT_DIRECTORY
 @click.option(
     "--include-untrained",
     is_flag=True,

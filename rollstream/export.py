@@ -124,15 +124,19 @@ def export_version(
     return Exported(snapshot.version, out, files, target)
 
 
-@click.command("export")
-@click.argument("run", required=False)
-@click.option(
+OUT_DIRECTORY = click.option(
     "-o",
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
     required=True,
     help="Directory to write (new, or empty).",
 )
+"""The ``--out`` of the export commands: ``staged_directory`` refuses a used one."""
+
+
+@click.command("export")
+@click.argument("run", required=False)
+@OUT_DIRECTORY
 @click.option("--version", type=int, help="Version to export (default: the newest).")
 @click.option("--region", help="Region to read from (default: the home store, [s3]).")
 @click.option("--dtype", help="Parameter dtype, e.g. bfloat16 (default: as published).")
