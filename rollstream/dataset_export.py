@@ -90,15 +90,12 @@ def sample_row(
     """One dataset row; ``ValueError`` when the sample's turn layout does not add up."""
     from schemas.trajectory import TurnKind
 
-    turns = traj.turns()
-    if (turns[-1][2] if turns else 0) != traj.num_response_tokens:
+    turns = traj.covered_turns()
+    if turns is None:
         raise ValueError(f"turns of {traj.trajectory_id} do not cover its response")
-    mask = [0] * traj.num_response_tokens
     messages = [{"role": "user", "content": _text(tokenizer, traj.prompt_ids)}]
     observer = "tool" if traj.tool_calls else "user"
     for kind, start, end in turns:
-        if kind == TurnKind.POLICY:
-            mask[start:end] = [1] * (end - start)
         role = "assistant" if kind == TurnKind.POLICY else observer
         messages.append({"role": role, "content": _text(tokenizer, traj.response_ids[start:end])})
     return {
@@ -115,7 +112,7 @@ def sample_row(
         "messages": messages if tokenizer is not None else [],
         "prompt_ids": [int(t) for t in traj.prompt_ids],
         "completion_ids": [int(t) for t in traj.response_ids],
-        "completion_mask": mask,
+        "completion_mask": traj.loss_mask.astype("int8").tolist(),
         "reward": float(traj.reward),
         "reward_details": json.dumps(traj.reward_details, sort_keys=True, default=str),
         "advantage": None if traj.advantage is None else float(traj.advantage),

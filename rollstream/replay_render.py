@@ -181,7 +181,7 @@ class Renderer:
                 f"min {_f(diagnostics.d_min)} max {_f(diagnostics.d_max)}"
                 + ("  (policy tokens)" if traj.turn_kinds is not None else "")
             )
-        turns = _turn_spans(traj)
+        turns = traj.covered_turns()
         if traj.turn_kinds is not None or traj.tool_calls or traj.episode_end:
             self.say(
                 f"  turns {len(turns) if turns is not None else '?'}  policy tokens "
@@ -215,7 +215,7 @@ class Renderer:
         for name in names if multi else tuple(n for n in names if n != "turn"):
             table.add_column(name, justify="left" if name in ("token", "turn") else "right")
         turn_of: list[str] = []
-        for i, (kind, start, end) in enumerate(_turn_spans(traj) or []):
+        for i, (kind, start, end) in enumerate(traj.covered_turns() or []):
             turn_of += [f"{'P' if kind == TurnKind.POLICY else 'E'}{i}"] * (end - start)
         versions = (
             traj.token_versions()
@@ -309,17 +309,6 @@ class Renderer:
         self.console.print(table)
 
 
-def _turn_spans(traj: Trajectory) -> list[tuple[TurnKind, int, int]] | None:
-    """The record's turns, or None when its layout is broken (a dead letter can be)."""
-    try:
-        spans = traj.turns()
-    except (ValueError, TypeError):
-        return None
-    if spans and spans[-1][2] != traj.num_response_tokens:
-        return None
-    return spans
-
-
 def _policy_tokens(traj: Trajectory) -> str:
     try:
         return str(traj.num_policy_tokens)
@@ -343,7 +332,7 @@ def _turns_cell(traj: Trajectory) -> str:
     """Turns, tool calls and episode end of a group's sample, in one short cell."""
     if traj.turn_kinds is None and not traj.tool_calls and not traj.episode_end:
         return "1"
-    turns = _turn_spans(traj)
+    turns = traj.covered_turns()
     count = "?" if turns is None else str(len(turns))
     return f"{count} ({traj.tool_calls} tools, {traj.episode_end or '-'})"
 

@@ -253,6 +253,17 @@ class Trajectory:
             start += length
         return spans
 
+    def covered_turns(self) -> list[tuple[TurnKind, int, int]] | None:
+        """``turns()``, or None when they do not cover the response exactly (a record that
+        was never validated, such as a dead letter, can be so)."""
+        try:
+            spans = self.turns()
+        except (ValueError, TypeError):
+            return None
+        if spans and spans[-1][2] != self.num_response_tokens:
+            return None
+        return spans
+
     @property
     def min_version(self) -> int:
         """Oldest policy version that generated any response token (``NO_VERSION`` if none)."""

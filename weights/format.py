@@ -315,7 +315,7 @@ def diff_state(
         idx = None if delta is None else encode_positions(delta.positions.numpy())
         return delta, idx, crc
 
-    done = per_tensor(one, largest_first(curr, curr), workers or usable_cores())
+    done = per_tensor(one, largest_first(curr, curr), workers)
     changes: dict[str, TensorDelta] = {}
     positions: dict[str, np.ndarray] = {}
     for name in sorted(curr):

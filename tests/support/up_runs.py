@@ -149,28 +149,27 @@ def assert_learned(run: UpRun, steps: int, min_gain: float, min_accuracy: float)
     assert accuracy >= min_accuracy, (accuracy, first, last)
 
 
-def audit_figures(run_dir: Path) -> dict[str, Any]:
-    """``rollstream audit --json`` of the run, from the run's own config file."""
-    audit = subprocess.run(
-        [sys.executable, "-m", "rollstream", "--config", str(run_dir / "rollstream.toml"),
-         "audit", "--json"],
+def run_command(run_dir: Path, *args: str) -> str:
+    """``rollstream ARGS`` with the run's own config file; its stdout, after exit 0."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rollstream", "--config", str(run_dir / "rollstream.toml"), *args],
         env=role_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
-    return json.loads(audit.stdout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def audit_figures(run_dir: Path) -> dict[str, Any]:
+    """``rollstream audit --json`` of the run."""
+    return json.loads(run_command(run_dir, "audit", "--json"))
 
 
 def exported_dataset(run_dir: Path, out: Path, *options: str) -> Any:
-    """``rollstream export-dataset`` of the run, from the run's own config file, loaded
-    back with ``datasets.load_from_disk``."""
+    """``rollstream export-dataset`` of the run, loaded back with
+    ``datasets.load_from_disk``."""
     from datasets import load_from_disk
 
-    export = subprocess.run(
-        [sys.executable, "-m", "rollstream", "--config", str(run_dir / "rollstream.toml"),
-         "export-dataset", "--out", str(out), *options],
-        env=role_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert export.returncode == 0, export.stdout[-3000:] + export.stderr[-3000:]
+    run_command(run_dir, "export-dataset", "--out", str(out), *options)
     return load_from_disk(str(out))
 
 
