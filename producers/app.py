@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import threading
@@ -23,8 +24,11 @@ from typing import Any
 from core.config import RoleConfig, SharedConfig
 from producers.admission import TrainerSignals
 from producers.backends import Backend, http_backend, local_backend
-from producers.config import ProducersConfig
+from producers.config import ProducersConfig, RolloutConfig
 from producers.curriculum import Curriculum, PromptStatsReader, PromptStatsView
+from producers.environments import EpisodeLimits
+from producers.gateway import Gateway
+from producers.gateway_episodes import EpisodeDesk
 from producers.group_publisher import recovered_publisher
 from producers.ledger import Ledger, StopRecord, ledger_dir
 from producers.metrics import ProducerMetrics, Progress
@@ -61,6 +65,8 @@ async def run_producer(
     default); ``on_worker`` receives the worker before it runs (tests, extra wiring).
     ``peer_configs``: the resolved views of the peer policies ``rollout.peers`` names
     (a multi-policy run); each gets an engine, a follower, a ledger and a publisher here.
+    With ``rollout.gateway.enabled`` the groups are played by agents through the
+    OpenAI-compatible gateway (``producers.gateway``), served while the worker runs.
     """
     from core.presence import Beacon
     from core.topic_reader import end_offsets
@@ -118,12 +124,18 @@ async def run_producer(
         task = make_task(
             rollout.task,
             rollout.task_options,
-            TaskContext(config.cache_dir, tokenizer, peers=peer_side.peers),
+            TaskContext(
+                config.cache_dir,
+                tokenizer,
+                peers=peer_side.peers,
+                agents_score=rollout.gateway.enabled,
+            ),
         )
         resume = getattr(task, "resume", None)
         if resume is not None:  # a task walking its dataset goes on where the ledger says
             resume(ledger.state.delivered_positions)
         watcher: WatchedListener | None = None  # the follower's, once it runs
+        desk = gateway_desk(rollout, metrics)
         worker = RolloutWorker(
             rollout,
             backend,
@@ -143,7 +155,21 @@ async def run_producer(
             peers=peer_side.peers,
             curriculum=curriculum,
             vocab_size=vocab_size,
+            gateway=desk,
         )
+        if desk is not None:
+            gateway = Gateway(
+                rollout.gateway,
+                desk,
+                worker.generator,
+                tokenizer,
+                metrics,
+                model_name=rollout.expected_model or producers.engine.model,
+                group_size=rollout.group_size,
+                vocab_size=vocab_size,
+            )
+            await gateway.start()
+            stack.push_async_callback(gateway.close)
         if rollout.follow_weights:
             follower = start_follower(config, worker, stop_following)
             stack.callback(follower.listener.close)  # once the thread is joined
@@ -182,6 +208,14 @@ async def run_producer(
                 len(record.unacknowledged),
             )
         return report
+
+
+def gateway_desk(rollout: RolloutConfig, metrics: ProducerMetrics) -> EpisodeDesk | None:
+    """The desk that hands groups to the gateway's agents, when the gateway is on."""
+    if not rollout.gateway.enabled:
+        return None
+    limits = dataclasses.replace(EpisodeLimits(), **rollout.episode.overrides())
+    return EpisodeDesk(rollout.gateway, limits, metrics)
 
 
 def stop_record(report: WorkerReport, ledger: Ledger, policy: str) -> StopRecord:

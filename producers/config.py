@@ -215,6 +215,49 @@ class EpisodeConfig(StrictModel):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
+class GatewayConfig(StrictModel):
+    """The OpenAI-compatible gateway (``rollstream gateway``): agents make the episodes
+    (``producers.gateway``) instead of a task's environment."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Groups are played by agents over HTTP (rollstream up and produce "
+        "then run the gateway); rollstream gateway sets it.",
+    )
+    host: str = Field(
+        default="127.0.0.1", description="Address it binds; anything but loopback needs api_key."
+    )
+    port: int = Field(default=8100, ge=0, le=65535, description="0 picks a free port.")
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="Every endpoint but /health needs 'Authorization: Bearer <key>' (the "
+        "openai client's api_key). Required to bind a non-loopback host.",
+    )
+    history_mismatch: Literal["split", "refuse"] = Field(
+        default="split",
+        description="A call whose history does not extend the episode's tokens: 'split' "
+        "starts another record of the episode at it, 'refuse' answers 409.",
+    )
+    max_call_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="Largest max_tokens one call may ask for (also the default); None: "
+        "the task's max_new_tokens.",
+    )
+    claim_wait_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="How long opening an episode waits for a group to start before it is "
+        "answered 429 (admission: credit, staleness window).",
+    )
+    idle_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="An episode with no call for this long, or a slot nobody opened, "
+        "ends as abandoned (never trained).",
+    )
+
+
 class RolloutConfig(StrictModel):
     """What the rollout worker (``rollstream produce``) generates and where it publishes."""
 
@@ -341,6 +384,7 @@ class RolloutConfig(StrictModel):
         "topology, versions and DLQ reasons; open it on purpose).",
     )
     progress: bool = Field(default=True, description="Show a progress line on a terminal.")
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:

@@ -39,13 +39,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_bind(host: str, api_key: str | None) -> None:
-    """Refuse to serve on a non-loopback ``host`` without an API key."""
+ENGINE_EXPOSURE = (
+    "the engine",
+    "could swap its weights; set [producers.engine] api_key (or `rollstream serve --api-key`)",
+)
+
+
+def check_bind(host: str, api_key: str | None, exposure: tuple[str, str] = ENGINE_EXPOSURE) -> None:
+    """Refuse to serve on a non-loopback ``host`` without an API key. ``exposure``: what is
+    served and what anyone reaching it could do, with the setting that gives it a key."""
     if not api_key and not is_loopback(host):
+        what, risk = exposure
         raise ValueError(
-            f"refusing to serve the engine on {host!r} without an API key: anyone who "
-            "reaches it could swap its weights; set [producers.engine] api_key (or "
-            "`rollstream serve --api-key`) or bind 127.0.0.1"
+            f"refusing to serve {what} on {host!r} without an API key: anyone who reaches "
+            f"it {risk} or bind 127.0.0.1"
         )
 
 

@@ -310,9 +310,15 @@ def file_task(
     of ``eval_path``, default ``path``, or all of ``eval_path``), ``tokenizer`` (a model
     spec whose tokenizer to use; none: the engine's), ``chat``, ``system_prompt``,
     ``chat_template_kwargs``, ``order`` (``random`` or ``epochs``), ``shuffle_seed``,
-    ``max_new_tokens``, ``stop_token_ids``, ``name``."""
-    if (reward is None) == (rewards is None):
+    ``max_new_tokens``, ``stop_token_ids``, ``name``. Behind the gateway neither reward
+    option is needed: its agents score the episodes."""
+    if reward is not None and rewards is not None:
         raise ValueError("the file task takes either 'rewards' (a list) or 'reward', not both")
+    if reward is None and rewards is None and not context.agents_score:
+        raise ValueError(
+            "the file task needs 'rewards' (a list) or 'reward' (only the gateway's agents "
+            "report rewards of their own)"
+        )
     examples = read_examples(Path(path), split)
     if not examples:
         raise ValueError(f"{path} holds no examples")

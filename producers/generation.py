@@ -89,17 +89,23 @@ class GroupGenerator:
 
         def turn_of(index: int) -> GenerateTurn:
             async def generate_turn(history: list[int], max_new_tokens: int, turn: int) -> Sample:
-                params = self.config.sampling.to_sglang(
-                    max_new_tokens, self.task.stop_token_ids, getattr(self.task, "stop", None)
-                )
-                rid = f"{group_id}-{index}-t{turn}"
-                outputs, version, swaps = await self._call([history], [params], [f"{rid}-0"])
-                return await self._complete(history, params, rid, outputs[0], version, swaps)
+                stop = getattr(self.task, "stop", None)
+                return await self.turn(history, max_new_tokens, f"{group_id}-{index}-t{turn}", stop)
 
             return generate_turn
 
         size = self.config.group_size
         return list(await asyncio.gather(*(runner.run(prompt, turn_of(i)) for i in range(size))))
+
+    async def turn(
+        self, history: list[int], max_new_tokens: int, rid: str, stop: list[str] | None = None
+    ) -> Sample:
+        """One policy turn continuing ``history``, with the run's sampling and the task's
+        stop tokens (``stop``: strings that end it too), followed through version
+        changes."""
+        params = self.config.sampling.to_sglang(max_new_tokens, self.task.stop_token_ids, stop)
+        outputs, version, swaps = await self._call([history], [params], [f"{rid}-0"])
+        return await self._complete(history, params, rid, outputs[0], version, swaps)
 
     async def _complete(
         self,

@@ -16,6 +16,9 @@ one event a line, flushed to the OS as it is written (enough to survive kill -9)
   in flight it finished and published, which it aborted (never published, so never
   trained), and which were published but left unacknowledged (recovery settles them).
   A producer killed with SIGKILL writes none; its ``pending`` groups say the rest.
+- ``abandoned``: gateway episodes of a group that ended without a reward (the agent went
+  away, never opened its slot, or the producer stopped), each with the reason; they are
+  never published.
 
 Recovery (``recover``) runs at start-up, before producing. For each group left pending
 it scans the topic from the last mark written before the oldest pending line (a bounded
@@ -86,6 +89,7 @@ class LedgerState:
     stops: list[StopRecord] = field(default_factory=list)
     lines: int = 0
     positions: dict[str, int] = field(default_factory=dict)  # group -> prompt position
+    abandoned: dict[str, dict[str, str]] = field(default_factory=dict)  # group -> episode -> why
 
     @property
     def delivered_ids(self) -> set[str]:
@@ -228,6 +232,11 @@ class Ledger:
         self._append(event, sync=True)
         self.state.stops.append(record)
 
+    def abandoned(self, group_id: str, reasons: Mapping[str, str]) -> None:
+        """Episodes of ``group_id`` (by episode id) that will not be published, and why."""
+        self._append({"kind": "abandoned", "group_id": group_id, "episodes": dict(reasons)})
+        self.state.abandoned[group_id] = dict(reasons)
+
     def _append(self, event: dict[str, Any], *, sync: bool = False) -> None:
         if self._fh is None:
             raise RuntimeError("ledger is not open")
@@ -274,6 +283,8 @@ def read_ledger(path: Path) -> LedgerState:
             elif kind == "lost":
                 state.pending.pop(gid, None)
                 state.lost.add(gid)
+            elif kind == "abandoned":
+                state.abandoned[gid] = event["episodes"]
             elif kind == "stopped":
                 state.stops.append(
                     StopRecord(

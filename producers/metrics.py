@@ -19,6 +19,10 @@ Metrics, all prefixed ``rollstream_producer_``:
 - ``inflight_groups`` / ``undelivered_groups`` (gauges): generating / awaiting acks.
 - ``interrupted_samples_total`` (counter, label ``policy``): samples cut by a version
   change (continued for ``interrupt``, regenerated for ``abort``).
+- ``gateway_calls_total`` (counter, labels ``endpoint``, ``status``),
+  ``gateway_history_mismatches_total`` (label ``action``), ``gateway_abandoned_total``
+  (label ``reason``): the OpenAI-compatible gateway's calls, its episodes whose history
+  was not a continuation, and its episodes never published.
 - ``delivery_failures_total`` (counter): records Kafka refused or timed out.
 - ``engine_errors_total`` (counter): engine calls that failed after retries.
 - ``publish_seconds`` / ``generate_seconds`` (summaries): per group, the time from
@@ -110,6 +114,26 @@ class ProducerMetrics:
             "Turns of peer policies not published, by policy: their group had fewer than 2 "
             "samples, or the sample named a policy that is not a peer ('unknown').",
             ["policy"],
+            registry=r,
+        )
+        self.gateway_calls = Counter(
+            p + "gateway_calls",
+            "Gateway API calls, by endpoint and HTTP status.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.gateway_mismatches = Counter(
+            p + "gateway_history_mismatches",
+            "Gateway calls whose history did not extend their episode's tokens, by what "
+            "was done (split: a new record of the episode; refuse: answered 409).",
+            ["action"],
+            registry=r,
+        )
+        self.gateway_abandoned = Counter(
+            p + "gateway_abandoned",
+            "Gateway episodes ended without a reward, never published (reason: idle, "
+            "unclaimed, client_left, no_call, stopped).",
+            ["reason"],
             registry=r,
         )
         self.engine_errors = Counter(

@@ -91,6 +91,7 @@ class TaskContext:
     cache_dir: Path
     tokenizer: Any = None
     peers: Any = None  # producers.peers.Peers: the peer policies episodes may call
+    agents_score: bool = False  # the gateway's agents report the rewards: none is needed
 
 
 TaskFactory = Callable[..., Task]

@@ -44,6 +44,7 @@ from producers.client import EngineUnavailable
 from producers.config import RolloutConfig
 from producers.curriculum import Curriculum
 from producers.episodes import EpisodeRunner
+from producers.gateway_episodes import EpisodeDesk
 from producers.generation import GroupGenerator, now_ms
 from producers.group_publisher import GroupPublisher
 from producers.metrics import Progress
@@ -75,7 +76,8 @@ class RolloutWorker:
     ``outbox`` holds the publishers (its own policy's and one per peer in ``peers``),
     ``producer`` names the records, ``trainer`` is what the worker hears of its trainer
     (announcements, consumed version; none: a bare engine), ``curriculum`` picks prompts,
-    ``vocab_size`` bounds an environment's observations."""
+    ``vocab_size`` bounds an environment's observations, ``gateway`` (``rollstream
+    gateway``) hands each group to agents over HTTP instead of generating it here."""
 
     def __init__(
         self,
@@ -89,8 +91,10 @@ class RolloutWorker:
         peers: Peers | None = None,
         curriculum: Curriculum | None = None,
         vocab_size: int | None = None,
+        gateway: EpisodeDesk | None = None,
     ) -> None:
         self.config = config
+        self.gateway = gateway
         self.task = task
         self.outbox = outbox
         self.peers = peers or Peers()
@@ -163,6 +167,8 @@ class RolloutWorker:
         self.report.stop_requested = True
         self.report.inflight_at_stop = sorted(self._inflight.values())
         self._stop.requested.set()
+        if self.gateway is not None:
+            self.gateway.stopping = True
         self.versions.open_gate()  # wake anything waiting for a version change
         if self.config.stop_policy == "finish":
             logger.info(
@@ -349,7 +355,9 @@ class RolloutWorker:
         self.metrics.inflight_groups.inc()
         began = time.perf_counter()
         try:
-            if self.generator.episodes is not None:
+            if self.gateway is not None:
+                outcome = await self.gateway.play(prompt, group_id, size, self._stop)
+            elif self.generator.episodes is not None:
                 episodes = await self.generator.episodes_of(prompt, group_id)
             else:
                 samples = await self.generator.group(prompt, group_id)
@@ -357,7 +365,22 @@ class RolloutWorker:
             self.metrics.inflight_groups.dec()
         generated = time.perf_counter() - began
         peer_groups: list[tuple[str, str, list[Trajectory]]] = []
-        if self.generator.episodes is not None:
+        if self.gateway is not None:
+            if outcome.abandoned:
+                self.publisher.ledger.abandoned(group_id, outcome.abandoned)
+            if not outcome.records:
+                self.report.groups_dropped += 1
+                return
+            provenance = getattr(self.task, "provenance", None)  # which row, for a resume
+            for _, result in outcome.records:
+                result.details.update(provenance(prompt) if provenance is not None else {})
+            trajectories = [
+                self.records.episode_trajectory(
+                    part_prompt, group_id, i, len(outcome.records), result, created_ms
+                )
+                for i, (part_prompt, result) in enumerate(outcome.records)
+            ]
+        elif self.generator.episodes is not None:
             trajectories = [
                 self.records.episode_trajectory(prompt, group_id, i, size, episode, created_ms)
                 for i, episode in enumerate(episodes)

@@ -1,4 +1,4 @@
-"""``rollstream serve``, ``produce`` and ``eval``: the producer role's commands.
+"""``rollstream serve``, ``produce``, ``gateway`` and ``eval``: the producer role's commands.
 
 Both take the ``RollstreamConfig`` that the ``rollstream`` group puts in ``ctx.obj``
 (``--config``, the environment, ``--set``: one way for every role) and give the role what
@@ -115,7 +115,6 @@ def produce(
     producer_id: str | None,
 ) -> None:
     """Generate GRPO groups with the engine and publish them to Kafka."""
-    config.require_policy()
     overrides = {
         "groups": groups,
         "engine_url": engine_url,
@@ -123,7 +122,58 @@ def produce(
         "topic": topic,
         "producer_id": producer_id,
     }
+    _produce(config, overrides, region)
+
+
+@click.command("gateway")
+@click.option("--host", help="Address to bind (default from [producers.rollout.gateway]).")
+@click.option("--port", type=int, help="Port (default 8100; 0 = free).")
+@click.option(
+    "--api-key",
+    help="Key every request but /health must send as 'Authorization: Bearer <key>' (the "
+    "openai client's api_key); needed for a non-loopback --host.",
+)
+@click.option("--groups", type=int, help="Deliver this many groups, then stop.")
+@click.option("--engine-url", help="Engine speaking SGLang's API; default: in-process.")
+@click.option("--task", help="Task whose prompts the episodes are given (see producers.tasks).")
+@click.option("--producer-id", help="This gateway's producer id (its ledger).")
+@click.pass_obj
+def gateway(
+    config: RollstreamConfig,
+    host: str | None,
+    port: int | None,
+    api_key: str | None,
+    groups: int | None,
+    engine_url: str | None,
+    task: str | None,
+    producer_id: str | None,
+) -> None:
+    """Serve the OpenAI-compatible API to agents and publish the episodes they close (every
+    endpoint: producers/gateway.py); a producer in every other respect."""
+    overrides = {
+        "groups": groups,
+        "engine_url": engine_url,
+        "task": task,
+        "producer_id": producer_id,
+        "gateway": {"enabled": True, "host": host, "port": port, "api_key": api_key},
+    }
+    _produce(config, overrides, None)
+
+
+def _produce(config: RollstreamConfig, overrides: dict[str, Any], region: str | None) -> None:
+    """Run the producer role with ``overrides`` laid over ``[producers.rollout]``."""
+    config.require_policy()
     shared, section = _role(config, {"rollout": overrides})
+    gateway_config = section.rollout.gateway
+    if gateway_config.enabled:
+        from producers.engine_auth import check_bind
+        from producers.gateway import EXPOSURE
+
+        key = gateway_config.api_key
+        try:  # before the model loads: a refusal is the first thing the user sees
+            check_bind(gateway_config.host, key.get_secret_value() if key else None, EXPOSURE)
+        except ValueError as err:
+            raise click.UsageError(str(err)) from err
     _logging()
     from infra.services import Services
     from producers.app import run_producer

@@ -231,7 +231,7 @@ def test_rows_from_csv_a_saved_dataset_and_a_column_mapping(tmp_path: Path) -> N
         ({"columns": {"prompt": "query"}}, r"'query' is not a column .*\['answer', 'question'\]"),
         ({"columns": {"answer": "question"}}, "'answer' is not a name the file task reads"),
         ({"columns": {}}, "has none of the columns"),
-        ({"rewards": None, "reward": None}, "either 'rewards'"),
+        ({"rewards": None, "reward": None}, "needs 'rewards'"),
         ({"reward": "x:y"}, "either 'rewards'"),
         ({"path": "{tmp}/rows.jsonl"}, r"rows\.jsonl:1: a row is a JSON object"),
     ],

@@ -1,0 +1,446 @@
+"""The OpenAI-compatible gateway: agents written against the OpenAI API play the worker's
+groups, and every episode they close becomes a record in the raw topic.
+
+An agent changes three things: its ``base_url`` (the gateway, with the episode in the path
+or in the ``X-Rollstream-Episode`` header), opening an episode first, and reporting the
+reward at the end. Endpoints (JSON; errors use OpenAI's ``{"error": {...}}`` body):
+
+- ``POST /v1/episodes``: open an episode, i.e. claim a slot of a group the worker admitted.
+  201 with ``episode_id``, ``group_id``, ``index``, ``group_size``, ``base_url_path`` and
+  the task's prompt (``prompt.text``, ``prompt.ids``, ``metadata``). 429 with
+  ``Retry-After`` when no group is open within ``claim_wait_s`` (the trainer's credit or
+  the staleness window holds generation back), 503 while the producer stops.
+- ``POST /v1/chat/completions``, ``POST /v1/completions`` (header ``X-Rollstream-Episode``)
+  or ``POST /episodes/{id}/v1/chat/completions`` and ``.../v1/completions``: one call of
+  the episode, non-streaming or streaming (server-sent events; the turn is generated
+  whole, then sent in pieces). Messages are rendered with the model's chat template, the
+  engine generates with log-probs under the run's sampling, and the episode keeps the
+  exact tokens (``producers.gateway_episodes``).
+- ``POST /v1/episodes/{id}/close``: ``{"reward": 1.0}`` or ``{"reward": {"name": 0.5,
+  ...}}`` (components summed), optional ``details``; ends the episode. A second close is
+  answered 409, an unknown episode 404.
+- ``POST /v1/episodes/{id}/abort``: the agent gives the episode up (never published).
+- ``GET /v1/models``, ``GET /health``.
+
+A client that is gone before its answer is written (a timeout, a dropped stream) leaves an
+episode whose agent never saw the policy's turn: it is abandoned, not trained. With an
+``api_key`` every endpoint but ``/health`` needs ``Authorization: Bearer <key>``; without
+one the gateway binds only loopback.
+
+Not built: parsing the model's text into structured ``tool_calls`` (the text is returned as
+``content``; agents that read tool calls from text work), log-probs in the answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from producers.client import EngineError, EngineUnavailable
+from producers.config import GatewayConfig
+from producers.engine_auth import AccessRefused, check_bind, check_key
+from producers.gateway_episodes import EpisodeDesk, EpisodeRefused, GatewayEpisode, parse_reward
+from producers.gateway_requests import (
+    BadRequest,
+    CallRequest,
+    chat_request,
+    completion_request,
+)
+from producers.generation import GroupGenerator, Sample
+from producers.metrics import ProducerMetrics
+from producers.versions import Stopped
+
+logger = logging.getLogger(__name__)
+
+EPISODE_HEADER = "X-Rollstream-Episode"
+EXPOSURE = (
+    "the gateway",
+    "could write episodes and rewards into the run; set [producers.rollout.gateway] "
+    "api_key (or `rollstream gateway --api-key`)",
+)
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _error(message: str, status: int, retry_after_s: int | None = None) -> web.Response:
+    kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+        status, "invalid_request_error"
+    )
+    response = _json({"error": {"message": message, "type": kind, "code": status}}, status)
+    if retry_after_s is not None:
+        response.headers["Retry-After"] = str(retry_after_s)
+    if status == 401:
+        response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+class Gateway:
+    """The HTTP side of the gateway; the worker's ``EpisodeDesk`` holds the episodes."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        desk: EpisodeDesk,
+        generator: GroupGenerator,
+        tokenizer: Any,
+        metrics: ProducerMetrics,
+        *,
+        model_name: str,
+        group_size: int,
+        vocab_size: int | None = None,
+    ) -> None:
+        check_bind(
+            config.host, config.api_key.get_secret_value() if config.api_key else None, EXPOSURE
+        )
+        if tokenizer is None:
+            raise ValueError("the gateway renders messages with the model's tokenizer: none loaded")
+        self.config = config
+        self.desk = desk
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.model_name = model_name
+        self.group_size = group_size
+        self.vocab_size = vocab_size or len(tokenizer)
+        self.max_call_tokens = config.max_call_tokens or generator.task.max_new_tokens
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    # --- serving -------------------------------------------------------------------------
+
+    def make_app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=MAX_BODY_BYTES, middlewares=[self._count, self._require_key]
+        )
+        app.router.add_post("/v1/episodes", self.open_episode)
+        app.router.add_post("/v1/episodes/{episode}/close", self.close_episode)
+        app.router.add_post("/v1/episodes/{episode}/abort", self.abort_episode)
+        for prefix in ("/v1", "/episodes/{episode}/v1"):
+            app.router.add_post(prefix + "/chat/completions", self.chat_completions)
+            app.router.add_post(prefix + "/completions", self.completions)
+            app.router.add_get(prefix + "/models", self.models)
+        app.router.add_get("/health", self.health)
+        return app
+
+    async def start(self) -> str:
+        """Serve on the configured host and port; returns the base URL."""
+        self._runner = web.AppRunner(self.make_app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        logger.info("gateway serving http://%s:%d/v1", self.config.host, self.port)
+        return self.url
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @web.middleware
+    async def _require_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = self.config.api_key.get_secret_value() if self.config.api_key else None
+        try:
+            check_key(request.path, request.headers.get("Authorization"), key)
+        except AccessRefused as exc:
+            return _error(str(exc), exc.status)
+        return await handler(request)
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else "unknown"
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            self.metrics.gateway_calls.labels(endpoint=endpoint, status=str(exc.status)).inc()
+            raise
+        self.metrics.gateway_calls.labels(endpoint=endpoint, status=str(response.status)).inc()
+        return response
+
+    # --- episodes ------------------------------------------------------------------------
+
+    async def open_episode(self, request: web.Request) -> web.Response:
+        if self.desk.stopping:
+            return _error("the producer is stopping: no new episodes", 503, retry_after_s=5)
+        episode = await self.desk.claim()
+        if episode is None:
+            return _error(
+                "no group is open: generation is held back (the trainer's credit or the "
+                "staleness window); retry later",
+                429,
+                retry_after_s=1,
+            )
+        prompt = episode.prompt
+        return _json(
+            {
+                "episode_id": episode.episode_id,
+                "group_id": episode.group_id,
+                "index": episode.index,
+                "group_size": self.group_size,
+                "base_url_path": f"/episodes/{episode.episode_id}/v1",
+                "prompt": {
+                    "text": prompt.text,
+                    "ids": prompt.ids,
+                    "metadata": _jsonable(prompt.meta),
+                },
+            },
+            201,
+        )
+
+    async def close_episode(self, request: web.Request) -> web.Response:
+        try:
+            body = await _body(request)
+            reward, details = parse_reward(body)
+            episode = self.desk.episode(request.match_info["episode"])
+            records = self.desk.close(episode, reward, details)
+        except (EpisodeRefused, BadRequest) as exc:
+            return _error(str(exc), getattr(exc, "status", 400))
+        return _json({"episode_id": episode.episode_id, "reward": reward, "records": records})
+
+    async def abort_episode(self, request: web.Request) -> web.Response:
+        try:
+            body = await _body(request)
+            episode = self.desk.episode(request.match_info["episode"])
+        except (EpisodeRefused, BadRequest) as exc:
+            return _error(str(exc), getattr(exc, "status", 400))
+        reason = body.get("reason")
+        self.desk.abandon(episode, "aborted", f"the agent aborted it: {reason!s:.200}")
+        return _json({"episode_id": episode.episode_id, "state": episode.state})
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rollstream"}
+        return _json({"object": "list", "data": [model]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return _json({"ok": True})
+
+    # --- calls ---------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._call(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._call(request, chat=False)
+
+    async def _call(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        try:
+            body = await _body(request)
+            call = (chat_request if chat else completion_request)(body, self.max_call_tokens)
+            episode = self.desk.episode(_episode_id(request))
+            if episode.busy:
+                raise EpisodeRefused("a call of this episode is still in flight")
+            ids, text = self._render(call)
+            mismatches = episode.mismatches
+            history, room = episode.place(ids, text, self._retokenize)
+        except (EpisodeRefused, BadRequest) as exc:
+            if isinstance(exc, EpisodeRefused) and "history" in str(exc):
+                self.metrics.gateway_mismatches.labels(action="refuse").inc()
+            return _error(str(exc), getattr(exc, "status", 400))
+        if episode.mismatches > mismatches:
+            self.metrics.gateway_mismatches.labels(action="split").inc()
+        if call.messages is not None:
+            tools = sum(1 for m in call.messages if m["role"] == "tool")
+            episode.tool_messages = max(episode.tool_messages, tools)
+        max_new = min(call.max_tokens or self.max_call_tokens, room)
+        episode.busy = True
+        try:
+            turn = await self.generator.turn(
+                history, max_new, f"{episode.episode_id}-c{episode.calls}", call.stop or None
+            )
+        except EngineUnavailable as exc:
+            return _error(f"the engine is unavailable: {exc}", 503, retry_after_s=2)
+        except EngineError as exc:
+            return _error(f"the engine refused the call: {exc}", 502)
+        except Stopped:
+            return _error("the producer is stopping", 503, retry_after_s=5)
+        finally:
+            episode.busy = False
+        if episode.state != "active":
+            return _error(f"episode {episode.episode_id} ended during the call", 409)
+        if _client_gone(request):
+            self.desk.abandon(episode, "client_left", "the client left before its answer")
+            return web.Response(status=499)
+        episode.add_turn(turn)
+        answer = _Answer(self, episode, turn, len(history), chat=chat)
+        if not call.stream:
+            return _json(answer.whole())
+        return await self._stream(request, episode, answer, call.include_usage)
+
+    async def _stream(
+        self, request: web.Request, episode: GatewayEpisode, answer: _Answer, usage: bool
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        try:
+            await response.prepare(request)
+            for chunk in answer.chunks(usage):
+                if _client_gone(request):
+                    raise ConnectionResetError("client gone")
+                await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (ConnectionResetError, ConnectionError):
+            self.desk.abandon(episode, "client_left", "the client left during the stream")
+        return response
+
+    def _render(self, call: CallRequest) -> tuple[list[int], str]:
+        """The call's prompt as token ids and text."""
+        tokenizer = self.tokenizer
+        if call.prompt_ids is not None:
+            bad = [t for t in call.prompt_ids if t >= self.vocab_size]
+            if bad:
+                raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary")
+            return call.prompt_ids, tokenizer.decode(call.prompt_ids, skip_special_tokens=False)
+        if call.prompt_text is not None:
+            return tokenizer(call.prompt_text)["input_ids"], call.prompt_text
+        if not getattr(tokenizer, "chat_template", None):
+            raise BadRequest("the model's tokenizer has no chat template: use /v1/completions")
+        try:
+            text = tokenizer.apply_chat_template(
+                call.messages, tools=call.tools, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # the template is the model's code: any error is the input's
+            raise BadRequest(f"the chat template cannot render these messages: {exc}") from exc
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
+
+    def _retokenize(self, context: list[int], text: str) -> list[int] | None:
+        """``context`` and the tokens of ``text`` past the context's own text, when
+        ``text`` begins with it (a re-rendered history whose earlier turns tokenize
+        differently than the engine produced them)."""
+        prefix = self.tokenizer.decode(context, skip_special_tokens=False)
+        if not text.startswith(prefix):
+            return None
+        rest = text[len(prefix) :]
+        return context + list(self.tokenizer(rest, add_special_tokens=False)["input_ids"])
+
+
+class _Answer:
+    """One call's answer in the OpenAI shapes, whole or as stream chunks."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        episode: GatewayEpisode,
+        turn: Sample,
+        prompt_tokens: int,
+        *,
+        chat: bool,
+    ) -> None:
+        self.chat = chat
+        self.model = gateway.model_name
+        self.decode = gateway.tokenizer.decode
+        self.turn = turn
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.finish = "length" if turn.finish_type == "length" else "stop"
+        self.usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(turn.response_ids),
+            "total_tokens": prompt_tokens + len(turn.response_ids),
+        }
+        self.rollstream = {
+            "episode_id": episode.episode_id,
+            "versions": [v for v, _ in turn.segments],
+        }
+
+    def _text(self, ids: list[int]) -> str:
+        return self.decode(ids, skip_special_tokens=True)
+
+    def whole(self) -> dict[str, Any]:
+        text = self._text(self.turn.response_ids)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish, "logprobs": None}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage,
+            "rollstream": self.rollstream,
+        }
+
+    def chunks(self, usage: bool) -> Iterator[dict[str, Any]]:
+        """The answer as stream chunks: the role, the text piece by piece, the finish."""
+        if self.chat:
+            yield self._chunk({"role": "assistant", "content": ""}, None)
+        for piece in self._pieces():
+            yield self._chunk({"content": piece} if self.chat else piece, None)
+        yield self._chunk({} if self.chat else "", self.finish)
+        if usage:
+            yield {**self._chunk({} if self.chat else "", None), "choices": [], "usage": self.usage}
+
+    def _pieces(self) -> Iterator[str]:
+        """The text token by token (a piece is what a token adds to the decoded text)."""
+        ids, shown = self.turn.response_ids, ""
+        for end in range(1, len(ids) + 1):
+            text = self._text(ids[:end])
+            if text.startswith(shown) and len(text) > len(shown):
+                yield text[len(shown) :]
+                shown = text
+        final = self._text(ids)
+        if final != shown and final.startswith(shown):
+            yield final[len(shown) :]
+
+    def _chunk(self, delta: Any, finish: str | None) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        data = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the body is not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object")
+    return data
+
+
+def _episode_id(request: web.Request) -> str:
+    episode = request.match_info.get("episode") or request.headers.get(EPISODE_HEADER)
+    if not episode:
+        raise BadRequest(
+            f"no episode: open one (POST /v1/episodes) and send its id in the {EPISODE_HEADER} "
+            "header or use its base_url_path"
+        )
+    return episode
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON can carry it (what JSON cannot is given as its text)."""
+    return orjson.loads(orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS))

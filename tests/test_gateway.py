@@ -1,0 +1,428 @@
+"""The OpenAI-compatible gateway against the real broker and an in-process engine, driven by
+the real ``openai`` client: multi-turn episodes recorded token for token, rewards, history
+edits split or refused, abandoned episodes in the ledger, and garbage of every kind.
+
+The model is the tiny chat model (``support.chat_model``); the agent's "tool" is the test's
+own: it answers the model's turn with a user message the chat template renders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+from support.chat_model import VOCAB, save_chat_model
+from test_producers_worker import make_topic, read_topic, recompute, rs_config
+
+from core.process import free_port
+from producers.app import run_producer
+from producers.config import EngineConfig, GatewayConfig, ProducersConfig, RolloutConfig
+from producers.ledger import ledger_dir, read_ledger
+from schemas.codec import decode
+from schemas.trajectory import Trajectory, TurnKind
+
+torch.set_num_threads(1)
+
+pytestmark = pytest.mark.integration
+
+SYSTEM = "copy the first digit twice"
+KEY = "gateway-test-key"
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_chat_model(tmp_path_factory.mktemp("gateway-model") / "model", seed=3)
+
+
+@dataclass
+class GatewayRun:
+    """A producer serving the gateway from a thread; ``url`` is its base."""
+
+    url: str
+    topic: str
+    run_id: str
+    ledger: Path
+    worker: dict[str, Any] = field(default_factory=dict)
+    report: Any = None
+
+    def client(self, episode_id: str, **options: Any) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/episodes/{episode_id}/v1", api_key=KEY, max_retries=0, **options
+        )
+
+    def post(self, path: str, body: Any = None, **options: Any) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {KEY}", **options.pop("headers", {})}
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=60, **options)
+
+    def open(self) -> dict[str, Any]:
+        answer = self.post("/v1/episodes")
+        assert answer.status_code == 201, answer.text
+        return answer.json()
+
+    def close(self, episode_id: str, reward: Any) -> httpx.Response:
+        return self.post(f"/v1/episodes/{episode_id}/close", {"reward": reward})
+
+    def records(self, kafka_config: Any) -> list[Trajectory]:
+        records = [decode(m.value()) for m in read_topic(kafka_config, self.topic)]
+        return [r for r in records if r.run_id == self.run_id]
+
+
+@contextlib.contextmanager
+def gateway_run(
+    kafka_config: Any,
+    unique_name: Any,
+    tmp_path: Path,
+    model: Path,
+    *,
+    groups: int,
+    group_size: int = 2,
+    **gateway: Any,
+) -> Iterator[GatewayRun]:
+    """A gateway producer that delivers ``groups`` groups (or is stopped on exit)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    topic = make_topic(kafka_config, unique_name, partitions=1)
+    config = rs_config(kafka_config, tmp_path)
+    port = free_port()
+    rollout = RolloutConfig(
+        topic=topic,
+        task="file",
+        task_options={
+            "path": str(_dataset(tmp_path)),
+            "system_prompt": SYSTEM,
+            "max_new_tokens": 2,
+        },
+        group_size=group_size,
+        groups=groups,
+        max_inflight_groups=1,
+        seed=1,
+        progress=False,
+        producer_id="gateway-a",
+        ledger_fsync=False,
+        follow_weights=False,
+        gateway=GatewayConfig(
+            enabled=True, port=port, api_key=KEY, **{"claim_wait_s": 5.0, **gateway}
+        ),
+    )
+    settings = ProducersConfig(engine=EngineConfig(model=str(model), seed=7), rollout=rollout)
+    run = GatewayRun(
+        f"http://127.0.0.1:{port}",
+        topic,
+        config.run_id,
+        ledger_dir(config.state_dir, config.run_id, "gateway-a") / "ledger.jsonl",
+    )
+
+    def serve() -> None:
+        run.report = asyncio.run(
+            run_producer(
+                config, settings, install_signals=False, on_worker=lambda w: run.worker.update(w=w)
+            )
+        )
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(run.url + "/health", timeout=1).status_code == 200:
+                break
+        assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.2)
+    try:
+        yield run
+        thread.join(120)
+        assert not thread.is_alive(), "the gateway did not finish its groups"
+    finally:
+        if thread.is_alive() and "w" in run.worker:
+            run.worker["w"].request_stop_threadsafe()
+            thread.join(60)
+
+
+def _dataset(tmp_path: Path) -> Path:
+    rng = random.Random(5)
+    rows = []
+    for _ in range(20):
+        digits = "".join(rng.choice("0123456789") for _ in range(3))
+        row = {"messages": [{"role": "user", "content": digits}], "answer": digits[0] * 2}
+        rows.append(json.dumps(row))
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def _messages(opened: dict[str, Any]) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": SYSTEM},
+        *opened["prompt"]["metadata"]["example"]["messages"],
+    ]
+
+
+def _play(run: GatewayRun, opened: dict[str, Any], *, stream: bool) -> list[str]:
+    """A two-call agent: answer, hear from the tool, answer again. Returns the answers."""
+    client = run.client(opened["episode_id"])
+    messages = _messages(opened)
+    answers = []
+    for turn in range(2):
+        if stream:
+            pieces = client.chat.completions.create(
+                model="policy", messages=messages, stream=True, max_tokens=2
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+        else:
+            answer = client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+            text = answer.choices[0].message.content
+            assert answer.usage.completion_tokens >= 1
+        answers.append(text)
+        messages = [*messages, {"role": "assistant", "content": text}]
+        if turn == 0:  # the test's tool: a fixed reply the template renders as user tokens
+            messages.append({"role": "user", "content": "copy the first digit twice"})
+    return answers
+
+
+def _check_policy_logprobs(traj: Trajectory, model: Any) -> None:
+    expected = recompute(model, traj.prompt_ids, traj.response_ids)
+    mask = traj.loss_mask
+    got = [lp for lp, m in zip(traj.logp_infer, mask, strict=True) if m]
+    want = [lp for lp, m in zip(expected, mask, strict=True) if m]
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_openai_agents_play_a_group_recorded_token_for_token(
+    kafka_config, unique_name, tmp_path, chat_model
+):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    with gateway_run(kafka_config, unique_name, tmp_path, chat_model, groups=1) as run:
+        first, second = run.open(), run.open()
+        assert first["group_id"] == second["group_id"] and {first["index"], second["index"]} == {
+            0,
+            1,
+        }
+        answers = {first["episode_id"]: _play(run, first, stream=False)}
+        answers[second["episode_id"]] = _play(run, second, stream=True)
+        assert run.close(first["episode_id"], 1.0).json()["records"] == 1
+        assert run.close(second["episode_id"], {"answer": 0.5, "format": 0.25}).status_code == 200
+    records = {t.reward_details["gateway"]["episode_id"]: t for t in run.records(kafka_config)}
+    assert set(records) == set(answers)
+    model = AutoModelForCausalLM.from_pretrained(chat_model).eval()
+    for episode_id, traj in records.items():
+        assert traj.group_size == 2 and traj.group_id == first["group_id"]
+        assert list(traj.turn_kinds) == [TurnKind.POLICY, TurnKind.ENV, TurnKind.POLICY]
+        # the record's prompt is the first call's rendering; its env turn is exactly the
+        # tokens the second call's rendering added after the first answer
+        opened = first if episode_id == first["episode_id"] else second
+        messages = _messages(opened)
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        assert list(traj.prompt_ids) == list(rendered.get("input_ids", rendered))
+        turns = _split_turns(traj)
+        assert [
+            tokenizer.decode(turns[0], skip_special_tokens=True),
+            tokenizer.decode(turns[2], skip_special_tokens=True),
+        ] == answers[episode_id]
+        assert [VOCAB[t] for t in turns[1]][-2:] == ["<|im_start|>", "assistant"]
+        assert all(
+            lp == 0.0 for lp in traj.logp_infer[len(turns[0]) : len(turns[0]) + len(turns[1])]
+        )
+        _check_policy_logprobs(traj, model)
+    assert records[first["episode_id"]].reward == 1.0
+    assert records[second["episode_id"]].reward == 0.75
+    assert records[second["episode_id"]].reward_details["rewards"] == {
+        "answer": 0.5,
+        "format": 0.25,
+    }
+    state = read_ledger(run.ledger)
+    assert list(state.delivered) == [first["group_id"]] and state.abandoned == {}
+
+
+def _split_turns(traj: Trajectory) -> list[list[int]]:
+    turns, start = [], 0
+    for length in traj.turn_lengths:
+        turns.append([int(t) for t in traj.response_ids[start : start + length]])
+        start += length
+    return turns
+
+
+def test_garbage_is_refused_with_a_reason_and_the_group_still_lands(
+    kafka_config, unique_name, tmp_path, chat_model
+):
+    with gateway_run(kafka_config, unique_name, tmp_path, chat_model, groups=1) as run:
+        opened = run.open()
+        episode = opened["episode_id"]
+        chat = f"/episodes/{episode}/v1/chat/completions"
+        good = {"model": "policy", "messages": _messages(opened)}
+        refusals = {
+            "no key": (httpx.post(run.url + chat, json=good, timeout=30), 401),
+            "wrong key": (run.post(chat, good, headers={"Authorization": "Bearer nope"}), 401),
+            "unknown episode": (run.post("/episodes/nope/v1/chat/completions", good), 404),
+            "no episode": (run.post("/v1/chat/completions", good), 400),
+            "not json": (
+                run.post(chat, content=b"{not json", headers={"Content-Type": "application/json"}),
+                400,
+            ),
+            "a list body": (run.post(chat, [1, 2]), 400),
+            "no messages": (run.post(chat, {"model": "policy"}), 400),
+            "empty messages": (run.post(chat, {**good, "messages": []}), 400),
+            "a bad role": (
+                run.post(chat, {**good, "messages": [{"role": "wizard", "content": "1"}]}),
+                400,
+            ),
+            "content a number": (
+                run.post(chat, {**good, "messages": [{"role": "user", "content": 7}]}),
+                400,
+            ),
+            "an image part": (
+                run.post(
+                    chat,
+                    {**good, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                ),
+                400,
+            ),
+            "a huge max_tokens": (run.post(chat, {**good, "max_tokens": 10**9}), 400),
+            "max_tokens text": (run.post(chat, {**good, "max_tokens": "2"}), 400),
+            "n = 2": (run.post(chat, {**good, "n": 2}), 400),
+            "stop a number": (run.post(chat, {**good, "stop": 3}), 400),
+            "tool_calls on a user": (
+                run.post(
+                    chat,
+                    {**good, "messages": [{"role": "user", "content": "1", "tool_calls": [{}]}]},
+                ),
+                400,
+            ),
+            "prompt ids outside the vocabulary": (
+                run.post(f"/episodes/{episode}/v1/completions", {"prompt": [1, 10**6]}),
+                400,
+            ),
+            "an empty prompt": (
+                run.post(f"/episodes/{episode}/v1/completions", {"prompt": ""}),
+                400,
+            ),
+            "reward for a slot never opened": (
+                run.post("/v1/episodes/0123abcd/close", {"reward": 1}),
+                404,
+            ),
+            "reward before any call": (
+                run.post(f"/v1/episodes/{episode}/close", {"reward": "high"}),
+                400,
+            ),
+            "reward NaN": (
+                run.post(
+                    f"/v1/episodes/{episode}/close",
+                    content=b'{"reward": NaN}',
+                    headers={"Content-Type": "application/json"},
+                ),
+                400,
+            ),
+            "reward a bool": (run.post(f"/v1/episodes/{episode}/close", {"reward": True}), 400),
+            "reward components not numbers": (
+                run.post(f"/v1/episodes/{episode}/close", {"reward": {"a": "x"}}),
+                400,
+            ),
+            "an unknown field": (
+                run.post(f"/v1/episodes/{episode}/close", {"reward": 1, "bonus": 2}),
+                400,
+            ),
+        }
+        for name, (answer, status) in refusals.items():
+            assert answer.status_code == status, (name, answer.status_code, answer.text)
+            assert answer.json()["error"]["message"], name
+        # none of it touched the episode: it plays and closes as if nothing happened
+        _play(run, opened, stream=False)
+        assert run.close(episode, 1.0).status_code == 200
+        again = run.close(episode, 1.0)
+        assert again.status_code == 409 and "closed" in again.json()["error"]["message"]
+        other = run.open()
+        _play(run, other, stream=False)
+        assert run.close(other["episode_id"], 0.0).status_code == 200
+    assert len(run.records(kafka_config)) == 2
+
+
+def test_an_edited_history_splits_the_episode_or_is_refused(
+    kafka_config, unique_name, tmp_path, chat_model
+):
+    with gateway_run(
+        kafka_config, unique_name, tmp_path, chat_model, groups=1, group_size=1
+    ) as run:
+        opened = run.open()
+        client = run.client(opened["episode_id"])
+        messages = _messages(opened)
+        first = client.chat.completions.create(model="p", messages=messages, max_tokens=2)
+        edited = [
+            *messages,
+            {"role": "assistant", "content": "9" + first.choices[0].message.content},
+        ]
+        client.chat.completions.create(
+            model="p", messages=[*edited, {"role": "user", "content": "copy"}], max_tokens=2
+        )
+        assert run.close(opened["episode_id"], 0.5).status_code == 200
+    records = sorted(run.records(kafka_config), key=lambda t: t.sample_index)
+    assert [t.reward_details["gateway"]["part"] for t in records] == [[1, 2], [2, 2]]
+    assert all(t.group_size == 2 and t.reward == 0.5 for t in records)
+    assert all(t.turn_kinds is None for t in records)  # one policy turn each
+    assert list(records[1].prompt_ids[: len(records[0].prompt_ids)]) == list(records[0].prompt_ids)
+
+    with gateway_run(
+        kafka_config, unique_name, tmp_path / "refuse", chat_model, groups=1, group_size=1,
+        history_mismatch="refuse",
+    ) as run:  # fmt: skip
+        opened = run.open()
+        client = run.client(opened["episode_id"])
+        messages = _messages(opened)
+        client.chat.completions.create(model="p", messages=messages, max_tokens=2)
+        with pytest.raises(openai.ConflictError, match="do not extend"):
+            client.chat.completions.create(
+                model="p",
+                messages=[*messages, {"role": "assistant", "content": "99999"}],
+                max_tokens=2,
+            )
+        assert run.close(opened["episode_id"], 0.5).status_code == 200
+    (record,) = run.records(kafka_config)
+    assert record.turn_kinds is None and "part" not in record.reward_details["gateway"]
+
+
+def test_abandoned_episodes_are_never_published_and_the_ledger_says_why(
+    kafka_config, unique_name, tmp_path, chat_model
+):
+    with gateway_run(
+        kafka_config, unique_name, tmp_path, chat_model, groups=1, group_size=3,
+        idle_timeout_s=3.0, claim_wait_s=0.5,
+    ) as run:  # fmt: skip
+        kept, left, idle = run.open(), run.open(), run.open()
+        late = run.post("/v1/episodes")  # the group is all claimed; no other may start
+        assert late.status_code == 429 and late.headers["Retry-After"] == "1"
+        # a client that gives up before its answer: the engine is slowed so it does
+        run.worker["w"].backend.engine.step_delay_s = 1.0
+        with pytest.raises(openai.APITimeoutError):
+            run.client(left["episode_id"], timeout=0.3).chat.completions.create(
+                model="p", messages=_messages(left), max_tokens=2
+            )
+        time.sleep(2.5)  # its answer is generated, then finds the client gone
+        run.worker["w"].backend.engine.step_delay_s = 0.0
+        gone = run.client(left["episode_id"]).chat.completions
+        with pytest.raises(openai.ConflictError, match="client left"):
+            gone.create(model="p", messages=_messages(left), max_tokens=2)
+        run.client(idle["episode_id"]).chat.completions.create(
+            model="p", messages=_messages(idle), max_tokens=2
+        )  # then nothing more: it goes idle
+        _play(run, kept, stream=False)
+        assert run.close(kept["episode_id"], 1.0).status_code == 200
+    (record,) = run.records(kafka_config)
+    assert record.reward_details["gateway"]["episode_id"] == kept["episode_id"]
+    assert record.group_size == 1
+    (reasons,) = read_ledger(run.ledger).abandoned.values()
+    assert reasons == {
+        left["episode_id"]: "the client left before its answer",
+        idle["episode_id"]: "no call or reward for 3s",
+    }
+    assert run.report.groups_delivered == 1
