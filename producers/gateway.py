@@ -45,7 +45,13 @@ from aiohttp import web
 from producers.client import EngineError, EngineUnavailable
 from producers.config import GatewayConfig
 from producers.engine_auth import AccessRefused, check_bind, check_key
-from producers.gateway_episodes import EpisodeDesk, EpisodeRefused, GatewayEpisode, parse_reward
+from producers.gateway_episodes import (
+    EpisodeDesk,
+    EpisodeRefused,
+    GatewayEpisode,
+    HistoryRefused,
+    parse_reward,
+)
 from producers.gateway_requests import (
     BadRequest,
     CallRequest,
@@ -248,7 +254,7 @@ class Gateway:
             mismatches = episode.mismatches
             history, room = episode.place(ids, text, self._retokenize)
         except (EpisodeRefused, BadRequest) as exc:
-            if isinstance(exc, EpisodeRefused) and "history" in str(exc):
+            if isinstance(exc, HistoryRefused):
                 self.metrics.gateway_mismatches.labels(action="refuse").inc()
             return _error(str(exc), getattr(exc, "status", 400))
         if episode.mismatches > mismatches:

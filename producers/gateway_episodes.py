@@ -51,6 +51,11 @@ class EpisodeRefused(Exception):
         self.status = status
 
 
+class HistoryRefused(EpisodeRefused):
+    """A call whose history does not extend its episode, under ``history_mismatch =
+    'refuse'``."""
+
+
 @dataclass
 class EpisodePart:
     """One record of an episode: the prompt tokens it starts from and what followed."""
@@ -118,7 +123,7 @@ class GatewayEpisode:
         if history is None:
             self.mismatches += 1
             if self.mismatch == "refuse":
-                raise EpisodeRefused(
+                raise HistoryRefused(
                     "the messages do not extend this episode's history (an earlier turn "
                     "was edited or renders to other tokens); history_mismatch = 'refuse'"
                 )

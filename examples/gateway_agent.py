@@ -1,0 +1,112 @@
+"""An agent written against the OpenAI API, trained unchanged through ``rollstream gateway``.
+
+What differs from the agent as it would run anywhere else is marked ``# rollstream``: it
+opens an episode, points the ``openai`` client's ``base_url`` at that episode, and reports
+the reward when it is done. The rest (messages, a tool, the loop) is the agent's own.
+
+The task is the tiny demo one (``rollstream up`` with the gateway on and a chat dataset of
+three-digit prompts): the user says three digits, the assistant answers the first one twice;
+the "tool" checks the answer and asks again; the reward scores both answers.
+
+    python examples/gateway_agent.py --gateway http://127.0.0.1:8100 --api-key KEY --episodes 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import httpx
+import openai
+
+RETRYABLE = (429, 503)
+
+
+def open_episode(gateway: str, api_key: str, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Claim a slot of a group (``POST /v1/episodes``), waiting while generation is held
+    back (429/503 with ``Retry-After``) or the gateway is not up yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            answer = httpx.post(
+                f"{gateway}/v1/episodes",
+                headers={"Authorization": f"Bearer {api_key}"},
+                timeout=60,
+            )
+            if answer.status_code == 201:
+                return answer.json()
+            if answer.status_code not in RETRYABLE:
+                answer.raise_for_status()
+            wait = float(answer.headers.get("Retry-After", "1"))
+        except httpx.TransportError:  # not listening yet, or restarting
+            wait = 1.0
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no episode from {gateway} within {timeout_s:g}s")
+        time.sleep(wait)
+
+
+def score(answer: str, digits: str) -> float:
+    """Half for two digits, half for the right ones."""
+    if len(answer) != 2 or not answer.isdigit():
+        return 0.0
+    return 0.5 + 0.5 * (answer == digits[0] * 2)
+
+
+def play(client: openai.OpenAI, messages: list[dict[str, Any]], digits: str) -> float:
+    """The agent: answer, hear from the tool, answer again; the mean score of both."""
+    scores = []
+    for turn in range(2):
+        reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+        answer = reply.choices[0].message.content or ""
+        scores.append(score(answer, digits))
+        messages = [*messages, {"role": "assistant", "content": answer}]
+        if turn == 0:  # the tool's answer, as the user's next message
+            messages.append({"role": "user", "content": "copy the first digit twice"})
+    return sum(scores) / len(scores)
+
+
+def play_episode(
+    gateway: str, api_key: str, system_prompt: str, open_timeout_s: float = 600.0
+) -> float:
+    """One episode from opening to reward; returns the reward."""
+    episode = open_episode(gateway, api_key, open_timeout_s)  # rollstream
+    client = openai.OpenAI(
+        base_url=gateway + episode["base_url_path"],  # rollstream
+        api_key=api_key,
+        max_retries=0,
+    )
+    example = episode["prompt"]["metadata"]["example"]
+    messages = [{"role": "system", "content": system_prompt}, *example["messages"]]
+    try:
+        reward = play(client, messages, example["messages"][-1]["content"])
+    except openai.APIError as exc:
+        reason = {"reason": f"{type(exc).__name__}: {exc}"[:200]}
+        httpx.post(
+            f"{gateway}/v1/episodes/{episode['episode_id']}/abort",
+            json=reason,
+            headers={"Authorization": f"Bearer {api_key}"},
+        )
+        raise
+    httpx.post(  # rollstream
+        f"{gateway}/v1/episodes/{episode['episode_id']}/close",
+        json={"reward": reward},
+        headers={"Authorization": f"Bearer {api_key}"},
+    ).raise_for_status()
+    return reward
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gateway", default="http://127.0.0.1:8100")
+    parser.add_argument("--api-key", default="")
+    parser.add_argument("--episodes", type=int, default=20)
+    parser.add_argument("--system-prompt", default="copy the first digit twice")
+    args = parser.parse_args()
+    for number in range(args.episodes):
+        reward = play_episode(args.gateway, args.api_key, args.system_prompt)
+        print(f"episode {number + 1}: reward {reward:.2f}")
+
+
+if __name__ == "__main__":
+    main()
