@@ -60,6 +60,7 @@ from producers.gateway_requests import (
 )
 from producers.generation import GroupGenerator, Sample
 from producers.metrics import ProducerMetrics
+from producers.request_checks import json_object
 from producers.versions import Stopped
 
 logger = logging.getLogger(__name__)
@@ -422,14 +423,7 @@ class _Answer:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    try:
-        data = orjson.loads(raw) if raw else {}
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the body is not JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise BadRequest("the body must be a JSON object")
-    return data
+    return json_object(await request.read(), BadRequest)
 
 
 def _episode_id(request: web.Request) -> str:

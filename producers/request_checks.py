@@ -14,6 +14,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import orjson
+
 MAX_TOP_K = 1 << 30
 """SGLang's "all tokens" top-k; larger values mean the same and would overflow a tensor."""
 MAX_TOKEN_ID = 2**31 - 1
@@ -106,3 +108,15 @@ def check_budget(
             "new tokens",
             status=413,
         )
+
+
+def json_object(raw: bytes, error: type[ValueError]) -> dict[str, Any]:
+    """A request body as a JSON object (an empty body: ``{}``), or ``error`` saying why it
+    is not one; the engine and the gateway each answer it with their own 400."""
+    try:
+        data = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError as exc:
+        raise error(f"body is not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise error("body must be a JSON object")
+    return data

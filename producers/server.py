@@ -67,7 +67,12 @@ from aiohttp import web
 from producers.engine_auth import AccessRefused, check_bind, check_key, weights_path
 from producers.engine_requests import EngineBusy, RequestError, SamplingParams
 from producers.inference_engine import Engine
-from producers.request_checks import DEFAULT_MAX_REQUEST_TOKENS, RequestRefused, check_budget
+from producers.request_checks import (
+    DEFAULT_MAX_REQUEST_TOKENS,
+    RequestRefused,
+    check_budget,
+    json_object,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -131,14 +136,7 @@ def _busy(exc: EngineBusy) -> web.Response:
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    try:
-        data = orjson.loads(raw) if raw else {}
-    except orjson.JSONDecodeError as exc:
-        raise RequestError(f"body is not JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise RequestError("body must be a JSON object")
-    return data
+    return json_object(await request.read(), RequestError)
 
 
 @dataclass(frozen=True)
