@@ -37,7 +37,10 @@ class SamplingConfig(StrictModel):
         description="Minimum probability relative to the top token; 0 disables it.",
     )
     max_new_tokens: int | None = Field(
-        default=None, ge=1, description="None: the task's own limit."
+        default=None,
+        ge=1,
+        description="None: the task's own limit. A multi-turn or gateway turn keeps its "
+        "own budget (room left, the client's max_tokens) when that is lower.",
     )
     stop_token_ids: list[int] | None = Field(
         default=None, description="None: the task's stop tokens (usually EOS)."

@@ -102,8 +102,11 @@ class GroupGenerator:
     ) -> Sample:
         """One policy turn continuing ``history``, with the run's sampling and the task's
         stop tokens (``stop``: strings that end it too), followed through version
-        changes."""
+        changes. ``max_new_tokens`` is the turn's hard budget (the room left in an episode,
+        a gateway client's ``max_tokens``): ``sampling.max_new_tokens`` may lower it, never
+        raise it."""
         params = self.config.sampling.to_sglang(max_new_tokens, self.task.stop_token_ids, stop)
+        params["max_new_tokens"] = min(int(params["max_new_tokens"]), max_new_tokens)
         outputs, version, swaps = await self._call([history], [params], [f"{rid}-0"])
         return await self._complete(history, params, rid, outputs[0], version, swaps)
 

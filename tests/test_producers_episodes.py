@@ -284,3 +284,14 @@ def test_a_version_change_mid_episode_interrupts_the_turn_and_tags_both_versions
         assert list(traj.turn_kinds) == [TurnKind.POLICY, TurnKind.ENV] * 2 + [TurnKind.POLICY]
     for traj in second:
         assert list(traj.segment_versions) == [1]
+
+
+def test_the_run_sampling_limit_never_lets_a_turn_overrun_the_room_left() -> None:
+    task = make_task("echo-digits", {"turns": 3}, CONTEXT)
+    backend, publisher = FakeBackend(), FakePublisher(auto_ack=True)
+    sampling = SamplingConfig(max_new_tokens=50, ignore_eos=True, stop_token_ids=[])
+    worker = _worker(backend, publisher, task, sampling=sampling, episode={"max_total_tokens": 5})
+    asyncio.run(asyncio.wait_for(worker.run(groups=1), 30))
+    for traj in publisher.groups[0]:
+        assert len(traj.response_ids) <= 5  # 50 tokens a turn would have overrun it
+        assert traj.episode_end == EpisodeEnd.MAX_TOKENS
