@@ -247,6 +247,12 @@ class GatewayConfig(StrictModel):
         description="Largest max_tokens one call may ask for (also the default); None: "
         "the task's max_new_tokens.",
     )
+    tool_call_parser: Literal["none", "hermes"] = Field(
+        default="none",
+        description="'hermes': <tool_call>{json}</tool_call> blocks of an answer to a call "
+        "with tools become message.tool_calls (Qwen2.5/3, Hermes, SmolLM3 templates); "
+        "'none': the text is the content.",
+    )
     claim_wait_s: float = Field(
         default=10.0,
         ge=0,

@@ -27,16 +27,15 @@ episode whose agent never saw the policy's turn: it is abandoned, not trained. W
 ``api_key`` every endpoint but ``/health`` needs ``Authorization: Bearer <key>``; without
 one the gateway binds only loopback.
 
-Not built: parsing the model's text into structured ``tool_calls`` (the text is returned as
-``content``; agents that read tool calls from text work), log-probs in the answer.
+Answers (``producers.gateway_answers``) carry the sampled tokens' log-probs when asked
+(``logprobs``; no top alternatives) and, with a ``tool_call_parser``, structured
+``tool_calls``. Not built: streaming while the engine generates.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -45,6 +44,7 @@ from aiohttp import web
 from producers.client import EngineError, EngineUnavailable
 from producers.config import GatewayConfig
 from producers.engine_auth import AccessRefused, check_bind, check_key
+from producers.gateway_answers import Answer
 from producers.gateway_episodes import (
     EpisodeDesk,
     EpisodeRefused,
@@ -58,7 +58,7 @@ from producers.gateway_requests import (
     chat_request,
     completion_request,
 )
-from producers.generation import GroupGenerator, Sample
+from producers.generation import GroupGenerator
 from producers.metrics import ProducerMetrics
 from producers.request_checks import json_object
 from producers.versions import Stopped
@@ -283,13 +283,22 @@ class Gateway:
             self.desk.abandon(episode, "client_left", "the client left before its answer")
             return web.Response(status=499)
         episode.add_turn(turn)
-        answer = _Answer(self, episode, turn, len(history), chat=chat)
+        answer = Answer(
+            turn,
+            self.tokenizer.decode,
+            model=self.model_name,
+            prompt_tokens=len(history),
+            episode_id=episode.episode_id,
+            chat=chat,
+            logprobs=call.logprobs,
+            parse_tools=call.parse_tools and self.config.tool_call_parser == "hermes",
+        )
         if not call.stream:
             return _json(answer.whole())
         return await self._stream(request, episode, answer, call.include_usage)
 
     async def _stream(
-        self, request: web.Request, episode: GatewayEpisode, answer: _Answer, usage: bool
+        self, request: web.Request, episode: GatewayEpisode, answer: Answer, usage: bool
     ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -335,91 +344,6 @@ class Gateway:
             return None
         rest = text[len(prefix) :]
         return context + list(self.tokenizer(rest, add_special_tokens=False)["input_ids"])
-
-
-class _Answer:
-    """One call's answer in the OpenAI shapes, whole or as stream chunks."""
-
-    def __init__(
-        self,
-        gateway: Gateway,
-        episode: GatewayEpisode,
-        turn: Sample,
-        prompt_tokens: int,
-        *,
-        chat: bool,
-    ) -> None:
-        self.chat = chat
-        self.model = gateway.model_name
-        self.decode = gateway.tokenizer.decode
-        self.turn = turn
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.finish = "length" if turn.finish_type == "length" else "stop"
-        self.usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": len(turn.response_ids),
-            "total_tokens": prompt_tokens + len(turn.response_ids),
-        }
-        self.rollstream = {
-            "episode_id": episode.episode_id,
-            "versions": [v for v, _ in turn.segments],
-        }
-
-    def _text(self, ids: list[int]) -> str:
-        return self.decode(ids, skip_special_tokens=True)
-
-    def whole(self) -> dict[str, Any]:
-        text = self._text(self.turn.response_ids)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish, "logprobs": None}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {
-            "id": self.id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self.usage,
-            "rollstream": self.rollstream,
-        }
-
-    def chunks(self, usage: bool) -> Iterator[dict[str, Any]]:
-        """The answer as stream chunks: the role, the text piece by piece, the finish."""
-        if self.chat:
-            yield self._chunk({"role": "assistant", "content": ""}, None)
-        for piece in self._pieces():
-            yield self._chunk({"content": piece} if self.chat else piece, None)
-        yield self._chunk({} if self.chat else "", self.finish)
-        if usage:
-            yield {**self._chunk({} if self.chat else "", None), "choices": [], "usage": self.usage}
-
-    def _pieces(self) -> Iterator[str]:
-        """The text token by token (a piece is what a token adds to the decoded text)."""
-        ids, shown = self.turn.response_ids, ""
-        for end in range(1, len(ids) + 1):
-            text = self._text(ids[:end])
-            if text.startswith(shown) and len(text) > len(shown):
-                yield text[len(shown) :]
-                shown = text
-        final = self._text(ids)
-        if final != shown and final.startswith(shown):
-            yield final[len(shown) :]
-
-    def _chunk(self, delta: Any, finish: str | None) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
 
 
 async def _body(request: web.Request) -> dict[str, Any]:

@@ -5,8 +5,10 @@ Sampling belongs to the run, not to the agent: the log-probs the trainer correct
 come from the run's sampling settings, so ``temperature``, ``top_p`` and the like are
 accepted and ignored. What a call may choose: ``max_tokens`` (or
 ``max_completion_tokens``) up to the gateway's per-call limit, ``stop`` strings,
-``stream`` (and ``stream_options.include_usage``), and ``tools`` (passed to the chat
-template). ``n`` > 1 is refused: one episode is one sequence of calls.
+``stream`` (and ``stream_options.include_usage``), ``logprobs`` (the sampled tokens' own;
+top alternatives are refused), and ``tools`` (passed to the chat template; ``tool_choice``
+"none" keeps the answer's text unparsed). ``n`` > 1 is refused: one episode is one
+sequence of calls.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class CallRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    logprobs: bool = False
+    parse_tools: bool = False
 
 
 def _options(body: dict[str, Any], max_call_tokens: int) -> dict[str, Any]:
@@ -88,9 +92,16 @@ def chat_request(body: dict[str, Any], max_call_tokens: int) -> CallRequest:
         not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
     ):
         raise BadRequest("'tools' must be a list of objects")
+    logprobs = body.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise BadRequest("'logprobs' must be a boolean")
+    if body.get("top_logprobs"):
+        raise BadRequest("'top_logprobs' is not supported: the sampled token's log-prob only")
     return CallRequest(
         messages=[_message(m, i) for i, m in enumerate(messages)],
         tools=tools or None,
+        logprobs=logprobs,
+        parse_tools=bool(tools) and body.get("tool_choice") != "none",
         **_options(body, max_call_tokens),
     )
 
@@ -134,6 +145,15 @@ def completion_request(body: dict[str, Any], max_call_tokens: int) -> CallReques
     """A (legacy) Completions body, checked: ``prompt`` is text or token ids."""
     prompt = body.get("prompt")
     options = _options(body, max_call_tokens)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (
+        not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs != 0
+    ):
+        raise BadRequest(
+            f"'logprobs' must be 0 (the sampled tokens' log-probs; no top alternatives), "
+            f"got {logprobs!r:.40}"
+        )
+    options["logprobs"] = logprobs == 0
     if isinstance(prompt, str) and prompt:
         return CallRequest(prompt_text=prompt, **options)
     if (

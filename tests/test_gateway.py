@@ -168,21 +168,38 @@ def _messages(opened: dict[str, Any]) -> list[dict[str, str]]:
     ]
 
 
-def _play(run: GatewayRun, opened: dict[str, Any], *, stream: bool) -> list[str]:
-    """A two-call agent: answer, hear from the tool, answer again. Returns the answers."""
+def _play(
+    run: GatewayRun,
+    opened: dict[str, Any],
+    *,
+    stream: bool,
+    logprobs: list[float] | None = None,
+) -> list[str]:
+    """A two-call agent: answer, hear from the tool, answer again. Returns the answers;
+    with ``logprobs`` it asks for them and appends every answer's."""
     client = run.client(opened["episode_id"])
     messages = _messages(opened)
     answers = []
+    asks = {"logprobs": True} if logprobs is not None else {}
     for turn in range(2):
         if stream:
-            pieces = client.chat.completions.create(
-                model="policy", messages=messages, stream=True, max_tokens=2
+            pieces = list(
+                client.chat.completions.create(
+                    model="policy", messages=messages, stream=True, max_tokens=2, **asks
+                )
             )
             text = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+            for chunk in pieces:
+                if logprobs is not None and chunk.choices and chunk.choices[0].logprobs:
+                    logprobs += [t.logprob for t in chunk.choices[0].logprobs.content]
         else:
-            answer = client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+            answer = client.chat.completions.create(
+                model="policy", messages=messages, max_tokens=2, **asks
+            )
             text = answer.choices[0].message.content
             assert answer.usage.completion_tokens >= 1
+            if logprobs is not None:
+                logprobs += [t.logprob for t in answer.choices[0].logprobs.content]
         answers.append(text)
         messages = [*messages, {"role": "assistant", "content": text}]
         if turn == 0:  # the test's tool: a fixed reply the template renders as user tokens
@@ -210,8 +227,13 @@ def test_openai_agents_play_a_group_recorded_token_for_token(
             0,
             1,
         }
-        answers = {first["episode_id"]: _play(run, first, stream=False)}
-        answers[second["episode_id"]] = _play(run, second, stream=True)
+        logprobs: dict[str, list[float]] = {first["episode_id"]: [], second["episode_id"]: []}
+        answers = {
+            opened["episode_id"]: _play(
+                run, opened, stream=stream, logprobs=logprobs[opened["episode_id"]]
+            )
+            for opened, stream in ((first, False), (second, True))
+        }
         assert run.close(first["episode_id"], 1.0).json()["records"] == 1
         assert run.close(second["episode_id"], {"answer": 0.5, "format": 0.25}).status_code == 200
     records = {t.reward_details["gateway"]["episode_id"]: t for t in run.records(kafka_config)}
@@ -236,6 +258,9 @@ def test_openai_agents_play_a_group_recorded_token_for_token(
             lp == 0.0 for lp in traj.logp_infer[len(turns[0]) : len(turns[0]) + len(turns[1])]
         )
         _check_policy_logprobs(traj, model)
+        # the answers' log-probs are the record's, token for token
+        policy = [lp for lp, m in zip(traj.logp_infer, traj.loss_mask, strict=True) if m]
+        assert logprobs[episode_id] == pytest.approx(policy, abs=1e-6)
     assert records[first["episode_id"]].reward == 1.0
     assert records[second["episode_id"]].reward == 0.75
     assert records[second["episode_id"]].reward_details["rewards"] == {
@@ -293,6 +318,12 @@ def test_garbage_is_refused_with_a_reason_and_the_group_still_lands(
             "max_tokens text": (run.post(chat, {**good, "max_tokens": "2"}), 400),
             "n = 2": (run.post(chat, {**good, "n": 2}), 400),
             "stop a number": (run.post(chat, {**good, "stop": 3}), 400),
+            "logprobs text": (run.post(chat, {**good, "logprobs": "yes"}), 400),
+            "top_logprobs": (run.post(chat, {**good, "logprobs": True, "top_logprobs": 3}), 400),
+            "completion logprobs 2": (
+                run.post(f"/episodes/{episode}/v1/completions", {"prompt": "1", "logprobs": 2}),
+                400,
+            ),
             "tool_calls on a user": (
                 run.post(
                     chat,
