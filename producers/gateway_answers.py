@@ -104,7 +104,7 @@ class Answer:
 
     def whole(self) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish, "logprobs": None}
-        tokens = self._tokens()
+        tokens = self._tokens() if self.logprobs else []
         if self.chat:
             message: dict[str, Any] = {"role": "assistant", "content": self.parsed.content}
             if self.parsed.tool_calls:
