@@ -137,14 +137,16 @@ class Answer:
             calls = [{"index": i, **call} for i, call in enumerate(self.parsed.tool_calls)]
             yield self._chunk({"tool_calls": calls}, None)
         else:
+            offset = 0  # a completion token's text_offset counts from the answer's start
             for piece, token in self._pieces():
                 chunk = self._chunk({"content": piece} if self.chat else piece, None)
                 if self.logprobs and token is not None:
                     chunk["choices"][0]["logprobs"] = (
                         {"content": [_chat_logprob(*token)]}
                         if self.chat
-                        else _completion_logprobs([token])
+                        else _completion_logprobs([token], offset)
                     )
+                    offset += len(token[0])
                 yield chunk
         yield self._chunk({} if self.chat else "", self.finish)
         if usage:
@@ -199,8 +201,8 @@ def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:
     }
 
 
-def _completion_logprobs(tokens: list[tuple[str, float]]) -> dict[str, Any]:
-    offsets, at = [], 0
+def _completion_logprobs(tokens: list[tuple[str, float]], start: int = 0) -> dict[str, Any]:
+    offsets, at = [], start
     for token, _ in tokens:
         offsets.append(at)
         at += len(token)

@@ -119,4 +119,9 @@ def test_logprobs_are_the_sampled_tokens_whole_streamed_and_in_completions() -> 
     logprobs = completion.choices[0].logprobs
     assert logprobs.tokens == list(text) and logprobs.token_logprobs == want
     assert logprobs.text_offset == list(range(len(text)))
+    offsets = []
+    for chunk in answer(text, chat=False, logprobs=True).chunks(usage=False):
+        if chunk["choices"] and chunk["choices"][0]["logprobs"]:
+            offsets += chunk["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == list(range(len(text)))  # from the answer's start, not each chunk's
     assert ChatCompletion.model_validate(answer(text).whole()).choices[0].logprobs is None
