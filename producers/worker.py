@@ -372,8 +372,9 @@ class RolloutWorker:
                 self.report.groups_dropped += 1
                 return
             provenance = getattr(self.task, "provenance", None)  # which row, for a resume
+            row = provenance(prompt) if provenance is not None else {}
             for _, result in outcome.records:
-                result.details.update(provenance(prompt) if provenance is not None else {})
+                result.details.update(row)
             trajectories = [
                 self.records.episode_trajectory(
                     part_prompt, group_id, i, len(outcome.records), result, created_ms
