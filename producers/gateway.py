@@ -12,18 +12,19 @@ reward at the end. Endpoints (JSON; errors use OpenAI's ``{"error": {...}}`` bod
   the staleness window holds generation back), 503 while the producer stops.
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (header ``X-Rollstream-Episode``)
   or ``POST /episodes/{id}/v1/chat/completions`` and ``.../v1/completions``: one call of
-  the episode, non-streaming or streaming (server-sent events; the turn is generated
-  whole, then sent in pieces). Messages are rendered with the model's chat template, the
-  engine generates with log-probs under the run's sampling, and the episode keeps the
-  exact tokens (``producers.gateway_episodes``).
+  the episode, non-streaming or streaming (server-sent events: the stream opens before
+  generation, the turn is sent in pieces once generated whole). Messages are rendered with
+  the model's chat template, the engine generates with log-probs under the run's sampling,
+  and the episode keeps the exact tokens (``producers.gateway_episodes``).
 - ``POST /v1/episodes/{id}/close``: ``{"reward": 1.0}`` or ``{"reward": {"name": 0.5,
   ...}}`` (components summed), optional ``details``; ends the episode. A second close is
   answered 409, an unknown episode 404.
 - ``POST /v1/episodes/{id}/abort``: the agent gives the episode up (never published).
 - ``GET /v1/models``, ``GET /health``.
 
-A client that is gone before its answer is written (a timeout, a dropped stream) leaves an
-episode whose agent never saw the policy's turn: it is abandoned, not trained. With an
+A client that is gone before its answer is written (a timeout, a stream closed during
+generation) leaves an episode whose agent never saw the policy's turn: it is abandoned,
+not trained. Opening the stream first is what makes a streaming client's leaving visible. With an
 ``api_key`` every endpoint but ``/health`` needs ``Authorization: Bearer <key>``; without
 one the gateway binds only loopback.
 
@@ -34,6 +35,7 @@ Answers (``producers.gateway_answers``) carry the sampled tokens' log-probs when
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -44,7 +46,7 @@ from aiohttp import web
 from producers.client import EngineError, EngineUnavailable
 from producers.config import GatewayConfig
 from producers.engine_auth import AccessRefused, check_bind, check_key
-from producers.gateway_answers import Answer
+from producers.gateway_answers import Answer, Envelope
 from producers.gateway_episodes import (
     EpisodeDesk,
     EpisodeRefused,
@@ -80,16 +82,37 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
-def _error(message: str, status: int, retry_after_s: int | None = None) -> web.Response:
+def _error_body(message: str, status: int) -> dict[str, Any]:
     kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
         status, "invalid_request_error"
     )
-    response = _json({"error": {"message": message, "type": kind, "code": status}}, status)
+    return {"error": {"message": message, "type": kind, "code": status}}
+
+
+def _error(message: str, status: int, retry_after_s: int | None = None) -> web.Response:
+    response = _json(_error_body(message, status), status)
     if retry_after_s is not None:
         response.headers["Retry-After"] = str(retry_after_s)
     if status == 401:
         response.headers["WWW-Authenticate"] = "Bearer"
     return response
+
+
+def _event(data: Any) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+async def _fail(
+    stream: web.StreamResponse | None, message: str, status: int, retry_after_s: int | None = None
+) -> web.StreamResponse:
+    """The error as a response or, on a stream already open (its status sent), as the
+    stream's last event (the ``openai`` client raises it as an ``APIError``)."""
+    if stream is None:
+        return _error(message, status, retry_after_s)
+    with contextlib.suppress(ConnectionError):
+        await stream.write(_event(_error_body(message, status)))
+        await stream.write_eof()
+    return stream
 
 
 class Gateway:
@@ -264,54 +287,69 @@ class Gateway:
             tools = sum(1 for m in call.messages if m["role"] == "tool")
             episode.tool_messages = max(episode.tool_messages, tools)
         max_new = min(call.max_tokens or self.max_call_tokens, room)
+        envelope = Envelope(model=self.model_name, chat=chat)
+        stream = await self._open_stream(request, envelope) if call.stream else None
         episode.busy = True
         try:
             turn = await self.generator.turn(
                 history, max_new, f"{episode.episode_id}-c{episode.calls}", call.stop or None
             )
         except EngineUnavailable as exc:
-            return _error(f"the engine is unavailable: {exc}", 503, retry_after_s=2)
+            return await _fail(stream, f"the engine is unavailable: {exc}", 503, retry_after_s=2)
         except EngineError as exc:
-            return _error(f"the engine refused the call: {exc}", 502)
+            return await _fail(stream, f"the engine refused the call: {exc}", 502)
         except Stopped:
-            return _error("the producer is stopping", 503, retry_after_s=5)
+            return await _fail(stream, "the producer is stopping", 503, retry_after_s=5)
         finally:
             episode.busy = False
         if episode.state != "active":
-            return _error(f"episode {episode.episode_id} ended during the call", 409)
+            return await _fail(stream, f"episode {episode.episode_id} ended during the call", 409)
         if _client_gone(request):
-            self.desk.abandon(episode, "client_left", "the client left before its answer")
-            return web.Response(status=499)
+            where = "during the stream" if stream is not None else "before its answer"
+            self.desk.abandon(episode, "client_left", f"the client left {where}")
+            return stream if stream is not None else web.Response(status=499)
         episode.add_turn(turn)
         answer = Answer(
             turn,
             self.tokenizer.decode,
-            model=self.model_name,
+            envelope=envelope,
             prompt_tokens=len(history),
             episode_id=episode.episode_id,
-            chat=chat,
             logprobs=call.logprobs,
             parse_tools=call.parse_tools and self.config.tool_call_parser == "hermes",
         )
-        if not call.stream:
+        if stream is None:
             return _json(answer.whole())
-        return await self._stream(request, episode, answer, call.include_usage)
+        return await self._finish_stream(request, stream, episode, answer, call.include_usage)
 
-    async def _stream(
-        self, request: web.Request, episode: GatewayEpisode, answer: Answer, usage: bool
-    ) -> web.StreamResponse:
+    async def _open_stream(self, request: web.Request, envelope: Envelope) -> web.StreamResponse:
+        """Send the stream's headers and opening chunk (a comment for completions) before
+        the turn is generated."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
+        await response.prepare(request)
+        opening = envelope.opening()
+        with contextlib.suppress(ConnectionError):
+            await response.write(_event(opening) if opening else b": generating\n\n")
+        return response
+
+    async def _finish_stream(
+        self,
+        request: web.Request,
+        response: web.StreamResponse,
+        episode: GatewayEpisode,
+        answer: Answer,
+        usage: bool,
+    ) -> web.StreamResponse:
         try:
-            await response.prepare(request)
             for chunk in answer.chunks(usage):
                 if _client_gone(request):
                     raise ConnectionResetError("client gone")
-                await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                await response.write(_event(chunk))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
-        except (ConnectionResetError, ConnectionError):
+        except ConnectionError:
             self.desk.abandon(episode, "client_left", "the client left during the stream")
         return response
 

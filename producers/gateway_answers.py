@@ -64,6 +64,36 @@ def parse_hermes_tool_calls(text: str) -> ParsedText:
     return ParsedText(content or None, calls)
 
 
+class Envelope:
+    """What every object of one answer shares (id, time, model, kind). A stream's opening
+    chunk is sent from it before the turn exists: the client then holds an open stream,
+    and one that leaves while the turn is generated is seen to leave."""
+
+    def __init__(self, *, model: str, chat: bool) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def opening(self) -> dict[str, Any] | None:
+        """The stream's first chunk, sent before generation: the chat role (completions
+        have none)."""
+        return self.chunk({"role": "assistant", "content": ""}, None) if self.chat else None
+
+    def chunk(self, delta: Any, finish: str | None) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+
 class Answer:
     """One call's answer, whole (``whole``) or as stream chunks (``chunks``)."""
 
@@ -72,20 +102,17 @@ class Answer:
         turn: Sample,
         decode: Callable[..., str],
         *,
-        model: str,
+        envelope: Envelope,
         prompt_tokens: int,
         episode_id: str,
-        chat: bool,
         logprobs: bool = False,
         parse_tools: bool = False,
     ) -> None:
-        self.chat = chat
-        self.model = model
+        self.envelope = envelope
+        self.chat = envelope.chat
         self.decode = decode
         self.turn = turn
         self.logprobs = logprobs
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
         self.usage = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": len(turn.response_ids),
@@ -116,21 +143,20 @@ class Answer:
             choice["text"] = self.parsed.content or ""
             if self.logprobs:
                 choice["logprobs"] = _completion_logprobs(tokens)
+        envelope = self.envelope
         return {
-            "id": self.id,
+            "id": envelope.id,
             "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
+            "created": envelope.created,
+            "model": envelope.model,
             "choices": [choice],
             "usage": self.usage,
             "rollstream": self.rollstream,
         }
 
     def chunks(self, usage: bool) -> Iterator[dict[str, Any]]:
-        """The answer as stream chunks: the role, the text token by token (with each
-        token's log-prob when asked), the tool calls, the finish."""
-        if self.chat:
-            yield self._chunk({"role": "assistant", "content": ""}, None)
+        """The stream's chunks after the envelope's opening one: the text token by token
+        (with each token's log-prob when asked), the tool calls, the finish."""
         if self.parsed.tool_calls:
             if self.parsed.content:
                 yield self._chunk({"content": self.parsed.content}, None)
@@ -179,17 +205,7 @@ class Answer:
             yield final[len(shown) :], None
 
     def _chunk(self, delta: Any, finish: str | None) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
+        return self.envelope.chunk(delta, finish)
 
 
 def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:

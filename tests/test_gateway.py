@@ -426,10 +426,10 @@ def test_abandoned_episodes_are_never_published_and_the_ledger_says_why(
     kafka_config, unique_name, tmp_path, chat_model
 ):
     with gateway_run(
-        kafka_config, unique_name, tmp_path, chat_model, groups=1, group_size=3,
+        kafka_config, unique_name, tmp_path, chat_model, groups=1, group_size=4,
         idle_timeout_s=3.0, claim_wait_s=0.5,
     ) as run:  # fmt: skip
-        kept, left, idle = run.open(), run.open(), run.open()
+        kept, left, dropped, idle = run.open(), run.open(), run.open(), run.open()
         late = run.post("/v1/episodes")  # the group is all claimed; no other may start
         assert late.status_code == 429 and late.headers["Retry-After"] == "1"
         # a client that gives up before its answer: the engine is slowed so it does
@@ -438,22 +438,37 @@ def test_abandoned_episodes_are_never_published_and_the_ledger_says_why(
             run.client(left["episode_id"], timeout=0.3).chat.completions.create(
                 model="p", messages=_messages(left), max_tokens=2
             )
-        time.sleep(2.5)  # its answer is generated, then finds the client gone
+        # a streaming client that reads the stream's opening chunk, then leaves mid-stream
+        stream = run.client(dropped["episode_id"]).chat.completions.create(
+            model="p", messages=_messages(dropped), max_tokens=2, stream=True
+        )
+        assert next(iter(stream)).choices[0].delta.role == "assistant"
+        stream.close()
+        sample = run.worker["w"].metrics.registry.get_sample_value
+        name, labels = "rollstream_producer_gateway_abandoned_total", {"reason": "client_left"}
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # both answers are generated, find their clients gone
+            if sample(name, labels) == 2:
+                break
+            time.sleep(0.1)
         run.worker["w"].backend.engine.step_delay_s = 0.0
-        gone = run.client(left["episode_id"]).chat.completions
-        with pytest.raises(openai.ConflictError, match="client left"):
-            gone.create(model="p", messages=_messages(left), max_tokens=2)
+        for gone in (left, dropped):
+            with pytest.raises(openai.ConflictError, match="client left"):
+                run.client(gone["episode_id"]).chat.completions.create(
+                    model="p", messages=_messages(gone), max_tokens=2
+                )
         run.client(idle["episode_id"]).chat.completions.create(
             model="p", messages=_messages(idle), max_tokens=2
         )  # then nothing more: it goes idle
         _play(run, kept, stream=False)
         assert run.close(kept["episode_id"], 1.0).status_code == 200
-    (record,) = run.records(kafka_config)
-    assert record.reward_details["gateway"]["episode_id"] == kept["episode_id"]
-    assert record.group_size == 1
+    records = run.records(kafka_config)  # the kept episode (in parts if the history split)
+    assert {r.reward_details["gateway"]["episode_id"] for r in records} == {kept["episode_id"]}
+    assert {r.group_size for r in records} == {len(records)}
     (reasons,) = read_ledger(run.ledger).abandoned.values()
     assert reasons == {
         left["episode_id"]: "the client left before its answer",
+        dropped["episode_id"]: "the client left during the stream",
         idle["episode_id"]: "no call or reward for 3s",
     }
     assert run.report.groups_delivered == 1

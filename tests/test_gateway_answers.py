@@ -10,13 +10,14 @@ model's answer without a trained model.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from producers.gateway_answers import Answer, parse_hermes_tool_calls
+from producers.gateway_answers import Answer, Envelope, parse_hermes_tool_calls
 from producers.gateway_requests import chat_request
 from producers.generation import Sample
 
@@ -33,9 +34,20 @@ def sample(text: str) -> Sample:
     return Sample(ids, logprobs, [[3, len(ids)]], "stop", 0)
 
 
-def answer(text: str, **options) -> Answer:
-    options = {"chat": True, **options}
-    return Answer(sample(text), decode, model="policy", prompt_tokens=5, episode_id="e1", **options)
+def answer(text: str, chat: bool = True, **options) -> Answer:
+    envelope = Envelope(model="policy", chat=chat)
+    return Answer(
+        sample(text), decode, envelope=envelope, prompt_tokens=5, episode_id="e1", **options
+    )
+
+
+def stream(reply: Answer, usage: bool = False) -> Iterator[dict]:
+    """The chunks a client reads: the envelope's opening one (sent before generation),
+    then the answer's."""
+    opening = reply.envelope.opening()
+    if opening is not None:
+        yield opening
+    yield from reply.chunks(usage)
 
 
 def test_hermes_blocks_become_tool_calls_and_the_text_before_them_the_content() -> None:
@@ -80,7 +92,7 @@ def test_a_tool_call_answer_reads_back_in_the_openai_client_whole_and_streamed()
     assert json.loads(message.tool_calls[0].function.arguments) == {"a": 2, "b": 3}
 
     state = ChatCompletionStreamState()
-    for chunk in reply.chunks(usage=True):
+    for chunk in stream(reply, usage=True):
         state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
     streamed = state.get_final_completion().choices[0]
     assert streamed.finish_reason == "tool_calls" and streamed.message.content == "Adding."
@@ -107,7 +119,7 @@ def test_logprobs_are_the_sampled_tokens_whole_streamed_and_in_completions() -> 
     assert [t.token for t in content] == list(text) and [t.logprob for t in content] == want
 
     streamed, pieces = [], []
-    for chunk in answer(text, logprobs=True).chunks(usage=False):
+    for chunk in stream(answer(text, logprobs=True)):
         parsed = ChatCompletionChunk.model_validate(chunk)
         if parsed.choices and parsed.choices[0].logprobs:
             streamed += [t.logprob for t in parsed.choices[0].logprobs.content]
@@ -120,7 +132,7 @@ def test_logprobs_are_the_sampled_tokens_whole_streamed_and_in_completions() -> 
     assert logprobs.tokens == list(text) and logprobs.token_logprobs == want
     assert logprobs.text_offset == list(range(len(text)))
     offsets = []
-    for chunk in answer(text, chat=False, logprobs=True).chunks(usage=False):
+    for chunk in stream(answer(text, chat=False, logprobs=True)):
         if chunk["choices"] and chunk["choices"][0]["logprobs"]:
             offsets += chunk["choices"][0]["logprobs"]["text_offset"]
     assert offsets == list(range(len(text)))  # from the answer's start, not each chunk's
