@@ -30,6 +30,7 @@ import torch
 from consumers.build_lock import extensions_dir, extensions_root, preload_ops
 from consumers.config import DECAYING_SCHEDULES, EngineConfig
 from core.config import merge_tables
+from core.devices import resolve_device
 from core.models import cast_parameters
 from core.process import free_port
 
@@ -40,7 +41,7 @@ def resolve_accelerator(config: EngineConfig) -> str:
     """``cpu`` or ``cuda``; also exported as ``DS_ACCELERATOR`` for DeepSpeed."""
     name = config.accelerator
     if name == "auto":
-        name = os.environ.get("DS_ACCELERATOR") or ("cuda" if torch.cuda.is_available() else "cpu")
+        name = os.environ.get("DS_ACCELERATOR") or resolve_device("auto").type
     os.environ["DS_ACCELERATOR"] = name
     return name
 

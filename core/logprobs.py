@@ -228,7 +228,7 @@ def params_for(
     model: Any, state: Mapping[str, torch.Tensor], dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """The tensors of ``state`` that replace the module's parameters and buffers
-    (``torch.func.functional_call``), parameters cast to ``dtype``.
+    (``torch.func.functional_call``), parameters cast to ``dtype``, all on the model's device.
 
     Every parameter must be present (a missing one would silently keep the module's own
     weights, which belong to no version). Tied parameters appear once in
@@ -248,8 +248,9 @@ def params_for(
             a, b = state[alias], state[name]
             if a.data_ptr() != b.data_ptr() and not torch.equal(a, b):
                 raise ValueError(f"tied parameters {name} and {alias} differ in the state")
-    params = {name: state[name].to(dtype) for name in names}
+    device = next(model.parameters()).device  # a state held elsewhere runs here all the same
+    params = {name: state[name].to(device=device, dtype=dtype) for name in names}
     for name, buffer in model.named_buffers():
         if name in state:
-            params[name] = state[name].to(buffer.dtype)
+            params[name] = state[name].to(device=buffer.device, dtype=buffer.dtype)
     return params

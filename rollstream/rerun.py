@@ -101,10 +101,9 @@ def resolved_weights(config: RollstreamConfig) -> WeightsConfig:
 
 def old_logit_engine(config: RollstreamConfig, run_id: str) -> OldLogitEngine:
     """The engine the stream worker builds (``streams.app``), for this config."""
-    import torch
-
+    from core.devices import resolve_device
     from streams.oldlogits import OldLogitEngine
-    from streams.snapshots import FollowerSource, SeededSource, SnapshotStore
+    from streams.snapshots import FollowerSource, SeededSource, snapshot_store_for
 
     old = config.streams.old_logits
     if old.mode == "off":
@@ -121,12 +120,9 @@ def old_logit_engine(config: RollstreamConfig, run_id: str) -> OldLogitEngine:
             make_follower=lambda s: WeightFollower.from_config(s, resolved_weights(config)),
             timeout_s=old.rebuild_timeout_s,
         )
-    snapshots = SnapshotStore(
-        source,
-        budget_bytes=int(old.snapshot_memory_mb * 1024 * 1024),
-        dtype=getattr(torch, old.dtype),
-    )
-    return OldLogitEngine(old, snapshots, cache_dir=config.cache_dir)
+    device = resolve_device(old.device)
+    snapshots = snapshot_store_for(old, source, device)
+    return OldLogitEngine(old, snapshots, cache_dir=config.cache_dir, device=device)
 
 
 def rerun_stream(

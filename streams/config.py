@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from core.config import Port, RestartConfig, StrictModel, TopicName
+from core.devices import DEVICE_NAMES, check_device_name
 from core.models import MODEL_SPEC_HELP, parse_model_spec
 from schemas.codec import MAX_RECORD_BYTES
 from schemas.validation import MAX_GROUP_SIZE
@@ -116,8 +117,29 @@ class OldLogitsConfig(StrictModel):
     max_batch_tokens: int = Field(
         default=16_384, ge=1, description="Most padded tokens (rows x width) in one pass."
     )
+    device: str = Field(
+        default="auto",
+        description="Where the old-logit pass runs and the snapshot store holds its "
+        f"versions: {DEVICE_NAMES} (auto: cuda when torch sees a GPU, else cpu).",
+    )
     snapshot_memory_mb: float = Field(
-        default=2048.0, gt=0, description="Memory budget of the snapshot store (LRU beyond)."
+        default=2048.0,
+        gt=0,
+        description="Budget of the snapshot store on `device` (LRU beyond; what leaves it "
+        "goes where snapshot_overflow says). A version costs parameters x dtype bytes.",
+    )
+    snapshot_overflow: Literal["rebuild", "host"] = Field(
+        default="rebuild",
+        description="A version evicted from the device budget: rebuild (dropped, rebuilt "
+        "from the source on its next use) or host (kept in host memory within "
+        "snapshot_host_memory_mb, copied back to the device on use). Only when device is "
+        "not cpu: on cpu there is one tier.",
+    )
+    snapshot_host_memory_mb: float = Field(
+        default=4096.0,
+        gt=0,
+        description="snapshot_overflow = host: host-memory budget of the versions evicted "
+        "from the device (LRU beyond: dropped, rebuilt on use). Unused when device is cpu.",
     )
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads.")
     rebuild_timeout_s: float = Field(
@@ -128,6 +150,11 @@ class OldLogitsConfig(StrictModel):
     @classmethod
     def _canonical_model(cls, value: str) -> str:
         return parse_model_spec(value, check_path=False).name
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        return check_device_name(value)
 
     @model_validator(mode="after")
     def _seeded_needs_tiny(self) -> OldLogitsConfig:

@@ -20,13 +20,20 @@ metric                                             meaning
                                                    ratio of the two rates is tokens/s
 ``rollstream_streams_oldlogit_tokens_per_second``  tokens/s of the last old-logit batch
 ``rollstream_streams_oldlogit_status_total{s}``    samples by ``old_logits_status``
-``rollstream_streams_snapshot_hits_total``         snapshot lookups served from memory
+``rollstream_streams_snapshot_hits_total``         snapshot lookups served from memory (either
+                                                   tier)
 ``rollstream_streams_snapshot_misses_total``       lookups that had to rebuild (or failed)
 ``rollstream_streams_snapshot_rebuilds_total``     versions rebuilt from the source on a miss
 ``rollstream_streams_snapshot_unavailable_total``  versions the source could not provide
 ``rollstream_streams_snapshot_evictions_total``    versions evicted (LRU over budget, window)
-``rollstream_streams_snapshot_bytes``              bytes of weights held (shared tensors once)
-``rollstream_streams_snapshot_versions``           versions held
+``rollstream_streams_snapshot_bytes``              bytes of weights held on the compute device
+                                                   (shared tensors once)
+``rollstream_streams_snapshot_versions``           versions held on the compute device
+``rollstream_streams_snapshot_host_bytes``         bytes held in the host tier (versions the
+                                                   device budget evicted; overflow ``host``)
+``rollstream_streams_snapshot_host_versions``      versions held in the host tier
+``rollstream_streams_snapshot_demotions_total``    versions moved from the device to the host
+``rollstream_streams_snapshot_promotions_total``   versions copied back from the host on use
 ``rollstream_streams_trainer_version``             newest announced trainer version
 ``rollstream_streams_raw_partitions``              raw partitions this worker holds now
 ``rollstream_streams_raw_lag``                     records of them its group has not
@@ -111,6 +118,18 @@ class StreamMetrics:
         )
         self.snapshot_bytes = Gauge(_PREFIX + "snapshot_bytes", "Bytes held.", registry=r)
         self.snapshot_versions = Gauge(_PREFIX + "snapshot_versions", "Versions held.", registry=r)
+        self.snapshot_host_bytes = Gauge(
+            _PREFIX + "snapshot_host_bytes", "Bytes held in the host tier.", registry=r
+        )
+        self.snapshot_host_versions = Gauge(
+            _PREFIX + "snapshot_host_versions", "Versions held in the host tier.", registry=r
+        )
+        self.snapshot_demotions = Counter(
+            _PREFIX + "snapshot_demotions", "Versions moved from device to host.", registry=r
+        )
+        self.snapshot_promotions = Counter(
+            _PREFIX + "snapshot_promotions", "Versions copied back from host to device.", registry=r
+        )
         self.trainer_version = Gauge(
             _PREFIX + "trainer_version", "Newest announced trainer version.", registry=r
         )

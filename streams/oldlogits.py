@@ -18,8 +18,9 @@ is not (never published, deleted from S3, refused), it is marked
 ``old_logits_status="missing"`` and the trainer takes its approximate route (PPO-EWMA).
 With ``mode="off"`` nothing is computed and records are marked ``"off"``.
 
-``compute`` is blocking CPU work: the stream calls it in a single-thread executor, never
-on the event loop. It is not reentrant (one module, parameters swapped per call).
+``compute`` is blocking work (on ``[streams.old_logits] device``): the stream calls it in
+a single-thread executor, never on the event loop. It is not reentrant (one module,
+parameters swapped per call).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from core.devices import resolve_device
 from core.logprobs import response_logprobs
 from core.models import build_tiny_llama, load_model, model_directory, parse_model_spec
 from schemas.trajectory import OldLogitsStatus, Trajectory
@@ -136,6 +138,7 @@ class OldLogitEngine:
         model: Any = None,
         metrics: StreamMetrics | None = None,
         cache_dir: Path | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.config = config
         self.cache_dir = cache_dir
@@ -143,15 +146,27 @@ class OldLogitEngine:
         self.metrics = metrics if metrics is not None else StreamMetrics()
         self._model = model
         self._dtype: torch.dtype | None = None
+        self._device = device
+
+    @property
+    def device(self) -> torch.device:
+        """Where the pass runs: ``device`` as given (the worker resolves it once for the
+        engine and its snapshot store), else ``config.device`` resolved here."""
+        if self._device is None:
+            self._device = resolve_device(self.config.device)
+        return self._device
 
     @property
     def model(self) -> Any:
         """The module the versions' weights run through: ``config.model`` loaded by
         ``core.models.load_model`` (the trainer's and the engine's loader) in
-        ``config.dtype``. Its own weights are never used: every forward pass supplies a
-        version's state dict."""
+        ``config.dtype`` on ``device``. Its own weights are never used: every forward pass
+        supplies a version's state dict, and every tensor of the pass is created on the
+        model's device (``core.logprobs``); the values come back as CPU arrays."""
         if self._model is None:
-            self._model = load_model(self.config.model, self.config.dtype, cache_dir=self.cache_dir)
+            self._model = load_model(
+                self.config.model, self.config.dtype, self.device, cache_dir=self.cache_dir
+            )
         return self._model
 
     @property

@@ -24,6 +24,7 @@ from confluent_kafka import Producer
 from faust.types import TP, StreamT, TableT
 
 from core.config import SharedConfig
+from core.devices import resolve_device
 from core.presence import Beacon, default_instance
 from core.topic_reader import group_lag, member_of
 from schemas.control import VersionAnnouncement
@@ -41,7 +42,7 @@ from streams.snapshots import (
     FollowerSource,
     SeededSource,
     SnapshotSource,
-    SnapshotStore,
+    snapshot_store_for,
 )
 from streams.staleness import StalenessPolicy, VersionTracker
 from streams.topics import MEMORY_TABLE_NAME, changelog_name, prepare_topics
@@ -68,14 +69,10 @@ class OldLogitPass:
         self.config = config
         self.metrics = metrics
         self.source = self._snapshot_source()
-        self.snapshots = SnapshotStore(
-            self.source,
-            budget_bytes=int(self.config.snapshot_memory_mb * 1024 * 1024),
-            dtype=getattr(torch, self.config.dtype),
-            metrics=metrics,
-        )
+        self.device = resolve_device(config.device)
+        self.snapshots = snapshot_store_for(config, self.source, self.device, metrics)
         self.engine = OldLogitEngine(
-            self.config, self.snapshots, metrics=metrics, cache_dir=shared.cache_dir
+            config, self.snapshots, metrics=metrics, cache_dir=shared.cache_dir, device=self.device
         )
 
     def _snapshot_source(self) -> SnapshotSource | None:

@@ -93,6 +93,15 @@ def test_a_batch_of_one_is_bit_exact_with_a_direct_pass(states, model) -> None:
     engine, _, _ = engine_for(states, model)
     (got,) = engine.attach([traj])
     assert got.logp_old.tobytes() == direct(states, 4, traj, 0, 6).tobytes()
+    # The engine's own model, loaded on an explicit device, and the default (auto: the
+    # CPU here) give the same values.
+    for device in ("cpu", "auto"):
+        own = OldLogitEngine(
+            OldLogitsConfig(device=device), SnapshotStore(InMemorySource(states), budget_bytes=1)
+        )
+        (again,) = own.attach([traj])
+        assert own.device == torch.device("cpu") and own.model.device == torch.device("cpu")
+        assert again.logp_old.tobytes() == got.logp_old.tobytes()
 
 
 def test_missing_version_marks_the_record_missing(states, model) -> None:

@@ -24,6 +24,7 @@ import pytest
 from support.streams import synthetic
 
 from core.config import KafkaConfig, PresenceConfig, SharedConfig, WeightsConfig
+from core.devices import resolve_device
 from schemas.codec import encode, routing_headers
 from schemas.control import DeadLetter
 from schemas.group import decode_group
@@ -292,4 +293,7 @@ def test_old_logits_off_run_no_model() -> None:
     assert old.source is None and not old.follows_weights
     assert old.model_limits() == (None, None)
     seeded = OldLogitsConfig(mode="exact", source="seeded")
-    assert isinstance(OldLogitPass(SharedConfig(), seeded, StreamMetrics()).source, SeededSource)
+    exact = OldLogitPass(SharedConfig(), seeded, StreamMetrics())
+    assert isinstance(exact.source, SeededSource)
+    # The device is resolved once; the engine and its snapshot store share it.
+    assert exact.device == exact.engine.device == exact.snapshots.device == resolve_device()
