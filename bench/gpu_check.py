@@ -19,8 +19,12 @@ measures:
 4. **Speed.** Response tokens/s of the old-logit pass against a bare forward pass of the
    same padded batch (which computes logits for every position and picks nothing).
 
-It is not part of CI (CI has no GPU); ``--device cpu`` runs the same code on the CPU.
-What it does not cover yet: an SGLang server, the trainer under NCCL.
+5. **The roles.** The stream's old-logit service and the trainer (DeepSpeed, NCCL on
+   CUDA) on the device through their own classes, one training step between two versions
+   and the snapshot store's host tier: ``bench.gpu_roles``.
+
+It is not part of CI (CI has no GPU); ``--device cpu`` runs the same code on the CPU (a
+test does, on the tiny model). What it does not cover: an SGLang server, several ranks.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from typing import Any
 
 import torch
 
+from bench import gpu_roles
+from core.devices import resolve_device
 from core.logprobs import batch_layout, response_logprobs
 from core.models import build_tiny_llama, cast_parameters
 
@@ -193,16 +199,22 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=384, help="Longest response, tokens.")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(resolve_device(args.device))
     report = check(device, args.model, args.rows, args.prompt, args.response, args.repeats)
     print(json.dumps(asdict(report), indent=2))
     ratio = {k: report.old_logit_tokens_per_s[k] / report.bare_forward_tokens_per_s[k]
              for k in report.old_logit_tokens_per_s}  # fmt: skip
     print(f"old-logit pass / bare forward, tokens/s: {ratio}")
-    print("PASSED" if report.passed else "FAILED")
-    raise SystemExit(0 if report.passed else 1)
+    passed = report.passed
+    spec = "tiny:" + ",".join(f"{k}={v}" for k, v in SHAPES[args.model].items())
+    for dtype in ("float32", "bfloat16"):
+        roles = gpu_roles.check(device, spec.rstrip(":"), dtype, response_len=args.response)
+        print(json.dumps({"roles": asdict(roles)}, indent=2))
+        passed = passed and roles.passed
+    if torch.distributed.is_initialized():  # the trainer's world of one
+        torch.distributed.destroy_process_group()
+    print("PASSED" if passed else "FAILED")
+    raise SystemExit(0 if passed else 1)
 
 
 if __name__ == "__main__":
