@@ -85,12 +85,16 @@ class Envelope:
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
         else:
             choice = {"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}
+        return self.frame("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+    def frame(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """An answer object or stream chunk of ``kind`` around ``choices``."""
         return {
             "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "object": kind,
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
+            "choices": choices,
         }
 
 
@@ -143,13 +147,9 @@ class Answer:
             choice["text"] = self.parsed.content or ""
             if self.logprobs:
                 choice["logprobs"] = _completion_logprobs(tokens)
-        envelope = self.envelope
+        kind = "chat.completion" if self.chat else "text_completion"
         return {
-            "id": envelope.id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": envelope.created,
-            "model": envelope.model,
-            "choices": [choice],
+            **self.envelope.frame(kind, [choice]),
             "usage": self.usage,
             "rollstream": self.rollstream,
         }
@@ -159,13 +159,13 @@ class Answer:
         (with each token's log-prob when asked), the tool calls, the finish."""
         if self.parsed.tool_calls:
             if self.parsed.content:
-                yield self._chunk({"content": self.parsed.content}, None)
+                yield self.envelope.chunk({"content": self.parsed.content}, None)
             calls = [{"index": i, **call} for i, call in enumerate(self.parsed.tool_calls)]
-            yield self._chunk({"tool_calls": calls}, None)
+            yield self.envelope.chunk({"tool_calls": calls}, None)
         else:
             offset = 0  # a completion token's text_offset counts from the answer's start
             for piece, token in self._pieces():
-                chunk = self._chunk({"content": piece} if self.chat else piece, None)
+                chunk = self.envelope.chunk({"content": piece} if self.chat else piece, None)
                 if self.logprobs and token is not None:
                     chunk["choices"][0]["logprobs"] = (
                         {"content": [_chat_logprob(*token)]}
@@ -174,9 +174,10 @@ class Answer:
                     )
                     offset += len(token[0])
                 yield chunk
-        yield self._chunk({} if self.chat else "", self.finish)
+        yield self.envelope.chunk({} if self.chat else "", self.finish)
         if usage:
-            yield {**self._chunk({} if self.chat else "", None), "choices": [], "usage": self.usage}
+            kind = "chat.completion.chunk" if self.chat else "text_completion"
+            yield {**self.envelope.frame(kind, []), "usage": self.usage}
 
     def _tokens(self) -> list[tuple[str, float]]:
         """Each sampled token's text and log-prob."""
@@ -203,9 +204,6 @@ class Answer:
         final = self._text(ids)
         if final != shown and final.startswith(shown):
             yield final[len(shown) :], None
-
-    def _chunk(self, delta: Any, finish: str | None) -> dict[str, Any]:
-        return self.envelope.chunk(delta, finish)
 
 
 def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:

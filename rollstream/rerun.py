@@ -101,9 +101,8 @@ def resolved_weights(config: RollstreamConfig) -> WeightsConfig:
 
 def old_logit_engine(config: RollstreamConfig, run_id: str) -> OldLogitEngine:
     """The engine the stream worker builds (``streams.app``), for this config."""
-    from core.devices import resolve_device
-    from streams.oldlogits import OldLogitEngine
-    from streams.snapshots import FollowerSource, SeededSource, snapshot_store_for
+    from streams.oldlogits import OldLogitEngine, old_logit_engine_for
+    from streams.snapshots import FollowerSource, SeededSource
 
     old = config.streams.old_logits
     if old.mode == "off":
@@ -120,9 +119,7 @@ def old_logit_engine(config: RollstreamConfig, run_id: str) -> OldLogitEngine:
             make_follower=lambda s: WeightFollower.from_config(s, resolved_weights(config)),
             timeout_s=old.rebuild_timeout_s,
         )
-    device = resolve_device(old.device)
-    snapshots = snapshot_store_for(old, source, device)
-    return OldLogitEngine(old, snapshots, cache_dir=config.cache_dir, device=device)
+    return old_logit_engine_for(old, source, cache_dir=config.cache_dir)
 
 
 def rerun_stream(

@@ -42,7 +42,7 @@ from core.models import build_tiny_llama, load_model, model_directory, parse_mod
 from schemas.trajectory import OldLogitsStatus, Trajectory
 from streams.config import OldLogitsConfig
 from streams.metrics import StreamMetrics
-from streams.snapshots import SnapshotStore
+from streams.snapshots import SnapshotSource, SnapshotStore, snapshot_store_for
 
 if TYPE_CHECKING:
     import torch
@@ -249,3 +249,17 @@ class OldLogitEngine:
                     dataclasses.replace(traj, logp_old=None, old_logits_status=found.status)
                 )
         return attached
+
+
+def old_logit_engine_for(
+    config: OldLogitsConfig,
+    source: SnapshotSource | None,
+    *,
+    metrics: StreamMetrics | None = None,
+    cache_dir: Path | None = None,
+) -> OldLogitEngine:
+    """The engine and its snapshot store as the stream worker runs them: ``config.device``
+    resolved once, for the model and the versions alike."""
+    device = resolve_device(config.device)
+    snapshots = snapshot_store_for(config, source, device, metrics)
+    return OldLogitEngine(config, snapshots, metrics=metrics, cache_dir=cache_dir, device=device)

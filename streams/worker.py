@@ -24,7 +24,6 @@ from confluent_kafka import Producer
 from faust.types import TP, StreamT, TableT
 
 from core.config import SharedConfig
-from core.devices import resolve_device
 from core.presence import Beacon, default_instance
 from core.topic_reader import group_lag, member_of
 from schemas.control import VersionAnnouncement
@@ -34,7 +33,7 @@ from streams.broker import broker_credentials, broker_urls
 from streams.config import OldLogitsConfig, StreamsConfig
 from streams.gaps import GAP_SWEEP_INTERVAL_S, GapGuard
 from streams.metrics import StreamMetrics
-from streams.oldlogits import OldLogitEngine, model_limits
+from streams.oldlogits import model_limits, old_logit_engine_for
 from streams.processor import Processor
 from streams.restore import read_changelog_partition
 from streams.snapshots import (
@@ -42,7 +41,6 @@ from streams.snapshots import (
     FollowerSource,
     SeededSource,
     SnapshotSource,
-    snapshot_store_for,
 )
 from streams.staleness import StalenessPolicy, VersionTracker
 from streams.topics import MEMORY_TABLE_NAME, changelog_name, prepare_topics
@@ -69,11 +67,11 @@ class OldLogitPass:
         self.config = config
         self.metrics = metrics
         self.source = self._snapshot_source()
-        self.device = resolve_device(config.device)
-        self.snapshots = snapshot_store_for(config, self.source, self.device, metrics)
-        self.engine = OldLogitEngine(
-            config, self.snapshots, metrics=metrics, cache_dir=shared.cache_dir, device=self.device
+        self.engine = old_logit_engine_for(
+            config, self.source, metrics=metrics, cache_dir=shared.cache_dir
         )
+        self.device = self.engine.device
+        self.snapshots = self.engine.snapshots
 
     def _snapshot_source(self) -> SnapshotSource | None:
         old = self.config
