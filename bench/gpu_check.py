@@ -23,8 +23,15 @@ measures:
    CUDA) on the device through their own classes, one training step between two versions
    and the snapshot store's host tier: ``bench.gpu_roles``.
 
+6. **The engine.** ``rollstream serve --engine sglang`` (SGLang where it is installed, else
+   the CPU engine: ``--engine``) on the same shape, driven by the producer's own backend:
+   its log-probs against the old-logit pass, and a new version followed: ``bench.gpu_engine``.
+
 It is not part of CI (CI has no GPU); ``--device cpu`` runs the same code on the CPU (a
-test does, on the tiny model). What it does not cover: an SGLang server, several ranks.
+test does, on the tiny model).
+
+7. **Ranks.** Where two GPUs are, the trainer as two NCCL ranks trains the same steps and
+   both end bit-identical: ``bench.gpu_ranks``, under torch's launcher.
 """
 
 from __future__ import annotations
@@ -32,16 +39,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from bench import gpu_roles
+from bench import gpu_engine, gpu_roles
 from core.devices import resolve_device
 from core.logprobs import batch_layout, response_logprobs
 from core.models import build_tiny_llama, cast_parameters
+from infra.sglang import NotInstalled, require_module
 
 #: float32 rounding allowed between a padded row and its solo pass; measured on an H200
 #: (2026-11-26): 3.8e-6 at 148M parameters, 3.5e-5 at 1.1B
@@ -190,6 +200,31 @@ def check(
     )
 
 
+def run_ranks(ranks: int, device: str, spec: str, dtype: str) -> dict[str, Any]:
+    """``bench.gpu_ranks`` as ``ranks`` processes under torch's launcher: rank 0's report."""
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}"]
+    argv += ["-m", "bench.gpu_ranks", "--device", device.split(":")[0]]
+    argv += ["--model", spec, "--dtype", dtype]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    for line in done.stdout.splitlines():
+        if line.startswith('{"ranks"'):
+            report: dict[str, Any] = json.loads(line)["ranks"]
+            return report
+    raise RuntimeError(f"bench.gpu_ranks exited {done.returncode}:\n{done.stderr[-3000:]}")
+
+
+def _engine_kind(choice: str, device: str) -> str:
+    """``auto``: SGLang where a GPU is and SGLang is installed, else the CPU engine."""
+    if choice != "auto":
+        return choice
+    try:
+        require_module("sglang", "")
+    except NotInstalled:
+        print("SGLang is not installed: check 6 runs the CPU engine")
+        return "cpu"
+    return "sglang" if device.startswith("cuda") else "cpu"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
@@ -198,6 +233,12 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128, help="Longest prompt, tokens.")
     parser.add_argument("--response", type=int, default=384, help="Longest response, tokens.")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "sglang", "cpu", "none"],
+        help="The engine of check 6; auto: SGLang on a GPU where it is installed, else cpu.",
+    )
     args = parser.parse_args()
     device = str(resolve_device(args.device))
     report = check(device, args.model, args.rows, args.prompt, args.response, args.repeats)
@@ -213,6 +254,16 @@ def main() -> None:
         passed = passed and roles.passed
     if torch.distributed.is_initialized():  # the trainer's world of one
         torch.distributed.destroy_process_group()
+    if device.startswith("cuda") and torch.cuda.device_count() >= 2:
+        for dtype in ("float32", "bfloat16"):
+            ranked = run_ranks(2, device, spec.rstrip(":"), dtype)
+            print(json.dumps({"ranks": ranked}, indent=2))
+            passed = passed and ranked["passed"]
+    engine = _engine_kind(args.engine, device)
+    if engine != "none":
+        served = gpu_engine.check(engine, spec.rstrip(":"), device, tokens=args.response)
+        print(json.dumps({"engine": asdict(served)}, indent=2))
+        passed = passed and served.passed
     print("PASSED" if passed else "FAILED")
     raise SystemExit(0 if passed else 1)
 

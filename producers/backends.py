@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from producers.client import EngineClient, GenerateOutput, parse_generate_response
 from producers.config import EngineConfig, RolloutConfig
+from producers.router import RouterClient
 
 #: Where ``http_backend`` keeps the model's non-weight files, below the weights directory.
 MODEL_FILES_DIR = "model-files"
@@ -88,7 +89,7 @@ class HttpBackend:
 
     def __init__(
         self,
-        client: EngineClient,
+        client: EngineClient | RouterClient,
         weights_dir: Path,
         *,
         template_dir: Path | None = None,
@@ -163,21 +164,25 @@ async def local_backend(
 async def http_backend(
     rollout: RolloutConfig, engine: EngineConfig, weights_dir: Path, cache_dir: Path
 ) -> HttpBackend:
-    """The engine at ``rollout.engine_url``, checked to serve ``engine.model`` (or
-    ``rollout.expected_model``) and called with ``engine.api_key``; new versions go
-    through ``weights_dir``, each with the model's files from ``weights_dir/model-files``;
-    ``tokenizer`` is that model's, resolved from the same spec as its files."""
+    """The engine (or router: ``rollout.engine_router``) at ``rollout.engine_url``,
+    checked to serve ``engine.model`` (or ``rollout.expected_model``) and called with
+    ``engine.api_key``; new versions go through ``weights_dir``, each with the model's
+    files from ``weights_dir/model-files``; ``tokenizer`` is that model's, resolved from
+    the same spec as its files."""
     from core.model_files import write_model_files
     from core.models import load_tokenizer
 
     key = engine.api_key.get_secret_value() if engine.api_key is not None else None
-    client = EngineClient(
-        rollout.engine_url or "",
-        connect_timeout=rollout.connect_timeout_s,
-        request_timeout=rollout.request_timeout_s,
-        retries=rollout.retries,
-        retry_max_wait=rollout.retry_max_wait_s,
-        api_key=key,
+    settings: dict[str, Any] = {
+        "connect_timeout": rollout.connect_timeout_s,
+        "request_timeout": rollout.request_timeout_s,
+        "retries": rollout.retries,
+        "retry_max_wait": rollout.retry_max_wait_s,
+        "api_key": key,
+    }
+    url = rollout.engine_url or ""
+    client = (
+        RouterClient(url, **settings) if rollout.engine_router else EngineClient(url, **settings)
     )
     await client.check_model(rollout.expected_model or engine.model)
     template = Path(weights_dir) / MODEL_FILES_DIR

@@ -281,6 +281,25 @@ class EngineClient:
         data = await self._request("POST", "/generate", body, retry_reads=False)
         return parse_generate_response(data, len(body["input_ids"]), return_logprob)
 
+    async def generate_one(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        *,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> GenerateOutput:
+        """Generate for one prompt, in SGLang's single form (what a router forwards)."""
+        body: dict[str, Any] = {
+            "input_ids": list(map(int, input_ids)),
+            "sampling_params": sampling_params,
+            "return_logprob": return_logprob,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        data = await self._request("POST", "/generate", body, retry_reads=False)
+        return parse_generate_response(data, 1, return_logprob)[0]
+
     async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
         """Abort one request by rid, or every request (``abort_all``)."""
         await self._request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
@@ -306,8 +325,12 @@ class EngineClient:
             raise EngineRequestError(400, f"update_weights_from_disk failed: {data!r}")
         return data
 
+    async def get(self, path: str) -> Any:
+        """The JSON answer of a ``GET`` (retried like every read)."""
+        return await self._request("GET", path)
+
     async def model_info(self) -> dict[str, Any]:
-        data = await self._request("GET", "/get_model_info")
+        data = await self.get("/get_model_info")
         if not isinstance(data, dict) or not isinstance(data.get("model_path"), str):
             raise EngineResponseError(f"get_model_info answered {data!r}, no model_path")
         return data

@@ -344,6 +344,11 @@ class RolloutConfig(StrictModel):
         description="URL of an engine speaking SGLang's native API; None runs the engine "
         "in-process from the [engine] section.",
     )
+    engine_router: bool = Field(
+        default=False,
+        description="engine_url is SGLang's router (sglang-router) in front of several "
+        "engines: generate through it, load versions on every engine it lists.",
+    )
     expected_model: str | None = Field(
         default=None,
         description="model_path the engine must report (get_model_info); None: the [engine] model.",

@@ -295,6 +295,10 @@ class Engine(BatchRunner):
         aborted = self.abort(abort_all=True) if abort_all_requests else 0
         return self._control(apply)
 
+    def flush_cache(self) -> Future:
+        """Forget every cached prefix, between batches (``/flush_cache``)."""
+        return self._control(self._forget_prefixes)
+
     def _forget_prefixes(self) -> None:
         """Cached KV was computed by the old weights: never reuse it with new ones."""
         if self.prefix_cache is not None:

@@ -1,6 +1,6 @@
 """HTTP server for ``Engine``: the subset of SGLang's native API that RL rollouts need.
 
-Followed release: **SGLang v0.5.3** (``python/sglang/srt/entrypoints/http_server.py`` and
+Followed release: **SGLang v0.5.23** (``python/sglang/srt/entrypoints/http_server.py`` and
 ``managers/io_struct.py``). Field names are SGLang's, so a real SGLang server on a GPU is
 a drop-in for the same client:
 
@@ -20,12 +20,17 @@ a drop-in for the same client:
   between batches. ``weights_sha256`` (ours, not SGLang's; required) is the sha256 of the
   directory's safetensors bytes: the engine loads only the file its caller wrote. A
   ``model_path`` outside the engine's weights directory is answered **403**.
-- ``GET /get_model_info``: ``{"model_path", "tokenizer_path", "is_generation",
-  "preferred_sampling_params", "weight_version"}``; ``GET /get_weight_version``.
+- ``GET /model_info`` (and the older ``/get_model_info``): ``{"model_path",
+  "tokenizer_path", "is_generation", "preferred_sampling_params", "weight_version"}``.
 - ``GET /health`` and ``/health_generate``: 200 while the scheduler runs (the latter
-  generates one token), 503 otherwise. ``GET /get_server_info``: engine settings and
-  counters (not SGLang's fields; ``busy_s``: seconds spent computing batches and weight
-  updates).
+  generates one token), 503 otherwise. ``GET /server_info`` (and ``/get_server_info``):
+  engine settings and counters (not SGLang's fields; ``busy_s``: seconds spent computing
+  batches and weight updates).
+- ``POST /flush_cache``: forgets the prefix cache between batches.
+
+SGLang's router (``sglang-router``) forwards ``/generate`` with ``model``,
+``return_hidden_states``, ``background``, ``no_logs``, ``return_bytes`` and
+``return_entropy`` set to their defaults: accepted at those values, 400 at any other.
 
 Every sampling parameter is checked by type and range before the request is queued (400
 naming ``sampling_params.<field>``), so a bad value never fails the batch other clients
@@ -76,7 +81,7 @@ from producers.request_checks import (
 
 logger = logging.getLogger(__name__)
 
-SGLANG_RELEASE = "v0.5.3"
+SGLANG_RELEASE = "v0.5.23"
 """The SGLang release whose native HTTP API this server follows."""
 
 _GENERATE_FIELDS = frozenset(
@@ -94,6 +99,16 @@ _GENERATE_FIELDS = frozenset(
         "token_ids_logprob",
     }
 )
+#: Fields SGLang's router adds to every ``/generate`` it forwards, with the values it sends;
+#: accepted at those values only (each asks for something this engine does not do).
+ROUTER_DEFAULTS: dict[str, Any] = {
+    "model": None,
+    "return_hidden_states": False,
+    "background": False,
+    "no_logs": False,
+    "return_bytes": False,
+    "return_entropy": False,
+}
 _ENGINE_KEY = web.AppKey("engine", Engine)
 _BUDGET_KEY = web.AppKey("max_request_tokens", int)
 _API_KEY = web.AppKey("api_key", str)
@@ -149,9 +164,12 @@ class _Item:
 
 def parse_generate(body: dict[str, Any]) -> tuple[list[_Item], bool]:
     """The requests in a ``/generate`` body, and whether it was a batch."""
-    unknown = sorted(set(body) - _GENERATE_FIELDS)
+    unknown = sorted(set(body) - _GENERATE_FIELDS - set(ROUTER_DEFAULTS))
     if unknown:
         raise RequestError(f"unsupported /generate fields: {unknown}")
+    for name, default in ROUTER_DEFAULTS.items():
+        if body.get(name, default) != default:
+            raise RequestError(f"{name}={body[name]!r} is not supported (only {default!r})")
     if body.get("text") is not None:
         raise RequestError("text prompts are not supported: send input_ids")
     if body.get("stream"):
@@ -293,10 +311,6 @@ async def get_model_info(request: web.Request) -> web.Response:
     return _json(request.app[_ENGINE_KEY].model_info())
 
 
-async def get_weight_version(request: web.Request) -> web.Response:
-    return _json({"weight_version": request.app[_ENGINE_KEY].weight_version})
-
-
 async def get_server_info(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE_KEY]
     stats = engine.stats
@@ -318,6 +332,12 @@ async def get_server_info(request: web.Request) -> web.Response:
             "busy_s": stats.busy_s,
         }
     )
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """Drop the prefix cache (SGLang's answer: 200 and a line of text)."""
+    await asyncio.wrap_future(request.app[_ENGINE_KEY].flush_cache())
+    return web.Response(text="Cache flushed.\n")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -364,9 +384,11 @@ def make_app(
     app.router.add_put("/generate", generate)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
-    app.router.add_get("/get_model_info", get_model_info)
-    app.router.add_get("/get_weight_version", get_weight_version)
-    app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_post("/flush_cache", flush_cache)
+    # SGLang's current names and the older /get_* ones (the router asks for both)
+    for name, handler in (("model_info", get_model_info), ("server_info", get_server_info)):
+        app.router.add_get(f"/{name}", handler)
+        app.router.add_get(f"/get_{name}", handler)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
     return app

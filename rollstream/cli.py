@@ -199,7 +199,7 @@ def _register_role_commands() -> None:
     from rollstream.dataset_export import export_dataset
     from rollstream.export import export
     from rollstream.inspect_group import inspect_group
-    from rollstream.produce_cli import evaluate, gateway, produce, serve
+    from rollstream.produce_cli import evaluate, gateway, produce, router, serve
     from rollstream.replay import replay
     from rollstream.report import report
     from rollstream.roles import roles_command
@@ -208,7 +208,7 @@ def _register_role_commands() -> None:
     from rollstream.up import up
     from rollstream.weights_cli import weights
 
-    for command in (weights, serve, produce, gateway, evaluate, stream, train, up):
+    for command in (weights, serve, router, produce, gateway, evaluate, stream, train, up):
         main.add_command(command)
     for command in (
         replay,

@@ -1,4 +1,5 @@
-"""``rollstream serve``, ``produce``, ``gateway`` and ``eval``: the producer role's commands.
+"""``rollstream serve``, ``router``, ``produce``, ``gateway`` and ``eval``: the producer
+role's commands.
 
 Both take the ``RollstreamConfig`` that the ``rollstream`` group puts in ``ctx.obj``
 (``--config``, the environment, ``--set``: one way for every role) and give the role what
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,22 @@ def _role(config: RollstreamConfig, options: dict[str, Any]) -> RoleConfig[Produ
 
 
 @click.command("serve")
+@click.option(
+    "--engine",
+    "kind",
+    type=click.Choice(["cpu", "sglang"]),
+    default="cpu",
+    show_default=True,
+    help="cpu: this project's engine; sglang: SGLang's own server (installed separately), "
+    "with the run's model, host, port, API key and initial weight version.",
+)
+@click.option(
+    "--engine-arg",
+    "engine_args",
+    multiple=True,
+    help="One more flag for SGLang's server, e.g. --engine-arg=--tp-size=2 (repeatable; "
+    "--engine sglang only).",
+)
 @click.option("--host", help="Address to bind (default from [engine], 127.0.0.1).")
 @click.option("--port", type=int, help="Port (default from [engine], 30000; 0 = free).")
 @click.option(
@@ -53,13 +71,15 @@ def _role(config: RollstreamConfig, options: dict[str, Any]) -> RoleConfig[Produ
 @click.pass_obj
 def serve(
     config: RollstreamConfig,
+    kind: str,
+    engine_args: tuple[str, ...],
     host: str | None,
     port: int | None,
     api_key: str | None,
     model: str | None,
 ) -> None:
-    """Run the CPU engine behind the part of SGLang's native HTTP API that RL needs (every
-    endpoint: producers/server.py)."""
+    """Serve the run's model behind SGLang's native HTTP API: the CPU engine (the part RL
+    needs, every endpoint: producers/server.py) or SGLang itself."""
     config.require_policy()  # a multi-policy run: each policy's engine runs its model
     options = {"host": host, "port": port, "model": model, "api_key": api_key}
     shared, section = _role(config, {"engine": options})
@@ -71,6 +91,11 @@ def serve(
         check_bind(engine_config.host, key)
     except ValueError as err:
         raise click.UsageError(str(err)) from err
+    if kind == "sglang":
+        version = str(section.rollout.initial_version)
+        _exec_sglang(engine_config.model, engine_config, key, version, engine_args)
+    if engine_args:
+        raise click.UsageError("--engine-arg is for --engine sglang")
     _logging()
     from producers.inference_engine import engine_from_config
     from producers.server import SGLANG_RELEASE
@@ -91,6 +116,69 @@ def serve(
         api_key=key,
         weights_dir=engine_config.weights_dir or Path(shared.state_dir) / "producers",
     )
+
+
+def _exec_sglang(
+    model: str, engine: Any, api_key: str | None, version: str, extra: tuple[str, ...]
+) -> None:
+    """Become SGLang's server for ``model`` (a checkpoint directory or a Hub id in the
+    local cache), or stop saying how to install it."""
+    from infra.sglang import NotInstalled, SGLangServer, require_module
+
+    if model.split(":", 1)[0] == "tiny":
+        raise click.UsageError("the tiny test model runs only on --engine cpu")
+    server = SGLangServer(model, engine.host, engine.port, api_key, version, extra)
+    try:
+        require_module("sglang", server.install)
+    except NotInstalled as err:
+        raise click.ClickException(str(err)) from err
+    argv = server.argv()
+    os.execv(argv[0], argv)
+
+
+@click.command("router")
+@click.option(
+    "--engine-url",
+    "engine_urls",
+    multiple=True,
+    required=True,
+    help="An engine the router balances over (repeat for each).",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=int, default=30000, show_default=True, help="Port.")
+@click.option("--metrics-port", type=int, default=29000, show_default=True, help="Prometheus port.")
+@click.option(
+    "--api-key",
+    help="Key callers (and, passed on, the engines) need (default from [producers.engine] "
+    "api_key); needed for a non-loopback --host.",
+)
+@click.pass_obj
+def router(
+    config: RollstreamConfig,
+    engine_urls: tuple[str, ...],
+    host: str,
+    port: int,
+    metrics_port: int,
+    api_key: str | None,
+) -> None:
+    """Run SGLang's router (sglang-router) in front of several engines; point producers at
+    it with [producers.rollout] engine_url and engine_router = true."""
+    from infra.sglang import NotInstalled, SGLangRouter, require_module
+    from producers.engine_auth import check_bind
+
+    _, section = _role(config, {"engine": {"api_key": api_key}})
+    key = section.engine.api_key.get_secret_value() if section.engine.api_key else None
+    try:
+        check_bind(host, key)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from err
+    spec = SGLangRouter(engine_urls, host, port, key, metrics_port)
+    try:
+        require_module("sglang_router", spec.install)
+    except NotInstalled as err:
+        raise click.ClickException(str(err)) from err
+    argv = spec.argv()
+    os.execv(argv[0], argv)
 
 
 @click.command("produce")

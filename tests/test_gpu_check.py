@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import gpu_check, gpu_roles
+from bench import gpu_check, gpu_engine, gpu_roles
 
 
 def test_the_old_logit_pass_matches_its_independent_recompute() -> None:
@@ -30,3 +30,21 @@ def test_stream_and_trainer_agree_across_a_step_and_the_host_tier(dtype: str) ->
 def test_a_device_that_is_not_there_is_refused() -> None:
     with pytest.raises(ValueError, match="device"):
         gpu_roles.check("gpu")
+
+
+def test_the_served_engine_matches_the_old_logit_pass_and_follows_a_version() -> None:
+    report = gpu_engine.check("cpu", "tiny", "cpu", rows=4, tokens=16, timeout_s=120)
+    assert report.followed_version_1
+    assert max(report.max_abs_diff_v0, report.max_abs_diff_v1) <= gpu_engine.CPU_ENGINE_TOLERANCE
+    assert report.generated_tokens == 4 * 16 and report.passed
+
+
+def test_sglang_missing_is_said_with_how_to_install_it() -> None:
+    with pytest.raises(RuntimeError, match=r"sglang is not installed.*pip install"):
+        gpu_engine.check("sglang", "tiny", "cpu", rows=1, tokens=1, timeout_s=60)
+
+
+def test_two_trainer_ranks_end_bit_identical() -> None:
+    report = gpu_check.run_ranks(2, "cpu", "tiny", "float32")
+    assert (report["ranks"], report["backend"]) == (2, "gloo")
+    assert report["weights_moved"] and report["ranks_bit_identical"] and report["passed"]

@@ -30,8 +30,10 @@ ENDPOINTS = [
     ("POST", "/abort_request", {"abort_all": True}),
     ("POST", "/update_weights_from_disk", {"model_path": "/tmp", "weight_version": "9"}),
     ("GET", "/get_model_info", None),
-    ("GET", "/get_weight_version", None),
+    ("GET", "/model_info", None),
     ("GET", "/get_server_info", None),
+    ("GET", "/server_info", None),
+    ("POST", "/flush_cache", None),
     ("GET", "/health_generate", None),
 ]
 
@@ -59,9 +61,7 @@ def test_every_endpoint_but_health_needs_the_key(keyed):
         assert keyed.engine.weight_version == "0"  # nothing happened
     assert httpx.get(keyed.url + "/health").status_code == 200  # liveness stays open
     right = {"Authorization": f"Bearer {KEY}"}
-    assert httpx.get(keyed.url + "/get_weight_version", headers=right).json() == {
-        "weight_version": "0"
-    }
+    assert httpx.get(keyed.url + "/model_info", headers=right).json()["weight_version"] == "0"
     reply = httpx.post(keyed.url + "/generate", json=ENDPOINTS[0][2], headers=right)
     assert reply.status_code == 200 and len(reply.json()["output_ids"]) == 1
 

@@ -90,9 +90,10 @@ def test_model_info_health_and_server_info(server):
     }
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/health_generate").status_code == 200
-    assert httpx.get(server.url + "/get_weight_version").json() == {"weight_version": "0"}
+    assert httpx.get(server.url + "/model_info").json() == info  # SGLang's newer name
+    assert httpx.post(server.url + "/flush_cache").status_code == 200
     server_info = httpx.get(server.url + "/get_server_info").json()
-    assert "SGLang v0.5.3" in server_info["version"]
+    assert "SGLang v0.5.23" in server_info["version"]
     assert server_info["busy_s"] > 0.0  # /health_generate computed one token
 
 
@@ -224,6 +225,9 @@ def test_unsupported_requests_get_a_clear_400(server):
         ({"input_ids": PROMPT, "bogus": 1}, "bogus"),
         ({"input_ids": [PROMPT, PROMPT], "rid": ["a"]}, "rid has 1 entries"),
         ({"input_ids": PROMPT, "logprob_start_len": 0}, "input-token"),
+        ({"input_ids": PROMPT, "return_hidden_states": True}, "return_hidden_states=True"),
+        ({"input_ids": PROMPT, "model": "other"}, "model='other' is not supported"),
+        ({"input_ids": PROMPT, "return_entropy": "yes"}, "return_entropy='yes'"),
     ]:
         reply = httpx.post(server.url + "/generate", json=body)
         assert reply.status_code == 400
@@ -427,7 +431,7 @@ def test_serve_command_runs_until_sigterm(tmp_path):
     )
     try:
         line = process.stdout.readline()
-        assert "serves SGLang v0.5.3's API at http://127.0.0.1:" in line, line
+        assert "serves SGLang v0.5.23's API at http://127.0.0.1:" in line, line
         url = line.rsplit(" at ", 1)[1].strip()
         assert httpx.get(url + "/get_model_info").json()["model_path"] == "tiny"
         reply = httpx.post(url + "/generate", json={"input_ids": PROMPT, "return_logprob": True})
