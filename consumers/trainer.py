@@ -312,7 +312,7 @@ class Trainer:
         ]
         for attempt in retrying(self.config.retry, (KafkaException,), "ensure topics"):
             with attempt:
-                ensure_topics(self.kafka, specs)
+                ensure_topics(self.kafka, specs, self.shared.kafka)
 
     # --- the loop -----------------------------------------------------------------------
 

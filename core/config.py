@@ -74,6 +74,28 @@ def default_cache_dir() -> Path:
     return Path(base) / "rollstream"
 
 
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI")
+"""``kafka.sasl_mechanism`` values; PLAIN and SCRAM take a user name and password,
+OAUTHBEARER an OIDC client (``oauth_*``), GSSAPI its Kerberos settings through
+``client_overrides`` (librdkafka clients only)."""
+PASSWORD_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+
+DEFAULT_REPLICAS = 3
+"""Replicas of a topic on a cluster of at least this many brokers, unless configured."""
+
+
+class Replication(NamedTuple):
+    """What every topic rollstream creates gets: its replication factor and its
+    ``min.insync.replicas`` (``None``: the cluster's default)."""
+
+    factor: int
+    min_insync: int | None
+
+    def topic_configs(self) -> dict[str, str]:
+        """The topic configs to add at creation."""
+        return {} if self.min_insync is None else {"min.insync.replicas": str(self.min_insync)}
+
+
 class KafkaConfig(StrictModel):
     """How to reach Kafka. No ``bootstrap_servers`` means: run the embedded broker."""
 
@@ -84,13 +106,49 @@ class KafkaConfig(StrictModel):
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         default="PLAINTEXT", description="librdkafka security.protocol of every client."
     )
-    sasl_mechanism: str | None = Field(default=None, description="PLAIN, SCRAM-SHA-512, ...")
+    sasl_mechanism: str | None = Field(
+        default=None,
+        description="PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER or GSSAPI; "
+        "empty with a SASL protocol: PLAIN.",
+    )
     sasl_username: str | None = Field(default=None, description="SASL user name.")
     sasl_password: SecretStr | None = Field(
         default=None, description="SASL password (masked when a config is printed)."
     )
+    oauth_token_endpoint_url: str | None = Field(
+        default=None,
+        description="OAUTHBEARER: the OIDC token endpoint (client-credentials grant).",
+    )
+    oauth_client_id: str | None = Field(default=None, description="OAUTHBEARER: the client id.")
+    oauth_client_secret: SecretStr | None = Field(
+        default=None, description="OAUTHBEARER: the client secret (masked when printed)."
+    )
+    oauth_scope: str | None = Field(
+        default=None, description="OAUTHBEARER: the scope asked for; empty: none."
+    )
     ssl_ca_location: str | None = Field(
-        default=None, description="CA certificate file for TLS; empty: librdkafka's default."
+        default=None, description="CA certificate file for TLS; empty: the system's CAs."
+    )
+    ssl_certificate_location: str | None = Field(
+        default=None, description="Client certificate (PEM) for mutual TLS, with ssl_key_location."
+    )
+    ssl_key_location: str | None = Field(
+        default=None, description="The client certificate's private key (PEM)."
+    )
+    ssl_key_password: SecretStr | None = Field(
+        default=None, description="Password of an encrypted ssl_key_location (masked when printed)."
+    )
+    replication_factor: int | None = Field(
+        default=None,
+        ge=1,
+        description="Replicas of every topic rollstream creates (Faust's included); empty: "
+        "1 on the embedded broker, else min(3, the cluster's brokers).",
+    )
+    min_insync_replicas: int | None = Field(
+        default=None,
+        ge=1,
+        description="min.insync.replicas of every topic rollstream creates; empty: one "
+        "less than the replication factor when that is 3 or more, else the cluster's default.",
     )
     client_overrides: dict[str, str] = Field(
         default_factory=dict,
@@ -114,9 +172,96 @@ class KafkaConfig(StrictModel):
     )
     kafka_version: str = Field(default="4.1.1", description="Apache Kafka release to resolve.")
 
+    @field_validator("sasl_mechanism")
+    @classmethod
+    def _known_mechanism(cls, mechanism: str | None) -> str | None:
+        if mechanism is None:
+            return None
+        upper = mechanism.upper()
+        if upper not in SASL_MECHANISMS:
+            raise ValueError(f"unknown SASL mechanism; one of {', '.join(SASL_MECHANISMS)}")
+        return upper
+
+    @model_validator(mode="after")
+    def _security_settings_fit(self) -> KafkaConfig:
+        """Refuse settings the chosen protocol would ignore or cannot work without, here,
+        rather than as a client that retries a connection the broker never accepts."""
+        protocol = self.security_protocol
+        sasl, tls = protocol.startswith("SASL_"), protocol.endswith("SSL")
+        mechanism = self.mechanism
+        oauth = ("oauth_token_endpoint_url", "oauth_client_id", "oauth_client_secret")
+        problems = []
+        if not sasl:
+            given = ["sasl_mechanism", "sasl_username", "sasl_password", *oauth, "oauth_scope"]
+            if given := [f for f in given if getattr(self, f) is not None]:
+                problems.append(f"{', '.join(given)} set, which only a SASL_* protocol uses")
+        if not tls:
+            given = ["ssl_ca_location", "ssl_certificate_location", "ssl_key_location"]
+            if given := [f for f in given if getattr(self, f) is not None]:
+                problems.append(f"{', '.join(given)} set, which only SSL or SASL_SSL uses")
+        if mechanism in PASSWORD_MECHANISMS and (
+            not self.sasl_username or self.sasl_password is None
+        ):
+            problems.append(f"SASL {mechanism} needs sasl_username and sasl_password")
+        if mechanism == "OAUTHBEARER":
+            if missing := [f for f in oauth if not getattr(self, f)]:
+                problems.append(f"SASL OAUTHBEARER needs {', '.join(missing)}")
+        elif sasl and any(getattr(self, f) for f in (*oauth, "oauth_scope")):
+            problems.append("oauth_* settings need sasl_mechanism OAUTHBEARER")
+        if (self.ssl_certificate_location is None) != (self.ssl_key_location is None):
+            problems.append("ssl_certificate_location and ssl_key_location go together")
+        if self.ssl_key_password is not None and self.ssl_key_location is None:
+            problems.append("ssl_key_password needs ssl_key_location")
+        if problems:
+            raise ValueError(f"security_protocol {protocol}: " + "; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _insync_within_replicas(self) -> KafkaConfig:
+        both = self.min_insync_replicas, self.replication_factor
+        if None not in both and both[0] > both[1]:  # type: ignore[operator]
+            raise ValueError(
+                f"min_insync_replicas = {both[0]} is more than replication_factor = "
+                f"{both[1]}: no write would succeed"
+            )
+        return self
+
     @property
     def embedded(self) -> bool:
         return not self.bootstrap_servers
+
+    @property
+    def mechanism(self) -> str | None:
+        """The SASL mechanism in force: PLAIN when a SASL protocol names none (for every
+        client alike: librdkafka's own default would be GSSAPI)."""
+        if not self.security_protocol.startswith("SASL_"):
+            return None
+        return self.sasl_mechanism or "PLAIN"
+
+    def replication(self, brokers: int) -> Replication:
+        """The one resolver of every topic's replication, given the cluster's broker count
+        (from its metadata): the configured values, else min(3, brokers) replicas and
+        ``min.insync.replicas`` one less than the factor when that is 3 or more (one broker
+        may be down and ``acks=all`` writes still succeed, yet each is on two), else the
+        cluster's default.
+        The embedded broker is one broker, so it gets 1 and the default."""
+        if brokers < 1:
+            raise ConfigurationError("the Kafka cluster reported no brokers")
+        factor = self.replication_factor or min(DEFAULT_REPLICAS, brokers)
+        if factor > brokers:
+            raise ConfigurationError(
+                f"kafka.replication_factor = {factor} but the cluster has {brokers} broker(s): "
+                f"set it to at most {brokers}"
+            )
+        min_insync = self.min_insync_replicas
+        if min_insync is None and factor >= DEFAULT_REPLICAS:
+            min_insync = factor - 1
+        if min_insync is not None and min_insync > factor:
+            raise ConfigurationError(
+                f"kafka.min_insync_replicas = {min_insync} is more than the replication "
+                f"factor {factor}: no write would succeed"
+            )
+        return Replication(factor, min_insync)
 
     def client_config(self, bootstrap_servers: str | None = None) -> dict[str, str]:
         """librdkafka (confluent-kafka) settings for this cluster, security included."""
@@ -127,14 +272,29 @@ class KafkaConfig(StrictModel):
             "bootstrap.servers": servers,
             "security.protocol": self.security_protocol,
         }
-        if self.sasl_mechanism:
-            conf["sasl.mechanism"] = self.sasl_mechanism
+        if self.mechanism:
+            conf["sasl.mechanism"] = self.mechanism
         if self.sasl_username:
             conf["sasl.username"] = self.sasl_username
         if self.sasl_password:
             conf["sasl.password"] = self.sasl_password.get_secret_value()
-        if self.ssl_ca_location:
-            conf["ssl.ca.location"] = self.ssl_ca_location
+        if self.mechanism == "OAUTHBEARER":
+            conf["sasl.oauthbearer.method"] = "oidc"
+            conf["sasl.oauthbearer.token.endpoint.url"] = str(self.oauth_token_endpoint_url)
+            conf["sasl.oauthbearer.client.id"] = str(self.oauth_client_id)
+            assert self.oauth_client_secret is not None  # the validator saw to it
+            conf["sasl.oauthbearer.client.secret"] = self.oauth_client_secret.get_secret_value()
+            if self.oauth_scope:
+                conf["sasl.oauthbearer.scope"] = self.oauth_scope
+        for key, value in (
+            ("ssl.ca.location", self.ssl_ca_location),
+            ("ssl.certificate.location", self.ssl_certificate_location),
+            ("ssl.key.location", self.ssl_key_location),
+        ):
+            if value:
+                conf[key] = value
+        if self.ssl_key_password is not None:
+            conf["ssl.key.password"] = self.ssl_key_password.get_secret_value()
         conf.update(self.client_overrides)
         return conf
 

@@ -204,6 +204,12 @@ class EmbeddedKafka:
         ]
         return jvm + list(args)
 
+    def format_args(self) -> list[str]:
+        """Extra ``StorageTool format`` arguments: a KRaft cluster's SCRAM credentials
+        can only be added when it is formatted (``--add-scram``), before any broker
+        runs; a broker with a SCRAM listener adds them here."""
+        return []
+
     def formatted(self) -> bool:
         return (self.log_dir / "meta.properties").exists()
 
@@ -223,6 +229,7 @@ class EmbeddedKafka:
                 str(self.properties_file),
                 "--standalone",
                 "-g",
+                *self.format_args(),
             ),
             f"formatting {self.log_dir}",
             STORAGE_TOOL_TIMEOUT_S,

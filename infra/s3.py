@@ -197,15 +197,22 @@ def _registered_volumes(master_status_url: str) -> int:
 
 
 def ensure_bucket(client: Any, bucket: str) -> bool:
-    """Create ``bucket`` unless it exists; True if it was created."""
+    """Create ``bucket`` unless it exists, in the client's region (``s3.region_name``);
+    True if it was created. Outside us-east-1 the region goes in the request's location
+    constraint: AWS refuses a bare create there (``IllegalLocationConstraintException``)."""
     try:
         client.head_bucket(Bucket=bucket)
         return False
     except ClientError as err:
         if err.response.get("Error", {}).get("Code") not in ("404", "NoSuchBucket", "NotFound"):
             raise
+    region = client.meta.region_name
+    where = {} if region in (None, "us-east-1") else {"LocationConstraint": region}
     try:
-        client.create_bucket(Bucket=bucket)
+        if where:
+            client.create_bucket(Bucket=bucket, CreateBucketConfiguration=where)
+        else:
+            client.create_bucket(Bucket=bucket)
     except ClientError as err:
         if err.response.get("Error", {}).get("Code") not in (
             "BucketAlreadyOwnedByYou",

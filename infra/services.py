@@ -137,7 +137,7 @@ class Services(Generic[ConfigT]):
         config = self.resolved()
         declared = TopicReport((), ())
         if not self.s3_only:
-            declared = ensure_topics(config.kafka.client_config(), topics)
+            declared = ensure_topics(config.kafka.client_config(), topics, config.kafka)
         ensure_bucket(make_s3_client(config.s3), config.s3.bucket)
         return UpReport(
             bootstrap_servers="" if self.s3_only else config.kafka.bootstrap_servers or "",

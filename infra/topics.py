@@ -7,6 +7,11 @@ silently using e.g. a non-compacted ``policy.versions`` would lose the current v
 smaller ones (``check_sizes`` checks only that). A topic the cluster refuses to create
 as declared (a managed cluster's cap on ``max.message.bytes``, say) is a
 ``TopicRefusedError`` naming it and the configs asked for.
+
+Every topic is created with the replication ``KafkaConfig.replication`` resolves for the
+cluster's broker count (``replication``); Faust's own topics get the same factor
+(``streams.worker``), so there is one setting and one resolver for all of them. An
+existing topic's replication is left as it is.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, ResourceType
 
+from core.config import KafkaConfig, Replication
 from core.retry import permanent
 from schemas.topics import ALL_TOPICS, TopicSpec
 
@@ -53,26 +59,38 @@ class TopicReport:
     existing: tuple[str, ...]
 
 
+def replication(
+    client_config: Mapping[str, str], kafka: KafkaConfig | None = None, timeout: float = 30.0
+) -> Replication:
+    """The replication of topics created on this cluster: ``kafka``'s settings (none:
+    the defaults) resolved against its broker count, read from its metadata."""
+    brokers = len(AdminClient(dict(client_config)).list_topics(timeout=timeout).brokers)
+    return (kafka or KafkaConfig()).replication(brokers)
+
+
 def ensure_topics(
     client_config: Mapping[str, str],
     specs: Iterable[TopicSpec] = ALL_TOPICS,
-    replication_factor: int = 1,
+    kafka: KafkaConfig | None = None,
     timeout: float = 30.0,
 ) -> TopicReport:
-    """Create missing topics, verify existing ones; raises ``TopicConflictError``."""
+    """Create missing topics with the replication ``kafka`` resolves to (none: the
+    defaults), verify existing ones; raises ``TopicConflictError``."""
     specs = list(specs)
     admin = AdminClient(dict(client_config))
-    present = admin.list_topics(timeout=timeout).topics
+    metadata = admin.list_topics(timeout=timeout)
+    present = metadata.topics
     missing = [spec for spec in specs if spec.name not in present]
     created: list[str] = []
     if missing:
+        replicas = (kafka or KafkaConfig()).replication(len(metadata.brokers))
         futures = admin.create_topics(
             [
                 NewTopic(
                     spec.name,
                     num_partitions=spec.partitions,
-                    replication_factor=replication_factor,
-                    config=spec.configs(),
+                    replication_factor=replicas.factor,
+                    config={**spec.configs(), **replicas.topic_configs()},
                 )
                 for spec in missing
             ],

@@ -186,9 +186,8 @@ def topics_ensure(config: RollstreamConfig) -> None:
     from infra.services import Services
     from infra.topics import ensure_topics
 
-    report = ensure_topics(
-        Services(config).resolved().kafka.client_config(), config.run_topic_specs()
-    )
+    kafka = Services(config).resolved().kafka
+    report = ensure_topics(kafka.client_config(), config.run_topic_specs(), kafka)
     click.echo(f"created: {', '.join(report.created) or '-'}")
     click.echo(f"present: {', '.join(report.existing) or '-'}")
 

@@ -445,9 +445,7 @@ def start_groups_at_end(config: RollstreamConfig) -> dict[str, int]:
                 kafka, streams.start_topic, topic
             ):  # recorded before the commit: a retry after a crash keeps the first record
                 offsets = {p: high for p, (_low, high) in ends.items()}
-                write_start_offsets(
-                    kafka, streams.start_topic, topic, offsets, streams.replication_factor
-                )
+                write_start_offsets(kafka, streams.start_topic, topic, offsets, config.kafka)
                 done[streams.start_topic] = len(offsets)
             consumer.commit(
                 offsets=[TopicPartition(topic, p, high) for p, (_low, high) in ends.items()],

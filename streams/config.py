@@ -267,11 +267,6 @@ class StreamsConfig(StrictModel):
     commit_interval_s: float = Field(
         default=1.0, gt=0, description="How often offsets (and transactions) are committed."
     )
-    replication_factor: int = Field(
-        default=1,
-        ge=1,
-        description="Replication of the topics the worker creates (changelog, ticks, ...).",
-    )
     first_start: Literal["earliest", "committed"] = Field(
         default="earliest",
         description=(
@@ -301,6 +296,14 @@ class StreamsConfig(StrictModel):
         default_factory=RestartConfig,
         description="`rollstream stream` starts a crashed worker again (core.process).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replication_moved(cls, data: Any) -> Any:
+        """One setting replicates every topic now: say where it went."""
+        if isinstance(data, dict) and "replication_factor" in data:
+            raise ValueError("streams.replication_factor is now [kafka] replication_factor")
+        return data
 
     @model_validator(mode="after")
     def _ticks_differ(self) -> StreamsConfig:

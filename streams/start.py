@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from core.config import KafkaConfig
 from core.topic_reader import read_range, reader_config, whole_topic
 from schemas.topics import MIB, TopicSpec, producer_limits
 
@@ -71,7 +72,7 @@ def write_start_offsets(
     topic: str,
     raw_topic: str,
     offsets: Mapping[int, int],
-    replication_factor: int = 1,
+    kafka: KafkaConfig | None = None,
 ) -> None:
     """Record ``offsets`` (partition -> offset) of ``raw_topic`` in ``topic`` (created if
     missing) and wait for the broker's acknowledgement."""
@@ -80,7 +81,7 @@ def write_start_offsets(
     from infra.topics import ensure_topics
 
     spec = start_topic_spec(topic)
-    ensure_topics(client_config, [spec], replication_factor=replication_factor)
+    ensure_topics(client_config, [spec], kafka)
     producer = Producer({**client_config, **producer_limits(spec), "enable.idempotence": True})
     for partition, offset in sorted(offsets.items()):
         producer.produce(topic, key=_key(raw_topic, partition), value=str(offset).encode())

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from confluent_kafka.admin import AdminClient
 
+from core.config import KafkaConfig
 from infra.topics import check_sizes, ensure_topics
 from schemas.topics import (
     MIB,
@@ -54,6 +55,13 @@ def memory_changelog_name(config: StreamsConfig) -> str:
     return f"{config.app_id}-{MEMORY_TABLE_NAME}-changelog"
 
 
+def leader_topic_spec(config: StreamsConfig) -> TopicSpec:
+    """Faust's assignor topic (``<app_id>-__assignor-__leader``), created here so that it
+    gets the replication and ``min.insync.replicas`` of every other topic: Faust would
+    create it with the factor alone."""
+    return TopicSpec(f"{config.app_id}-__assignor-__leader", 1, max_message_bytes=1 * MIB)
+
+
 def topic_specs(config: StreamsConfig, raw_partitions: int) -> list[TopicSpec]:
     """Every topic the worker uses, under ``config``'s names; the source topics (raw and
     ticks) and the table changelogs with ``raw_partitions``.
@@ -81,8 +89,11 @@ def topic_specs(config: StreamsConfig, raw_partitions: int) -> list[TopicSpec]:
     ]
 
 
-def prepare_topics(kafka: Mapping[str, str], config: StreamsConfig) -> list[TopicSpec]:
-    """Create missing topics; returns the worker's specs (raw's partition count is that
+def prepare_topics(
+    kafka: Mapping[str, str], config: StreamsConfig, settings: KafkaConfig | None = None
+) -> list[TopicSpec]:
+    """Create missing topics (and Faust's assignor topic) with the replication
+    ``settings`` resolve to; returns the worker's specs (raw's partition count is that
     of ``specs[0]``).
 
     Raw keeps the partition count it already has, whoever created it; a topic that
@@ -96,8 +107,8 @@ def prepare_topics(kafka: Mapping[str, str], config: StreamsConfig) -> list[Topi
     specs = topic_specs(config, partitions)
     ensure_topics(
         kafka,
-        [spec for spec in specs if spec.name not in present],
-        replication_factor=config.replication_factor,
+        [spec for spec in [*specs, leader_topic_spec(config)] if spec.name not in present],
+        settings,
     )
     check_sizes(kafka, [spec for spec in specs if spec.name in present])
     return specs

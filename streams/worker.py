@@ -26,6 +26,7 @@ from faust.types import TP, StreamT, TableT
 from core.config import SharedConfig
 from core.presence import Beacon, default_instance
 from core.topic_reader import group_lag, member_of
+from infra.topics import replication
 from schemas.control import VersionAnnouncement
 from schemas.topics import TopicSpec, largest_message, producer_limits
 from streams.agent import Assembler, message_of, now_ms, wait_for_versions
@@ -158,7 +159,7 @@ class StreamWorker:
         self.kafka = shared.kafka.client_config()
         self.topics = config.topics
         self.instance = default_instance()  # its heartbeat key and Kafka client id
-        self.topic_specs = prepare_topics(self.kafka, config)
+        self.topic_specs = prepare_topics(self.kafka, config, shared.kafka)
         self.raw_partitions = self.topic_specs[0].partitions
         torch.set_num_threads(config.old_logits.torch_threads)
 
@@ -223,7 +224,8 @@ class StreamWorker:
             processing_guarantee=config.processing_guarantee,
             broker_commit_interval=config.commit_interval_s,
             broker_session_timeout=config.session_timeout_s,
-            topic_replication_factor=config.replication_factor,
+            # the factor every topic gets: prepare_topics made them all, Faust's included
+            topic_replication_factor=replication(self.kafka, self.shared.kafka).factor,
             topic_partitions=self.raw_partitions,
             table_standby_replicas=0,
             # it writes every topic of the worker but raw: the largest record any takes
