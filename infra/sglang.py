@@ -12,6 +12,7 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 #: The SGLang release whose HTTP API and server flags the project follows.
 SGLANG_VERSION = "0.5.23"
@@ -42,7 +43,10 @@ class SGLangServer:
     weight_version: str | None = None
     extra_args: tuple[str, ...] = ()
 
-    install = f'pip install "sglang[all]=={SGLANG_VERSION}"  (a GPU machine with CUDA)'
+    module: ClassVar[str] = "sglang"
+    install: ClassVar[str] = (
+        f'pip install "sglang[all]=={SGLANG_VERSION}"  (a GPU machine with CUDA)'
+    )
 
     def argv(self, python: str = sys.executable) -> list[str]:
         argv = [python, "-m", "sglang.launch_server", "--model-path", self.model]
@@ -67,11 +71,14 @@ class SGLangRouter:
     metrics_port: int = 29000
     metrics_host: str = "127.0.0.1"
 
-    install = f'pip install "sglang-router=={SGLANG_ROUTER_VERSION}"'
+    module: ClassVar[str] = "sglang_router"
+    install: ClassVar[str] = f'pip install "sglang-router=={SGLANG_ROUTER_VERSION}"'
 
     def argv(self, python: str = sys.executable) -> list[str]:
         if not self.engine_urls:
             raise ValueError("the router needs at least one engine URL")
+        if bad := [u for u in self.engine_urls if not u.startswith(("http://", "https://"))]:
+            raise ValueError(f"engine URLs must start with http:// or https://: {bad}")
         argv = [python, "-m", "sglang_router.launch_router", "--host", self.host]
         argv += ["--port", str(self.port), "--worker-urls", *self.engine_urls]
         argv += ["--policy", "round_robin", "--log-level", "warn"]

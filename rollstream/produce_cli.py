@@ -123,16 +123,23 @@ def _exec_sglang(
 ) -> None:
     """Become SGLang's server for ``model`` (a checkpoint directory or a Hub id in the
     local cache), or stop saying how to install it."""
-    from infra.sglang import NotInstalled, SGLangServer, require_module
+    from infra.sglang import SGLangServer
 
     if model.split(":", 1)[0] == "tiny":
         raise click.UsageError("the tiny test model runs only on --engine cpu")
-    server = SGLangServer(model, engine.host, engine.port, api_key, version, extra)
+    _become(SGLangServer(model, engine.host, engine.port, api_key, version, extra))
+
+
+def _become(spec: Any) -> None:
+    """Replace this process with ``spec``'s (an ``infra.sglang`` command line), so a
+    supervisor's signals reach it; or say how to install what it needs."""
+    from infra.sglang import NotInstalled, require_module
+
     try:
-        require_module("sglang", server.install)
-    except NotInstalled as err:
+        require_module(spec.module, spec.install)
+        argv = spec.argv()
+    except (NotInstalled, ValueError) as err:
         raise click.ClickException(str(err)) from err
-    argv = server.argv()
     os.execv(argv[0], argv)
 
 
@@ -163,22 +170,21 @@ def router(
 ) -> None:
     """Run SGLang's router (sglang-router) in front of several engines; point producers at
     it with [producers.rollout] engine_url and engine_router = true."""
-    from infra.sglang import NotInstalled, SGLangRouter, require_module
+    from infra.sglang import SGLangRouter
     from producers.engine_auth import check_bind
 
     _, section = _role(config, {"engine": {"api_key": api_key}})
     key = section.engine.api_key.get_secret_value() if section.engine.api_key else None
+    exposure = (
+        "SGLang's router",
+        "could generate on every engine behind it; pass --api-key (or set [producers.engine] "
+        "api_key, which the engines share)",
+    )
     try:
-        check_bind(host, key)
+        check_bind(host, key, exposure)
     except ValueError as err:
         raise click.UsageError(str(err)) from err
-    spec = SGLangRouter(engine_urls, host, port, key, metrics_port)
-    try:
-        require_module("sglang_router", spec.install)
-    except NotInstalled as err:
-        raise click.ClickException(str(err)) from err
-    argv = spec.argv()
-    os.execv(argv[0], argv)
+    _become(SGLangRouter(engine_urls, host, port, key, metrics_port))
 
 
 @click.command("produce")

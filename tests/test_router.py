@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from click.testing import CliRunner
 
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
 from core.process import free_port, tail
@@ -24,6 +25,7 @@ from producers.config import EngineConfig, RolloutConfig
 from producers.inference_engine import Engine
 from producers.router import RouterClient
 from producers.server import ServerThread
+from rollstream.cli import main
 
 pytestmark = pytest.mark.integration
 
@@ -196,3 +198,21 @@ def test_an_engine_url_is_no_router(engines: list[ServerThread]) -> None:
         run(go())
     with pytest.raises(ValueError, match="2 prompts but 1 sampling_params"):
         run(RouterClient(engines[0].url).generate(PROMPTS[:2], [{}]))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["router", "--engine-url", "engine-a:30000"], "must start with http://"),
+        (["router", "--engine-url", "http://10.0.0.2:30000", "--host", "0.0.0.0"], "router"),
+        (["router"], "Missing option '--engine-url'"),
+        (["serve", "--engine", "sglang", "--model", "tiny"], "runs only on --engine cpu"),
+        (["serve", "--engine-arg=--tp-size=2"], "--engine-arg is for --engine sglang"),
+        (["serve", "--engine", "vllm"], "'vllm' is not one of 'cpu', 'sglang'"),
+    ],
+)
+def test_bad_engine_commands_are_refused_before_anything_starts(
+    args: list[str], message: str
+) -> None:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0 and message in result.output, result.output
