@@ -51,7 +51,7 @@ from bench import gpu_engine, gpu_roles
 from core.devices import resolve_device
 from core.logprobs import batch_layout, response_logprobs
 from core.models import build_tiny_llama, cast_parameters
-from infra.sglang import NotInstalled, require_module
+from infra.sglang import NotInstalled, SGLangServer, require_module
 
 #: float32 rounding allowed between a padded row and its solo pass; measured on an H200
 #: (2026-11-26): 3.8e-6 at 148M parameters, 3.5e-5 at 1.1B
@@ -218,9 +218,9 @@ def _engine_kind(choice: str, device: str) -> str:
     if choice != "auto":
         return choice
     try:
-        require_module("sglang", "")
-    except NotInstalled:
-        print("SGLang is not installed: check 6 runs the CPU engine")
+        require_module(SGLangServer.module, SGLangServer.install)
+    except NotInstalled as missing:
+        print(f"{missing}; check 6 runs the CPU engine")
         return "cpu"
     return "sglang" if device.startswith("cuda") else "cpu"
 

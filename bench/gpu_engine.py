@@ -77,9 +77,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout_s: float)
 def _max_diff(
     model: torch.nn.Module, prompts: list[list[int]], outs: list[GenerateOutput]
 ) -> float:
-    device = next(model.parameters()).device
     batch = [(p, o.output_ids) for p, o in zip(prompts, outs, strict=True)]
-    ours = response_logprobs(model.to(device), batch, torch.float32)
+    ours = response_logprobs(model, batch, torch.float32)
     return max(
         float((torch.as_tensor(o.logprobs) - torch.as_tensor(mine)).abs().max())
         for o, mine in zip(outs, ours, strict=True)

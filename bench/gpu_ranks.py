@@ -6,15 +6,14 @@ the CPU).
 Each rank trains its share (``consumers.ranks.split_for_ranks``) of the same synthetic
 groups for a few steps, old log-probs being the trainer's own at the step's start (the
 stream's exact ones, as ``bench.gpu_roles`` checks). Passed when every step's loss is
-finite, the weights moved, and every rank ends with bit-identical weights (sha256 of the
-state dict, gathered): the gradients were all-reduced, not trained apart. Rank 0 prints
+finite, the weights moved, and every rank ends with bit-identical weights (the weights'
+digest, gathered): the gradients were all-reduced, not trained apart. Rank 0 prints
 the report as one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -31,14 +30,7 @@ from consumers.train_engine import TrainEngine, shutdown_distributed
 from core.devices import resolve_device
 from core.models import load_model
 from tests.support.synthetic import synthetic_groups
-
-
-def _digest(engine: TrainEngine) -> str:
-    sha = hashlib.sha256()
-    for name, tensor in sorted(engine.state_dict().items()):
-        sha.update(name.encode())
-        sha.update(tensor.detach().float().cpu().numpy().tobytes())
-    return sha.hexdigest()
+from weights.format import state_digest
 
 
 def main() -> None:
@@ -60,7 +52,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     runner = StepRunner(engine, config, pad_id=0)
     vocab = int(engine.module.config.vocab_size)
-    start, losses = _digest(engine), []
+    start, losses = state_digest(engine.state_dict()), []
     for step in range(args.steps):
         groups = synthetic_groups(
             2 * world, group_size=4, prompt_len=8, response_len=args.response,
@@ -76,7 +68,7 @@ def main() -> None:
         result = runner.train_step([attached], step=step)
         losses.append(float(result.metrics.get("loss/total", float("nan"))))
     digests: list[str | None] = [None] * world
-    dist.all_gather_object(digests, _digest(engine))
+    dist.all_gather_object(digests, state_digest(engine.state_dict()))
     passed = (
         all(math.isfinite(x) for x in losses) and digests[0] != start and len(set(digests)) == 1
     )

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 from click.testing import CliRunner
+from test_producers_server import recompute
 
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
 from core.process import free_port, tail
@@ -36,12 +36,6 @@ PROMPTS = [
     [BOS_ID, 9, SEP_ID],
     [BOS_ID, 4, SEP_ID],
 ]
-
-
-def recompute(model: torch.nn.Module, prompt: list[int], response: list[int]) -> list[float]:
-    with torch.inference_mode():
-        logp = torch.log_softmax(model(torch.tensor([prompt + response])).logits[0].float(), -1)
-    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(response)]
 
 
 @pytest.fixture(scope="module")
