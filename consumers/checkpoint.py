@@ -26,7 +26,11 @@ is routed at least once and only when the offsets past it are durable: never tra
 after a restart that re-reads it, never lost).
 
 ``TrainingLedger``: a JSONL file, one line per optimiser step
-``{"step": n, "trajectory_ids": [...], "stale_ids": [...]}`` (``stale_ids``: the samples
+``{"step": n, "trajectory_ids": [...], "micro_batches": [[...], ...], "relaxed_ids": [...],
+"stale_ids": [...]}`` (``trajectory_ids``: the samples trained; ``micro_batches``: the
+samples handed to the step, micro-batch by micro-batch, in order, and ``relaxed_ids`` those
+clipped with the relaxed bounds: together the step's exact composition, which
+``rollstream fork`` trains again; ``stale_ids``: the samples
 of the groups routed as stale while that step was gathered; ``refused_ids``, when there
 are any: the samples of groups refused as already trained), appended only for steps
 covered by a durable checkpoint. The entries of the steps since the previous checkpoint
@@ -46,7 +50,7 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -77,13 +81,38 @@ def tag_order(tag: str) -> tuple[int, int] | None:
     return int(match.group(1)), int(match.group(2) or 0)
 
 
+class LedgerStep(NamedTuple):
+    """One trained step as the ledger keeps it (``micro_batches`` None: a line written
+    before compositions were recorded)."""
+
+    step: int
+    trajectory_ids: list[str]
+    micro_batches: list[list[str]] | None = None
+    relaxed_ids: Sequence[str] = ()
+
+    def to_state(self) -> list[Any]:
+        return [self.step, list(self.trajectory_ids), self.micro_batches, list(self.relaxed_ids)]
+
+    @classmethod
+    def from_state(cls, raw: Sequence[Any]) -> LedgerStep:
+        """From ``to_state`` (or the ``[step, ids]`` pair of older checkpoints)."""
+        step, ids, *rest = raw
+        batches = rest[0] if rest else None
+        return cls(
+            int(step),
+            [str(i) for i in ids],
+            None if batches is None else [[str(i) for i in b] for b in batches],
+            [str(i) for i in rest[1]] if len(rest) > 1 else [],
+        )
+
+
 @dataclass
 class TrainerState:
     """What a checkpoint records besides the engine state."""
 
     step: int = 0
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
-    ledger: list[tuple[int, list[str]]] = field(default_factory=list)
+    ledger: list[LedgerStep] = field(default_factory=list)
     runner: dict[str, Any] = field(default_factory=dict)
     last_published: int | None = None
     stale: list[StaleGroup] = field(default_factory=list)  # since the previous checkpoint
@@ -97,7 +126,7 @@ class TrainerState:
             _CLIENT_KEY: {
                 "step": self.step,
                 "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())],
-                "ledger": [[s, list(ids)] for s, ids in self.ledger],
+                "ledger": [LedgerStep(*entry).to_state() for entry in self.ledger],
                 "runner": self.runner,
                 "last_published": self.last_published,
                 "stale": [g.to_state() for g in self.stale],
@@ -114,7 +143,7 @@ class TrainerState:
         return cls(
             step=int(raw["step"]),
             offsets={(str(t), int(p)): int(o) for t, p, o in raw["offsets"]},
-            ledger=[(int(s), [str(i) for i in ids]) for s, ids in raw["ledger"]],
+            ledger=[LedgerStep.from_state(entry) for entry in raw["ledger"]],
             runner=dict(raw.get("runner") or {}),
             last_published=raw.get("last_published"),
             stale=[StaleGroup.from_state(g) for g in raw.get("stale") or []],
@@ -195,6 +224,40 @@ class CheckpointManager:
         barrier()
         return tag
 
+    def adopt(self, source: Path, step: int) -> str:
+        """Copy the durable checkpoint of ``step`` from another checkpoint directory
+        (``source``, another run's) here and mark it LATEST: a fork that starts from that
+        step; ``FileNotFoundError`` naming the steps ``source`` still holds."""
+        marker = Path(source) / LATEST_NAME
+        newest = tag_order(orjson.loads(marker.read_bytes())["tag"]) if marker.exists() else None
+        durable = {
+            order: path.name
+            for path in Path(source).iterdir()
+            if path.is_dir()
+            and (order := tag_order(path.name)) is not None
+            and newest is not None
+            and order <= newest
+        }
+        found = [tag for (s, _r), tag in sorted(durable.items()) if s == step]
+        if not found:
+            held = sorted({s for s, _r in durable})
+            raise FileNotFoundError(
+                f"no checkpoint of step {step} in {source} (it holds steps {held}; "
+                "[trainer.checkpoint] keep sets how many are kept)"
+            )
+        tag = found[-1]
+        target = self.dir / tag
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(Path(source) / tag, target)
+        if self.config.fsync:
+            _fsync_tree(target)
+        write_atomic(
+            self.dir / LATEST_NAME,
+            orjson.dumps({"tag": tag, "step": step}),
+            fsync=self.config.fsync,
+        )
+        return tag
+
     def load(self, engine: TrainEngine) -> TrainerState | None:
         """Restore the LATEST checkpoint into ``engine``; None when there is none."""
         found = self.latest()
@@ -262,14 +325,14 @@ class TrainingLedger:
 
     def append(
         self,
-        entries: list[tuple[int, list[str]]],
+        entries: Sequence[LedgerStep | tuple[int, list[str]]],
         stale: Sequence[StaleGroup] = (),
         refused: Sequence[tuple[int, list[str]]] = (),
     ) -> int:
         """Append entries of steps after ``last_step`` (others are already there), each
         with the sample ids of ``stale`` groups of its step and of groups ``refused`` as
         already trained while it was gathered; returns how many lines were written."""
-        fresh = [(s, ids) for s, ids in entries if s > self._last_step]
+        fresh = [LedgerStep(*e) for e in entries if e[0] > self._last_step]
         if not fresh:
             return 0
         stale_ids: dict[int, list[str]] = {}
@@ -281,21 +344,23 @@ class TrainingLedger:
         payload = b"".join(
             orjson.dumps(
                 {
-                    "step": s,
-                    "trajectory_ids": ids,
-                    "stale_ids": stale_ids.get(s, []),
-                    **({"refused_ids": refused_ids[s]} if s in refused_ids else {}),
+                    "step": e.step,
+                    "trajectory_ids": e.trajectory_ids,
+                    **({} if e.micro_batches is None else {"micro_batches": e.micro_batches}),
+                    "relaxed_ids": list(e.relaxed_ids),
+                    "stale_ids": stale_ids.get(e.step, []),
+                    **({"refused_ids": refused_ids[e.step]} if e.step in refused_ids else {}),
                 }
             )
             + b"\n"
-            for s, ids in fresh
+            for e in fresh
         )
         with self.path.open("ab") as fh:
             fh.write(payload)
             fh.flush()
             if self.fsync:
                 os.fsync(fh.fileno())
-        self._last_step = max(s for s, _ in fresh)
+        self._last_step = max(e.step for e in fresh)
         return len(fresh)
 
     @staticmethod
@@ -320,6 +385,26 @@ class TrainingLedger:
                 if line.endswith(b"\n") and line.strip():
                     refused.extend(orjson.loads(line).get("refused_ids") or [])
         return refused
+
+    @staticmethod
+    def read_steps(path: Path) -> list[LedgerStep]:
+        """Every complete line as a ``LedgerStep``, compositions included."""
+        steps = []
+        with contextlib.suppress(FileNotFoundError):
+            for line in Path(path).read_bytes().splitlines(keepends=True):
+                if line.endswith(b"\n") and line.strip():
+                    row = orjson.loads(line)
+                    steps.append(
+                        LedgerStep.from_state(
+                            [
+                                row["step"],
+                                row["trajectory_ids"],
+                                row.get("micro_batches"),
+                                row.get("relaxed_ids") or [],
+                            ]
+                        )
+                    )
+        return steps
 
     @staticmethod
     def read(path: Path) -> list[tuple[int, list[str]]]:

@@ -187,7 +187,7 @@ class StepRunner:
             )
         out = compute_loss(self.loss_config, inputs)
         self.engine.backward(out.loss)
-        metrics = step_metrics(out.metrics, batch, anchored_on_prox)
+        metrics = step_metrics(out.metrics, batch, anchored_on_prox, logp_new)
         trained = batch.loss_mask
         metrics["policy/entropy"] = float((entropy * trained).sum()) / max(int(trained.sum()), 1)
         return metrics
@@ -329,11 +329,19 @@ def anchored_inputs(
 
 
 def step_metrics(
-    loss_metrics: dict[str, float], batch: PackedBatch, anchored_on_prox: torch.Tensor | None
+    loss_metrics: dict[str, float],
+    batch: PackedBatch,
+    anchored_on_prox: torch.Tensor | None,
+    logp_new: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """The loss's metrics with ``mismatch/k3_kl`` over exact records only, plus the
     fractions of exact and proximal-anchored tokens (policy tokens, like the loss) and the
-    number of environment tokens left out of the loss."""
+    number of environment tokens left out of the loss. With ``logp_new``: how far the
+    weights being trained are from the policy that generated the data
+    (``offpolicy/k3_kl``, KL(generating ‖ trained) by the k3 estimator, and
+    ``offpolicy/abs_log_ratio``, the mean |log π_θ − log π_gen|, per policy token; the
+    generating policy's log-probs are the exact old ones where recorded, the engine's
+    otherwise): the measure of how off-policy a fork trains."""
     metrics = dict(loss_metrics)
     metrics.pop("mismatch/k3_kl", None)
     exact = batch.old_exact[:, None]
@@ -346,6 +354,11 @@ def step_metrics(
             log_d = torch.where(exact_mask, batch.logp_old - batch.logp_infer, 0.0)
             metrics["mismatch/k3_kl"] = float(k3(log_d).sum()) / n_exact
         metrics["data/exact_old_frac"] = n_exact / n_trained
+        if logp_new is not None:
+            generating = torch.where(exact, batch.logp_old, batch.logp_infer)
+            log_r = torch.where(trained, logp_new.detach() - generating, 0.0)
+            metrics["offpolicy/k3_kl"] = float(k3(log_r).sum()) / n_trained
+            metrics["offpolicy/abs_log_ratio"] = float(log_r.abs().sum()) / n_trained
         if anchored_on_prox is not None:
             n_prox = int((trained & anchored_on_prox).sum())
             metrics["data/anchor_prox_frac"] = n_prox / n_trained

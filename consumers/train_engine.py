@@ -239,6 +239,21 @@ class TrainEngine:
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def set_peak_lr(self, lr: float) -> None:
+        """Make ``lr`` the peak rate of the optimiser and its schedule, at the schedule's
+        current position: a checkpoint restores the rate it was saved with, and a fork
+        from another run's checkpoint trains with its own."""
+        schedule = self.engine.lr_scheduler
+        groups = self.optimizer.param_groups
+        if schedule is None:
+            for group in groups:
+                group["lr"] = lr
+            return
+        schedule.base_lrs = [lr] * len(groups)
+        for group, factor in zip(groups, schedule.lr_lambdas, strict=True):
+            group["initial_lr"] = lr
+            group["lr"] = lr * factor(schedule.last_epoch)
+
     # --- weights ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:

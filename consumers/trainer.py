@@ -40,7 +40,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from consumers.batching import StaleGroup, TopicPartition, merge_offsets
-from consumers.checkpoint import CheckpointManager, TrainerState, TrainingLedger
+from consumers.checkpoint import CheckpointManager, LedgerStep, TrainerState, TrainingLedger
 from consumers.config import CheckpointConfig, TrainerConfig, checkpoint_dir, ledger_path
 from consumers.failpoint import FAILPOINT_ENV as FAILPOINT_ENV  # the crash tests set it
 from consumers.failpoint import failpoint
@@ -129,8 +129,9 @@ class Trainer:
         self.stop_event = threading.Event()
         self.step = 0
         self.offsets: dict[TopicPartition, int] = {}
-        self.pending_ledger: list[tuple[int, list[str]]] = []
+        self.pending_ledger: list[LedgerStep] = []
         self.last_checkpoint_step = 0
+        self.checkpoint_s: float | None = None  # the last checkpoint's seconds, not yet in a row
         self.pending_stale: list[StaleGroup] = []
         self.recent = RecentGroups()  # groups trained into the weights lately (checkpointed)
         self.pending_refused: list[tuple[int, list[str]]] = []
@@ -271,6 +272,12 @@ class Trainer:
             on_dead_letter=self.sink.record_dlq,
             policy=self.shared.policy,
         )
+        self._start_publisher()
+
+    def _start_publisher(self) -> None:
+        """The publisher of this run's weight lineage (None when nothing is published),
+        after publishing version ``step`` if the store has none."""
+        cfg = self.config
         self.publisher = None
         if cfg.publish.every or cfg.publish.initial:
             from consumers.weight_publisher import Publisher
@@ -363,7 +370,8 @@ class Trainer:
         self.offsets = merge_offsets(self.offsets, covered)
         ids = [t.trajectory_id for t in result.trained]
         self._count_producers(result.trained)
-        self.pending_ledger.append((self.step, ids))
+        composition = [[t.trajectory_id for t in batch] for batch in micro_batches]
+        self.pending_ledger.append(LedgerStep(self.step, ids, composition, sorted(relaxed)))
         for group_id in consumed:
             self.recent.add(group_id)
         if refused:
@@ -400,9 +408,14 @@ class Trainer:
             published = self.publisher.publish(self.step, self._full_weights())
             metrics["time/publish_s"] = published.seconds
             self.summary.published.append(self.step)
-        if self.step % cfg.checkpoint.every == 0:
-            metrics["time/checkpoint_s"] = self._checkpoint()
+        if self.checkpoint_s is not None:  # the checkpoint after the previous step
+            metrics["time/checkpoint_s"] = self.checkpoint_s
+            self.checkpoint_s = None
+        # written before the checkpoint: a crash after it trains the step again and writes
+        # its row again (the last row of a step wins), never leaves a step without one
         self.sink.emit(metrics, result.trained)
+        if self.step % cfg.checkpoint.every == 0:
+            self.checkpoint_s = self._checkpoint()
         self.summary.steps_this_run += 1
         self.summary.trained += len(result.trained)
         return True

@@ -197,6 +197,7 @@ def _register_role_commands() -> None:
     from rollstream.audit import audit_command
     from rollstream.dataset_export import export_dataset
     from rollstream.export import export
+    from rollstream.fork_cli import fork
     from rollstream.inspect_group import inspect_group
     from rollstream.produce_cli import evaluate, gateway, produce, router, serve
     from rollstream.replay import replay
@@ -217,6 +218,7 @@ def _register_role_commands() -> None:
         roles_command,
         export,
         export_dataset,
+        fork,
     ):
         main.add_command(command)
 

@@ -314,29 +314,42 @@ def write_report(metrics: RunMetrics, out: Path) -> tuple[Path, Path]:
 
 
 @click.command("report")
-@click.argument("run")
+@click.argument("runs", nargs=-1, required=True, metavar="RUN [OTHER ...]")
 @click.option(
     "--metrics",
     "metrics_files",
     multiple=True,
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Trainer metrics JSONL of the run (repeatable); default: see `rollstream report -h`.",
+    help="Trainer metrics JSONL of the run (repeatable, one RUN only); default: see "
+    "`rollstream report -h`.",
 )
 @click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Directory for report.png and report.html (default ./rollstream-report-RUN).",
+    help="Directory for report.png and report.html (default ./rollstream-report-RUN), or "
+    "compare.png and compare.html with several runs (default ./rollstream-compare-RUN).",
 )
 @click.pass_obj
 def report(
-    config: RollstreamConfig, run: str, metrics_files: tuple[Path, ...], out: Path | None
+    config: RollstreamConfig,
+    runs: tuple[str, ...],
+    metrics_files: tuple[Path, ...],
+    out: Path | None,
 ) -> None:
-    """Plot RUN's reward, staleness, masked/clipped/vetoed fractions and version lag.
+    """Plot RUN's reward, staleness, masked/clipped/vetoed fractions and version lag;
+    with several runs (a run and its forks), overlay them metric by metric.
 
     Metrics come from --metrics, else [trainer] metrics_file (when RUN is the config's
     run_id), else <state_dir>/trainer/RUN/metrics.jsonl. A multi-policy run gets one
     report per policy (OUT/<policy>), unless --policy names one.
     """
+    if len(runs) > 1:
+        if metrics_files:
+            raise click.UsageError("--metrics goes with one RUN")
+        config.require_policy()
+        _compare(config, runs, out or Path(f"rollstream-compare-{runs[0]}"))
+        return
+    run = runs[0]
     out = out or Path(f"rollstream-report-{run}")
     if config.policies and not config.policy and not metrics_files:
         for name in sorted(config.policies):  # one report per policy, each its own trainer's
@@ -355,3 +368,19 @@ def _report(
         raise click.ClickException(f"no metrics rows in {', '.join(map(str, paths))}")
     png_path, html_path = write_report(metrics, out)
     click.echo(f"{label}{len(metrics.rows)} steps → {png_path} and {html_path}")
+
+
+def _compare(config: RollstreamConfig, runs: Sequence[str], out: Path) -> None:
+    from rollstream.report_compare import write_compare
+
+    loaded = []
+    for run in runs:
+        evaluated = eval_path(config, run)
+        metrics = load_metrics(
+            run, metrics_paths(config, run, ()), [evaluated] if evaluated else []
+        )
+        if not metrics.rows:
+            raise click.ClickException(f"no metrics rows for run {run!r}")
+        loaded.append(metrics)
+    png_path, html_path = write_compare(loaded, out)
+    click.echo(f"{len(runs)} runs → {png_path} and {html_path}")

@@ -370,7 +370,7 @@ def loss_terms(
             trainer, batch, logp_new, logp_prox=logp_prox, logp_ref=logp_ref
         )
         out = compute_loss(trainer.loss, inputs)
-    return step_metrics(out.metrics, batch, anchored)
+    return step_metrics(out.metrics, batch, anchored, logp_new)
 
 
 def trainable(

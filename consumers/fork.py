@@ -1,0 +1,224 @@
+"""A fork's trainer: train again, step by step, exactly what a recorded run trained.
+
+A run's trainer ledger (``consumers.checkpoint.TrainingLedger``) records each step's
+composition: the samples handed to it, micro-batch by micro-batch, and those clipped with
+the relaxed bounds. ``RecordedSteps`` reads the run's scored topic once (committed records
+of that run only), keeps the samples the planned steps need, and hands each step its
+micro-batches as the original trainer had them. ``ForkTrainer`` is the trainer with that
+as its source: the same engine, loss, checkpoints, ledger, metrics and publishing, under
+the fork's own run id (its own checkpoint directory, ledger, metrics file and weight
+lineage), with nothing consumed from a group, routed, committed or announced. So a fork
+never writes to the recorded run's topics, weights or checkpoints, and a fork killed at
+any point resumes from its own last checkpoint like any trainer, training the same steps.
+
+With nothing changed and the recorded run trained with ``[trainer.engine] deterministic``,
+every version the fork publishes is the run's, bit for bit: the composition, the order and
+the relaxed rows are the recorded ones, and a step's shuffle (``[trainer.ppo]``) is seeded
+by its step number.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from consumers.batching import StaleGroup, TopicPartition
+from consumers.checkpoint import LedgerStep
+from consumers.config import TrainerConfig
+from consumers.trainer import Gathered, Trainer
+from core.config import SharedConfig
+from schemas.trajectory import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class ForkError(ValueError):
+    """The recorded run cannot be forked as asked (its ledger or topic lacks something)."""
+
+
+@dataclass(frozen=True)
+class ForkPlan:
+    """What a fork trains: ``steps`` of run ``run_id``'s ledger (``from_step`` + 1 to
+    ``to_step``, contiguous), read back from ``scored_topic``."""
+
+    run_id: str
+    scored_topic: str
+    steps: Sequence[LedgerStep]
+    from_step: int
+    to_step: int
+
+    @classmethod
+    def of_ledger(
+        cls,
+        run_id: str,
+        scored_topic: str,
+        ledger: Sequence[LedgerStep],
+        from_step: int = 0,
+        to_step: int | None = None,
+    ) -> ForkPlan:
+        """The plan for steps ``from_step`` + 1 .. ``to_step`` (default: the ledger's last)."""
+        if not ledger:
+            raise ForkError(f"run {run_id!r} has no trained step in its ledger")
+        last = ledger[-1].step
+        to_step = last if to_step is None else to_step
+        if not 0 <= from_step < to_step <= last:
+            raise ForkError(
+                f"steps {from_step}..{to_step} are not within run {run_id!r}'s trained steps "
+                f"0..{last} (from-step must be below to-step)"
+            )
+        steps = [s for s in ledger if from_step < s.step <= to_step]
+        numbers = [s.step for s in steps]
+        if numbers != list(range(from_step + 1, to_step + 1)):
+            missing = sorted(set(range(from_step + 1, to_step + 1)) - set(numbers))
+            raise ForkError(f"run {run_id!r}'s ledger lacks steps {missing[:10]}")
+        return cls(run_id, scored_topic, steps, from_step, to_step)
+
+    def needed_ids(self) -> set[str]:
+        return {i for step in self.steps for batch in self.micro_batches(step) for i in batch}
+
+    @staticmethod
+    def micro_batches(step: LedgerStep) -> list[list[str]]:
+        """The step's micro-batches of sample ids (a line from before compositions were
+        recorded: its trained samples as one micro-batch)."""
+        return step.micro_batches if step.micro_batches is not None else [step.trajectory_ids]
+
+
+@dataclass
+class NoDeadLetters:
+    """A fork reads records the recorded run already judged: none is dead-lettered."""
+
+    sent: int = 0
+
+
+@dataclass
+class RecordedSteps:
+    """The fork's source: each planned step's micro-batches, from the recorded topic.
+
+    Offers what the trainer asks of its Kafka source besides gathering (dead letters,
+    stale routing, offset commits, lag), as nothing: a fork consumes, routes and commits
+    nothing."""
+
+    plan: ForkPlan
+    samples: Mapping[str, Trajectory]
+    dlq: NoDeadLetters = field(default_factory=NoDeadLetters)
+
+    @classmethod
+    def read(
+        cls, client_config: Mapping[str, str], plan: ForkPlan, timeout_s: float = 60.0
+    ) -> RecordedSteps:
+        """Read ``plan.scored_topic`` to its current end and keep the samples the plan
+        needs; ``ForkError`` naming the steps whose samples the topic no longer holds."""
+        from confluent_kafka import Consumer
+
+        from core.topic_reader import read_range, reader_config, whole_topic
+        from schemas.group import decode_group
+
+        needed = plan.needed_ids()
+        samples: dict[str, Trajectory] = {}
+        consumer = Consumer(reader_config(client_config, "fork"))
+        try:
+            topic = plan.scored_topic
+            for msg in read_range(consumer, topic, whole_topic(consumer, topic), timeout_s):
+                try:
+                    group = decode_group(msg.value() or b"")
+                except Exception:  # dead-lettered by the recorded run: never trained
+                    continue
+                if group.run_id != plan.run_id:
+                    continue
+                for sample in group.samples:
+                    if sample.trajectory_id in needed:
+                        samples.setdefault(sample.trajectory_id, sample)
+        finally:
+            consumer.close()
+        lost = needed - samples.keys()
+        if lost:
+            steps = [
+                s.step
+                for s in plan.steps
+                if any(i in lost for b in plan.micro_batches(s) for i in b)
+            ]
+            raise ForkError(
+                f"{len(lost)} samples of run {plan.run_id!r} that steps {steps[:10]} trained "
+                f"are not on {plan.scored_topic} (its retention removed them?)"
+            )
+        log.info(
+            "read %d samples of %d steps of run %s", len(samples), len(plan.steps), plan.run_id
+        )
+        return cls(plan, samples)
+
+    def composition(self, step: int) -> tuple[list[list[Trajectory]], set[str]] | None:
+        """Step ``step``'s micro-batches and relaxed sample ids; None past the plan."""
+        index = step - self.plan.from_step - 1
+        if not 0 <= index < len(self.plan.steps):
+            return None
+        entry = self.plan.steps[index]
+        batches = [[self.samples[i] for i in batch] for batch in self.plan.micro_batches(entry)]
+        return batches, set(entry.relaxed_ids)
+
+    def flush_dead_letters(self) -> None:
+        return None
+
+    def route_stale(self, groups: list[StaleGroup]) -> None:
+        if groups:
+            raise RuntimeError("a fork sets nothing aside: it trains the recorded steps only")
+
+    def commit(self, offsets: Mapping[TopicPartition, int]) -> bool:
+        return True
+
+    def lag(self, trained: Mapping[TopicPartition, int]) -> dict[int, int]:
+        return {}
+
+    def close(self) -> None:
+        return None
+
+
+class ForkTrainer(Trainer):
+    """The trainer, fed the recorded steps of another run (see the module doc)."""
+
+    def __init__(
+        self,
+        shared: SharedConfig,
+        trainer: TrainerConfig,
+        plan: ForkPlan,
+        read_timeout_s: float = 60.0,
+    ) -> None:
+        if shared.run_id == plan.run_id:
+            raise ForkError("a fork needs a run id of its own")
+        super().__init__(shared, trainer)
+        self.plan = plan
+        self.read_timeout_s = read_timeout_s
+
+    def _restore(self) -> None:
+        """The fork's own last checkpoint, or the recorded run's it starts from; the
+        learning rate is the fork's either way (a checkpoint carries the run's)."""
+        super()._restore()
+        if self.restored is not None:
+            self.engine.set_peak_lr(self.config.engine.lr)
+
+    def _connect(self) -> None:
+        """The recorded steps and the publisher of the fork's own lineage; no presence,
+        no topics created, no consumer group joined."""
+        self.source = RecordedSteps.read(self.kafka, self.plan, self.read_timeout_s)
+        self._start_publisher()
+
+    def _settle_restored(self) -> None:
+        """The ledger lines the last checkpoint has and the ledger lacks (nothing to route)."""
+        state = self.restored
+        if state is not None and self.ledger is not None:
+            self.ledger.append(state.ledger, state.stale, state.refused)
+        self.restored = None
+
+    def _gather(self, count: int) -> Gathered | None:
+        """The recorded composition of the next step; None past the plan's last."""
+        assert isinstance(self.source, RecordedSteps)
+        found = self.source.composition(self.step + 1)
+        if found is None:
+            return None
+        batches, relaxed = found
+        if len(batches) != count:
+            raise ForkError(
+                f"step {self.step + 1} of run {self.plan.run_id!r} trained {len(batches)} "
+                f"micro-batches; this fork's [trainer.engine] grad_accum_steps is {count}"
+            )
+        return batches, {}, [], relaxed, set(), []

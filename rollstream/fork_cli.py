@@ -1,0 +1,260 @@
+"""``rollstream fork RUN --as NEW``: train a run again from its log, under a new run id.
+
+The fork's trainer (``consumers.fork``) trains exactly the steps RUN's trainer trained,
+from RUN's recorded scored groups, with the configuration of this command (the same file
+as RUN's, ``--set`` laid over it: the one thing changed). It starts from RUN's initial
+weights (``[trainer.model]``) or, with ``--from-step N``, from RUN's checkpoint of step N
+(optimiser state included). Everything the fork writes is its own, under
+``<state_dir>/trainer/NEW/``: ``fork.json`` (what it forks, with which settings),
+``checkpoints/``, ``ledger.jsonl``, ``metrics.jsonl`` (where ``rollstream report NEW``
+finds it); and its weight lineage in S3 under NEW. Run the same command again to resume
+a fork that stopped or was killed; the same name with other settings is refused.
+
+At the end it compares, version by version, the fork's published weights with RUN's
+(the manifests' ``state_sha256``): a control arm (nothing changed) is identical at every
+version when RUN trained with ``[trainer.engine] deterministic``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import orjson
+from pydantic import ValidationError
+
+from rollstream.config import CONFIG_SOURCES, ConfigSources, RollstreamConfig, parse_assignments
+
+FORK_FILE = "fork.json"
+
+
+def run_home(config: RollstreamConfig, run: str) -> Path:
+    """``<state_dir>/trainer/<run>[/<policy>]``: where a run's trainer keeps its files."""
+    home = config.state_dir / "trainer" / run
+    return home / config.policy if config.policy else home
+
+
+def read_fork(home: Path) -> dict[str, Any] | None:
+    """The ``fork.json`` of a run's home, None when it is no fork."""
+    path = home / FORK_FILE
+    return orjson.loads(path.read_bytes()) if path.is_file() else None
+
+
+def list_forks(config: RollstreamConfig, run: str) -> list[dict[str, Any]]:
+    """Every fork of ``run`` under this state dir, oldest first, with its progress."""
+    from consumers.checkpoint import TrainingLedger
+
+    forks = []
+    root = config.state_dir / "trainer"
+    for path in sorted(root.glob(f"*/{FORK_FILE}")) + sorted(root.glob(f"*/*/{FORK_FILE}")):
+        fork = orjson.loads(path.read_bytes())
+        if fork.get("run") == run and fork.get("policy", "") == config.policy:
+            steps = TrainingLedger.read(path.parent / "ledger.jsonl")
+            fork["trained_to"] = steps[-1][0] if steps else fork["from_step"]
+            forks.append(fork)
+    return sorted(forks, key=lambda f: f.get("created", ""))
+
+
+def compare_versions(config: RollstreamConfig, run: str, fork: str) -> list[tuple[int, str, str]]:
+    """``(version, RUN's state_sha256, the fork's)`` of every version both lineages hold."""
+    from infra.services import Services
+    from weights.manifest import Manifest
+    from weights.store import WeightStore
+
+    s3 = Services(config).resolved().s3
+    theirs = WeightStore.from_config(s3, run, config.policy)
+    ours = WeightStore.from_config(s3, fork, config.policy)
+    both = sorted(set(theirs.versions()) & set(ours.versions()))
+    return [
+        (
+            v,
+            Manifest.from_bytes(theirs.read_manifest(v)).state_sha256,
+            Manifest.from_bytes(ours.read_manifest(v)).state_sha256,
+        )
+        for v in both
+    ]
+
+
+def fork_manifest(
+    run: str, new: str, policy: str, from_step: int, to_step: int, assignments: tuple[str, ...]
+) -> dict[str, Any]:
+    return {
+        "run": run,
+        "fork": new,
+        "policy": policy,
+        "from_step": from_step,
+        "to_step": to_step,
+        "set": list(assignments),
+    }
+
+
+def claim_home(home: Path, manifest: dict[str, Any]) -> bool:
+    """Make ``home`` the fork's (True), or find it is already (False: a resume);
+    ``ClickException`` when it belongs to another run or another fork."""
+    existing = read_fork(home)
+    if existing is not None:
+        kept = {k: v for k, v in existing.items() if k != "created"}
+        if kept != manifest:
+            raise click.ClickException(
+                f"{manifest['fork']} is already a fork of {existing['run']} with other "
+                f"settings ({home / FORK_FILE}); choose another name"
+            )
+        return False
+    if home.exists() and any(home.iterdir()):
+        raise click.ClickException(
+            f"{manifest['fork']} is a run of its own ({home} holds its files): choose another name"
+        )
+    home.mkdir(parents=True, exist_ok=True)
+    created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    (home / FORK_FILE).write_bytes(
+        orjson.dumps({**manifest, "created": created}, option=orjson.OPT_INDENT_2)
+    )
+    return True
+
+
+@click.command("fork")
+@click.argument("run")
+@click.option("--as", "new", metavar="NEW", help="The fork's run id (required unless --list).")
+@click.option(
+    "--set",
+    "assignments",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="What the fork changes, e.g. --set trainer.loss.type=mu_grpo (repeatable).",
+)
+@click.option(
+    "--from-step",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Start from RUN's checkpoint of this step (0: RUN's initial weights).",
+)
+@click.option(
+    "--to-step",
+    type=click.IntRange(min=1),
+    help="Stop after this step (default: the last step RUN's ledger holds).",
+)
+@click.option("--list", "show_list", is_flag=True, help="List RUN's forks and exit.")
+@click.option(
+    "--timeout", "timeout_s", default=60.0, show_default=True, help="Topic read timeout (s)."
+)
+@click.pass_context
+def fork(
+    ctx: click.Context,
+    run: str,
+    new: str | None,
+    assignments: tuple[str, ...],
+    from_step: int,
+    to_step: int | None,
+    show_list: bool,
+    timeout_s: float,
+) -> None:
+    """Train RUN again from its recorded scored groups, step by step as RUN's trainer
+    did, as run NEW (its own checkpoints, ledger, metrics and weights)."""
+    config: RollstreamConfig = ctx.obj
+    config.require_policy()
+    if show_list:
+        for f in list_forks(config, run):
+            changed = " ".join(f.get("set", [])) or "(control: nothing changed)"
+            click.echo(
+                f"{f['fork']}: steps {f['from_step'] + 1}..{f['to_step']}, trained to "
+                f"{f['trained_to']}, {changed}"
+            )
+        return
+    if not new:
+        raise click.UsageError("--as NEW is required")
+    if new == run:
+        raise click.BadParameter("a fork needs a run id of its own", param_hint="--as")
+    try:
+        overrides = parse_assignments(assignments)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--set") from err
+    if "run_id" in overrides or "policy" in overrides:
+        raise click.BadParameter("run_id and policy are the fork's own", param_hint="--set")
+    sources: ConfigSources = ctx.meta[CONFIG_SOURCES]
+    recorded = sources.resolve(run_id=run)
+    try:
+        forked = sources.resolve(**overrides, run_id=new)
+    except ValidationError as err:
+        raise click.UsageError(f"invalid configuration for the fork:\n{err}") from err
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    sys.exit(run_fork(recorded, forked, assignments, from_step, to_step, timeout_s))
+
+
+def run_fork(
+    recorded: RollstreamConfig,
+    forked: RollstreamConfig,
+    assignments: tuple[str, ...],
+    from_step: int,
+    to_step: int | None,
+    timeout_s: float,
+) -> int:
+    """Plan the fork from RUN's ledger, claim its home, train, compare the versions."""
+    from consumers.checkpoint import CheckpointManager, TrainingLedger
+    from consumers.config import checkpoint_dir, ledger_path
+    from consumers.fork import ForkError, ForkPlan, ForkTrainer
+    from infra.services import Services
+    from rollstream.config import role_config
+
+    run, new = recorded.run_id, forked.run_id
+    run_ledger = ledger_path(recorded, recorded.trainer)
+    try:
+        plan = ForkPlan.of_ledger(
+            run,
+            recorded.trainer.topics.scored,
+            TrainingLedger.read_steps(run_ledger),
+            from_step,
+            to_step,
+        )
+    except ForkError as err:
+        raise click.ClickException(f"{err} (ledger {run_ledger})") from None
+    home = run_home(forked, new)
+    fresh = claim_home(
+        home, fork_manifest(run, new, forked.policy, from_step, plan.to_step, assignments)
+    )
+    shared, trainer = role_config(forked, "trainer", {"max_steps": plan.to_step})
+    trainer = trainer.model_copy(
+        update={
+            "checkpoint": trainer.checkpoint.model_copy(update={"dir": home / "checkpoints"}),
+            "ledger_file": home / "ledger.jsonl",
+            "metrics_file": home / "metrics.jsonl",
+            "publish": trainer.publish.model_copy(update={"announce": False}),
+        }
+    )
+    if fresh and from_step:
+        try:
+            CheckpointManager(trainer.checkpoint).adopt(
+                checkpoint_dir(recorded, recorded.trainer), from_step
+            )
+        except FileNotFoundError as err:
+            shutil.rmtree(home)  # claimed just now: nothing of the fork's is lost
+            raise click.ClickException(str(err)) from None
+        TrainingLedger(home / "ledger.jsonl").append(
+            [s for s in TrainingLedger.read_steps(run_ledger) if s.step <= from_step]
+        )
+    runner = ForkTrainer(Services(shared).resolved(), trainer, plan, read_timeout_s=timeout_s)
+    runner.install_signal_handlers()
+    try:
+        summary = runner.run()
+    except ForkError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(
+        f"fork {new} of {run}: at step {summary.step} ({summary.steps_this_run} this run), "
+        f"published {len(summary.published)} versions",
+        err=True,
+    )
+    pairs = compare_versions(forked, run, new)
+    same = [v for v, theirs, ours in pairs if theirs == ours]
+    differ = [v for v, theirs, ours in pairs if theirs != ours]
+    click.echo(
+        f"versions held by both: {len(pairs)}; identical to {run}'s: {len(same)}; "
+        f"different: {len(differ)}" + (f" (first {differ[0]})" if differ else "")
+    )
+    return 0

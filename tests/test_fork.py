@@ -1,0 +1,298 @@
+"""``rollstream fork`` on the real broker and the real S3 server.
+
+One recorded run (a trainer subprocess: 30 steps of two micro-batches each, deterministic,
+a version published after every step) is forked three ways:
+
+- a control arm, killed by a failpoint right after its checkpoint of step 10 and run again:
+  every version 0..30 is RUN's bit for bit (``state_sha256``), every step trained exactly
+  RUN's samples once, its metrics are RUN's, and neither RUN's files, RUN's weights nor
+  any topic changed;
+- a counterfactual arm from RUN's checkpoint of step 10 with three times the learning rate:
+  version 10 is RUN's, every later one differs, and it ends further from the generating
+  policy than RUN (``offpolicy/k3_kl``);
+- garbage: a fork named like its run, steps RUN never trained, a checkpoint RUN no longer
+  keeps, a malformed ``--set``, a name taken with other settings.
+
+``fork --list`` lists both arms; ``report RUN ctl lr`` overlays the three runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import orjson
+import pytest
+from click.testing import CliRunner
+from confluent_kafka import Consumer, TopicPartition
+from support.synthetic import synthetic_groups
+from test_trainer_kafka import (
+    group_records,
+    make_topics,
+    produce,
+    spawn,
+    trainer_config,
+    write_toml,
+)
+
+from consumers.checkpoint import TrainingLedger
+from consumers.config import TrainerConfig
+from consumers.trainer import FAILPOINT_ENV
+from core.config import KafkaConfig, S3Config
+from core.models import load_model
+from rollstream.cli import main
+from weights.manifest import Manifest
+from weights.store import WeightStore
+
+RUN = "fork-source"
+STEPS = 30
+REPO = Path(__file__).resolve().parents[1]
+IGNORED = ("time/", "throughput/", "lag/")  # wall clock and broker position, not training
+
+
+def rollstream(
+    config: Path, *args: str, failpoint: str | None = None, timeout_s: float = 300
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(REPO)
+    if failpoint is not None:
+        env[FAILPOINT_ENV] = failpoint
+    return subprocess.run(
+        [sys.executable, "-m", "rollstream", "--config", str(config), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def end_offsets(kafka: KafkaConfig, topics: list[str]) -> dict[tuple[str, int], int]:
+    consumer = Consumer({**kafka.client_config(), "group.id": "fork-test-ends"})
+    try:
+        ends = {}
+        for topic in topics:
+            meta = consumer.list_topics(topic, timeout=10).topics[topic]
+            for p in meta.partitions:
+                ends[(topic, p)] = consumer.get_watermark_offsets(
+                    TopicPartition(topic, p), timeout=10
+                )[1]
+        return ends
+    finally:
+        consumer.close()
+
+
+def digests(store: WeightStore) -> dict[int, str]:
+    return {v: Manifest.from_bytes(store.read_manifest(v)).state_sha256 for v in store.versions()}
+
+
+def metric_rows(path: Path) -> dict[int, dict[str, float]]:
+    """The last row of each step, without wall-clock and broker-position metrics."""
+    rows: dict[int, dict[str, float]] = {}
+    for line in path.read_bytes().splitlines():
+        row = orjson.loads(line)
+        rows[int(row["step"])] = {
+            k: v for k, v in row.items() if isinstance(v, int | float) and not k.startswith(IGNORED)
+        }
+    return rows
+
+
+class Recorded:
+    def __init__(self, tmp: Path, config: Path, topics: dict[str, str], s3: S3Config) -> None:
+        self.tmp, self.config, self.topics, self.s3 = tmp, config, topics, s3
+        self.state = tmp / "state"
+        self.ledger = tmp / "ledger.jsonl"
+        self.metrics = tmp / "metrics.jsonl"
+
+    def store(self, run: str) -> WeightStore:
+        return WeightStore.from_config(self.s3, run)
+
+    def home(self, run: str) -> Path:
+        return self.state / "trainer" / run
+
+
+@pytest.fixture(scope="module")
+def recorded(
+    kafka_config: KafkaConfig,
+    module_s3_config: S3Config,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Recorded:
+    """RUN: 30 steps of 2 micro-batches of one group, trained by a trainer subprocess on
+    groups whose old log-probs are the initial model's (version 0 generated them)."""
+    tmp = tmp_path_factory.mktemp("fork")
+    suffix = uuid.uuid4().hex[:8]
+    topics = make_topics(kafka_config, lambda base: f"{base}-{suffix}")
+    trainer = trainer_config(
+        tmp,
+        topics,
+        max_steps=STEPS,
+        engine={"lr": 1e-3, "bf16": True, "deterministic": True, "grad_accum_steps": 2},
+        batch={"max_groups": 1, "max_wait_s": 30.0},
+        checkpoint={"dir": str(tmp / "ckpt"), "every": 5, "keep": 4},
+        publish={"every": 1},
+    )
+    model = load_model(TrainerConfig.model_validate(trainer).model.spec)
+    groups = synthetic_groups(2 * STEPS, seed=41, run_id=RUN, model=model)
+    produce(kafka_config, topics["scored"], group_records(groups))
+    config = tmp / "rollstream.toml"
+    s3_config = module_s3_config
+    secret = s3_config.secret_access_key
+    s3 = {
+        "name": s3_config.name,
+        "endpoint_url": s3_config.endpoint_url,
+        "bucket": s3_config.bucket,
+        "embedded": False,
+        "access_key_id": s3_config.access_key_id,
+        "secret_access_key": secret.get_secret_value() if secret else None,
+    }
+    write_toml(
+        config,
+        {
+            "run_id": RUN,
+            "state_dir": str(tmp / "state"),
+            "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
+            "s3": {k: v for k, v in s3.items() if v is not None},
+            "presence": {"enabled": False},
+            "trainer": trainer,
+            "weights": {"max_delta_fraction": 1.0, "allow_unsigned": True, "keep_versions": 100},
+        },
+    )
+    log = tmp / "trainer.log"
+    assert spawn(config, log).wait(600) == 0, log.read_text()[-4000:]
+    return Recorded(tmp, config, topics, s3_config)
+
+
+@pytest.mark.system
+def test_a_control_fork_killed_and_resumed_is_the_run_bit_for_bit(
+    recorded: Recorded, kafka_config: KafkaConfig
+) -> None:
+    run_steps = TrainingLedger.read_steps(recorded.ledger)
+    assert [s.step for s in run_steps] == list(range(1, STEPS + 1))
+    assert all(s.micro_batches and len(s.micro_batches) == 2 for s in run_steps)
+    run_files = tree_digest(recorded.tmp / "ckpt") | {
+        "ledger": hashlib.sha256(recorded.ledger.read_bytes()).hexdigest(),
+        "metrics": hashlib.sha256(recorded.metrics.read_bytes()).hexdigest(),
+    }
+    run_versions = digests(recorded.store(RUN))
+    assert sorted(run_versions) == list(range(STEPS + 1))
+    topics = list(recorded.topics.values())
+    ends = end_offsets(kafka_config, topics)
+
+    killed = rollstream(
+        recorded.config, "fork", RUN, "--as", "ctl", failpoint="after_checkpoint:10"
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
+    assert "failpoint after_checkpoint:10" in killed.stderr
+    resumed = rollstream(recorded.config, "fork", RUN, "--as", "ctl")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "restored step 10" in resumed.stderr
+    assert f"identical to {RUN}'s: {STEPS + 1}; different: 0" in resumed.stdout
+
+    assert digests(recorded.store("ctl")) == run_versions  # every version, bit for bit
+    home = recorded.home("ctl")
+    forked = TrainingLedger.read_steps(home / "ledger.jsonl")
+    assert [(s.step, s.trajectory_ids, s.micro_batches) for s in forked] == [
+        (s.step, s.trajectory_ids, s.micro_batches) for s in run_steps
+    ]  # each step once, after the kill too
+    assert metric_rows(home / "metrics.jsonl") == metric_rows(recorded.metrics)
+    manifest = orjson.loads((home / "fork.json").read_bytes())
+    assert (manifest["run"], manifest["from_step"], manifest["to_step"]) == (RUN, 0, STEPS)
+    # nothing of RUN's changed, nothing was written to any topic
+    assert (
+        tree_digest(recorded.tmp / "ckpt")
+        | {
+            "ledger": hashlib.sha256(recorded.ledger.read_bytes()).hexdigest(),
+            "metrics": hashlib.sha256(recorded.metrics.read_bytes()).hexdigest(),
+        }
+        == run_files
+    )
+    assert digests(recorded.store(RUN)) == run_versions
+    assert end_offsets(kafka_config, topics) == ends
+
+
+@pytest.mark.system
+def test_a_counterfactual_fork_from_a_checkpoint_diverges_and_says_how_far_off_policy(
+    recorded: Recorded, tmp_path: Path
+) -> None:
+    done = rollstream(
+        recorded.config,
+        "fork",
+        RUN,
+        "--as",
+        "lr",
+        "--set",
+        "trainer.engine.lr=3e-3",
+        "--from-step",
+        "20",
+        "--to-step",
+        "28",
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    run_versions, fork_versions = digests(recorded.store(RUN)), digests(recorded.store("lr"))
+    assert sorted(fork_versions) == list(range(20, 29))
+    assert fork_versions[20] == run_versions[20]  # RUN's checkpoint, optimiser state and all
+    assert all(fork_versions[v] != run_versions[v] for v in range(21, 29))
+    ledger = TrainingLedger.read(recorded.home("lr") / "ledger.jsonl")
+    assert ledger == TrainingLedger.read(recorded.ledger)[:28]  # RUN's 1..20, then the same data
+    ours, theirs = metric_rows(recorded.home("lr") / "metrics.jsonl"), metric_rows(recorded.metrics)
+    assert sorted(ours) == list(range(21, 29))
+    for step in range(21, 29):
+        assert ours[step]["reward/mean"] == theirs[step]["reward/mean"]  # the same data
+    assert ours[21]["offpolicy/k3_kl"] == pytest.approx(theirs[21]["offpolicy/k3_kl"])
+    assert ours[28]["offpolicy/k3_kl"] > theirs[28]["offpolicy/k3_kl"] > 0
+
+    listed = rollstream(recorded.config, "fork", RUN, "--list")
+    assert listed.returncode == 0, listed.stderr
+    assert "trainer.engine.lr=3e-3" in listed.stdout and "lr: steps 21..28" in listed.stdout
+
+    out = tmp_path / "compare"
+    overlaid = rollstream(recorded.config, "report", RUN, "lr", "--out", str(out))
+    assert overlaid.returncode == 0, overlaid.stderr[-2000:]
+    page = (out / "compare.html").read_text()
+    series = orjson.loads(page.split('id="rollstream-series">')[1].split("</script>")[0])
+    assert set(series) == {RUN, "lr"}
+    assert series["lr"]["offpolicy/k3_kl"]["step"] == list(range(21, 29))
+    assert (out / "compare.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.system
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--as", RUN], "a run id of its own"),
+        (["--as", "x1", "--to-step", "99"], "not within run"),
+        (["--as", "x2", "--from-step", "3"], "no checkpoint of step 3"),
+        (["--as", "x3", "--set", "trainer.engine.lr"], "expected KEY=VALUE"),
+        (["--as", "x4", "--set", "run_id=other"], "the fork's own"),
+        (["--as", "x5", "--set", "trainer.engine.lr=-1"], "lr"),
+        (["--as", "taken", "--set", "trainer.engine.lr=1e-2"], "other settings"),
+        ([], "--as NEW is required"),
+    ],
+)
+def test_a_fork_that_cannot_be_made_says_why_and_writes_nothing(
+    recorded: Recorded, args: list[str], message: str
+) -> None:
+    taken = recorded.home("taken")
+    taken.mkdir(parents=True, exist_ok=True)
+    (taken / "fork.json").write_bytes(
+        orjson.dumps({"run": RUN, "fork": "taken", "policy": "", "from_step": 0, "to_step": 30})
+    )
+    before = tree_digest(recorded.state)
+    done = CliRunner().invoke(main, ["--config", str(recorded.config), "fork", RUN, *args])
+    assert done.exit_code in (1, 2), done.output
+    assert message in done.output
+    assert not isinstance(done.exception, Exception) or isinstance(done.exception, SystemExit)
+    assert tree_digest(recorded.state) == before
