@@ -179,13 +179,33 @@ def fork(
     sources: ConfigSources = ctx.meta[CONFIG_SOURCES]
     recorded = sources.resolve(run_id=run)
     try:
-        forked = sources.resolve(**overrides, run_id=new)
+        forked = forked_config(sources, recorded, overrides, new)
     except ValidationError as err:
         raise click.UsageError(f"invalid configuration for the fork:\n{err}") from err
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     sys.exit(run_fork(recorded, forked, assignments, from_step, to_step, timeout_s))
+
+
+def forked_config(
+    sources: ConfigSources, recorded: RollstreamConfig, overrides: dict[str, Any], new: str
+) -> RollstreamConfig:
+    """The fork's configuration: RUN's sources with ``overrides`` laid over them, except
+    that a loss of another type than RUN's is the ``trainer.loss`` table given, alone (at
+    that type's defaults otherwise: RUN's loss settings belong to RUN's loss)."""
+    from consumers.config import TrainerConfig
+
+    trainer = overrides.get("trainer")
+    loss = trainer.get("loss") if isinstance(trainer, dict) else None
+    if not isinstance(loss, dict) or loss.get("type", recorded.trainer.loss.type) == (
+        recorded.trainer.loss.type
+    ):
+        return sources.resolve(**overrides, run_id=new)
+    rest = {**overrides, "trainer": {k: v for k, v in trainer.items() if k != "loss"}}
+    forked = sources.resolve(**rest, run_id=new)
+    section = TrainerConfig.model_validate({**forked.trainer.model_dump(), "loss": loss})
+    return forked.model_copy(update={"trainer": section})
 
 
 def run_fork(

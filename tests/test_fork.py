@@ -46,6 +46,8 @@ from consumers.trainer import FAILPOINT_ENV
 from core.config import KafkaConfig, S3Config
 from core.models import load_model
 from rollstream.cli import main
+from rollstream.config import ConfigSources
+from rollstream.fork_cli import forked_config
 from weights.manifest import Manifest
 from weights.store import WeightStore
 
@@ -279,6 +281,7 @@ def test_a_counterfactual_fork_from_a_checkpoint_diverges_and_says_how_far_off_p
         (["--as", "x4", "--set", "run_id=other"], "the fork's own"),
         (["--as", "x5", "--set", "trainer.engine.lr=-1"], "lr"),
         (["--as", "taken", "--set", "trainer.engine.lr=1e-2"], "other settings"),
+        (["--as", "x6", "--set", "trainer.loss.type=nonsense"], "invalid configuration"),
         ([], "--as NEW is required"),
     ],
 )
@@ -296,3 +299,23 @@ def test_a_fork_that_cannot_be_made_says_why_and_writes_nothing(
     assert message in done.output
     assert not isinstance(done.exception, Exception) or isinstance(done.exception, SystemExit)
     assert tree_digest(recorded.state) == before
+
+
+def test_a_fork_of_another_loss_type_starts_from_that_loss_s_defaults(tmp_path: Path) -> None:
+    """RUN's decoupled settings do not leak into a GRPO fork; a tweak of RUN's own loss
+    keeps the rest of RUN's settings."""
+    config = tmp_path / "rollstream.toml"
+    write_toml(
+        config,
+        {"run_id": RUN, "trainer": {"loss": {"type": "decoupled", "correction": "tis"}}},
+    )
+    sources = ConfigSources(config, {}, None)
+    recorded = sources.resolve(run_id=RUN)
+    grpo = forked_config(sources, recorded, {"trainer": {"loss": {"type": "grpo"}}}, "g")
+    assert grpo.trainer.loss.type == "grpo" and grpo.run_id == "g"
+    assert grpo.trainer.model_dump(exclude={"loss"}) == recorded.trainer.model_dump(
+        exclude={"loss"}
+    )
+    tweak = {"trainer": {"loss": {"level": "sequence"}}}
+    tweaked = forked_config(sources, recorded, tweak, "t").trainer.loss
+    assert (tweaked.type, tweaked.correction, tweaked.level) == ("decoupled", "tis", "sequence")
