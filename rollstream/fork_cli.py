@@ -193,15 +193,16 @@ def forked_config(
 ) -> RollstreamConfig:
     """The fork's configuration: RUN's sources with ``overrides`` laid over them, except
     that a loss of another type than RUN's is the ``trainer.loss`` table given, alone (at
-    that type's defaults otherwise: RUN's loss settings belong to RUN's loss)."""
+    that type's defaults otherwise: RUN's loss settings belong to RUN's loss). A loss
+    table without a type is RUN's loss type (the profile may be what set it)."""
     from consumers.config import TrainerConfig
 
     trainer = overrides.get("trainer")
     loss = trainer.get("loss") if isinstance(trainer, dict) else None
-    if not isinstance(loss, dict) or loss.get("type", recorded.trainer.loss.type) == (
-        recorded.trainer.loss.type
-    ):
+    if not isinstance(loss, dict):
         return sources.resolve(**overrides, run_id=new)
+    if loss.setdefault("type", recorded.trainer.loss.type) == recorded.trainer.loss.type:
+        return sources.resolve(**overrides, run_id=new)  # RUN's loss, some values changed
     rest = {**overrides, "trainer": {k: v for k, v in trainer.items() if k != "loss"}}
     forked = sources.resolve(**rest, run_id=new)
     section = TrainerConfig.model_validate({**forked.trainer.model_dump(), "loss": loss})
