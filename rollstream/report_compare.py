@@ -17,10 +17,19 @@ import io
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 import orjson
 
-from rollstream.report import RunMetrics
+
+class RunMetrics(Protocol):
+    """What is compared of a run (``rollstream.report.RunMetrics``)."""
+
+    @property
+    def run(self) -> str: ...
+
+    def series(self, name: str) -> tuple[list[float], list[float]]: ...
+
 
 COMPARED: tuple[tuple[str, str], ...] = (
     ("reward/mean", "reward of the data as recorded"),

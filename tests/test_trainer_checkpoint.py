@@ -15,6 +15,7 @@ from support.synthetic import synthetic_groups
 from consumers.checkpoint import (
     LATEST_NAME,
     CheckpointManager,
+    LedgerStep,
     TrainerState,
     TrainingLedger,
     tag_for,
@@ -47,12 +48,13 @@ def test_save_load_round_trip_restores_weights_optimizer_and_state(tmp_path: Pat
     manager = CheckpointManager(config.checkpoint)
     assert manager.latest() is None
     records = [t for g in synthetic_groups(2, seed=1, status="missing") for t in g]
+    ids = [t.trajectory_id for t in records]
     for step in (1, 2, 3):
         runner.train_step([records])
         state = TrainerState(
             step=step,
             offsets={("scored", 0): 10 * step, ("scored", 3): 5},
-            ledger=[(step, [t.trajectory_id for t in records])],
+            ledger=[LedgerStep(step, ids, [ids[:4], ids[4:]], ids[:1])],
             runner=runner.state_dict(),
             last_published=step,
         )
@@ -69,7 +71,7 @@ def test_save_load_round_trip_restores_weights_optimizer_and_state(tmp_path: Pat
     loaded = CheckpointManager(config.checkpoint).load(fresh_engine)
     assert loaded is not None and loaded.step == 3 and fresh_engine.global_steps == 3
     assert loaded.offsets == {("scored", 0): 30, ("scored", 3): 5}
-    assert loaded.ledger == [(3, [t.trajectory_id for t in records])]
+    assert loaded.ledger == [LedgerStep(3, ids, [ids[:4], ids[4:]], ids[:1])]
     assert loaded.last_published == 3
     for name, value in fresh_engine.state_dict().items():
         assert torch.equal(value, weights[name]), name
