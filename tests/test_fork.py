@@ -35,6 +35,7 @@ from test_trainer_kafka import (
     group_records,
     make_topics,
     produce,
+    s3_table,
     spawn,
     trainer_config,
     write_toml,
@@ -150,23 +151,13 @@ def recorded(
     groups = synthetic_groups(2 * STEPS, seed=41, run_id=RUN, model=model)
     produce(kafka_config, topics["scored"], group_records(groups))
     config = tmp / "rollstream.toml"
-    s3_config = module_s3_config
-    secret = s3_config.secret_access_key
-    s3 = {
-        "name": s3_config.name,
-        "endpoint_url": s3_config.endpoint_url,
-        "bucket": s3_config.bucket,
-        "embedded": False,
-        "access_key_id": s3_config.access_key_id,
-        "secret_access_key": secret.get_secret_value() if secret else None,
-    }
     write_toml(
         config,
         {
             "run_id": RUN,
             "state_dir": str(tmp / "state"),
             "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
-            "s3": {k: v for k, v in s3.items() if v is not None},
+            "s3": s3_table(module_s3_config),
             "presence": {"enabled": False},
             "trainer": trainer,
             "weights": {"max_delta_fraction": 1.0, "allow_unsigned": True, "keep_versions": 100},
@@ -174,7 +165,7 @@ def recorded(
     )
     log = tmp / "trainer.log"
     assert spawn(config, log).wait(600) == 0, log.read_text()[-4000:]
-    return Recorded(tmp, config, topics, s3_config)
+    return Recorded(tmp, config, topics, module_s3_config)
 
 
 @pytest.mark.system
