@@ -49,6 +49,7 @@ from core.models import load_model
 from rollstream.cli import main
 from rollstream.config import ConfigSources
 from rollstream.fork_cli import forked_config
+from rollstream.report import load_metrics
 from weights.manifest import Manifest
 from weights.store import WeightStore
 
@@ -104,13 +105,10 @@ def digests(store: WeightStore) -> dict[int, str]:
 
 def metric_rows(path: Path) -> dict[int, dict[str, float]]:
     """The last row of each step, without wall-clock and broker-position metrics."""
-    rows: dict[int, dict[str, float]] = {}
-    for line in path.read_bytes().splitlines():
-        row = orjson.loads(line)
-        rows[int(row["step"])] = {
-            k: v for k, v in row.items() if isinstance(v, int | float) and not k.startswith(IGNORED)
-        }
-    return rows
+    return {
+        int(row["step"]): {k: v for k, v in row.items() if not k.startswith(IGNORED)}
+        for row in load_metrics(path.parent.name, [path]).rows
+    }
 
 
 class Recorded:
@@ -149,7 +147,8 @@ def recorded(
     )
     model = load_model(TrainerConfig.model_validate(trainer).model.spec)
     groups = synthetic_groups(2 * STEPS, seed=41, run_id=RUN, model=model)
-    produce(kafka_config, topics["scored"], group_records(groups))
+    # one partition: the recorded run trains the groups in the order they were produced
+    produce(kafka_config, topics["scored"], group_records(groups), partition=0)
     config = tmp / "rollstream.toml"
     write_toml(
         config,
