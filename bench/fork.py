@@ -36,6 +36,7 @@ import orjson
 from bench.e2e import RunSpec, run_up
 from bench.learning import ROUTES
 from rollstream.config import load_config
+from rollstream.report import load_metrics
 
 SHOWN = ("loss/total", "clip/frac", "mis/masked_frac", "offpolicy/k3_kl")
 
@@ -46,19 +47,11 @@ class Arm:
     assignments: list[str]
     seconds: float
     output: str
-    rows: dict[int, dict[str, float]]
+    rows: list[dict[str, float]]  # one per step, in step order
 
     def tail_mean(self, name: str, window: int = 20) -> float | None:
-        values = [r[name] for _, r in sorted(self.rows.items())[-window:] if name in r]
+        values = [r[name] for r in self.rows[-window:] if name in r]
         return statistics.fmean(values) if values else None
-
-
-def metric_rows(path: Path) -> dict[int, dict[str, float]]:
-    rows: dict[int, dict[str, float]] = {}
-    for line in path.read_bytes().splitlines():
-        row = orjson.loads(line)
-        rows[int(row["step"])] = row
-    return rows
 
 
 def route_assignments(loss: dict[str, object], approx: dict[str, object]) -> list[str]:
@@ -77,7 +70,7 @@ def fork_arm(config: Path, state: Path, run: str, name: str, assignments: list[s
     seconds = time.time() - began
     if done.returncode != 0:
         raise SystemExit(f"fork {name} failed:\n{done.stderr[-3000:]}")
-    rows = metric_rows(state / "trainer" / name / "metrics.jsonl")
+    rows = load_metrics(name, [state / "trainer" / name / "metrics.jsonl"]).rows
     print(f"  fork {name}: {seconds:.0f}s; {done.stdout.strip()}", flush=True)
     return Arm(name, assignments, seconds, done.stdout.strip(), rows)
 

@@ -47,7 +47,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -126,7 +126,7 @@ class TrainerState:
             _CLIENT_KEY: {
                 "step": self.step,
                 "offsets": [[t, p, o] for (t, p), o in sorted(self.offsets.items())],
-                "ledger": [LedgerStep(*entry).to_state() for entry in self.ledger],
+                "ledger": [entry.to_state() for entry in self.ledger],
                 "runner": self.runner,
                 "last_published": self.last_published,
                 "stale": [g.to_state() for g in self.stale],
@@ -364,55 +364,46 @@ class TrainingLedger:
         return len(fresh)
 
     @staticmethod
-    def read_stale(path: Path) -> list[tuple[int, list[str]]]:
-        """``(step, stale sample ids)`` of every complete line (a torn last line is
-        ignored; lines written before stale routing existed have none)."""
-        entries = []
+    def _rows(path: Path) -> Iterator[dict[str, Any]]:
+        """Every complete line of a ledger (a torn last line is ignored; none if missing)."""
         with contextlib.suppress(FileNotFoundError):
             for line in Path(path).read_bytes().splitlines(keepends=True):
                 if line.endswith(b"\n") and line.strip():
-                    row = orjson.loads(line)
-                    entries.append((int(row["step"]), list(row.get("stale_ids") or [])))
-        return entries
+                    yield orjson.loads(line)
+
+    @staticmethod
+    def read_stale(path: Path) -> list[tuple[int, list[str]]]:
+        """``(step, stale sample ids)`` of every complete line (lines written before stale
+        routing existed have none)."""
+        return [
+            (int(row["step"]), list(row.get("stale_ids") or []))
+            for row in TrainingLedger._rows(path)
+        ]
 
     @staticmethod
     def read_refused(path: Path) -> list[str]:
         """Sample ids of every group the trainer refused as already trained (a group
         scored twice upstream), once per refusal."""
-        refused: list[str] = []
-        with contextlib.suppress(FileNotFoundError):
-            for line in Path(path).read_bytes().splitlines(keepends=True):
-                if line.endswith(b"\n") and line.strip():
-                    refused.extend(orjson.loads(line).get("refused_ids") or [])
-        return refused
+        return [i for row in TrainingLedger._rows(path) for i in row.get("refused_ids") or []]
 
     @staticmethod
     def read_steps(path: Path) -> list[LedgerStep]:
         """Every complete line as a ``LedgerStep``, compositions included."""
-        steps = []
-        with contextlib.suppress(FileNotFoundError):
-            for line in Path(path).read_bytes().splitlines(keepends=True):
-                if line.endswith(b"\n") and line.strip():
-                    row = orjson.loads(line)
-                    steps.append(
-                        LedgerStep.from_state(
-                            [
-                                row["step"],
-                                row["trajectory_ids"],
-                                row.get("micro_batches"),
-                                row.get("relaxed_ids") or [],
-                            ]
-                        )
-                    )
-        return steps
+        return [
+            LedgerStep.from_state(
+                [
+                    row["step"],
+                    row["trajectory_ids"],
+                    row.get("micro_batches"),
+                    row.get("relaxed_ids") or [],
+                ]
+            )
+            for row in TrainingLedger._rows(path)
+        ]
 
     @staticmethod
     def read(path: Path) -> list[tuple[int, list[str]]]:
         """Every complete line of a ledger (a torn last line is ignored)."""
-        entries = []
-        with contextlib.suppress(FileNotFoundError):
-            for line in Path(path).read_bytes().splitlines(keepends=True):
-                if line.endswith(b"\n") and line.strip():
-                    row = orjson.loads(line)
-                    entries.append((int(row["step"]), list(row["trajectory_ids"])))
-        return entries
+        return [
+            (int(row["step"]), list(row["trajectory_ids"])) for row in TrainingLedger._rows(path)
+        ]

@@ -529,13 +529,19 @@ class TrainerConfig(StrictModel):
         return loss.type == "mu_grpo" and loss.ratio_source == "staleness"
 
 
+def trainer_home(state_dir: Path, run_id: str, policy: str = "") -> Path:
+    """``<state_dir>/trainer/<run_id>[/<policy>]``: a run's trainer files by default
+    (checkpoints, ledger; metrics where ``rollstream report`` looks; a fork's own)."""
+    home = state_dir / "trainer" / run_id
+    return home / policy if policy else home
+
+
 def checkpoint_dir(shared: SharedConfig, trainer: TrainerConfig) -> Path:
     """Where the trainer's checkpoints are: ``trainer.checkpoint.dir``, by default under the
     state dir, per run and policy, so two runs (or two policies) never share checkpoints."""
     if trainer.checkpoint.dir is not None:
         return trainer.checkpoint.dir
-    home = shared.state_dir / "trainer" / shared.run_id
-    return (home / shared.policy if shared.policy else home) / "checkpoints"
+    return trainer_home(shared.state_dir, shared.run_id, shared.policy) / "checkpoints"
 
 
 def ledger_path(shared: SharedConfig, trainer: TrainerConfig) -> Path:

@@ -109,28 +109,21 @@ class RecordedSteps:
     ) -> RecordedSteps:
         """Read ``plan.scored_topic`` to its current end and keep the samples the plan
         needs; ``ForkError`` naming the steps whose samples the topic no longer holds."""
-        from confluent_kafka import Consumer
-
-        from core.topic_reader import read_range, reader_config, whole_topic
+        from core.topic_reader import read_whole_topic
         from schemas.group import decode_group
 
         needed = plan.needed_ids()
         samples: dict[str, Trajectory] = {}
-        consumer = Consumer(reader_config(client_config, "fork"))
-        try:
-            topic = plan.scored_topic
-            for msg in read_range(consumer, topic, whole_topic(consumer, topic), timeout_s):
-                try:
-                    group = decode_group(msg.value() or b"")
-                except Exception:  # dead-lettered by the recorded run: never trained
-                    continue
-                if group.run_id != plan.run_id:
-                    continue
-                for sample in group.samples:
-                    if sample.trajectory_id in needed:
-                        samples.setdefault(sample.trajectory_id, sample)
-        finally:
-            consumer.close()
+        for msg in read_whole_topic(client_config, plan.scored_topic, "fork", timeout_s):
+            try:
+                group = decode_group(msg.value() or b"")
+            except Exception:  # dead-lettered by the recorded run: never trained
+                continue
+            if group.run_id != plan.run_id:
+                continue
+            for sample in group.samples:
+                if sample.trajectory_id in needed:
+                    samples.setdefault(sample.trajectory_id, sample)
         lost = needed - samples.keys()
         if lost:
             steps = [
@@ -203,7 +196,9 @@ class ForkTrainer(Trainer):
         self._start_publisher()
 
     def _settle_restored(self) -> None:
-        """The ledger lines the last checkpoint has and the ledger lacks (nothing to route)."""
+        """The ledger lines the last checkpoint has and the ledger lacks. Its stale groups
+        are not routed: a checkpoint adopted from the recorded run holds that run's, which
+        it routed itself, and a fork sets none aside."""
         state = self.restored
         if state is not None and self.ledger is not None:
             self.ledger.append(state.ledger, state.stale, state.refused)

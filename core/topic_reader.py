@@ -188,6 +188,20 @@ def read_range(
                 raise ReadStalled(topic, pending, idle_timeout_s)
 
 
+def read_whole_topic(
+    client_config: Mapping[str, str], topic: str, purpose: str, idle_timeout_s: float = 60.0
+) -> Iterator[Message]:
+    """Every committed record of ``topic`` up to the end offsets seen at the start, read
+    by a reader of its own (``purpose`` names it); ``ReadStalled`` as ``read_range``."""
+    from confluent_kafka import Consumer
+
+    consumer = Consumer(reader_config(client_config, purpose))
+    try:
+        yield from read_range(consumer, topic, whole_topic(consumer, topic), idle_timeout_s)
+    finally:
+        consumer.close()
+
+
 @dataclass(frozen=True)
 class MemberLag:
     """One consumer-group member's share of a topic: its partitions and how many records

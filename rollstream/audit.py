@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import click
 
-from core.topic_reader import read_range, reader_config, whole_topic
+from core.topic_reader import read_whole_topic, reader_config
 from rollstream.config import RollstreamConfig
 
 if TYPE_CHECKING:
@@ -162,13 +162,7 @@ def read_topic(
     Raises ``ReadStalled`` (a ``TimeoutError``) if the end is not reached within
     ``timeout_s`` of no progress (a transaction left open keeps ``read_committed``
     readers before it)."""
-    from confluent_kafka import Consumer
-
-    consumer = Consumer(reader_config(client_config, "audit"))
-    try:
-        yield from read_range(consumer, topic, whole_topic(consumer, topic), timeout_s)
-    finally:
-        consumer.close()
+    return read_whole_topic(client_config, topic, "audit", timeout_s)
 
 
 def _headers(msg: Message) -> dict[str, bytes]:

@@ -33,12 +33,6 @@ from rollstream.config import CONFIG_SOURCES, ConfigSources, RollstreamConfig, p
 FORK_FILE = "fork.json"
 
 
-def run_home(config: RollstreamConfig, run: str) -> Path:
-    """``<state_dir>/trainer/<run>[/<policy>]``: where a run's trainer keeps its files."""
-    home = config.state_dir / "trainer" / run
-    return home / config.policy if config.policy else home
-
-
 def read_fork(home: Path) -> dict[str, Any] | None:
     """The ``fork.json`` of a run's home, None when it is no fork."""
     path = home / FORK_FILE
@@ -219,7 +213,7 @@ def run_fork(
 ) -> int:
     """Plan the fork from RUN's ledger, claim its home, train, compare the versions."""
     from consumers.checkpoint import CheckpointManager, TrainingLedger
-    from consumers.config import checkpoint_dir, ledger_path
+    from consumers.config import checkpoint_dir, ledger_path, trainer_home
     from consumers.fork import ForkError, ForkPlan, ForkTrainer
     from infra.services import Services
     from rollstream.config import role_config
@@ -236,7 +230,7 @@ def run_fork(
         )
     except ForkError as err:
         raise click.ClickException(f"{err} (ledger {run_ledger})") from None
-    home = run_home(forked, new)
+    home = trainer_home(forked.state_dir, new, forked.policy)
     fresh = claim_home(
         home, fork_manifest(run, new, forked.policy, from_step, plan.to_step, assignments)
     )

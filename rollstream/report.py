@@ -49,6 +49,7 @@ from pathlib import Path
 import click
 import orjson
 
+from consumers.config import trainer_home
 from producers.config import EvalConfig
 from rollstream.config import RollstreamConfig
 
@@ -125,8 +126,7 @@ def metrics_paths(config: RollstreamConfig, run: str, given: Sequence[Path]) -> 
     configured = config.trainer.metrics_file
     if configured is not None and run == config.run_id:
         tried.append(Path(configured))
-    home = config.state_dir / "trainer" / run
-    tried.append((home / config.policy if config.policy else home) / "metrics.jsonl")
+    tried.append(trainer_home(config.state_dir, run, config.policy) / "metrics.jsonl")
     for path in tried:
         if path.is_file():
             return [path]
