@@ -6,8 +6,12 @@ On a fresh embedded broker and store, ``rollstream up`` runs the tiny pipeline (
 producer, stream worker, trainer; the trainer deterministic) for ``--steps`` steps. Then
 ``rollstream fork`` trains that run again: once with nothing changed (the control arm:
 every version must be the run's, bit for bit) and once per loss route of the off-policy
-ablation (``bench.learning.ROUTES``) whose old logits are the stream's exact ones (a
-route that needs them lost would need the raw topic re-streamed: not measured here).
+ablation (``bench.learning.ROUTES``): a route whose old logits are the stream's exact ones
+trains the run's scored groups; a route without old logits (``old_logits = "off"``) is
+forked with ``--restream`` and ``streams.old_logits.mode = "off"``: the raw topic goes
+through the stream again without them (its wall time includes the restream). The route
+whose old logits are recomputed under the policy being trained is not a stream setting
+and is left out.
 Printed, side by side: the run's wall time (from ``up`` to its end), each fork's, and
 their ratio (the target: a fork costs at most 0.3 of its run: no generation, no stream);
 per arm, the last-20-step means of the loss, the PPO-clipped and MIS-masked fractions,
@@ -62,8 +66,10 @@ def route_assignments(loss: dict[str, object], approx: dict[str, object]) -> lis
     return out
 
 
-def fork_arm(config: Path, state: Path, run: str, name: str, assignments: list[str]) -> Arm:
-    argv = [sys.executable, "-m", "rollstream", "--config", str(config), "fork", run]
+def fork_arm(
+    config: Path, state: Path, run: str, name: str, assignments: list[str], *options: str
+) -> Arm:
+    argv = [sys.executable, "-m", "rollstream", "--config", str(config), "fork", run, *options]
     argv += ["--as", name] + [x for a in assignments for x in ("--set", a)]
     began = time.time()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
@@ -98,10 +104,16 @@ def main() -> None:
             config = run.run_dir / "rollstream.toml"
             arms = [fork_arm(config, state, run.run_dir.name, "control", [])]
             for route in ROUTES:
-                if route.old_logits != "exact":
-                    continue
                 assignments = route_assignments(route.loss, route.approx)
-                arms.append(fork_arm(config, state, run.run_dir.name, route.name, assignments))
+                options: list[str] = []
+                if route.old_logits == "off":
+                    assignments.append('streams.old_logits.mode="off"')
+                    options.append("--restream")
+                elif route.old_logits != "exact":
+                    continue
+                arms.append(
+                    fork_arm(config, state, run.run_dir.name, route.name, assignments, *options)
+                )
         finally:
             services.down()
     print()

@@ -40,13 +40,17 @@ class ForkError(ValueError):
 @dataclass(frozen=True)
 class ForkPlan:
     """What a fork trains: ``steps`` of run ``run_id``'s ledger (``from_step`` + 1 to
-    ``to_step``, contiguous), read back from ``scored_topic``."""
+    ``to_step``, contiguous), read back from ``scored_topic``. ``partial``: the topic is a
+    restream, which may lack some of the recorded samples (its settings set them aside);
+    each step then trains those it has, and a micro-batch left empty is a zero-gradient
+    micro-step, so step N still publishes version N."""
 
     run_id: str
     scored_topic: str
     steps: Sequence[LedgerStep]
     from_step: int
     to_step: int
+    partial: bool = False
 
     @classmethod
     def of_ledger(
@@ -56,6 +60,7 @@ class ForkPlan:
         ledger: Sequence[LedgerStep],
         from_step: int = 0,
         to_step: int | None = None,
+        partial: bool = False,
     ) -> ForkPlan:
         """The plan for steps ``from_step`` + 1 .. ``to_step`` (default: the ledger's last)."""
         if not ledger:
@@ -72,7 +77,7 @@ class ForkPlan:
         if numbers != list(range(from_step + 1, to_step + 1)):
             missing = sorted(set(range(from_step + 1, to_step + 1)) - set(numbers))
             raise ForkError(f"run {run_id!r}'s ledger lacks steps {missing[:10]}")
-        return cls(run_id, scored_topic, steps, from_step, to_step)
+        return cls(run_id, scored_topic, steps, from_step, to_step, partial)
 
     def needed_ids(self) -> set[str]:
         return {i for step in self.steps for batch in self.micro_batches(step) for i in batch}
@@ -108,7 +113,8 @@ class RecordedSteps:
         cls, client_config: Mapping[str, str], plan: ForkPlan, timeout_s: float = 60.0
     ) -> RecordedSteps:
         """Read ``plan.scored_topic`` to its current end and keep the samples the plan
-        needs; ``ForkError`` naming the steps whose samples the topic no longer holds."""
+        needs; ``ForkError`` naming the steps whose samples the topic no longer holds
+        (unless the plan is ``partial``: then it logs how many are missing)."""
         from core.topic_reader import read_whole_topic
         from schemas.group import decode_group
 
@@ -125,7 +131,19 @@ class RecordedSteps:
                 if sample.trajectory_id in needed:
                     samples.setdefault(sample.trajectory_id, sample)
         lost = needed - samples.keys()
-        if lost:
+        if plan.partial and not samples:
+            raise ForkError(
+                f"{plan.scored_topic} holds none of the {len(needed)} samples the steps of run "
+                f"{plan.run_id!r} trained"
+            )
+        if lost and plan.partial:
+            log.info(
+                "%d of the %d recorded samples are not on %s",
+                len(lost),
+                len(needed),
+                plan.scored_topic,
+            )
+        elif lost:
             steps = [
                 s.step
                 for s in plan.steps
@@ -146,7 +164,10 @@ class RecordedSteps:
         if not 0 <= index < len(self.plan.steps):
             return None
         entry = self.plan.steps[index]
-        batches = [[self.samples[i] for i in batch] for batch in self.plan.micro_batches(entry)]
+        batches = [
+            [self.samples[i] for i in batch if i in self.samples]
+            for batch in self.plan.micro_batches(entry)
+        ]
         return batches, set(entry.relaxed_ids)
 
     def flush_dead_letters(self) -> None:
@@ -181,6 +202,7 @@ class ForkTrainer(Trainer):
         super().__init__(shared, trainer)
         self.plan = plan
         self.read_timeout_s = read_timeout_s
+        self.empty_micro_batches_ok = plan.partial
 
     def _restore(self) -> None:
         """The fork's own last checkpoint, or the recorded run's it starts from; the

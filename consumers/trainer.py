@@ -132,6 +132,9 @@ class Trainer:
         self.pending_ledger: list[LedgerStep] = []
         self.last_checkpoint_step = 0
         self.checkpoint_s: float | None = None  # the last checkpoint's seconds, not yet in a row
+        # a micro-batch with nothing to train is an error here; a fork of a restream may
+        # have one (``consumers.fork.ForkPlan.partial``)
+        self.empty_micro_batches_ok = False
         self.pending_stale: list[StaleGroup] = []
         self.recent = RecentGroups()  # groups trained into the weights lately (checkpointed)
         self.pending_refused: list[tuple[int, list[str]]] = []
@@ -362,7 +365,12 @@ class Trainer:
         computed = time.perf_counter()
         version = self.step  # the weights being trained are version `step`
         if self.channel is None:
-            result = self.runner.train_step(micro_batches, step=self.step, relaxed=relaxed)
+            result = self.runner.train_step(
+                micro_batches,
+                step=self.step,
+                relaxed=relaxed,
+                empty_ok=self.empty_micro_batches_ok,
+            )
         else:
             result = self._train_across_ranks(micro_batches, relaxed)
         trained_at = time.perf_counter()

@@ -75,7 +75,13 @@ def compare_versions(config: RollstreamConfig, run: str, fork: str) -> list[tupl
 
 
 def fork_manifest(
-    run: str, new: str, policy: str, from_step: int, to_step: int, assignments: tuple[str, ...]
+    run: str,
+    new: str,
+    policy: str,
+    from_step: int,
+    to_step: int,
+    assignments: tuple[str, ...],
+    restream: bool,
 ) -> dict[str, Any]:
     return {
         "run": run,
@@ -84,6 +90,7 @@ def fork_manifest(
         "from_step": from_step,
         "to_step": to_step,
         "set": list(assignments),
+        "restream": restream,
     }
 
 
@@ -92,7 +99,7 @@ def claim_home(home: Path, manifest: dict[str, Any]) -> bool:
     ``ClickException`` when it belongs to another run or another fork."""
     existing = read_fork(home)
     if existing is not None:
-        kept = {k: v for k, v in existing.items() if k != "created"}
+        kept = {"restream": False} | {k: v for k, v in existing.items() if k != "created"}
         if kept != manifest:
             raise click.ClickException(
                 f"{manifest['fork']} is already a fork of {existing['run']} with other "
@@ -133,6 +140,12 @@ def claim_home(home: Path, manifest: dict[str, Any]) -> bool:
     type=click.IntRange(min=1),
     help="Stop after this step (default: the last step RUN's ledger holds).",
 )
+@click.option(
+    "--restream",
+    is_flag=True,
+    help="Run RUN's raw topic through the stream again with the fork's [streams] settings "
+    "(old logits recomputed) into the fork's own scored topic, and train on that.",
+)
 @click.option("--list", "show_list", is_flag=True, help="List RUN's forks and exit.")
 @click.option(
     "--timeout", "timeout_s", default=60.0, show_default=True, help="Topic read timeout (s)."
@@ -145,6 +158,7 @@ def fork(
     assignments: tuple[str, ...],
     from_step: int,
     to_step: int | None,
+    restream: bool,
     show_list: bool,
     timeout_s: float,
 ) -> None:
@@ -170,6 +184,11 @@ def fork(
         raise click.BadParameter(str(err), param_hint="--set") from err
     if "run_id" in overrides or "policy" in overrides:
         raise click.BadParameter("run_id and policy are the fork's own", param_hint="--set")
+    if "streams" in overrides and not restream:
+        raise click.BadParameter(
+            "a fork trains RUN's scored groups: stream settings change them only with --restream",
+            param_hint="--set",
+        )
     sources: ConfigSources = ctx.meta[CONFIG_SOURCES]
     recorded = sources.resolve(run_id=run)
     try:
@@ -179,7 +198,7 @@ def fork(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    sys.exit(run_fork(recorded, forked, assignments, from_step, to_step, timeout_s))
+    sys.exit(run_fork(recorded, forked, assignments, from_step, to_step, restream, timeout_s))
 
 
 def forked_config(
@@ -209,30 +228,36 @@ def run_fork(
     assignments: tuple[str, ...],
     from_step: int,
     to_step: int | None,
+    restream: bool,
     timeout_s: float,
 ) -> int:
-    """Plan the fork from RUN's ledger, claim its home, train, compare the versions."""
+    """Plan the fork from RUN's ledger, claim its home, restream if asked, train, compare
+    the versions."""
     from consumers.checkpoint import CheckpointManager, TrainingLedger
     from consumers.config import checkpoint_dir, ledger_path, trainer_home
     from consumers.fork import ForkError, ForkPlan, ForkTrainer
     from infra.services import Services
     from rollstream.config import role_config
+    from rollstream.fork_restream import restream_topic
 
     run, new = recorded.run_id, forked.run_id
     run_ledger = ledger_path(recorded, recorded.trainer)
+    scored = recorded.trainer.topics.scored
     try:
         plan = ForkPlan.of_ledger(
             run,
-            recorded.trainer.topics.scored,
+            restream_topic(scored, new) if restream else scored,
             TrainingLedger.read_steps(run_ledger),
             from_step,
             to_step,
+            partial=restream,
         )
     except ForkError as err:
         raise click.ClickException(f"{err} (ledger {run_ledger})") from None
     home = trainer_home(forked.state_dir, new, forked.policy)
     fresh = claim_home(
-        home, fork_manifest(run, new, forked.policy, from_step, plan.to_step, assignments)
+        home,
+        fork_manifest(run, new, forked.policy, from_step, plan.to_step, assignments, restream),
     )
     shared, trainer = role_config(forked, "trainer", {"max_steps": plan.to_step})
     trainer = trainer.model_copy(
@@ -254,7 +279,15 @@ def run_fork(
         TrainingLedger(home / "ledger.jsonl").append(
             [s for s in TrainingLedger.read_steps(run_ledger) if s.step <= from_step]
         )
-    runner = ForkTrainer(Services(shared).resolved(), trainer, plan, read_timeout_s=timeout_s)
+    services = Services(shared).resolved()
+    if restream:
+        try:
+            restream_once(recorded, forked, services.kafka.client_config(), home, timeout_s)
+        except click.ClickException:
+            if fresh:
+                shutil.rmtree(home)  # claimed just now: nothing of the fork's is lost
+            raise
+    runner = ForkTrainer(services, trainer, plan, read_timeout_s=timeout_s)
     runner.install_signal_handlers()
     try:
         summary = runner.run()
@@ -273,3 +306,34 @@ def run_fork(
         f"different: {len(differ)}" + (f" (first {differ[0]})" if differ else "")
     )
     return 0
+
+
+RESTREAM_FILE = "restream.json"
+
+
+def restream_once(
+    recorded: RollstreamConfig,
+    forked: RollstreamConfig,
+    client_config: dict[str, str],
+    home: Path,
+    timeout_s: float,
+) -> None:
+    """Restream RUN's raw topic into the fork's scored topic, unless an earlier run of
+    this fork did (``restream.json`` in its home, written once the topic is committed)."""
+    import dataclasses
+
+    from confluent_kafka import KafkaException
+
+    from core.topic_reader import ReadStalled
+    from rollstream.fork_restream import restream
+
+    marker = home / RESTREAM_FILE
+    if marker.is_file():
+        click.echo(f"restreamed before: {orjson.loads(marker.read_bytes())['topic']}", err=True)
+        return
+    try:
+        result = restream(recorded, forked, client_config, timeout_s)
+    except (ReadStalled, KafkaException, ValueError) as err:
+        raise click.ClickException(f"cannot restream {recorded.run_id}: {err}") from None
+    marker.write_bytes(orjson.dumps(dataclasses.asdict(result), option=orjson.OPT_INDENT_2))
+    click.echo(result.summary(), err=True)

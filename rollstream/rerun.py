@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from core.config import S3Config, WeightsConfig
 from core.models import cast_parameters, load_model
@@ -43,8 +43,10 @@ if TYPE_CHECKING:
 
     from consumers.config import TrainerConfig
     from rollstream.replay_render import Renderer
+    from streams.groups import GroupState
     from streams.oldlogits import OldLogitEngine
-    from streams.processor import Send
+    from streams.processor import Message, Send, Step
+    from streams.staleness import VersionTracker
 
 
 # --- stream -----------------------------------------------------------------------------------
@@ -122,6 +124,74 @@ def old_logit_engine(config: RollstreamConfig, run_id: str) -> OldLogitEngine:
     return old_logit_engine_for(old, source, cache_dir=config.cache_dir)
 
 
+class AttachesOldLogits(Protocol):
+    def attach(self, trajectories: Sequence[Trajectory]) -> list[Trajectory]: ...
+
+
+class StreamReplay:
+    """The stream's logic over replayed messages, with an in-memory table: the worker's
+    ``Processor`` decides, and the groups it emits get old logits from the engine the
+    worker builds (``old_logit_engine``, made at the first group to score). ``step`` is
+    one message (a raw record or a tick), applied to the table as the worker applies it."""
+
+    def __init__(
+        self,
+        config: RollstreamConfig,
+        run_id: str,
+        tracker: VersionTracker,
+        engine: AttachesOldLogits | None = None,
+    ) -> None:
+        """``engine``: where old logits come from (default: the worker's engine)."""
+        from streams.processor import Processor
+
+        self.config = config
+        self.run_id = run_id
+        self.table: dict[bytes, bytes] = {}
+        self.processor = Processor(
+            config.streams, run_id, tracker, self.table, served_policy=config.policy
+        )
+        self.engine = engine
+        self._ticks: dict[int, int] = {}
+
+    def step(self, msg: Message, now_ms: int) -> Step:
+        step = self.processor.handle(msg, now_ms)
+        attached: dict[str, list[Trajectory]] = {}
+        for closing in step.closings:
+            if closing.emit:
+                if self.engine is None:
+                    self.engine = old_logit_engine(self.config, self.run_id)
+                attached[closing.state.group_id] = self.engine.attach(closing.samples)
+        self.processor.finish(step, attached, now_ms)
+        for key, value in step.writes:
+            if value is None:
+                self.table.pop(key, None)
+            else:
+                self.table[key] = value
+        return step
+
+    def tick(self, partition: int, now_ms: int) -> Step:
+        """A timer tick of one raw partition (groups past their timeout close)."""
+        from streams.processor import Message
+
+        offset = self._ticks[partition] = self._ticks.get(partition, -1) + 1
+        return self.step(Message(self.processor.ticks_topic, partition, offset, None, b""), now_ms)
+
+    def open_states(self) -> list[GroupState]:
+        from streams.groups import GROUP_PREFIX, GroupState
+
+        return [
+            s
+            for k, v in self.table.items()
+            if k.startswith(GROUP_PREFIX) and not (s := GroupState.from_bytes(v)).closed
+        ]
+
+    def flush(self, last_ms: int) -> list[tuple[int, Step]]:
+        """Close the groups still open as their timeout would, after ``last_ms``."""
+        now = last_ms + int(self.config.streams.groups.timeout_s * 1000) + 1
+        partitions = sorted({s.partition for s in self.open_states()})
+        return [(p, self.tick(p, now)) for p in partitions]
+
+
 def rerun_stream(
     config: RollstreamConfig,
     records: Sequence[ReplayRecord],
@@ -130,8 +200,8 @@ def rerun_stream(
     renderer: Renderer,
 ) -> StreamRerunResult:
     """Process ``records`` with the stream's logic and print what it would produce."""
-    from streams.groups import GROUP_PREFIX, GroupState, group_key
-    from streams.processor import Message, Processor
+    from streams.groups import GroupState, group_key
+    from streams.processor import Message
     from streams.staleness import VersionTracker
 
     console = renderer.console
@@ -142,9 +212,7 @@ def rerun_stream(
     tracker = VersionTracker()
     if version != NO_VERSION:
         tracker.observe(version)
-    table: dict[bytes, bytes] = {}
-    processor = Processor(streams, options.run_id, tracker, table, served_policy=config.policy)
-    engine: OldLogitEngine | None = None
+    replay = StreamReplay(config, options.run_id, tracker)
     console.rule(
         f"rerun stream: run {options.run_id}, trainer version "
         f"{'unknown (all admitted)' if version == NO_VERSION else version}, staleness "
@@ -152,21 +220,7 @@ def rerun_stream(
         f"{streams.old_logits.mode}"
     )
 
-    def run(msg: Message, now_ms: int) -> list[Send]:
-        nonlocal engine
-        step = processor.handle(msg, now_ms)
-        attached: dict[str, list[Trajectory]] = {}
-        for closing in step.closings:
-            if closing.emit:
-                if engine is None:
-                    engine = old_logit_engine(config, options.run_id)
-                attached[closing.state.group_id] = engine.attach(closing.samples)
-        processor.finish(step, attached, now_ms)
-        for key, value in step.writes:
-            if value is None:
-                table.pop(key, None)
-            else:
-                table[key] = value
+    def sends_of(step: Step) -> list[Send]:
         for group_id, trace in step.operator_trace.items():
             decisions = ", ".join(f"{name} → {decision}" for name, decision in trace)
             renderer.say(f"operators on group {group_id}: {decisions}")
@@ -182,28 +236,19 @@ def rerun_stream(
         msg = Message(
             record.topic, record.partition, record.offset, record.key, record.value, headers
         )
-        sends = run(msg, record.timestamp_ms)
+        sends = sends_of(replay.step(msg, record.timestamp_ms))
         last_ms = max(last_ms, record.timestamp_ms)
         outputs.append((record, sends))
-        _print_sends(renderer, record.where, sends, table, record)
+        _print_sends(renderer, record.where, sends, replay.table, record)
 
-    def open_states() -> list[GroupState]:
-        return [
-            s
-            for k, v in table.items()
-            if k.startswith(GROUP_PREFIX) and not (s := GroupState.from_bytes(v)).closed
-        ]
-
-    if options.flush and open_states():
-        now = last_ms + int(streams.groups.timeout_s * 1000) + 1
-        for tick, partition in enumerate(sorted({s.partition for s in open_states()})):
-            msg = Message(processor.ticks_topic, partition, tick, None, b"")
-            sends = run(msg, now)
+    if options.flush:
+        for partition, step in replay.flush(last_ms):
+            sends = sends_of(step)
             outputs.append((None, sends))
-            _print_sends(renderer, f"timeout of partition {partition}", sends, table, None)
-    still_open = sorted(s.group_id for s in open_states())
+            _print_sends(renderer, f"timeout of partition {partition}", sends, replay.table, None)
+    still_open = sorted(s.group_id for s in replay.open_states())
     for group_id in still_open:
-        state = GroupState.from_bytes(table[group_key(group_id)])
+        state = GroupState.from_bytes(replay.table[group_key(group_id)])
         renderer.say(
             f"open: group {group_id} holds {len(state.samples)} of {state.group_size} samples "
             f"({len(state.dropped)} dropped); --flush closes it as a timeout would"

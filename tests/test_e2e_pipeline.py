@@ -11,6 +11,8 @@ multi-turn environment and the SmolLM2 model get runs of their own.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +22,8 @@ from support.up_runs import (
     assert_learned,
     assert_reconciles,
     exported_dataset,
+    role_env,
+    run_command,
     run_up,
     scored_samples,
     strays,
@@ -111,6 +115,91 @@ def test_the_trained_samples_export_as_a_dataset(tiny_run: UpRun, tmp_path: Path
     rewarded = exported_dataset(tiny_run.run_dir, tmp_path / "rewarded", "--min-reward", "0.5")
     assert len(rewarded) == sum(reward >= 0.5 for reward in data["reward"]) > 0
     assert min(rewarded["reward"]) >= 0.5
+
+
+def test_a_restreamed_fork_keeps_exact_old_logits_and_keeps_to_its_window(
+    tiny_run: UpRun,
+) -> None:
+    """``fork --restream`` with a window of 0: the run's raw topic goes through the stream
+    again into the fork's own topic, each sample with the old logits the run's stream
+    gave it; each recorded step trains the samples the fork's window admits, no other."""
+    from consumers.checkpoint import TrainingLedger
+    from consumers.config import ledger_path, trainer_home
+    from core.topic_reader import read_whole_topic
+    from rollstream.config import load_config
+    from rollstream.fork_restream import restream_topic
+    from schemas.group import decode_group
+
+    steps = 12
+    run_dir = tiny_run.run_dir
+    args = ["fork", "e2e", "--as", "fresh", "--restream", "--to-step", str(steps)]
+    run_command(run_dir, *args, "--set", "streams.staleness.max_staleness=0")
+    config = load_config(run_dir / "rollstream.toml")
+    home = trainer_home(config.state_dir, "fresh", config.policy)
+    restreamed = json.loads((home / "restream.json").read_text())
+    topic = restream_topic(config.trainer.topics.scored, "fresh")
+    assert restreamed["topic"] == topic
+    assert restreamed["set_aside"][config.streams.topics.stale] > 0
+
+    client = config.kafka.client_config()
+    groups = [decode_group(m.value()) for m in read_whole_topic(client, topic, "restreamed")]
+    fresh = {s.trajectory_id: s for g in groups for s in g.samples}
+    assert len(groups) == restreamed["groups"] and len(fresh) == restreamed["samples"]
+    recorded = {s.trajectory_id: s for s in scored_samples(run_dir)}
+    both = fresh.keys() & recorded.keys()
+    assert both and fresh.keys() <= recorded.keys()  # a narrower window admits no more
+    for trajectory_id in both:
+        ours, theirs = fresh[trajectory_id], recorded[trajectory_id]
+        assert ours.old_logits_status == theirs.old_logits_status == "exact"
+        assert ours.logp_old.tobytes() == theirs.logp_old.tobytes()
+
+    run_steps = TrainingLedger.read_steps(ledger_path(config, config.trainer))
+    fork_steps = TrainingLedger.read_steps(home / "ledger.jsonl")
+    assert [s.step for s in fork_steps] == list(range(1, steps + 1))
+    for ours_step, theirs_step in zip(fork_steps, run_steps, strict=False):
+        theirs = theirs_step.micro_batches or []
+        assert ours_step.micro_batches == [[i for i in b if i in fresh] for b in theirs]
+        assert set(ours_step.trajectory_ids) <= fresh.keys()
+    trained = sum(len(s.trajectory_ids) for s in fork_steps)
+    assert 0 < trained < sum(len(s.trajectory_ids) for s in run_steps[:steps])
+    lines = (home / "metrics.jsonl").read_text().splitlines()
+    rows = {int(r["step"]): r for r in map(json.loads, lines)}
+    assert sorted(rows) == list(range(1, steps + 1))
+    assert sum(r["data/trajectories"] for r in rows.values()) == trained
+
+
+def test_a_restreamed_fork_without_old_logits_trains_on_the_fallback(tiny_run: UpRun) -> None:
+    """Old logits off: the fork's topic carries none and its steps anchor on the fallback;
+    other old-logit settings need the run's generating versions, which it pruned."""
+    from consumers.config import trainer_home
+    from core.topic_reader import read_whole_topic
+    from rollstream.config import load_config
+    from rollstream.fork_restream import restream_topic
+    from schemas.group import decode_group
+
+    run_dir = tiny_run.run_dir
+    fork = ["fork", "e2e", "--restream", "--to-step", "3"]
+    run_command(run_dir, *fork, "--as", "blind", "--set", 'streams.old_logits.mode="off"')
+    config = load_config(run_dir / "rollstream.toml")
+    topic = restream_topic(config.trainer.topics.scored, "blind")
+    samples = [
+        s
+        for m in read_whole_topic(config.kafka.client_config(), topic, "blind")
+        for s in decode_group(m.value()).samples
+    ]
+    assert samples and all(s.logp_old is None for s in samples)
+    home = trainer_home(config.state_dir, "blind", config.policy)
+    rows = [json.loads(line) for line in (home / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["data/exact_old_frac"] == 0.0 for r in rows)
+
+    done = subprocess.run(
+        [sys.executable, "-m", "rollstream", "--config", str(run_dir / "rollstream.toml"),
+         *fork, "--as", "recomputed", "--set", 'streams.old_logits.dtype="bfloat16"'],
+        env=role_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1 and "no longer holds" in done.stderr, done.stderr[-2000:]
+    assert not trainer_home(config.state_dir, "recomputed", config.policy).exists()
 
 
 def test_up_stops_at_max_steps_and_leaves_no_role_behind(tiny_run: UpRun) -> None:

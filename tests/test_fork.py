@@ -273,6 +273,9 @@ def test_a_counterfactual_fork_from_a_checkpoint_diverges_and_says_how_far_off_p
         (["--as", "taken", "--set", "trainer.engine.lr=1e-2"], "other settings"),
         (["--as", "x6", "--set", "trainer.loss.type=nonsense"], "invalid configuration"),
         ([], "--as NEW is required"),
+        (["--as", "x7", "--set", "streams.staleness.max_staleness=0"], "only with --restream"),
+        (["--as", "x8", "--restream", "--set", "streams.staleness.max_staleness=-1"], "invalid"),
+        (["--as", "x9", "--restream"], "cannot restream"),  # RUN never had a raw topic
     ],
 )
 def test_a_fork_that_cannot_be_made_says_why_and_writes_nothing(
