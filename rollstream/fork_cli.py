@@ -4,7 +4,9 @@ The fork's trainer (``consumers.fork``) trains exactly the steps RUN's trainer t
 from RUN's recorded scored groups, with the configuration of this command (the same file
 as RUN's, ``--set`` laid over it: the one thing changed). It starts from RUN's initial
 weights (``[trainer.model]``) or, with ``--from-step N``, from RUN's checkpoint of step N
-(optimiser state included). Everything the fork writes is its own, under
+(optimiser state included). With ``--restream`` the groups are made again first, from
+RUN's raw topic with the fork's stream settings (``rollstream.fork_restream``), and each
+step trains those of its samples the restream kept. Everything the fork writes is its own, under
 ``<state_dir>/trainer/NEW/``: ``fork.json`` (what it forks, with which settings),
 ``checkpoints/``, ``ledger.jsonl``, ``metrics.jsonl`` (where ``rollstream report NEW``
 finds it); and its weight lineage in S3 under NEW. Run the same command again to resume
