@@ -20,7 +20,7 @@ by its step number.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from consumers.batching import StaleGroup, TopicPartition
@@ -89,6 +89,23 @@ class ForkPlan:
         return step.micro_batches if step.micro_batches is not None else [step.trajectory_ids]
 
 
+def recorded_samples(
+    client_config: Mapping[str, str], topic: str, run_id: str, purpose: str, timeout_s: float
+) -> Iterator[Trajectory]:
+    """Every sample of run ``run_id``'s scored groups on ``topic``, in the topic's order
+    (a record that is no scored group was dead-lettered by the trainer: never trained)."""
+    from core.topic_reader import read_whole_topic
+    from schemas.group import decode_group
+
+    for msg in read_whole_topic(client_config, topic, purpose, timeout_s):
+        try:
+            group = decode_group(msg.value() or b"")
+        except Exception:
+            continue
+        if group.run_id == run_id:
+            yield from group.samples
+
+
 @dataclass
 class NoDeadLetters:
     """A fork reads records the recorded run already judged: none is dead-lettered."""
@@ -115,21 +132,12 @@ class RecordedSteps:
         """Read ``plan.scored_topic`` to its current end and keep the samples the plan
         needs; ``ForkError`` naming the steps whose samples the topic no longer holds
         (unless the plan is ``partial``: then it logs how many are missing)."""
-        from core.topic_reader import read_whole_topic
-        from schemas.group import decode_group
-
         needed = plan.needed_ids()
         samples: dict[str, Trajectory] = {}
-        for msg in read_whole_topic(client_config, plan.scored_topic, "fork", timeout_s):
-            try:
-                group = decode_group(msg.value() or b"")
-            except Exception:  # dead-lettered by the recorded run: never trained
-                continue
-            if group.run_id != plan.run_id:
-                continue
-            for sample in group.samples:
-                if sample.trajectory_id in needed:
-                    samples.setdefault(sample.trajectory_id, sample)
+        topic = plan.scored_topic
+        for sample in recorded_samples(client_config, topic, plan.run_id, "fork", timeout_s):
+            if sample.trajectory_id in needed:
+                samples.setdefault(sample.trajectory_id, sample)
         lost = needed - samples.keys()
         if plan.partial and not samples:
             raise ForkError(

@@ -6,8 +6,8 @@ as RUN's, ``--set`` laid over it: the one thing changed). It starts from RUN's i
 weights (``[trainer.model]``) or, with ``--from-step N``, from RUN's checkpoint of step N
 (optimiser state included). With ``--restream`` the groups are made again first, from
 RUN's raw topic with the fork's stream settings (``rollstream.fork_restream``), and each
-step trains those of its samples the restream kept. Everything the fork writes is its own, under
-``<state_dir>/trainer/NEW/``: ``fork.json`` (what it forks, with which settings),
+step trains those of its samples the restream kept. Everything the fork writes is its
+own, under ``<state_dir>/trainer/NEW/``: ``fork.json`` (what it forks, with which settings),
 ``checkpoints/``, ``ledger.jsonl``, ``metrics.jsonl`` (where ``rollstream report NEW``
 finds it); and its weight lineage in S3 under NEW. Run the same command again to resume
 a fork that stopped or was killed; the same name with other settings is refused.
@@ -146,7 +146,7 @@ def claim_home(home: Path, manifest: dict[str, Any]) -> bool:
     "--restream",
     is_flag=True,
     help="Run RUN's raw topic through the stream again with the fork's [streams] settings "
-    "(old logits recomputed) into the fork's own scored topic, and train on that.",
+    "into the fork's own scored topic, and train on that.",
 )
 @click.option("--list", "show_list", is_flag=True, help="List RUN's forks and exit.")
 @click.option(

@@ -2,15 +2,16 @@
 fork's stream settings, into the fork's own scored topic.
 
 The recorded raw records of RUN go, in the order of their timestamps, through the stream
-worker's own logic (``rollstream.rerun.StreamReplay``: the worker's ``Processor`` and
-old-logit engine) configured with the fork's ``[streams]``: its validation, staleness
-window, group settings and data operators. Old logits are recomputed for every group the
-fork's stream emits, from RUN's published weights (the versions that generated the
-tokens), so a setting that changes them (``streams.old_logits``) changes what the fork
-trains on. The staleness clock is replayed from RUN's announcements: a record is judged
-against the newest version RUN had announced when the record was written. Timers fire
-every quarter of the group timeout of recorded time, and the groups still open at the end
-close as their timeout would.
+worker's own logic (``rollstream.rerun.StreamReplay``: the worker's ``Processor``)
+configured with the fork's ``[streams]``: its validation, staleness window, group settings
+and data operators. Old logits: with the fork's ``[streams.old_logits]`` equal to RUN's,
+each sample gets the ones RUN's stream attached (read from RUN's scored topic: the same
+settings give the same numbers, and RUN's store may no longer hold the versions); with
+``mode = "off"`` none; with other settings they are recomputed from RUN's published
+weights, which must then still hold every generating version. The staleness clock is
+replayed from RUN's announcements: a record is judged against the newest version RUN had
+announced when the record was written. Timers fire every quarter of the group timeout of
+recorded time, and the groups still open at the end close as their timeout would.
 
 What the stream emits for the scored topic is written, in one Kafka transaction, to
 ``<scored topic>.fork.<NEW>``; what it would route elsewhere (stale, dead-lettered,
@@ -73,25 +74,20 @@ class RecordedOldLogits:
     def read(
         cls, client_config: Mapping[str, str], topic: str, run: str, timeout_s: float
     ) -> RecordedOldLogits:
-        from core.topic_reader import read_whole_topic
-        from schemas.group import decode_group
+        from consumers.fork import recorded_samples
 
         by_id: dict[str, tuple[np.ndarray | None, str]] = {}
-        for msg in read_whole_topic(client_config, topic, "fork-old-logits", timeout_s):
-            try:
-                group = decode_group(msg.value() or b"")
-            except Exception:  # dead-lettered by RUN's trainer: never trained
-                continue
-            if group.run_id == run:
-                for sample in group.samples:
-                    by_id[sample.trajectory_id] = (sample.logp_old, sample.old_logits_status)
+        for sample in recorded_samples(client_config, topic, run, "fork-old-logits", timeout_s):
+            by_id.setdefault(sample.trajectory_id, (sample.logp_old, sample.old_logits_status))
         return cls(by_id)
 
     def attach(self, trajectories: Sequence[Trajectory]) -> list[Trajectory]:
         """Copies carrying RUN's old logits; a sample RUN never scored gets none."""
+        from schemas.trajectory import OldLogitsStatus
+
         attached = []
         for traj in trajectories:
-            logp, status = self.by_id.get(traj.trajectory_id, (None, "missing"))
+            logp, status = self.by_id.get(traj.trajectory_id, (None, OldLogitsStatus.MISSING.value))
             if logp is None:
                 attached.append(dataclasses.replace(traj, logp_old=None, old_logits_status=status))
             else:

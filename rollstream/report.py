@@ -52,6 +52,7 @@ import orjson
 from consumers.config import trainer_home
 from producers.config import EvalConfig
 from rollstream.config import RollstreamConfig
+from rollstream.report_compare import write_page
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,14 +304,8 @@ def _num(value: float) -> str:
 
 def write_report(metrics: RunMetrics, out: Path) -> tuple[Path, Path]:
     """Write ``report.png`` and ``report.html`` into ``out``; returns their paths."""
-    out.mkdir(parents=True, exist_ok=True)
     png = render_png(metrics)
-    png_path, html_path = out / "report.png", out / "report.html"
-    for path, data in ((png_path, png), (html_path, render_html(metrics, png).encode())):
-        partial = path.with_name(path.name + ".partial")
-        partial.write_bytes(data)
-        partial.replace(path)
-    return png_path, html_path
+    return write_page(out, "report", png, render_html(metrics, png))
 
 
 @click.command("report")

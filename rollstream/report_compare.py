@@ -108,13 +108,19 @@ def render_compare_html(runs: Sequence[RunMetrics], png: bytes) -> str:
     )
 
 
-def write_compare(runs: Sequence[RunMetrics], out: Path) -> tuple[Path, Path]:
-    """Write ``compare.png`` and ``compare.html`` into ``out``; returns their paths."""
+def write_page(out: Path, name: str, png: bytes, html_text: str) -> tuple[Path, Path]:
+    """Write ``<name>.png`` and ``<name>.html`` into ``out``, each whole or not at all (a
+    browser reloading the page never reads half a file); returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
-    png = render_compare_png(runs)
-    png_path, html_path = out / "compare.png", out / "compare.html"
-    for path, data in ((png_path, png), (html_path, render_compare_html(runs, png).encode())):
+    png_path, html_path = out / f"{name}.png", out / f"{name}.html"
+    for path, data in ((png_path, png), (html_path, html_text.encode())):
         partial = path.with_name(path.name + ".partial")
         partial.write_bytes(data)
         partial.replace(path)
     return png_path, html_path
+
+
+def write_compare(runs: Sequence[RunMetrics], out: Path) -> tuple[Path, Path]:
+    """Write ``compare.png`` and ``compare.html`` into ``out``; returns their paths."""
+    png = render_compare_png(runs)
+    return write_page(out, "compare", png, render_compare_html(runs, png))
