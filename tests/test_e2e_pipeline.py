@@ -160,8 +160,11 @@ def test_a_restreamed_fork_keeps_exact_old_logits_and_keeps_to_its_window(
         theirs = theirs_step.micro_batches or []
         assert ours_step.micro_batches == [[i for i in b if i in fresh] for b in theirs]
         assert set(ours_step.trajectory_ids) <= fresh.keys()
+    # the window sets aside samples the run trained (in whichever steps: early steps of a
+    # run may have none stale), and each forked step leaves out those it holds
+    assert {i for s in run_steps for i in s.trajectory_ids} - fresh.keys()
     trained = sum(len(s.trajectory_ids) for s in fork_steps)
-    assert 0 < trained < sum(len(s.trajectory_ids) for s in run_steps[:steps])
+    assert 0 < trained <= sum(len(s.trajectory_ids) for s in run_steps[:steps])
     lines = (home / "metrics.jsonl").read_text().splitlines()
     rows = {int(r["step"]): r for r in map(json.loads, lines)}
     assert sorted(rows) == list(range(1, steps + 1))
