@@ -426,6 +426,12 @@ class PublishConfig(StrictModel):
         description="Publish version 0 (the initial weights) when the store has no version.",
     )
     announce: bool = Field(default=True, description="Announce versions on topics.versions.")
+    dtype: Literal["trainer", "bfloat16"] = Field(
+        default="trainer",
+        description="What a version holds: trainer = the trainer's weights as they are; "
+        "bfloat16 = their bf16 copy, which an fp32 trainer then computes on while keeping "
+        "fp32 master weights (docs/configuration.md, 'What a version holds').",
+    )
     gc_every: int | None = Field(
         default=10,
         ge=1,
@@ -500,6 +506,11 @@ class TrainerConfig(StrictModel):
             raise ValueError("the ppo_ewma loss needs approx.route = 'ewma'")
         if self.engine.zero_stage == 3 and self.engine.accelerator == "cpu":
             raise ValueError("ZeRO stage 3 needs GPUs (engine.zero_stage <= 2 on cpu)")
+        if self.trains_on_shipped_copy() and self.engine.zero_stage == 3:
+            raise ValueError(
+                "publish.dtype = 'bfloat16' with fp32 training (engine.bf16 = false) needs "
+                "engine.zero_stage <= 2: under ZeRO-3 no rank holds the weights to round"
+            )
         window, every = self.staleness.max_staleness, self.publish.every
         if window is not None and every is not None and every > window + 1:
             raise ValueError(
@@ -520,6 +531,11 @@ class TrainerConfig(StrictModel):
         if isinstance(self.loss, PpoEwmaLossConfig):
             return self.loss.beta, self.loss.reset_below, self.loss.reset_rule
         return self.approx.beta, self.approx.reset_below, self.approx.reset_rule
+
+    def trains_on_shipped_copy(self) -> bool:
+        """Whether versions are a bf16 copy of fp32 weights, so the forward passes run on
+        that copy (``consumers.shipped_weights``)."""
+        return self.publish.dtype == "bfloat16" and not self.engine.bf16
 
     def needs_old_logp(self) -> bool:
         """Whether the loss anchors on logp_old (so non-exact records need the route)."""

@@ -28,6 +28,7 @@ token metric; ``tokens/env`` counts them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 from collections.abc import Collection, Sequence
@@ -40,6 +41,7 @@ from consumers.batching import PackedBatch, pack, response_logprobs, response_lo
 from consumers.config import TrainerConfig
 from consumers.ewma import EwmaProximal
 from consumers.losses import LossInputs, compute_loss, k3
+from consumers.shipped_weights import ShippedRounding
 from consumers.train_engine import TrainEngine
 from schemas.trajectory import OldLogitsStatus, Trajectory
 
@@ -75,6 +77,11 @@ class StepRunner:
         self.ref_model = engine.frozen_copy() if config.loss.kl_coef > 0 else None
         self.prox_model = engine.frozen_copy() if self.route == "ewma" else None
         self.ewma: EwmaProximal | None = None
+        self.shipped = (
+            ShippedRounding.for_module(engine.module, torch.bfloat16)
+            if config.trains_on_shipped_copy()
+            else None
+        )
 
     @staticmethod
     def frozen_copies_needed(config: TrainerConfig) -> int:
@@ -146,7 +153,8 @@ class StepRunner:
                     continue
                 packed = pack(records).to(self.engine.device)
                 rows = [t.trajectory_id in relaxed for t in records] if relaxed else None
-                parts.append(self._micro_step(packed, rows))
+                with self.shipped.applied() if self.shipped else contextlib.nullcontext():
+                    parts.append(self._micro_step(packed, rows))
                 boundary = self.engine.step()  # DeepSpeed steps the optimiser on the last
             if not boundary:
                 raise RuntimeError("DeepSpeed did not step the optimiser at a minibatch's end")

@@ -10,6 +10,9 @@ when the store has none).
   lost comes back as ``VersionTaken`` on retry: if the stored manifest's state digest is
   that of our weights, the version *is* ours and is announced; otherwise another writer
   owns the number and the error is raised. No scheduled version is skipped.
+- **Precision.** ``publish.dtype = "bfloat16"`` publishes the bf16 copy of fp32 master
+  weights: every reader (engines, the old-logit service, followers in other regions) gets
+  exactly those values, and a version's delta holds only the elements whose bf16 value moved.
 - **Retention.** Every ``gc_every`` published versions the publisher applies the
   retention window (``weights.retention``: the newest ``keep_versions`` and the chains
   they need) to the store it writes to. A failed collection is logged and tried again
@@ -122,8 +125,11 @@ class Publisher:
         return every is not None and step % every == 0 and step > self.skip_through
 
     def publish(self, version: int, state: Mapping[str, torch.Tensor]) -> Published:
-        """Publish ``state`` as ``version`` to S3, then announce it; retried on outages."""
+        """Publish ``state`` (in ``config.dtype``) as ``version`` to S3, then announce it;
+        retried on outages."""
         started = time.perf_counter()
+        if self.config.dtype == "bfloat16":
+            state = fmt.cast_state(state, torch.bfloat16)
         result: PublishResult | None = None
         announcement: VersionAnnouncement
         try:

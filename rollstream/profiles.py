@@ -137,5 +137,7 @@ def profile_sections(profile: ProfileConfig) -> dict[str, Any]:
             "staleness": {"max_staleness": window},  # checked again at training time
             # sync: a step waits for all of its groups; async: never wait long for stragglers
             "batch": {"max_groups": groups, "max_wait_s": 120.0 if profile.sync else 5.0},
+            # versions in the dtype a language model is served in, whatever the trainer's
+            **({} if tiny else {"publish": {"dtype": "bfloat16"}}),
         },
     }

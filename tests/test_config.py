@@ -109,3 +109,19 @@ def test_publish_every_0_or_empty_means_never_so_a_toml_file_can_say_it() -> Non
     assert TrainerConfig.model_validate({"publish": {"every": 2}}).publish.every == 2
     with pytest.raises(ValueError, match="every"):
         TrainerConfig.model_validate({"publish": {"every": -1}})
+
+
+def test_publish_dtype_takes_trainer_or_bfloat16_and_the_language_model_profile_ships_bf16() -> (
+    None
+):
+    from consumers.config import TrainerConfig
+    from rollstream.profiles import ProfileConfig, profile_sections
+
+    assert TrainerConfig().publish.dtype == "trainer"
+    for garbage in ("float16", "bf16", "", 16, None, ["bfloat16"]):
+        with pytest.raises(ValueError, match="dtype"):
+            TrainerConfig.model_validate({"publish": {"dtype": garbage}})
+    for precision in ("fp32", "bf16"):
+        sections = profile_sections(ProfileConfig(model="smollm2", precision=precision))
+        assert sections["trainer"]["publish"] == {"dtype": "bfloat16"}
+    assert "publish" not in profile_sections(ProfileConfig())["trainer"]  # tiny: as trained

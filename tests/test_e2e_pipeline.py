@@ -275,3 +275,11 @@ def test_smollm2_trains_calculator_episodes_and_reconciles(
         assert sum(v for k, v in row.items() if k.startswith("episode/end/")) == 8
         assert 0.0 <= row["reward/format_ok_frac"] <= 1.0
     assert_reconciles(run.run_dir, run.rows)
+    # versions ship in bf16 whatever the trainer's precision: after v0, small deltas
+    v0, *later = (json.loads(run_command(run.run_dir, "weights", "show", str(v))) for v in range(3))
+    for manifest in (v0, *later):
+        assert {t["dtype"] for t in manifest["tensors"].values()} == {"bfloat16"}
+    base_bytes = sum(f["bytes"] for f in v0["files"])
+    for manifest in later:
+        assert manifest["kind"] == "delta", manifest["kind"]
+        assert sum(f["bytes"] for f in manifest["files"]) < 0.1 * base_bytes

@@ -23,6 +23,7 @@ from consumers.train_engine import TrainEngine, deepspeed_config
 from core.logprobs import response_logprobs as shared_logprobs
 from core.models import build_tiny_llama, load_model
 from schemas.trajectory import OldLogitsStatus
+from weights import format as fmt
 
 
 def make_config(**sections: object) -> TrainerConfig:
@@ -398,3 +399,55 @@ def test_ppo_config_garbage_is_refused() -> None:
             TrainerConfig.model_validate({"ppo": bad})
     with pytest.raises(ValidationError):
         TrainerConfig.model_validate({"approx": {"reset_rule": "sometimes"}})
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_fp32_training_with_bf16_versions_trains_the_shipped_copy(stage: int) -> None:
+    """``publish.dtype = "bfloat16"`` with fp32 training: the forward passes run on the
+    bf16 copy of the master weights, so at staleness 0 the ratio against the copy's
+    log-probs (what the stream computes for the version) is 1 and nothing clips, where a
+    trainer on its master weights is off by their rounding; the master weights keep
+    updates smaller than a bf16 step, which the copy does not show."""
+    groups = synthetic_groups(4, model=build_tiny_llama(), seed=12, vary_lengths=False)
+    engine_cfg = {"lr": 1e-3, "zero_stage": stage, "bf16": False}
+    ratios = {}
+    for dtype in ("bfloat16", "trainer"):
+        config = make_config(
+            engine=engine_cfg, loss={"type": "decoupled"}, publish={"dtype": dtype}
+        )
+        assert config.trains_on_shipped_copy() == (dtype == "bfloat16")
+        engine, runner = make_runner(config)
+        runner.train_step([flat(groups)])  # the master moves off the bf16 grid
+        master = {k: v.clone() for k, v in engine.state_dict().items()}
+        assert all(v.dtype == torch.float32 for v in master.values())
+        shipped = build_tiny_llama()
+        shipped.load_state_dict(fmt.cast_state(master, torch.bfloat16))
+        fresh = synthetic_groups(4, model=shipped, seed=13, vary_lengths=False)  # logp_old: v1's
+        ratios[dtype] = runner.train_step([flat(fresh)]).metrics
+    on_copy, on_master = ratios["bfloat16"], ratios["trainer"]
+    assert on_copy["ratio/max"] == pytest.approx(1.0, abs=1e-5)
+    assert on_copy["ratio/mean"] == pytest.approx(1.0, abs=1e-6)
+    assert abs(on_master["ratio/max"] - 1.0) > 1e-3
+
+    # a step far below a bf16 rounding step moves nearly every master weight, while the
+    # shipped copy changes only where a weight sat next to a rounding boundary
+    config = make_config(engine={**engine_cfg, "lr": 1e-7}, publish={"dtype": "bfloat16"})
+    engine, runner = make_runner(config)
+    before = {k: v.clone() for k, v in engine.state_dict().items()}
+    runner.train_step([flat(groups)])
+    after = engine.state_dict()
+    copy_before = fmt.cast_state(before, torch.bfloat16)
+    copy_after = fmt.cast_state(after, torch.bfloat16)
+    elements = sum(t.numel() for t in before.values())
+    moved = sum(int((after[k] != before[k]).sum()) for k in before) / elements
+    shown = sum(int((copy_after[k] != copy_before[k]).sum()) for k in before) / elements
+    assert moved > 0.9 and shown < 0.02, (moved, shown)
+
+
+def test_bf16_versions_of_fp32_weights_refuse_zero_3() -> None:
+    with pytest.raises(ValidationError, match="zero_stage <= 2"):
+        make_config(
+            engine={"accelerator": "cuda", "zero_stage": 3, "bf16": False},
+            publish={"dtype": "bfloat16"},
+        )
+    make_config(engine={"accelerator": "cuda", "zero_stage": 3}, publish={"dtype": "bfloat16"})
