@@ -53,11 +53,6 @@ def describe(values: np.ndarray) -> str:
     return f"mean {values.mean():.5f}  p99 {np.quantile(values, 0.99):.4f}  max {values.max():.4f}"
 
 
-def changed_share(prev: fmt.StateDict, curr: fmt.StateDict) -> float:
-    changed = sum(int((fmt.bits(prev[k]) != fmt.bits(curr[k])).sum()) for k in curr)
-    return changed / sum(t.numel() for t in curr.values())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -116,11 +111,11 @@ def run_arm(
 ) -> tuple[float, float, float]:
     """``steps`` AdamW steps on the samples' own tokens (a policy-gradient-sized push); per
     step, what the version costs and how the trainer's and the served policy relate.
-    Returns the medians of (delta / bf16 base, trainer-vs-shipped gap, served move)."""
+    Returns the medians of (delta / a base, trainer-vs-shipped gap, served move)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    prev_copy = fmt.split_aliases(fmt.cast_state(model.state_dict(), dtype))[0]
-    prev_copy = {k: v.clone() for k, v in prev_copy.items()}
+    prev_copy = version_of(model, dtype)
     base = fmt.dense_bytes(prev_copy)
+    elements = sum(t.numel() for t in prev_copy.values())
     served_before = response_logprobs(
         model, batch, torch.float32, state=shipped_state(model, dtype)
     )
@@ -134,8 +129,7 @@ def run_arm(
                 labels[0, : len(prompt)] = -100
                 (model(input_ids=ids, labels=labels).loss / len(batch)).backward()
         optimizer.step()
-        copy = fmt.split_aliases(fmt.cast_state(model.state_dict(), dtype))[0]
-        copy = {k: v.clone() for k, v in copy.items()}
+        copy = version_of(model, dtype)
         delta = fmt.encode_delta(prev_copy, copy)
         served = response_logprobs(model, batch, torch.float32, state=shipped_state(model, dtype))
         with rounding.applied() if rounding else contextlib.nullcontext():
@@ -146,13 +140,19 @@ def run_arm(
         gaps_.append(float(gap.mean()))
         moves.append(float(move.mean()))
         print(
-            f"step {step}: {changed_share(prev_copy, copy):.2%} changed, delta "
+            f"step {step}: {delta.changed_elements / elements:.2%} changed, delta "
             f"{len(delta.blob) / 1e6:.2f} MB = {fractions[-1]:.2%} of a base\n"
             f"    |log pi_trainer - log pi_shipped|        {describe(gap)}\n"
             f"    |log pi_shipped - previous version's|   {describe(move)}"
         )
         prev_copy, served_before = copy, served
     return statistics.median(fractions), statistics.median(gaps_), statistics.median(moves)
+
+
+def version_of(model: torch.nn.Module, dtype: torch.dtype) -> fmt.StateDict:
+    """The version the trainer would publish now, tied tensors once, copied."""
+    unique, _aliases = fmt.split_aliases(fmt.cast_state(model.state_dict(), dtype))
+    return {k: v.clone() for k, v in unique.items()}
 
 
 def shipped_state(model: torch.nn.Module, dtype: torch.dtype) -> fmt.StateDict:

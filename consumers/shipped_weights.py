@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from weights import format as fmt
 
 
 @dataclass
@@ -26,26 +28,19 @@ class ShippedRounding:
 
     tensors: list[torch.Tensor]  # the module's weights, tied ones once
     dtype: torch.dtype
-    masters: list[torch.Tensor] = field(default_factory=list)  # reused between micro-steps
+    masters: list[torch.Tensor]  # where the exact weights wait meanwhile, one per tensor
 
     @classmethod
     def for_module(cls, module: torch.nn.Module, dtype: torch.dtype) -> ShippedRounding:
         """Every floating tensor of ``module``'s state dict (what a version ships)."""
-        seen: set[tuple[int, int]] = set()
-        tensors = []
-        for tensor in module.state_dict(keep_vars=True).values():
-            key = (tensor.data_ptr(), tensor.numel())
-            if tensor.is_floating_point() and tensor.dtype != dtype and key not in seen:
-                seen.add(key)
-                tensors.append(tensor)
-        return cls(tensors, dtype)
+        unique, _aliases = fmt.split_aliases(module.state_dict(keep_vars=True))
+        tensors = [t for t in unique.values() if t.is_floating_point() and t.dtype != dtype]
+        return cls(tensors, dtype, [torch.empty_like(t) for t in tensors])
 
     @contextmanager
     def applied(self) -> Iterator[None]:
         """Inside: the weights as shipped (rounded to ``dtype``). After, even on an error:
         the exact master weights again, before the optimiser steps."""
-        if not self.masters:
-            self.masters = [torch.empty_like(t) for t in self.tensors]
         with torch.no_grad():
             for tensor, master in zip(self.tensors, self.masters, strict=True):
                 master.copy_(tensor)
