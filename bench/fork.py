@@ -15,10 +15,12 @@ and is left out.
 Printed, side by side: the run's wall time (from ``up`` to its end), each fork's, and
 their ratio (the target: a fork costs at most 0.3 of its run: no generation, no stream);
 per arm, the last-20-step means of the loss, the PPO-clipped and MIS-masked fractions,
-and how far its policy ends from the one that generated the data (``offpolicy/k3_kl``).
-Every arm trains the same recorded generations, so the reward of the data is the run's
-in every arm: the table measures what each loss does to the same data, not what an
-on-policy run with that loss would do.
+how far its policy ends from the one that generated the data (``offpolicy/k3_kl``), and
+the held-out reward of its own versions (``rollstream eval --stored``: the task's fixed
+eval set, greedy, at every tenth version the store still holds). Every arm trains the same
+recorded generations, so the reward of the data is the run's in every arm: the table
+measures what each loss does to the same data, not what an on-policy run with that loss
+would do; the eval column is the one that says which arm's policy does the task better.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Arm:
     seconds: float
     output: str
     rows: list[dict[str, float]]  # one per step, in step order
+    evals: list[dict[str, float]]  # one per evaluated version, in version order
 
     def tail_mean(self, name: str, window: int = 20) -> float | None:
         values = [r[name] for r in self.rows[-window:] if name in r]
@@ -78,7 +81,19 @@ def fork_arm(
         raise SystemExit(f"fork {name} failed:\n{done.stderr[-3000:]}")
     rows = load_metrics(name, [state / "trainer" / name / "metrics.jsonl"]).rows
     print(f"  fork {name}: {seconds:.0f}s; {done.stdout.strip()}", flush=True)
-    return Arm(name, assignments, seconds, done.stdout.strip(), rows)
+    return Arm(name, assignments, seconds, done.stdout.strip(), rows, evaluate(config, name))
+
+
+def evaluate(config: Path, run: str) -> list[dict[str, float]]:
+    """The held-out rows of ``run``'s stored versions (every tenth)."""
+    argv = [sys.executable, "-m", "rollstream", "--config", str(config), "eval", "--stored"]
+    done = subprocess.run(
+        [*argv, "--run", run, "--every-versions", "10"], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"eval of {run} failed:\n{done.stderr[-3000:]}")
+    rows_file = done.stdout.strip().rsplit(" into ", 1)[-1]  # the run's own, or a fork's
+    return load_metrics(run, [Path(rows_file)]).rows
 
 
 def main() -> None:
@@ -98,10 +113,15 @@ def main() -> None:
                 "async",
                 args.steps,
                 args.seed,
-                settings={"trainer": {"engine": {"deterministic": True}}},
+                # every version kept: the restreamed arms and the eval read old ones
+                settings={
+                    "trainer": {"engine": {"deterministic": True}},
+                    "weights": {"keep_versions": args.steps + 1},
+                },
             )
             run = run_up(state, Path(tmp), spec)
             config = run.run_dir / "rollstream.toml"
+            recorded = evaluate(config, run.run_dir.name)
             arms = [fork_arm(config, state, run.run_dir.name, "control", [])]
             for route in ROUTES:
                 assignments = route_assignments(route.loss, route.approx)
@@ -123,14 +143,21 @@ def main() -> None:
         f"(`rollstream up --async`, deterministic trainer), {run.seconds:.0f}s wall-clock"
     )
     print()
-    print("| arm | wall s | fork / run | " + " | ".join(SHOWN) + " (last 20 steps) |")
-    print("|---|---|---|" + "---|" * len(SHOWN))
+    print("| arm | wall s | fork / run | " + " | ".join(SHOWN) + " (last 20 steps) | eval |")
+    print("|---|---|---|" + "---|" * (len(SHOWN) + 1))
+    print(f"| the run | {run.seconds:.0f} | 1 |" + " |" * len(SHOWN) + f" {held_out(recorded)} |")
     for arm in arms:
         means = [arm.tail_mean(name) for name in SHOWN]
         cells = " | ".join("-" if m is None else f"{m:.4g}" for m in means)
-        print(f"| {arm.name} | {arm.seconds:.0f} | {arm.seconds / run.seconds:.2f} | {cells} |")
+        ratio = arm.seconds / run.seconds
+        print(f"| {arm.name} | {arm.seconds:.0f} | {ratio:.2f} | {cells} | {held_out(arm.evals)} |")
     print()
     print(f"control: {arms[0].output}")
+
+
+def held_out(rows: list[dict[str, float]]) -> str:
+    """``eval/reward/mean`` per evaluated version, e.g. ``v80 0.41, v90 0.44``."""
+    return ", ".join(f"v{r['version']:.0f} {r['eval/reward/mean']:.3f}" for r in rows) or "-"
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@ training on one axis.
 When versions arrive faster than an evaluation takes, the newest due version is
 evaluated next and the ones passed over are logged. A restarted evaluator skips the
 versions its metrics file already holds.
+
+``evaluate_stored`` measures the versions a weight store already holds instead, and
+ends: a finished run's, or a fork's (whose versions are never announced), so that
+``rollstream report`` can put each arm's held-out reward side by side.
 """
 
 from __future__ import annotations
@@ -170,85 +174,151 @@ class Evaluator:
         return row
 
 
+@dataclass
+class EvalSession:
+    """An evaluator, the metrics file its rows go to (and the versions it holds), and the
+    tracker they are logged to."""
+
+    evaluator: Evaluator
+    path: Path
+    done: set[int]
+    tracker: Tracker
+
+    async def measure(self, version: int, state_dict: Mapping[str, Any]) -> None:
+        """Evaluate ``version`` and record its row."""
+        row = await self.evaluator.evaluate(version, state_dict)
+        with self.path.open("ab") as fh:
+            fh.write(orjson.dumps(row) + b"\n")
+        self.tracker.log(row, version)
+        self.done.add(version)
+        logger.info(
+            "v%d: eval reward %.4f over %d sample(s) in %.1fs",
+            version,
+            row["eval/reward/mean"],
+            row["eval/samples"],
+            row["eval/seconds"],
+        )
+
+
+async def open_session(
+    config: SharedConfig, producers: ProducersConfig, stack: contextlib.AsyncExitStack
+) -> EvalSession:
+    """The engine (closed by ``stack``), the task's eval prompts and the metrics file."""
+    from producers.backends import http_backend, local_backend
+    from producers.catalog import make_task
+    from producers.tasks import TaskContext
+
+    settings = producers.eval
+    rollout = producers.rollout
+    path = eval_metrics_path(config, producers)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    backend: Backend
+    if settings.engine_url:
+        own = rollout.model_copy(update={"engine_url": settings.engine_url})
+        weights_dir = path.parent / "weights"
+        remote = await http_backend(own, producers.engine, weights_dir, config.cache_dir)
+        tokenizer, backend = remote.tokenizer, remote
+    else:
+        local = await local_backend(producers.engine, config.cache_dir, rollout.initial_version)
+        tokenizer, backend = local.engine.tokenizer, local
+    stack.push_async_callback(backend.aclose)
+    task = make_task(rollout.task, rollout.task_options, TaskContext(config.cache_dir, tokenizer))
+    eval_prompts = getattr(task, "eval_prompts", None)
+    if eval_prompts is None:
+        raise ValueError(f"task {rollout.task!r} has no eval split to evaluate")
+    prompts = eval_prompts()[: settings.max_prompts]
+    sampling = rollout.sampling.model_copy(update={"temperature": settings.temperature})
+    params = sampling.to_sglang(task.max_new_tokens, task.stop_token_ids)
+    evaluator = Evaluator(backend, task, prompts, params, settings.samples_per_prompt)
+    tracker = Tracker.for_role(config, "eval")
+    stack.callback(tracker.close)
+    logger.info(
+        "evaluating %d prompt(s) x %d of run %s into %s",
+        len(prompts),
+        settings.samples_per_prompt,
+        config.run_id,
+        path,
+    )
+    return EvalSession(evaluator, path, evaluated_versions(path), tracker)
+
+
 async def run_evaluator(
     config: SharedConfig,
     producers: ProducersConfig,
     stop: threading.Event,
     max_evaluations: int | None = None,
 ) -> int:
-    """Evaluate due versions until ``stop`` is set (or ``max_evaluations`` are done);
-    returns how many were evaluated."""
-    from producers.backends import http_backend, local_backend
-    from producers.catalog import make_task
-    from producers.tasks import TaskContext
+    """Evaluate due versions as the run publishes them until ``stop`` is set (or
+    ``max_evaluations`` are done); returns how many were evaluated."""
     from producers.versions import start_follower
 
-    settings = producers.eval
-    if settings.every_versions < 1:
+    every = producers.eval.every_versions
+    if every < 1:
         raise ValueError("producers.eval.every_versions must be at least 1 to evaluate")
-    rollout = producers.rollout
-    path = eval_metrics_path(config, producers)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    done = evaluated_versions(path)
-    loop = asyncio.get_running_loop()
-    due = DueVersions(settings.every_versions, done, loop, asyncio.Event())
     count = 0
     async with contextlib.AsyncExitStack() as stack:
-        backend: Backend
-        tokenizer = None
-        if settings.engine_url:
-            weights_dir = path.parent / "weights"
-            own = rollout.model_copy(update={"engine_url": settings.engine_url})
-            remote = await http_backend(own, producers.engine, weights_dir, config.cache_dir)
-            tokenizer, backend = remote.tokenizer, remote
-        else:
-            local = await local_backend(producers.engine, config.cache_dir, rollout.initial_version)
-            tokenizer = local.engine.tokenizer
-            backend = local
-        stack.push_async_callback(backend.aclose)
-        task = make_task(
-            rollout.task, rollout.task_options, TaskContext(config.cache_dir, tokenizer)
-        )
-        eval_prompts = getattr(task, "eval_prompts", None)
-        if eval_prompts is None:
-            raise ValueError(f"task {rollout.task!r} has no eval split to evaluate")
-        prompts = eval_prompts()[: settings.max_prompts]
-        sampling = rollout.sampling.model_copy(update={"temperature": settings.temperature})
-        params = sampling.to_sglang(task.max_new_tokens, task.stop_token_ids)
-        evaluator = Evaluator(backend, task, prompts, params, settings.samples_per_prompt)
-        tracker = Tracker.for_role(config, "eval")
-        stack.callback(tracker.close)
+        session = await open_session(config, producers, stack)
+        due = DueVersions(every, session.done, asyncio.get_running_loop(), asyncio.Event())
         following = threading.Event()
         follower = start_follower(config, due, following)
         stack.callback(follower.listener.close)
         stack.push_async_callback(follower.join)
         stack.callback(following.set)
-        logger.info(
-            "evaluating %d prompt(s) x %d every %d version(s) into %s",
-            len(prompts),
-            settings.samples_per_prompt,
-            settings.every_versions,
-            path,
-        )
         while not stop.is_set() and (max_evaluations is None or count < max_evaluations):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(due.arrived.wait(), timeout=0.5)
             due.arrived.clear()
             taken = due.take()
-            if taken is None:
-                continue
-            version, state_dict = taken
-            row = await evaluator.evaluate(version, state_dict)
-            with path.open("ab") as fh:
-                fh.write(orjson.dumps(row) + b"\n")
-            tracker.log(row, version)
-            done.add(version)
-            count += 1
-            logger.info(
-                "v%d: eval reward %.4f over %d sample(s) in %.1fs",
-                version,
-                row["eval/reward/mean"],
-                row["eval/samples"],
-                row["eval/seconds"],
+            if taken is not None:
+                await session.measure(*taken)
+                count += 1
+    return count
+
+
+def stored_due(
+    stored: Sequence[int], every: int, done: set[int], versions: Sequence[int] | None
+) -> list[int]:
+    """The stored versions to evaluate, oldest first: ``versions`` (each must be stored),
+    else every multiple of ``every``; those ``done`` already are left out."""
+    if versions is not None:
+        missing = sorted(set(versions) - set(stored))
+        if missing:
+            raise ValueError(f"the weight store holds no version {missing} (it holds {stored})")
+        wanted = set(versions)
+    elif every < 1:
+        raise ValueError("name the versions or set producers.eval.every_versions to N >= 1")
+    else:
+        wanted = {v for v in stored if v % every == 0}
+    return sorted(wanted - done)
+
+
+async def evaluate_stored(
+    config: SharedConfig,
+    producers: ProducersConfig,
+    versions: Sequence[int] | None = None,
+    stop: threading.Event | None = None,
+) -> int:
+    """Evaluate the versions the run's weight store holds now (a finished run, a fork's
+    lineage, whose versions are not announced), oldest first, each rebuilt and verified as
+    a follower does; returns how many were evaluated."""
+    from weights.follower import WeightFollower
+    from weights.store import WeightStore
+
+    store = WeightStore.from_config(config.s3, config.run_id, config.policy)
+    stored = await asyncio.to_thread(store.versions)
+    count = 0
+    async with contextlib.AsyncExitStack() as stack:
+        session = await open_session(config, producers, stack)
+        due = stored_due(stored, producers.eval.every_versions, session.done, versions)
+        follower = WeightFollower.from_config(store, config.weights)
+        for version in due:
+            if stop is not None and stop.is_set():
+                break
+            snapshot = await asyncio.to_thread(
+                follower.sync_with_retry, version, give_up_after_s=config.weights.retry_max_s
             )
+            if snapshot is None or snapshot.version != version:
+                raise EvalError(f"the weight store gave no v{version} of run {config.run_id}")
+            await session.measure(version, snapshot.state)
+            count += 1
     return count

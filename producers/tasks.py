@@ -143,6 +143,9 @@ def score_digits(target: Sequence[int], response_ids: Sequence[int]) -> tuple[fl
     return correct_positions / len(expected), details
 
 
+EVAL_SEED = 20261127  # the digit tasks' eval prompts: fixed, apart from any run's seed
+
+
 @dataclass
 class DigitsTask:
     """``BOS d1..dn SEP`` → ``f(digits) EOS`` on the tiny vocabulary."""
@@ -152,11 +155,28 @@ class DigitsTask:
     target_fn: Callable[[list[int]], list[int]]
     max_new_tokens: int = 8
     stop_token_ids: list[int] = field(default_factory=lambda: [EOS_ID])
+    eval_size: int = 32
+
+    def __post_init__(self) -> None:
+        if isinstance(self.eval_size, bool) or not isinstance(self.eval_size, int):
+            raise ValueError(f"eval_size must be an integer, got {self.eval_size!r}")
+        if self.eval_size < 1:
+            raise ValueError(f"eval_size must be at least 1, got {self.eval_size}")
 
     def sample(self, rng: random.Random) -> Prompt:
-        digits = [rng.randrange(10) for _ in range(self.num_digits)]
+        return self.prompt([rng.randrange(10) for _ in range(self.num_digits)])
+
+    def prompt(self, digits: list[int]) -> Prompt:
         ids = [BOS_ID, *digits_to_ids(digits), SEP_ID]
         return Prompt(ids, {"digits": digits, "target": self.target_fn(digits)})
+
+    def eval_prompts(self) -> list[Prompt]:
+        """``eval_size`` distinct prompts, the same in every process. Training samples the
+        same small space, so ``rollstream eval`` measures the policy on the task, not on
+        prompts it never saw."""
+        space = 10**self.num_digits
+        picks = random.Random(EVAL_SEED).sample(range(space), min(self.eval_size, space))
+        return [self.prompt([int(c) for c in f"{n:0{self.num_digits}d}"]) for n in picks]
 
     def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> tuple[float, dict]:
         return score_digits(prompt.meta["target"], response_ids)

@@ -11,6 +11,8 @@ own, under ``<state_dir>/trainer/NEW/``: ``fork.json`` (what it forks, with whic
 ``checkpoints/``, ``ledger.jsonl``, ``metrics.jsonl`` (where ``rollstream report NEW``
 finds it); and its weight lineage in S3 under NEW. Run the same command again to resume
 a fork that stopped or was killed; the same name with other settings is refused.
+With ``--follow`` the fork keeps up with a run that is still training: past the last
+step RUN's ledger held at its start, it trains each step RUN's trainer records next.
 
 At the end it compares, version by version, the fork's published weights with RUN's
 (the manifests' ``state_sha256``): a control arm (nothing changed) is identical at every
@@ -52,6 +54,7 @@ def list_forks(config: RollstreamConfig, run: str) -> list[dict[str, Any]]:
         if fork.get("run") == run and fork.get("policy", "") == config.policy:
             steps = TrainingLedger.read(path.parent / "ledger.jsonl")
             fork["trained_to"] = steps[-1][0] if steps else fork["from_step"]
+            fork.setdefault("follow", False)
             forks.append(fork)
     return sorted(forks, key=lambda f: f.get("created", ""))
 
@@ -81,10 +84,12 @@ def fork_manifest(
     new: str,
     policy: str,
     from_step: int,
-    to_step: int,
+    to_step: int | None,
     assignments: tuple[str, ...],
     restream: bool,
+    follow: bool,
 ) -> dict[str, Any]:
+    """What ``fork.json`` says; ``to_step`` None: a fork following RUN to its end."""
     return {
         "run": run,
         "fork": new,
@@ -93,6 +98,7 @@ def fork_manifest(
         "to_step": to_step,
         "set": list(assignments),
         "restream": restream,
+        "follow": follow,
     }
 
 
@@ -101,7 +107,8 @@ def claim_home(home: Path, manifest: dict[str, Any]) -> bool:
     ``ClickException`` when it belongs to another run or another fork."""
     existing = read_fork(home)
     if existing is not None:
-        kept = {"restream": False} | {k: v for k, v in existing.items() if k != "created"}
+        older = {"restream": False, "follow": False}  # fork.json of forks made before these
+        kept = older | {k: v for k, v in existing.items() if k != "created"}
         if kept != manifest:
             raise click.ClickException(
                 f"{manifest['fork']} is already a fork of {existing['run']} with other "
@@ -148,6 +155,20 @@ def claim_home(home: Path, manifest: dict[str, Any]) -> bool:
     help="Run RUN's raw topic through the stream again with the fork's [streams] settings "
     "into the fork's own scored topic, and train on that.",
 )
+@click.option(
+    "--follow",
+    is_flag=True,
+    help="RUN is still training: after the steps its ledger holds, train those it records "
+    "next, until --to-step, RUN's max_steps, or its ledger stops growing (--follow-idle).",
+)
+@click.option(
+    "--follow-idle",
+    "follow_idle_s",
+    type=click.FloatRange(min=1.0),
+    default=120.0,
+    show_default=True,
+    help="With --follow: end once RUN's ledger has not grown for this many seconds.",
+)
 @click.option("--list", "show_list", is_flag=True, help="List RUN's forks and exit.")
 @click.option(
     "--timeout", "timeout_s", default=60.0, show_default=True, help="Topic read timeout (s)."
@@ -161,6 +182,8 @@ def fork(
     from_step: int,
     to_step: int | None,
     restream: bool,
+    follow: bool,
+    follow_idle_s: float,
     show_list: bool,
     timeout_s: float,
 ) -> None:
@@ -171,8 +194,9 @@ def fork(
     if show_list:
         for f in list_forks(config, run):
             changed = " ".join(f.get("set", [])) or "(control: nothing changed)"
+            last = f["to_step"] if f["to_step"] is not None else "(following)"
             click.echo(
-                f"{f['fork']}: steps {f['from_step'] + 1}..{f['to_step']}, trained to "
+                f"{f['fork']}: steps {f['from_step'] + 1}..{last}, trained to "
                 f"{f['trained_to']}, {changed}"
             )
         return
@@ -186,6 +210,11 @@ def fork(
         raise click.BadParameter(str(err), param_hint="--set") from err
     if "run_id" in overrides or "policy" in overrides:
         raise click.BadParameter("run_id and policy are the fork's own", param_hint="--set")
+    if follow and restream:
+        raise click.BadParameter(
+            "a restream reads RUN's raw topic once: it cannot follow a running run",
+            param_hint="--follow",
+        )
     if "streams" in overrides and not restream:
         raise click.BadParameter(
             "a fork trains RUN's scored groups: stream settings change them only with --restream",
@@ -200,7 +229,10 @@ def fork(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    sys.exit(run_fork(recorded, forked, assignments, from_step, to_step, restream, timeout_s))
+    following = follow_idle_s if follow else None
+    sys.exit(
+        run_fork(recorded, forked, assignments, from_step, to_step, restream, following, timeout_s)
+    )
 
 
 def forked_config(
@@ -231,13 +263,14 @@ def run_fork(
     from_step: int,
     to_step: int | None,
     restream: bool,
+    follow_idle_s: float | None,
     timeout_s: float,
 ) -> int:
-    """Plan the fork from RUN's ledger, claim its home, restream if asked, train, compare
-    the versions."""
+    """Plan the fork from RUN's ledger, claim its home, restream if asked, train (following
+    RUN while its ledger grows, given ``follow_idle_s``), compare the versions."""
     from consumers.checkpoint import CheckpointManager, TrainingLedger
     from consumers.config import checkpoint_dir, ledger_path, trainer_home
-    from consumers.fork import ForkError, ForkPlan, ForkTrainer
+    from consumers.fork import ForkError, ForkPlan, ForkTrainer, LedgerFollowing
     from infra.services import Services
     from rollstream.config import role_config
     from rollstream.fork_restream import restream_topic
@@ -253,15 +286,18 @@ def run_fork(
             from_step,
             to_step,
             partial=restream,
+            following=follow_idle_s is not None,
         )
     except ForkError as err:
         raise click.ClickException(f"{err} (ledger {run_ledger})") from None
     home = trainer_home(forked.state_dir, new, forked.policy)
+    follow = follow_idle_s is not None
+    last = to_step if follow else plan.to_step
     fresh = claim_home(
         home,
-        fork_manifest(run, new, forked.policy, from_step, plan.to_step, assignments, restream),
+        fork_manifest(run, new, forked.policy, from_step, last, assignments, restream, follow),
     )
-    shared, trainer = role_config(forked, "trainer", {"max_steps": plan.to_step})
+    shared, trainer = role_config(forked, "trainer", {"max_steps": last})
     trainer = trainer.model_copy(
         update={
             "checkpoint": trainer.checkpoint.model_copy(update={"dir": home / "checkpoints"}),
@@ -289,7 +325,8 @@ def run_fork(
             if fresh:
                 shutil.rmtree(home)  # claimed just now: nothing of the fork's is lost
             raise
-    runner = ForkTrainer(services, trainer, plan, read_timeout_s=timeout_s)
+    following = LedgerFollowing(run_ledger, follow_idle_s) if follow_idle_s is not None else None
+    runner = ForkTrainer(services, trainer, plan, read_timeout_s=timeout_s, following=following)
     runner.install_signal_handlers()
     try:
         summary = runner.run()

@@ -300,33 +300,83 @@ def _produce(config: RollstreamConfig, overrides: dict[str, Any], region: str | 
     "--engine-url", help="An engine of its own speaking SGLang's API; default: in-process."
 )
 @click.option("--max-evaluations", type=int, help="Stop after evaluating this many versions.")
+@click.option(
+    "--stored",
+    is_flag=True,
+    help="Evaluate the versions the weight store holds now, then exit, instead of following "
+    "new ones: a finished run's, or a fork's.",
+)
+@click.option(
+    "--run",
+    "run",
+    metavar="RUN",
+    help="With --stored: evaluate run RUN's versions (a fork's), its rows where "
+    "`rollstream report RUN` looks; default: the config's run_id.",
+)
+@click.option(
+    "--versions",
+    metavar="V1,V2,...",
+    help="With --stored: these versions instead of every N-th.",
+)
 @click.pass_obj
 def evaluate(
     config: RollstreamConfig,
     every_versions: int | None,
     engine_url: str | None,
     max_evaluations: int | None,
+    stored: bool,
+    run: str | None,
+    versions: str | None,
 ) -> None:
     """Generate and score the task's eval split at every N-th version, never trained on
     (producers/evaluation.py); one metrics row per version."""
     config.require_policy()
+    if (run is not None or versions is not None) and not stored:
+        raise click.UsageError("--run and --versions go with --stored")
+    chosen = _version_list(versions)
+    if run is not None and run != config.run_id:
+        config = config.model_copy(update={"run_id": run})
+        own_rows = None  # the config's metrics_file is its own run's
+    else:
+        own_rows = config.producers.eval.metrics_file
     options = {"every_versions": every_versions, "engine_url": engine_url}
     shared, section = _role(config, {"eval": options})
-    if section.eval.every_versions < 1:
+    section = section.model_copy(
+        update={"eval": section.eval.model_copy(update={"metrics_file": own_rows})}
+    )
+    if section.eval.every_versions < 1 and chosen is None:
         raise click.UsageError("set producers.eval.every_versions (or --every-versions) to N >= 1")
     _logging()
     import signal
     import threading
 
     from infra.services import Services
-    from producers.evaluation import eval_metrics_path, run_evaluator
+    from producers.evaluation import EvalError, eval_metrics_path, evaluate_stored, run_evaluator
+    from weights.errors import WeightsError
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     resolved = Services(shared).resolved()
+    if stored:
+        measuring = evaluate_stored(resolved, section, chosen, stop)
+    else:
+        measuring = run_evaluator(resolved, section, stop, max_evaluations)
     try:
-        count = asyncio.run(run_evaluator(resolved, section, stop, max_evaluations))
-    except ValueError as err:  # no eval split, a bad task option
+        count = asyncio.run(measuring)
+    except (ValueError, EvalError, WeightsError) as err:  # no eval split, a version refused
         raise click.ClickException(str(err)) from err
     click.echo(f"evaluated {count} version(s) into {eval_metrics_path(resolved, section)}")
+
+
+def _version_list(text: str | None) -> list[int] | None:
+    """``--versions 0,10,20`` as a list; garbage is a usage error."""
+    if text is None:
+        return None
+    try:
+        chosen = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of versions") from None
+    if any(v < 0 for v in chosen):
+        raise click.BadParameter("versions are 0 or more", param_hint="--versions")
+    return chosen

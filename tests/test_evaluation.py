@@ -183,6 +183,20 @@ def test_report_puts_eval_rows_on_the_step_of_their_version(tmp_path):
 # --- on a real engine --------------------------------------------------------------------
 
 
+def _every_second_version(data: dict) -> ProducersConfig:
+    """The file task's eval split, two greedy samples a prompt, every second version."""
+    return ProducersConfig(
+        engine=EngineConfig(seed=0),
+        rollout=RolloutConfig(
+            progress=False,
+            task="file",
+            task_options=data,
+            sampling=SamplingConfig(ignore_eos=True, stop_token_ids=[]),
+        ),
+        eval=EvalConfig(every_versions=2, samples_per_prompt=2),
+    )
+
+
 def _perturbed(version: int) -> dict:
     """Weights whose greedy completions differ from version to version (the tiny model's
     own initialisations all answer the same token)."""
@@ -250,16 +264,7 @@ def test_every_second_version_is_measured_once_across_a_restart(
         weights=WeightsConfig(topic=versions_topic, poll_interval_s=0.5, allow_unsigned=True),
         tracking=TrackingConfig(backends=["tensorboard"]),
     )
-    settings = ProducersConfig(
-        engine=EngineConfig(seed=0),
-        rollout=RolloutConfig(
-            progress=False,
-            task="file",
-            task_options=data,
-            sampling=SamplingConfig(ignore_eos=True, stop_token_ids=[]),
-        ),
-        eval=EvalConfig(every_versions=2, samples_per_prompt=2),
-    )
+    settings = _every_second_version(data)
     states = {v: _perturbed(v) for v in range(5)}
     announcer = Announcer(client, versions_topic)
     writer = DeltaWriter(WeightStore.from_config(s3_config, config.run_id), announcer=announcer)
@@ -351,3 +356,89 @@ def test_the_eval_command_refuses_what_it_cannot_evaluate(tmp_path):
     assert off.exit_code == 2 and "every_versions" in off.output
     garbage = CliRunner().invoke(main, ["--config", str(config), "eval", "--every-versions", "-3"])
     assert garbage.exit_code == 2 and "greater than or equal to 0" in garbage.output
+
+
+# --- the versions a store already holds (a finished run, a fork) --------------------------
+
+
+@pytest.mark.unit
+def test_stored_versions_due_are_the_multiples_or_the_ones_named():
+    from producers.evaluation import stored_due
+
+    stored = [0, 1, 2, 3, 4, 5, 6]
+    assert stored_due(stored, 2, {2}, None) == [0, 4, 6]  # 2 is in the file already
+    assert stored_due(stored, 0, set(), [5, 1]) == [1, 5]
+    assert stored_due(stored, 3, {1}, [1]) == []
+    with pytest.raises(ValueError, match=r"holds no version \[9\]"):
+        stored_due(stored, 2, set(), [4, 9])
+    with pytest.raises(ValueError, match="every_versions"):
+        stored_due(stored, 0, set(), None)
+
+
+@pytest.mark.unit
+def test_the_digit_tasks_have_a_fixed_eval_set_of_distinct_prompts():
+    from producers.catalog import make_task
+
+    task = make_task("reverse-3-digits", {}, _context())
+    first, again = task.eval_prompts(), make_task("reverse-3-digits", {}, _context()).eval_prompts()
+    assert [p.ids for p in first] == [p.ids for p in again]  # the same in every process
+    assert len(first) == 32 and len({tuple(p.ids) for p in first}) == 32
+    assert all(p.meta["target"] == p.meta["digits"][::-1] for p in first)
+    assert len(make_task("repeat-digit", {"eval_size": 50}, _context()).eval_prompts()) == 10
+    for bad in (0, -1, "8", True, 2.5):
+        with pytest.raises(ValueError, match="eval_size"):
+            make_task("reverse-3-digits", {"eval_size": bad}, _context())
+
+
+@pytest.mark.unit
+def test_the_eval_command_refuses_garbage_stored_options(tmp_path):
+    from click.testing import CliRunner
+
+    from rollstream.cli import main
+
+    config = tmp_path / "run.toml"
+    config.write_text(f'state_dir = "{tmp_path}"\n')
+    for args, message in (
+        (["--run", "other"], "go with --stored"),
+        (["--stored", "--versions", "1,x"], "not a comma-separated list"),
+        (["--stored", "--versions", "3,-1"], "0 or more"),
+        (["--stored"], "every_versions"),
+    ):
+        done = CliRunner().invoke(main, ["--config", str(config), "eval", *args])
+        assert done.exit_code == 2 and message in done.output, (args, done.output)
+    assert not (tmp_path / "eval").exists()
+
+
+@pytest.mark.integration
+def test_the_versions_a_store_holds_are_measured_once_and_the_command_ends(
+    s3_config, tmp_path, data
+):
+    from producers.evaluation import evaluate_stored
+    from weights.store import WeightStore
+    from weights.writer import DeltaWriter
+
+    config = RollstreamConfig(
+        run_id=f"stored-{uuid.uuid4().hex[:6]}",
+        state_dir=tmp_path / "state",
+        cache_dir=default_cache_dir(),
+        s3=s3_config,
+        weights=WeightsConfig(allow_unsigned=True),
+    )
+    settings = _every_second_version(data)
+    states = {v: _perturbed(v) for v in range(5)}
+    writer = DeltaWriter(WeightStore.from_config(s3_config, config.run_id))
+    for version, state in states.items():  # published, never announced: a fork's lineage
+        writer.publish(state, version)
+    path = tmp_path / "state" / "eval" / config.run_id / "metrics.jsonl"
+
+    assert asyncio.run(evaluate_stored(config, settings)) == 3
+    assert asyncio.run(evaluate_stored(config, settings)) == 0  # all in the file already
+    assert asyncio.run(evaluate_stored(config, settings, versions=[3, 4])) == 1
+    with pytest.raises(ValueError, match="holds no version"):
+        asyncio.run(evaluate_stored(config, settings, versions=[7]))
+    found = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [row["version"] for row in found] == [0, 2, 4, 3]
+    for row in found:  # each measured at its own version (deltas applied, verified)
+        expected = _expected_row(data, settings.rollout, states[row["version"]], row["version"])
+        for key in ("eval/reward/mean", "eval/fn/first_token", "eval/fn/target_seen"):
+            assert row[key] == expected[key], (row["version"], key)

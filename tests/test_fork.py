@@ -13,7 +13,9 @@ a version published after every step) is forked three ways:
 - garbage: a fork named like its run, steps RUN never trained, a checkpoint RUN no longer
   keeps, a malformed ``--set``, a name taken with other settings.
 
-``fork --list`` lists both arms; ``report RUN ctl lr`` overlays the three runs.
+``fork --list`` lists both arms; ``report RUN ctl lr`` overlays the three runs; ``eval
+--stored`` measures RUN's and the control arm's versions alike. A fork started while its
+run is still training (``--follow``) trains the steps the run records after its start too.
 """
 
 from __future__ import annotations
@@ -111,6 +113,34 @@ def metric_rows(path: Path) -> dict[int, dict[str, float]]:
     }
 
 
+def run_config(
+    tmp: Path,
+    run: str,
+    kafka: KafkaConfig,
+    s3: S3Config,
+    trainer: dict,
+    keep_versions: int = 16,
+    **sections: object,
+) -> Path:
+    """The config file of a recorded run's trainer subprocess (and of its forks)."""
+    config = tmp / "rollstream.toml"
+    weights = {"max_delta_fraction": 1.0, "allow_unsigned": True, "keep_versions": keep_versions}
+    write_toml(
+        config,
+        {
+            "run_id": run,
+            "state_dir": str(tmp / "state"),
+            "kafka": {"bootstrap_servers": kafka.bootstrap_servers},
+            "s3": s3_table(s3),
+            "presence": {"enabled": False},
+            "trainer": trainer,
+            "weights": weights,
+            **sections,
+        },
+    )
+    return config
+
+
 class Recorded:
     def __init__(self, tmp: Path, config: Path, topics: dict[str, str], s3: S3Config) -> None:
         self.tmp, self.config, self.topics, self.s3 = tmp, config, topics, s3
@@ -149,17 +179,17 @@ def recorded(
     groups = synthetic_groups(2 * STEPS, seed=41, run_id=RUN, model=model)
     # one partition: the recorded run trains the groups in the order they were produced
     produce(kafka_config, topics["scored"], group_records(groups), partition=0)
-    config = tmp / "rollstream.toml"
-    write_toml(
-        config,
-        {
-            "run_id": RUN,
-            "state_dir": str(tmp / "state"),
-            "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
-            "s3": s3_table(module_s3_config),
-            "presence": {"enabled": False},
-            "trainer": trainer,
-            "weights": {"max_delta_fraction": 1.0, "allow_unsigned": True, "keep_versions": 100},
+    config = run_config(
+        tmp,
+        RUN,
+        kafka_config,
+        module_s3_config,
+        trainer,
+        keep_versions=100,
+        # the held-out measure of each arm's versions (`eval --stored`)
+        producers={
+            "rollout": {"task": "reverse-3-digits", "task_options": {"eval_size": 8}},
+            "eval": {"every_versions": 10},
         },
     )
     log = tmp / "trainer.log"
@@ -214,6 +244,18 @@ def test_a_control_fork_killed_and_resumed_is_the_run_bit_for_bit(
     assert digests(recorded.store(RUN)) == run_versions
     assert end_offsets(kafka_config, topics) == ends
 
+    # the held-out eval of each lineage's stored versions: the same weights, the same rows
+    evaluated = {}
+    for run in (RUN, "ctl"):
+        done = CliRunner().invoke(
+            main, ["--config", str(recorded.config), "eval", "--stored", "--run", run]
+        )
+        assert done.exit_code == 0 and "evaluated 4 version(s)" in done.output, done.output
+        rows = load_metrics(run, [recorded.state / "eval" / run / "metrics.jsonl"]).rows
+        evaluated[run] = [{k: v for k, v in r.items() if k != "eval/seconds"} for r in rows]
+    assert [r["version"] for r in evaluated["ctl"]] == [0, 10, 20, 30]
+    assert evaluated["ctl"] == evaluated[RUN]
+
 
 @pytest.mark.system
 def test_a_counterfactual_fork_from_a_checkpoint_diverges_and_says_how_far_off_policy(
@@ -250,6 +292,11 @@ def test_a_counterfactual_fork_from_a_checkpoint_diverges_and_says_how_far_off_p
     assert listed.returncode == 0, listed.stderr
     assert "trainer.engine.lr=3e-3" in listed.stdout and "lr: steps 21..28" in listed.stdout
 
+    evaluated = CliRunner().invoke(
+        main,
+        ["--config", str(recorded.config), "eval", "--stored", "--run", "lr", "--versions", "28"],
+    )
+    assert evaluated.exit_code == 0, evaluated.output
     out = tmp_path / "compare"
     overlaid = rollstream(recorded.config, "report", RUN, "lr", "--out", str(out))
     assert overlaid.returncode == 0, overlaid.stderr[-2000:]
@@ -257,6 +304,7 @@ def test_a_counterfactual_fork_from_a_checkpoint_diverges_and_says_how_far_off_p
     series = orjson.loads(page.split('id="rollstream-series">')[1].split("</script>")[0])
     assert set(series) == {RUN, "lr"}
     assert series["lr"]["offpolicy/k3_kl"]["step"] == list(range(21, 29))
+    assert series["lr"]["eval/reward/mean"]["step"] == [28]  # the arm's held-out measure
     assert (out / "compare.png").read_bytes().startswith(b"\x89PNG")
 
 
@@ -312,3 +360,76 @@ def test_a_fork_of_another_loss_type_starts_from_that_loss_s_defaults(tmp_path: 
     tweak = {"trainer": {"loss": {"level": "sequence"}}}
     tweaked = forked_config(sources, recorded, tweak, "t").trainer.loss
     assert (tweaked.type, tweaked.correction, tweaked.level) == ("decoupled", "tis", "sequence")
+
+
+@pytest.mark.system
+def test_a_fork_follows_a_run_that_is_still_training(
+    kafka_config: KafkaConfig, module_s3_config: S3Config, tmp_path: Path
+) -> None:
+    """RUN has data for 4 of its 8 steps when the fork starts with ``--follow``; the groups
+    of steps 5-6 arrive as the fork starts (read with its first read of the topic, before
+    RUN's ledger names them), those of 7-8 once the fork has trained step 4 (read by a
+    later read). Every version is RUN's, and the fork ends at RUN's ``max_steps`` without
+    waiting for the idle timeout."""
+    import time
+
+    run, steps = "follow-source", 8
+    topics = make_topics(kafka_config, lambda base: f"{base}-{uuid.uuid4().hex[:8]}")
+    trainer = trainer_config(
+        tmp_path,
+        topics,
+        max_steps=steps,
+        engine={"lr": 1e-3, "bf16": True, "deterministic": True},
+        batch={"max_groups": 1, "max_wait_s": 30.0},
+        checkpoint={"dir": str(tmp_path / "ckpt"), "every": 2},
+        publish={"every": 1},
+    )
+    model = load_model(TrainerConfig.model_validate(trainer).model.spec)
+    groups = synthetic_groups(steps, seed=43, run_id=run, model=model)
+    config = run_config(tmp_path, run, kafka_config, module_s3_config, trainer)
+    produce(kafka_config, topics["scored"], group_records(groups[:4]), partition=0)
+    source = spawn(config, tmp_path / "trainer.log")
+    ledger = tmp_path / "ledger.jsonl"
+    fork = None
+    try:
+        deadline = time.monotonic() + 300
+        while len(TrainingLedger.read(ledger)) < 4:  # RUN's checkpoint of step 4
+            assert source.poll() is None and time.monotonic() < deadline, (
+                tmp_path / "trainer.log"
+            ).read_text()[-4000:]
+            time.sleep(0.5)
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+        following = ("--as", "fol", "--follow", "--follow-idle", "240")
+        fork = subprocess.Popen(
+            [sys.executable, "-m", "rollstream", "--config", str(config), "fork", run, *following],
+            cwd=REPO,
+            env={**env, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        home = tmp_path / "state" / "trainer" / "fol"
+        while not (home / "fork.json").is_file():  # started with RUN's ledger at step 4
+            assert fork.poll() is None and time.monotonic() < deadline, fork.communicate()
+            time.sleep(0.2)
+        produce(kafka_config, topics["scored"], group_records(groups[4:6]), partition=0)
+        while len(TrainingLedger.read(home / "ledger.jsonl")) < 4:  # the fork's checkpoint
+            assert fork.poll() is None and time.monotonic() < deadline, fork.communicate()
+            time.sleep(0.2)
+        produce(kafka_config, topics["scored"], group_records(groups[6:]), partition=0)
+        assert source.wait(300) == 0, (tmp_path / "trainer.log").read_text()[-4000:]
+        out, err = fork.communicate(timeout=300)
+    finally:
+        for process in (source, fork):
+            if process is not None and process.poll() is None:
+                process.kill()
+    assert fork.returncode == 0, err[-4000:]
+    assert f"identical to {run}'s: {steps + 1}; different: 0" in out
+    versions = digests(WeightStore.from_config(module_s3_config, "fol"))
+    assert versions == digests(WeightStore.from_config(module_s3_config, run))
+    assert sorted(versions) == list(range(steps + 1))
+    assert TrainingLedger.read(home / "ledger.jsonl") == TrainingLedger.read(ledger)
+    manifest = orjson.loads((home / "fork.json").read_bytes())
+    assert (manifest["follow"], manifest["to_step"]) == (True, None)
+    listed = rollstream(config, "fork", run, "--list")
+    assert "fol: steps 1..(following), trained to 8" in listed.stdout, listed.stderr
