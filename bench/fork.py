@@ -42,7 +42,7 @@ import orjson
 from bench.e2e import RunSpec, run_up
 from bench.learning import ROUTES
 from rollstream.config import load_config
-from rollstream.report import load_metrics
+from rollstream.report import eval_path, load_metrics
 
 SHOWN = ("loss/total", "clip/frac", "mis/masked_frac", "offpolicy/k3_kl")
 
@@ -92,8 +92,10 @@ def evaluate(config: Path, run: str) -> list[dict[str, float]]:
     )
     if done.returncode != 0:
         raise SystemExit(f"eval of {run} failed:\n{done.stderr[-3000:]}")
-    rows_file = done.stdout.strip().rsplit(" into ", 1)[-1]  # the run's own, or a fork's
-    return load_metrics(run, [Path(rows_file)]).rows
+    rows_file = eval_path(load_config(config), run)  # where report finds them
+    if rows_file is None:
+        raise SystemExit(f"eval of {run} wrote no rows:\n{done.stdout[-3000:]}")
+    return load_metrics(run, [rows_file]).rows
 
 
 def main() -> None:

@@ -103,8 +103,10 @@ class ForkPlan:
             self.partial,
         )
 
-    def needed_ids(self) -> set[str]:
-        return {i for step in self.steps for batch in self.micro_batches(step) for i in batch}
+    @classmethod
+    def ids_of(cls, steps: Sequence[LedgerStep]) -> set[str]:
+        """The sample ids ``steps`` trained."""
+        return {i for step in steps for batch in cls.micro_batches(step) for i in batch}
 
     @staticmethod
     def micro_batches(step: LedgerStep) -> list[list[str]]:
@@ -205,7 +207,7 @@ class RecordedSteps:
 
     def read_samples(self, steps: Sequence[LedgerStep]) -> None:
         plan = self.plan
-        needed = {i for step in steps for batch in plan.micro_batches(step) for i in batch}
+        needed = plan.ids_of(steps)
         unplanned = self.unplanned if self.unplanned is not None else {}
         for i in needed & unplanned.keys():
             self.samples.setdefault(i, unplanned.pop(i))
@@ -235,7 +237,8 @@ class RecordedSteps:
                 f"{len(lost)} samples of run {plan.run_id!r} that steps {numbers[:10]} trained "
                 f"are not on {plan.scored_topic} (its retention removed them?)"
             )
-        log.info("read %d samples of %d steps of run %s", len(needed), len(steps), plan.run_id)
+        kept = len(needed) - len(lost)
+        log.info("read %d samples of %d steps of run %s", kept, len(steps), plan.run_id)
 
     def composition(self, step: int) -> tuple[list[list[Trajectory]], set[str]] | None:
         """Step ``step``'s micro-batches and relaxed sample ids; None past the plan."""

@@ -334,16 +334,14 @@ def evaluate(
     if (run is not None or versions is not None) and not stored:
         raise click.UsageError("--run and --versions go with --stored")
     chosen = _version_list(versions)
-    if run is not None and run != config.run_id:
+    other_run = run is not None and run != config.run_id
+    if other_run:
         config = config.model_copy(update={"run_id": run})
-        own_rows = None  # the config's metrics_file is its own run's
-    else:
-        own_rows = config.producers.eval.metrics_file
     options = {"every_versions": every_versions, "engine_url": engine_url}
     shared, section = _role(config, {"eval": options})
-    section = section.model_copy(
-        update={"eval": section.eval.model_copy(update={"metrics_file": own_rows})}
-    )
+    if other_run:  # the config's metrics_file is its own run's: RUN's rows go to the default
+        rows = section.eval.model_copy(update={"metrics_file": None})
+        section = section.model_copy(update={"eval": rows})
     if section.eval.every_versions < 1 and chosen is None:
         raise click.UsageError("set producers.eval.every_versions (or --every-versions) to N >= 1")
     _logging()
