@@ -4,7 +4,10 @@
 polling the store, walks the parent chain from the wanted version back to the version it
 holds (or to a base, when it is too far behind or holds nothing), downloads and verifies
 every manifest and file, applies the deltas, checks every rebuilt tensor against the
-writer's checksums, and only then hands the new ``Snapshot`` to its callback.
+writer's checksums, and only then hands the new ``Snapshot`` to its callback. An adapter
+version (a LoRA run's) is its base's tensors with its own few laid over them: the base's
+tensors are taken from the version held when it has the same base (fetched once per base
+otherwise), so successive snapshots share them and only the adapter's tensors are new.
 
 A version counts as applied (``version``, ``snapshot``, the applied metric) only once the
 callback has returned. A callback that raises leaves the follower at the version it had:
@@ -204,13 +207,16 @@ class WeightFollower:
             return self._apply(snapshot, state, path, started, 0)
         chain = self._chain(target, manifest_sha256)
         head = chain[-1]
+        found: dict[str, int] | None = None  # the last delta checksums what it applies
         with tempfile.TemporaryDirectory(prefix="rollstream-follow-") as scratch:
-            if head.kind == "base":
+            if chain[0].kind == "adapter":
+                state, found = self._load_adapter(target, chain, Path(scratch))
+                deltas, path = [], "adapter"
+            elif head.kind == "base":
                 state = self._load_base(target, head, Path(scratch))
                 deltas, path = chain[-2::-1], "base"
             else:
                 state, deltas, path = self._unique, chain[::-1], "delta"
-        found: dict[str, int] | None = None  # the last delta checksums what it applies
         for manifest in deltas:
             if fmt.specs_of(state) != manifest.tensors:
                 raise self._refuse(
@@ -289,6 +295,21 @@ class WeightFollower:
         """Manifests from ``target`` back to the held version's child or to a base."""
         chain = [self._manifest(target, target, manifest_sha256, RefusalReason.NOT_FOUND)]
         held = self._snapshot
+        if chain[0].kind == "adapter":  # one step from its base, or from a sibling we hold
+            if (
+                held is not None
+                and held.manifest.kind != "delta"
+                and (held.manifest.base == chain[0].base)
+            ):
+                return chain
+            base = self._manifest(chain[0].base, target, None, RefusalReason.MISSING_PARENT)
+            if base.kind != "base":
+                raise self._refuse(
+                    target,
+                    RefusalReason.BROKEN_CHAIN,
+                    f"adapter v{target} names v{base.version}, a {base.kind}, as its base",
+                )
+            return [*chain, base]
         # Behind the target's base: the deltas we could apply do not lead there.
         jump = held is None or held.version < chain[0].base
         while chain[-1].kind == "delta":
@@ -310,7 +331,7 @@ class WeightFollower:
                     f"v{child.version} skips the held v{held.version}",
                 )
             parent = self._manifest(child.parent, target, None, RefusalReason.MISSING_PARENT)
-            if parent.base != child.base:
+            if parent.base != child.base or parent.kind == "adapter":
                 raise self._refuse(
                     target,
                     RefusalReason.BROKEN_CHAIN,
@@ -381,7 +402,7 @@ class WeightFollower:
         """One data file, its size and sha256 checked against the manifest."""
         key = self.store.key(manifest.version, entry.name)
         try:
-            check_file_entry(manifest.kind, entry, manifest.tensors)
+            check_file_entry(manifest.kind, entry, manifest.stored_tensors)
             data = self.store.download(key, dest, size=entry.bytes)
         except ObjectMissing as err:
             raise self._refuse(target, RefusalReason.MISSING_FILE, f"{err.uri} missing") from None
@@ -421,6 +442,38 @@ class WeightFollower:
         except FormatError as err:
             raise self._refuse(target, err.reason, f"base v{manifest.version}: {err}") from None
         return state
+
+    def _load_adapter(
+        self, target: int, chain: list[Manifest], scratch: Path
+    ) -> tuple[fmt.StateDict, dict[str, int] | None]:
+        """An adapter's state: the held sibling's (or the fetched base's) tensors with the
+        adapter's laid over them, and (when verifying) the checksums of that state."""
+        adapter = chain[0]
+        if len(chain) == 2:
+            source = self._load_base(target, chain[1], scratch)
+            source_sums = fmt.state_checksums(source) if self.verify_state else None
+        else:
+            assert self._snapshot is not None
+            source, source_sums = self._unique, self._snapshot.manifest.checksums
+        overlay: fmt.StateDict = {}
+        for entry in adapter.files:
+            path = self._fetch(target, adapter, entry, scratch / entry.name)
+            assert isinstance(path, Path)
+            try:
+                overlay.update(safetensors.torch.load_file(path))
+            except Exception as err:  # safetensors raises its own error types
+                raise self._refuse(
+                    target, RefusalReason.CORRUPT, f"adapter v{adapter.version}: {err}"
+                ) from None
+            path.unlink()
+        try:
+            fmt.check_base(overlay, adapter.stored_tensors)
+        except FormatError as err:
+            raise self._refuse(target, err.reason, f"adapter v{target}: {err}") from None
+        state = {**source, **overlay}
+        if source_sums is None:
+            return state, None
+        return state, {**source_sums, **fmt.state_checksums(overlay)}
 
     def _load_delta(self, target: int, manifest: Manifest) -> dict[str, fmt.TensorDelta]:
         changes: dict[str, fmt.TensorDelta] = {}

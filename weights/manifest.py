@@ -5,6 +5,11 @@ last, so its presence means every file it lists is complete; it carries the size
 sha256 of each file, the dtype, shape and CRC-32 of every tensor, and the parent and base
 versions, so a reader can verify each file it fetches and each tensor it rebuilds.
 
+Three kinds of version: a ``base`` holds every tensor; a ``delta`` holds the bits that
+changed since its parent; an ``adapter`` (a LoRA run's version) holds, whole, the few
+tensors it ``overlay``s on its base, every other tensor being the base's, unchanged. An
+adapter's parent is its base, so it is a single step from the base whatever came between.
+
 An optional ed25519 signature covers the canonical bytes: the manifest's JSON object
 without its ``signature`` field, keys sorted, no whitespace (orjson ``OPT_SORT_KEYS``).
 Because the manifest pins every file hash, and applying a chain is deterministic, the
@@ -36,7 +41,7 @@ MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 """Largest manifest a reader accepts: a few hundred bytes per tensor, so even a model of
 tens of thousands of tensors stays far below it; a bigger object is refused unread."""
 
-Kind = Literal["base", "delta"]
+Kind = Literal["base", "delta", "adapter"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,7 @@ class Manifest:
     run: str
     version: int
     kind: Kind
-    parent: int | None  # previous version (a delta applies on it); informational for a base
+    parent: int | None  # the version this one applies on (its base for an adapter); None for a base
     base: int  # the base this version's chain starts from (itself for a base)
     tensors: dict[str, TensorSpec]  # the full state after this version, in name order
     files: tuple[FileEntry, ...]
@@ -88,6 +93,7 @@ class Manifest:
     state_sha256: str  # ``format.digest_of_checksums(checksums)``: one id for the weights
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> stored name
     changed_elements: int = 0  # delta only: elements whose bits changed
+    overlay: tuple[str, ...] = ()  # adapter only: the tensors its file holds, in name order
     created_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     format: int = FORMAT_VERSION
     signature: Signature | None = None
@@ -95,6 +101,13 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(f.bytes for f in self.files)
+
+    @property
+    def stored_tensors(self) -> dict[str, TensorSpec]:
+        """The tensors this version's files can hold: an adapter's overlay, else all."""
+        if self.kind == "adapter":
+            return {name: self.tensors[name] for name in self.overlay if name in self.tensors}
+        return self.tensors
 
     @property
     def total_elements(self) -> int:
@@ -122,6 +135,8 @@ class Manifest:
             "state_sha256": self.state_sha256,
             "changed_elements": self.changed_elements,
         }
+        if self.kind == "adapter":  # older manifests' canonical bytes stay as they were
+            data["overlay"] = list(self.overlay)
         if signed and self.signature is not None:
             data["signature"] = {
                 "alg": self.signature.alg,
@@ -238,7 +253,7 @@ def check_file_entry(kind: str, entry: FileEntry, specs: Mapping[str, TensorSpec
         if entry.bytes > limit:
             raise FormatError(
                 RefusalReason.CORRUPT,
-                f"{entry.name}: {entry.bytes} bytes is more than a base of the manifest's "
+                f"{entry.name}: {entry.bytes} bytes is more than a {kind} of the manifest's "
                 f"tensors can hold (at most {limit})",
             )
 
@@ -285,10 +300,16 @@ def _str(value: Any) -> str:
     return value
 
 
+def _list(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list, got {value!r}")
+    return value
+
+
 def _from_dict(raw: dict[str, Any]) -> Manifest:
     kind = _str(raw["kind"])
-    if kind not in ("base", "delta"):
-        raise ValueError(f"kind must be base or delta, not {kind!r}")
+    if kind not in ("base", "delta", "adapter"):
+        raise ValueError(f"kind must be base, delta or adapter, not {kind!r}")
     parent = raw.get("parent")
     sig = raw.get("signature")
     tensors = {
@@ -323,6 +344,7 @@ def _from_dict(raw: dict[str, Any]) -> Manifest:
         checksums={_str(k): _int(v) for k, v in raw["checksums"].items()},
         state_sha256=_str(raw["state_sha256"]),
         changed_elements=_int(raw.get("changed_elements", 0)),
+        overlay=tuple(_str(name) for name in _list(raw.get("overlay", []))),
         signature=None
         if sig is None
         else Signature(alg=_str(sig["alg"]), key_id=_str(sig["key_id"]), sig=_str(sig["sig"])),
@@ -408,6 +430,15 @@ def chain_fields_problem(manifest: Manifest, run: str, version: int) -> str | No
         manifest.parent is None or not manifest.base <= manifest.parent < version
     ):
         return f"delta with parent {manifest.parent} and base {manifest.base}"
+    if manifest.kind == "adapter":
+        if manifest.parent != manifest.base or not manifest.base < version:
+            return f"adapter with parent {manifest.parent} and base {manifest.base}"
+        if not manifest.overlay or not set(manifest.overlay) <= manifest.tensors.keys():
+            return "an adapter must overlay some of its own tensors"
+        if list(manifest.overlay) != sorted(set(manifest.overlay)):
+            return "an adapter's overlay must be sorted and without repeats"
+    elif manifest.overlay:
+        return f"a {manifest.kind} overlays nothing"
     if not manifest.files:
         return "no files"
     return None

@@ -75,7 +75,7 @@ def copy_version(src: WeightStore, dst: WeightStore, version: int, *, trust: Tru
     copied = 0
     with tempfile.TemporaryDirectory(prefix="rollstream-mirror-") as scratch:
         for entry in manifest.files:
-            check_file_entry(manifest.kind, entry, manifest.tensors)
+            check_file_entry(manifest.kind, entry, manifest.stored_tensors)
             big = entry.bytes >= src.transfer.multipart_threshold
             dest = Path(scratch) / entry.name if big else None
             data = src.download(src.key(version, entry.name), dest, size=entry.bytes)

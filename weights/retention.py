@@ -63,7 +63,7 @@ def plan_gc(
                 break
             except WeightsError as err:
                 raise WeightsError(f"gc: cannot read the chain of v{version}: {err}") from err
-            current = found.parent if found.kind == "delta" else None
+            current = found.parent  # a delta's parent, an adapter's base; None for a base
     keep = sorted(v for v in complete if v in needed)
     delete = [v for v in complete if v not in needed]
 

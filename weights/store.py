@@ -62,7 +62,7 @@ def version_dirname(version: int) -> str:
 
 def new_file_name(kind: str) -> str:
     """A data file name unique to this upload attempt."""
-    suffix = "base.safetensors" if kind == "base" else "delta.safetensors.zst"
+    suffix = "delta.safetensors.zst" if kind == "delta" else f"{kind}.safetensors"
     return f"{secrets.token_hex(6)}.{suffix}"
 
 

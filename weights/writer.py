@@ -6,6 +6,12 @@ or a full base when there is no previous state, every ``base_every`` versions, w
 tensor layout changed, or when the delta would exceed ``max_delta_fraction`` of a base
 (a base then costs readers little more and shortens every later chain).
 
+A LoRA run's writer is given its ``adapter_tensors``: after one base, each version is an
+adapter holding just those tensors whole, on that base, for as long as every other tensor
+is bit-for-bit the base's (checked by checksum each version; a change writes a new base).
+A restarted writer reuses the store's base when its frozen tensors are still ours, so a
+restart costs an adapter, not a model.
+
 Order of operations: data files, then the manifest by conditional put (the claim),
 then the announcement. A crash before the claim leaves only orphan files (collected by
 retention); a crash after it leaves a valid version that pollers still find.
@@ -16,7 +22,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,8 +36,17 @@ from core.config import WeightsConfig
 from schemas.control import VersionAnnouncement
 from weights import format as fmt
 from weights.announce import Announcer
-from weights.errors import VersionTaken
-from weights.manifest import FileEntry, Kind, Manifest, load_private_key, sha256_hex
+from weights.errors import FormatError, ObjectMissing, VersionTaken
+from weights.manifest import (
+    FileEntry,
+    Kind,
+    Manifest,
+    chain_fields_problem,
+    load_private_key,
+    parse_manifest,
+    sha256_hex,
+    verify_signature,
+)
 from weights.store import WeightStore, new_file_name, sha256_file
 
 log = logging.getLogger(__name__)
@@ -65,6 +80,7 @@ class DeltaWriter:
         zstd_level: int = 3,
         signing_key: Ed25519PrivateKey | None = None,
         announcer: Announcer | None = None,
+        adapter_tensors: Collection[str] | None = None,
     ) -> None:
         self.store = store
         self.base_every = base_every
@@ -72,6 +88,8 @@ class DeltaWriter:
         self.zstd_level = zstd_level
         self.signing_key = signing_key
         self.announcer = announcer
+        self.adapter_tensors = None if adapter_tensors is None else frozenset(adapter_tensors)
+        self._adapter_base: Manifest | None = None  # the base a LoRA run's adapters go on
         self._prev: fmt.StateDict | None = None  # our own copy of the last published state
         self._aliases: dict[str, str] = {}
         self._version: int | None = None
@@ -82,7 +100,11 @@ class DeltaWriter:
 
     @classmethod
     def from_config(
-        cls, store: WeightStore, config: WeightsConfig, announcer: Announcer | None = None
+        cls,
+        store: WeightStore,
+        config: WeightsConfig,
+        announcer: Announcer | None = None,
+        adapter_tensors: Collection[str] | None = None,
     ) -> DeltaWriter:
         return cls(
             store,
@@ -91,6 +113,7 @@ class DeltaWriter:
             zstd_level=config.zstd_level,
             signing_key=load_private_key(config.signing_key) if config.signing_key else None,
             announcer=announcer,
+            adapter_tensors=adapter_tensors,
         )
 
     @property
@@ -120,40 +143,54 @@ class DeltaWriter:
 
         unique, aliases = fmt.split_aliases({k: v.detach() for k, v in state.items()})
         specs = fmt.specs_of(unique)
-        delta, checksums = self._try_delta(unique, aliases, version)
+        delta, checksums, on_base = None, None, None
+        if self.adapter_tensors is None:
+            delta, checksums = self._try_delta(unique, aliases, version)
         timings["encode"] = time.perf_counter() - clock
 
         clock = time.perf_counter()  # a comparison checksummed the new state as it went
         checksums = checksums if checksums is not None else fmt.state_checksums(unique)
         timings["checksum"] = time.perf_counter() - clock
+        overlay: tuple[str, ...] = ()
+        if self.adapter_tensors is not None:
+            overlay = tuple(sorted(self.adapter_tensors & unique.keys()))
+            on_base = self._base_for_adapter(specs, aliases, checksums, overlay, version)
 
         with tempfile.TemporaryDirectory(prefix="rollstream-weights-") as scratch:
             clock = time.perf_counter()
-            kind: Kind = "base" if delta is None else "delta"
+            kind: Kind = "delta" if delta is not None else "base" if on_base is None else "adapter"
             name = new_file_name(kind)
             payload: bytes | Path
             if delta is None:
                 payload = Path(scratch) / name
+                stored = unique if on_base is None else {n: unique[n] for n in overlay}
                 safetensors.torch.save_file(
-                    fmt.base_payload(unique), payload, metadata=fmt.BASE_METADATA
+                    fmt.base_payload(stored), payload, metadata=fmt.BASE_METADATA
                 )
                 size = raw_size = payload.stat().st_size
                 file_sha = sha256_file(payload)
             else:
                 payload, size, raw_size = delta.blob, len(delta.blob), delta.raw_bytes
                 file_sha = sha256_hex(delta.blob)
+            if on_base is not None:  # an adapter applies on its base
+                parent, base = on_base.version, on_base.version
+            elif delta is not None:
+                parent, base = self._version, self._base
+            else:
+                parent, base = None, version
             manifest = Manifest(
                 run=self.store.run,
                 version=version,
                 kind=kind,
-                parent=None if delta is None else self._version,
-                base=version if delta is None else self._base,  # type: ignore[arg-type]
+                parent=parent,
+                base=base,  # type: ignore[arg-type]
                 tensors=specs,
                 aliases=aliases,
                 files=(FileEntry(name=name, bytes=size, sha256=file_sha, raw_bytes=raw_size),),
                 checksums=checksums,
                 state_sha256=fmt.digest_of_checksums(checksums),
                 changed_elements=0 if delta is None else delta.changed_elements,
+                overlay=overlay if kind == "adapter" else (),
             )
             if self.signing_key is not None:
                 manifest = manifest.sign(self.signing_key)
@@ -173,7 +210,7 @@ class DeltaWriter:
                 self.store.delete([file_key])
                 # The store's chain now holds another writer's state: our next version
                 # must not be a delta against ours, so it will be a full base.
-                self._prev = None
+                self._prev = self._adapter_base = None
                 log.warning(
                     "version %d of run %s was claimed by another writer", version, self.store.run
                 )
@@ -181,7 +218,11 @@ class DeltaWriter:
             timings["claim"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        if delta is None:
+        if kind == "adapter":
+            pass  # nothing to remember: the next adapter goes on the same base
+        elif self.adapter_tensors is not None:
+            self._adapter_base, self._base = manifest, version
+        elif delta is None:
             self._prev = {
                 k: v.cpu().clone(memory_format=torch.contiguous_format) for k, v in unique.items()
             }
@@ -256,6 +297,55 @@ class DeltaWriter:
             )
             return None, delta.checksums
         return delta, delta.checksums
+
+    def _base_for_adapter(
+        self,
+        specs: Mapping[str, fmt.TensorSpec],
+        aliases: Mapping[str, str],
+        checksums: Mapping[str, int],
+        overlay: tuple[str, ...],
+        version: int,
+    ) -> Manifest | None:
+        """The base this version can be an adapter on: ours, or after a restart the store's
+        latest version's (when it verifies as ours); None when a base must be written."""
+        base = self._adapter_base
+        if base is None and self._version is None:
+            base = self._stored_base()
+        if base is None or not overlay:
+            return None
+        frozen_changed = [
+            name
+            for name in specs
+            if name not in overlay and checksums[name] != base.checksums.get(name)
+        ]
+        if dict(specs) != base.tensors or dict(aliases) != base.aliases or frozen_changed:
+            log.warning(
+                "v%d: tensors outside the adapter differ from base v%d (%s): writing a base",
+                version,
+                base.version,
+                frozen_changed[:3] or "layout",
+            )
+            return None
+        return base
+
+    def _stored_base(self) -> Manifest | None:
+        """The base of the store's latest version, read and (when we sign) verified as
+        signed by our key; None if there is none or it does not verify."""
+        latest = self.store.latest()
+        if latest is None:
+            return None
+        public_key = None if self.signing_key is None else self.signing_key.public_key()
+        try:
+            manifest, canonical = parse_manifest(self.store.read_manifest(latest))
+            if manifest.kind != "base":
+                manifest, canonical = parse_manifest(self.store.read_manifest(manifest.base))
+            verify_signature(manifest, canonical, public_key)
+        except (FormatError, ObjectMissing) as err:
+            log.warning("no reusable base in the store (%s): writing a base", err)
+            return None
+        if chain_fields_problem(manifest, self.store.run, manifest.base) is not None:
+            return None
+        return manifest
 
     def _announce(self, announcement: VersionAnnouncement) -> None:
         assert self.announcer is not None
