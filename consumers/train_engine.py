@@ -186,7 +186,7 @@ class TrainEngine:
             model.gradient_checkpointing_enable()  # type: ignore[operator]
         model.train()
         optimizer = torch.optim.AdamW(
-            model.parameters(),
+            [param for param in model.parameters() if param.requires_grad],  # LoRA: the adapter
             lr=config.lr,
             betas=config.betas,
             eps=config.adam_eps,

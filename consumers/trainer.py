@@ -56,7 +56,7 @@ from consumers.ranks import (
 )
 from consumers.recent import RecentGroups
 from core.config import SharedConfig
-from core.models import load_model
+from core.models import adapter_tensor_names, load_model
 from core.tracking import Tracker
 from schemas.trajectory import Trajectory
 
@@ -166,7 +166,11 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
             torch.set_num_threads(1)
         # float32 master weights; DeepSpeed casts the module for bf16 training
-        model = load_model(cfg.model.spec, "float32", cache_dir=self.shared.cache_dir)
+        model = load_model(
+            cfg.model.spec, "float32", cache_dir=self.shared.cache_dir, lora=self.shared.lora
+        )
+        # a LoRA run's versions are its adapter on one base (weights.writer)
+        self.adapter_tensors = adapter_tensor_names(model) if self.shared.lora else None
         model_cfg = model.config
         self.vocab_size = int(model_cfg.vocab_size)
         self.max_length = int(cfg.model.max_length or model_cfg.max_position_embeddings)
@@ -290,7 +294,9 @@ class Trainer:
 
             store = WeightStore.from_config(self.shared.s3, self.shared.run_id, self.shared.policy)
             trust = Trust.from_config(self.shared.weights)  # no key, no training (unless allowed)
-            writer = DeltaWriter.from_config(store, self.shared.weights)
+            writer = DeltaWriter.from_config(
+                store, self.shared.weights, adapter_tensors=self.adapter_tensors
+            )
             writer.before_claim = lambda version: failpoint("mid_publish", version)
             announcer = trainer_announcer(self.kafka, cfg) if cfg.publish.announce else None
             self.publisher = Publisher(

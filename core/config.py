@@ -414,6 +414,30 @@ class WeightsConfig(StrictModel):
         raise KeyError(f"unknown region {name!r} (known: {', '.join(known)})")
 
 
+class LoraConfig(StrictModel):
+    """Train a LoRA adapter on the frozen model instead of every weight: each version is
+    then the adapter, a few MB, published on one base (see ``weights.writer``)."""
+
+    rank: int = Field(default=16, ge=1, le=1024, description="The adapter's rank r.")
+    alpha: float = Field(
+        default=32.0, gt=0, description="Scale numerator: the update is (alpha / rank) B A."
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Names of the linear modules that get an adapter (PEFT's matching: a "
+        "module whose name ends with one of them).",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _module_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", name):
+                raise ValueError(f"{name!r} is not a module name")
+        return value
+
+
 class RetryConfig(StrictModel):
     """Back-off for S3 and broker outages: retried until they answer, never skipped."""
 
@@ -539,6 +563,11 @@ class SharedConfig(BaseSettings):
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     presence: PresenceConfig = Field(default_factory=PresenceConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    lora: LoraConfig | None = Field(
+        default=None,
+        description="Train and ship a LoRA adapter (empty: full fine-tuning). The trainer, "
+        "engine and old-logit service all build the same adapter on their model.",
+    )
 
 
 SectionT = TypeVar("SectionT", bound=BaseModel)

@@ -47,11 +47,11 @@ import inspect
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from core.config import default_cache_dir
+from core.config import LoraConfig, default_cache_dir
 
 if TYPE_CHECKING:
     import torch
@@ -461,11 +461,78 @@ def cast_parameters(model: Any, dtype: str | torch.dtype) -> Any:
     return model
 
 
+LORA_SEED = 0
+"""Seed of every adapter's initial A: each role builds the same version 0."""
+
+
+def add_lora(model: Any, config: LoraConfig) -> Any:
+    """Inject a LoRA adapter into ``model`` in place (PEFT's ``inject_adapter_in_model``:
+    the model stays the same class, its targeted linears gain ``lora_A``/``lora_B``) and
+    return it. Only the adapter trains. B starts at zero, so the model's outputs are
+    unchanged, bit for bit, until the first update; A is drawn from ``LORA_SEED``."""
+    import peft
+    import torch
+
+    lora = peft.LoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        target_modules=list(config.target_modules),
+        lora_dropout=0.0,
+        bias="none",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(LORA_SEED)
+        try:
+            peft.inject_adapter_in_model(lora, model)
+        except ValueError as err:  # e.g. no module matches target_modules
+            raise ValueError(f"cannot add a LoRA adapter: {err}") from None
+    return model
+
+
+def adapter_tensor_names(model: Any) -> list[str]:
+    """State-dict names of the tensors that train: a LoRA model's adapter (sorted)."""
+    return sorted(name for name, param in model.named_parameters() if param.requires_grad)
+
+
+_ADAPTER_TENSOR = re.compile(r"\.lora_[AB]\.default\.weight$")
+
+
+def save_adapter(
+    state: Mapping[str, torch.Tensor], config: LoraConfig, directory: Path, base_model: str
+) -> Path:
+    """Write the adapter of a LoRA version's state as PEFT saves one
+    (``adapter_config.json``, ``adapter_model.safetensors``), for ``base_model``: the
+    directory ``PeftModel.from_pretrained`` and SGLang's ``/load_lora_adapter`` read."""
+    import peft
+    import safetensors.torch
+
+    tensors = {
+        "base_model.model." + name.replace(".default.", "."): tensor.detach().cpu().contiguous()
+        for name, tensor in state.items()
+        if _ADAPTER_TENSOR.search(name)
+    }
+    if not tensors:
+        raise ValueError("the state holds no LoRA adapter tensors")
+    directory.mkdir(parents=True, exist_ok=True)
+    peft.LoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        target_modules=list(config.target_modules),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model,
+    ).save_pretrained(str(directory))
+    safetensors.torch.save_file(tensors, directory / "adapter_model.safetensors")
+    return directory
+
+
 def load_model(
     spec: str | ModelSpec,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     cache_dir: Path | None = None,
+    lora: LoraConfig | None = None,
 ) -> Any:
     """The causal LM named by ``spec``, in eval mode, parameters in ``dtype``, on ``device``.
 
@@ -475,6 +542,7 @@ def load_model(
     or read (``from_pretrained``) in float32, then its parameters are cast to ``dtype`` by
     ``cast_parameters``, exactly as the trainer's float32 model is cast by DeepSpeed
     (float32 buffers kept). A bf16 checkpoint thus takes float32 memory while it loads.
+    With ``lora``, the adapter is added (``add_lora``) before the cast.
     """
     import torch
 
@@ -489,6 +557,8 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             str(directory), dtype=torch.float32, trust_remote_code=parsed.trust_remote_code
         )
+    if lora is not None:
+        add_lora(model, lora)
     return cast_parameters(model, target).to(device).eval()
 
 

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from core.config import LoraConfig
 from core.models import load_model, load_tokenizer, model_directory, parse_model_spec
 from producers.config import EngineConfig
 from producers.engine_batch import BatchRunner, EngineStats
@@ -466,16 +467,19 @@ class Engine(BatchRunner):
 # --- from config ----------------------------------------------------------------------
 
 
-def engine_from_config(config: EngineConfig, cache_dir: Path) -> Engine:
+def engine_from_config(
+    config: EngineConfig, cache_dir: Path, lora: LoraConfig | None = None
+) -> Engine:
     """An ``Engine`` (not started) for an ``EngineConfig``: its model spec loaded by
-    ``core.models.load_model`` (the loader the old-logit service and the trainer use),
-    with the spec's tokenizer; ``model_path`` is the spec's canonical name."""
+    ``core.models.load_model`` (the loader the old-logit service and the trainer use, with
+    the run's LoRA adapter if it has one), with the spec's tokenizer; ``model_path`` is the
+    spec's canonical name."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     spec = parse_model_spec(config.model)
     directory = model_directory(spec, cache_dir)
     return Engine(
-        load_model(spec, config.dtype, cache_dir=cache_dir),
+        load_model(spec, config.dtype, cache_dir=cache_dir, lora=lora),
         model_path=spec.name,
         tokenizer=load_tokenizer(spec, cache_dir),
         tokenizer_path=None if directory is None else str(directory),

@@ -101,7 +101,7 @@ def serve(
     from producers.server import SGLANG_RELEASE
     from producers.server import serve as run_server
 
-    engine = engine_from_config(section.engine, Path(shared.cache_dir))
+    engine = engine_from_config(section.engine, Path(shared.cache_dir), shared.lora)
 
     def ready(url: str) -> None:
         click.echo(f"engine {engine.model_path!r} serves SGLang {SGLANG_RELEASE}'s API at {url}")

@@ -121,7 +121,7 @@ def old_logit_engine(config: RollstreamConfig, run_id: str) -> OldLogitEngine:
             make_follower=lambda s: WeightFollower.from_config(s, resolved_weights(config)),
             timeout_s=old.rebuild_timeout_s,
         )
-    return old_logit_engine_for(old, source, cache_dir=config.cache_dir)
+    return old_logit_engine_for(old, source, cache_dir=config.cache_dir, lora=config.lora)
 
 
 class AttachesOldLogits(Protocol):

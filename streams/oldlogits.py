@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from core.config import LoraConfig
 from core.devices import resolve_device
 from core.logprobs import response_logprobs
 from core.models import build_tiny_llama, load_model, model_directory, parse_model_spec
@@ -139,9 +140,11 @@ class OldLogitEngine:
         metrics: StreamMetrics | None = None,
         cache_dir: Path | None = None,
         device: torch.device | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         self.config = config
         self.cache_dir = cache_dir
+        self.lora = lora
         self.snapshots = snapshots
         self.metrics = metrics if metrics is not None else StreamMetrics()
         self._model = model
@@ -165,7 +168,11 @@ class OldLogitEngine:
         model's device (``core.logprobs``); the values come back as CPU arrays."""
         if self._model is None:
             self._model = load_model(
-                self.config.model, self.config.dtype, self.device, cache_dir=self.cache_dir
+                self.config.model,
+                self.config.dtype,
+                self.device,
+                cache_dir=self.cache_dir,
+                lora=self.lora,
             )
         return self._model
 
@@ -257,9 +264,14 @@ def old_logit_engine_for(
     *,
     metrics: StreamMetrics | None = None,
     cache_dir: Path | None = None,
+    lora: LoraConfig | None = None,
 ) -> OldLogitEngine:
     """The engine and its snapshot store as the stream worker runs them: ``config.device``
-    resolved once, for the model and the versions alike."""
+    resolved once, for the model and the versions alike; a LoRA run's model carries the
+    adapter, so its versions (base and adapter) run through PEFT's own layers, as the
+    trainer's do."""
     device = resolve_device(config.device)
     snapshots = snapshot_store_for(config, source, device, metrics)
-    return OldLogitEngine(config, snapshots, metrics=metrics, cache_dir=cache_dir, device=device)
+    return OldLogitEngine(
+        config, snapshots, metrics=metrics, cache_dir=cache_dir, device=device, lora=lora
+    )

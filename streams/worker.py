@@ -69,7 +69,7 @@ class OldLogitPass:
         self.metrics = metrics
         self.source = self._snapshot_source()
         self.engine = old_logit_engine_for(
-            config, self.source, metrics=metrics, cache_dir=shared.cache_dir
+            config, self.source, metrics=metrics, cache_dir=shared.cache_dir, lora=shared.lora
         )
         self.device = self.engine.device
         self.snapshots = self.engine.snapshots
@@ -79,6 +79,8 @@ class OldLogitPass:
         if old.mode == "off":
             return None
         if old.source == "seeded":
+            if self.shared.lora is not None:
+                raise ValueError("a LoRA run's old logits need its adapters: source 'weights'")
             return SeededSource(old.model, old.seed_base)
         from weights.follower import WeightFollower
         from weights.store import WeightStore
