@@ -153,7 +153,7 @@ class Publisher:
         log.info(
             "published v%d (%s, %d bytes) in %.3fs",
             version,
-            "base" if announcement.is_base else "delta",
+            "a base" if announcement.is_base else f"on v{announcement.parent}",
             announcement.bytes,
             self.last.seconds,
         )

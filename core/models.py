@@ -527,6 +527,22 @@ def save_adapter(
     return directory
 
 
+def merge_lora(model: Any) -> dict[str, torch.Tensor]:
+    """The state dict of ``model`` (a LoRA model, changed in place) with its adapter merged
+    into the base weights (PEFT's ``merge``: W + alpha/rank * B A), under the plain model's
+    names: what a Hugging Face checkpoint without PEFT holds."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.merge(safe_merge=True)
+    return {
+        name.replace(".base_layer.", "."): tensor
+        for name, tensor in model.state_dict().items()
+        if ".lora_" not in name
+    }
+
+
 def load_model(
     spec: str | ModelSpec,
     dtype: str | torch.dtype = "float32",

@@ -9,6 +9,7 @@ import collections
 import hashlib
 import hmac
 import uuid
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -85,8 +86,38 @@ def read_weights(directory: Path, sha256: str | None = None) -> dict[str, torch.
     return tensors
 
 
-def load_state_dict_checked(model: Any, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """``model.load_state_dict`` that tolerates only missing aliases of tied tensors."""
+class AppliedTensors:
+    """The tensor objects a model was last loaded from, held weakly. A follower's
+    snapshots share the objects of the tensors a version left alone (the base under an
+    adapter, what a delta did not touch) and never change them in place, so the same
+    object holds the same values: only the others need copying. An adapter version thus
+    copies its adapter, not the model."""
+
+    def __init__(self) -> None:
+        self._refs: dict[str, weakref.ref[torch.Tensor]] = {}
+
+    def changed(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The entries of ``state_dict`` whose object is not the one last loaded."""
+        return {
+            name: tensor
+            for name, tensor in state_dict.items()
+            if (ref := self._refs.get(name)) is None or ref() is not tensor
+        }
+
+    def record(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        self._refs = {name: weakref.ref(tensor) for name, tensor in state_dict.items()}
+
+    def forget(self) -> None:
+        """After a load this did not see (or one that failed half way)."""
+        self._refs = {}
+
+
+def load_state_dict_checked(
+    model: Any, state_dict: Mapping[str, torch.Tensor], applied: AppliedTensors | None = None
+) -> int:
+    """``model.load_state_dict`` that tolerates only missing aliases of tied tensors; with
+    ``applied``, copies only the tensors that changed since the last load it recorded.
+    Returns how many tensors were copied."""
     own = model.state_dict()
     unexpected = sorted(set(state_dict) - set(own))
     if unexpected:
@@ -101,5 +132,13 @@ def load_state_dict_checked(model: Any, state_dict: Mapping[str, torch.Tensor]) 
             missing.append(name)
     if missing:
         raise ValueError(f"weights lack tensors of the model: {sorted(missing)[:5]}")
+    if applied is None:
+        with torch.no_grad():
+            model.load_state_dict(dict(state_dict), strict=False)
+        return len(state_dict)
+    copy = applied.changed(state_dict)
+    applied.forget()
     with torch.no_grad():
-        model.load_state_dict(dict(state_dict), strict=False)
+        model.load_state_dict(copy, strict=False)
+    applied.record(state_dict)
+    return len(copy)

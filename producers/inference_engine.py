@@ -57,7 +57,7 @@ from producers.engine_requests import (
     SamplingParams,
     new_request,
 )
-from producers.engine_weights import load_state_dict_checked, read_weights
+from producers.engine_weights import AppliedTensors, load_state_dict_checked, read_weights
 from producers.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ class Engine(BatchRunner):
         self.tokenizer = tokenizer
         self.tokenizer_path = tokenizer_path
         self.weight_version = weight_version
+        self.applied = AppliedTensors()  # what update_weights loaded last
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.max_batch_wait_s = max_batch_wait_s
@@ -265,7 +266,8 @@ class Engine(BatchRunner):
         requests aborted first (``abort_all_requests``)."""
 
         def apply() -> int:
-            load_state_dict_checked(self.model, state_dict)
+            copied = load_state_dict_checked(self.model, state_dict, self.applied)
+            logger.debug("weights %s: %d tensors copied", weight_version, copied)
             self._forget_prefixes()
             if weight_version is not None:
                 self.weight_version = str(weight_version)
@@ -287,6 +289,7 @@ class Engine(BatchRunner):
         the future resolves to the aborted count."""
 
         def apply() -> int:
+            self.applied.forget()
             load_state_dict_checked(self.model, read_weights(Path(model_path), sha256))
             self._forget_prefixes()
             if weight_version is not None:

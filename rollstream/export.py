@@ -7,6 +7,10 @@ safetensors, written by ``save_pretrained``. The version is rebuilt and verified
 follower does (hashes, signature); one that fails is refused and nothing is written. The
 directory appears whole or not at all (written beside it, then renamed), and an existing
 non-empty directory is never overwritten.
+
+A version of a LoRA run (``[lora]``) is exported merged (W + alpha/rank * B A: a plain
+model, no PEFT needed to load it) and, in ``adapter/``, as the adapter PEFT saves, for
+``PeftModel.from_pretrained`` on the base model or SGLang's ``/load_lora_adapter``.
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ from typing import Any
 
 import click
 
+from core.config import LoraConfig
 from rollstream.config import RollstreamConfig
 from rollstream.weights_cli import WeightsContext
 
 #: Provenance written beside the model: which run, policy and version it is.
 PROVENANCE_NAME = "rollstream_export.json"
+
+#: Where a LoRA version's adapter goes, below the exported directory.
+ADAPTER_DIR = "adapter"
 
 
 class ExportError(Exception):
@@ -81,12 +89,14 @@ def export_version(
     out: Path,
     version: int | None = None,
     dtype: str | None = None,
+    lora: LoraConfig | None = None,
 ) -> Exported:
     """Rebuild ``version`` (default: the newest) of the context's run, verified, and write
     it with ``spec``'s config and tokenizer as a Hugging Face directory at ``out``,
-    parameters in ``dtype`` (default: as published)."""
+    parameters in ``dtype`` (default: as published). A version holding a LoRA adapter
+    needs ``lora``, the run's adapter settings."""
     from core.model_files import write_model_files
-    from core.models import cast_parameters, load_model, torch_dtype
+    from core.models import cast_parameters, load_model, merge_lora, save_adapter, torch_dtype
     from producers.engine_weights import load_state_dict_checked
     from weights.errors import VersionRefused
 
@@ -99,10 +109,21 @@ def export_version(
         raise ExportError(str(err)) from None
     if snapshot is None:
         raise ExportError(f"no versions of run {weights.run!r} in region {weights.region!r}")
+    has_adapter = any(".lora_A." in name for name in snapshot.state)
+    if has_adapter and lora is None:
+        raise ExportError(
+            f"version {snapshot.version} holds a LoRA adapter: export it with the run's "
+            "[lora] table in the config"
+        )
+    adapter = lora if has_adapter else None
     cache_dir = weights.config.cache_dir
-    model = load_model(spec, "float32", cache_dir=cache_dir)
+    model = load_model(spec, "float32", cache_dir=cache_dir, lora=adapter)
     try:
         load_state_dict_checked(model, snapshot.state)
+        if adapter is not None:
+            merged = merge_lora(model)
+            model = load_model(spec, "float32", cache_dir=cache_dir)
+            load_state_dict_checked(model, merged)
     except (ValueError, RuntimeError) as err:  # names, or shapes (torch: size mismatch)
         raise ExportError(
             f"version {snapshot.version} does not fit model {spec!r}: {err}"
@@ -112,15 +133,19 @@ def export_version(
     with staged_directory(out) as staging:
         write_model_files(spec, staging, cache_dir)
         model.save_pretrained(staging, safe_serialization=True)
-        provenance = {
+        if adapter is not None:
+            save_adapter(snapshot.state, adapter, staging / ADAPTER_DIR, base_model=spec)
+        provenance: dict[str, Any] = {
             "run_id": weights.run,
             "policy": weights.config.policy,
             "version": snapshot.version,
             "model": spec,
             "dtype": target,
         }
+        if adapter is not None:
+            provenance["lora"] = adapter.model_dump()
         (staging / PROVENANCE_NAME).write_text(json.dumps(provenance, indent=2) + "\n")
-    files = sorted(p.name for p in out.iterdir() if p.is_file())
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     return Exported(snapshot.version, out, files, target)
 
 
@@ -161,7 +186,9 @@ def export(
         region=region or config.s3.name,
     )
     try:
-        done = export_version(context, spec or config.trainer.model.spec, out, version, dtype)
+        done = export_version(
+            context, spec or config.trainer.model.spec, out, version, dtype, lora=config.lora
+        )
     except (ExportError, ValueError) as err:
         raise click.ClickException(str(err)) from None
     click.echo(

@@ -217,7 +217,9 @@ def test_up_stops_at_max_steps_and_leaves_no_role_behind(tiny_run: UpRun) -> Non
 # trained, exact old logits over policy tokens, the audit. Reading the history takes
 # longer than the suite affords (80 steps reached 0.17 of the digits right against 0.10
 # for a policy that does not read it, the reward rising mostly from the format), so the
-# learning assertion stays with the single-turn run above.
+# learning assertion stays with the single-turn run above. The policy trains a LoRA
+# adapter ([lora]): every version after the first is an adapter on it, through the whole
+# pipeline (engine, old-logit service, trainer) and out again by ``rollstream export``.
 ECHO_STEPS = 16
 
 
@@ -225,7 +227,10 @@ ECHO_STEPS = 16
 def test_multi_turn_echo_episodes_train_policy_tokens_only_and_reconcile(
     kafka_config: KafkaConfig, s3_config: S3Config, tmp_path: Path
 ) -> None:
-    extra = {"producers": {"engine": {"seed": 5}, "rollout": {"seed": 5}}}
+    extra = {
+        "producers": {"engine": {"seed": 5}, "rollout": {"seed": 5}},
+        "lora": {"rank": 8, "alpha": 16.0},
+    }
     config = write_config(tmp_path, kafka_config, s3_config, "echo", extra)
     run = run_up(tmp_path, config, 600, "--task", "echo-digits", "--max-steps", str(ECHO_STEPS))
     rows = run.rows
@@ -245,6 +250,17 @@ def test_multi_turn_echo_episodes_train_policy_tokens_only_and_reconcile(
         roles = [m["role"] for m in row["messages"]]
         assert roles == ["user", "assistant", "user", "assistant", "user", "assistant"]
         assert 0 < sum(row["completion_mask"]) < len(row["completion_ids"])
+    # versions: one base, then adapters on it of a few percent of its bytes
+    show = [json.loads(run_command(run.run_dir, "weights", "show", str(v))) for v in (0, 1, 8)]
+    assert [m["kind"] for m in show] == ["base", "adapter", "adapter"]
+    base_bytes = sum(f["bytes"] for f in show[0]["files"])
+    assert all(
+        m["base"] == 0 and sum(f["bytes"] for f in m["files"]) < 0.1 * base_bytes for m in show[1:]
+    )
+    out = tmp_path / "exported"
+    assert "adapter/adapter_model.safetensors" in run_command(
+        run.run_dir, "export", "--out", str(out)
+    )
 
 
 # A step of the language-model profile closes 5 s after its first group (async: never wait

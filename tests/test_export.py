@@ -148,3 +148,50 @@ def test_the_tiny_models_files_match_the_model_built_from_its_spec(spec: str, tm
     model = load_model(spec)
     model.save_pretrained(tmp_path)
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(tmp_path)), logits(model))
+
+
+def test_a_lora_version_is_exported_merged_and_as_the_adapter_peft_loads(
+    s3_config: S3Config, unique_name, tmp_path: Path
+) -> None:
+    from peft import PeftModel
+
+    from core.config import LoraConfig
+    from core.models import adapter_tensor_names, load_model
+
+    run = unique_name("export-lora")
+    lora = LoraConfig(rank=4, alpha=8.0)
+    model = load_model("tiny", lora=lora)
+    names = adapter_tensor_names(model)
+    writer = DeltaWriter(store_for(s3_config, run), adapter_tensors=names)
+    writer.publish(model.state_dict())  # v0: the base, B = 0
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in names:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.3)
+    writer.publish(model.state_dict())  # v1: an adapter
+    config = write_config(tmp_path, s3_config, run)
+
+    def export(*args: str, code: int = 0) -> str:
+        result = CliRunner().invoke(main, ["--config", str(config), "export", *args])
+        assert result.exit_code == code, result.output + repr(result.exception)
+        return result.output
+
+    assert "holds a LoRA adapter" in export("--out", str(tmp_path / "x"), code=1)
+    assert not (tmp_path / "x").exists()
+    config.write_text(config.read_text() + "\n[lora]\nrank = 4\nalpha = 8.0\n")
+    out, base = tmp_path / "merged", tmp_path / "base"
+    listing = export("--out", str(out))
+    assert "adapter/adapter_model.safetensors" in listing
+    export("--version", "0", "--out", str(base))
+    merged = AutoModelForCausalLM.from_pretrained(out)  # a plain model: no PEFT names
+    assert not any("lora" in name for name in merged.state_dict())
+    assert torch.allclose(logits(merged), logits(model), atol=1e-5)
+    assert not torch.allclose(logits(merged), logits(build_tiny_llama(seed=0)), atol=1e-3)
+    # the adapter on the plain base, as PEFT loads it, gives the same model
+    with_adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base), out / "adapter"
+    )
+    assert torch.allclose(logits(with_adapter), logits(model), atol=1e-5)
+    provenance = json.loads((out / PROVENANCE_NAME).read_text())
+    assert provenance["version"] == 1 and provenance["lora"]["rank"] == 4

@@ -19,6 +19,8 @@ from consumers.train_engine import TrainEngine
 from core.config import LoraConfig, S3Config
 from core.logprobs import PADDED_BATCH_ATOL
 from core.models import adapter_tensor_names, load_model, save_adapter
+from producers.engine_weights import AppliedTensors, load_state_dict_checked
+from producers.inference_engine import Engine
 from schemas.trajectory import Trajectory
 from streams.config import OldLogitsConfig
 from streams.oldlogits import OldLogitEngine
@@ -123,6 +125,40 @@ def test_old_logits_of_adapter_versions_are_peft_own_and_share_one_base(
     assert torch.allclose(got[4:], under_3[4:], rtol=0, atol=PADDED_BATCH_ATOL)
     # the adapters matter: version 1 scores the second segment differently
     assert (under_1[4:] - under_3[4:]).abs().max() > 1e-3
+
+
+def test_the_engine_copies_only_the_adapter_of_each_version(
+    s3_config: S3Config, unique_name
+) -> None:
+    states = {v: trained(v) for v in range(3)}
+    store = WeightStore.from_config(s3_config, unique_name("lora-engine"))
+    names = adapter_tensor_names(load_model("tiny", lora=LORA))
+    writer = DeltaWriter(store, adapter_tensors=names)
+    for version in range(3):
+        writer.publish(states[version], version)
+    snapshots: list = []
+    follower = WeightFollower(store, on_version=snapshots.append)
+    for version in range(3):
+        follower.sync(version)
+
+    model, applied = load_model("tiny", lora=LORA), AppliedTensors()
+    copied = [load_state_dict_checked(model, s.state, applied) for s in snapshots]
+    assert copied == [len(states[0]), len(names), len(names)]  # the base once, then adapters
+    ids = torch.randint(0, TINY_VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    fresh = load_model("tiny", lora=LORA)
+    fresh.load_state_dict(states[2])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, fresh(input_ids=ids).logits)
+    # a state whose tensors are new objects is copied whole, even with equal names
+    assert load_state_dict_checked(model, dict(states[1]), applied) == len(states[1])
+
+    # the engine swaps them the same way between batches
+    engine = Engine(load_model("tiny", lora=LORA), model_path="tiny")
+    for snapshot in snapshots:
+        engine.update_weights(snapshot.state, str(snapshot.version)).result()
+    with torch.no_grad():
+        assert torch.equal(engine.model(input_ids=ids).logits, fresh(input_ids=ids).logits)
+    assert engine.applied.changed(snapshots[-1].state) == {}
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])

@@ -37,7 +37,7 @@ from consumers.checkpoint import CheckpointManager, TrainingLedger
 from consumers.config import TrainerConfig
 from consumers.train_engine import TrainEngine
 from consumers.trainer import FAILPOINT_ENV, Trainer
-from core.config import KafkaConfig, S3Config, SharedConfig, TrackingConfig
+from core.config import KafkaConfig, LoraConfig, S3Config, SharedConfig, TrackingConfig
 from core.models import load_model
 from infra.s3 import SeaweedServer, ensure_bucket
 from infra.topics import ensure_topics
@@ -55,6 +55,7 @@ from schemas.trajectory import (
     TurnKind,
 )
 from weights.follower import WeightFollower
+from weights.manifest import Manifest
 from weights.store import WeightStore, make_s3_client
 
 RUN = "trainer-test"
@@ -148,7 +149,9 @@ def trainer_config(tmp: Path, topics: dict[str, str], **extra: object) -> dict:
     }
 
 
-def shared_for(kafka: KafkaConfig, s3: S3Config | None = None) -> SharedConfig:
+def shared_for(
+    kafka: KafkaConfig, s3: S3Config | None = None, lora: LoraConfig | None = None
+) -> SharedConfig:
     """The shared sections a trainer in this process gets: this cluster, no heartbeats,
     unsigned versions (these tests read them back with unkeyed followers)."""
     return SharedConfig(
@@ -156,6 +159,7 @@ def shared_for(kafka: KafkaConfig, s3: S3Config | None = None) -> SharedConfig:
         kafka=kafka,
         presence={"enabled": False},
         weights={"allow_unsigned": True},
+        lora=lora,
         **({"s3": s3} if s3 else {}),
     )
 
@@ -178,14 +182,20 @@ def ids_of(groups: list[list[Trajectory]]) -> list[str]:
     return [t.trajectory_id for g in groups for t in g]
 
 
-def restored_weights(config: TrainerConfig) -> dict[str, torch.Tensor]:
-    engine = TrainEngine(load_model(config.model.spec), config.engine)
+def restored_weights(
+    config: TrainerConfig, lora: LoraConfig | None = None
+) -> dict[str, torch.Tensor]:
+    engine = TrainEngine(load_model(config.model.spec, lora=lora), config.engine)
     assert CheckpointManager(config.checkpoint).load(engine) is not None
     return engine.state_dict()
 
 
 def reference_weights(
-    kafka: KafkaConfig, config: TrainerConfig, ledger_path: Path, groups: list[list[Trajectory]]
+    kafka: KafkaConfig,
+    config: TrainerConfig,
+    ledger_path: Path,
+    groups: list[list[Trajectory]],
+    lora: LoraConfig | None = None,
 ) -> dict[str, torch.Tensor]:
     """The weights of a trainer that never crashed: an engine built as the trainer builds
     it (same seed, deterministic) trains, step by step, exactly the trajectories the ledger
@@ -203,7 +213,7 @@ def reference_weights(
             "metrics_file": home / "metrics.jsonl",
         }
     )
-    trainer = Trainer(shared_for(kafka), ref)
+    trainer = Trainer(shared_for(kafka, lora=lora), ref)
     threads, strict = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     try:
         trainer._build()
@@ -639,13 +649,20 @@ def test_an_s3_outage_is_retried_without_a_version_gap(
         server.stop()
 
 
-FAILPOINT_CASES = ("after_route_stale", "after_ledger", "mid_checkpoint", "mid_publish")
+FAILPOINT_CASES = [
+    ("after_route_stale", None),
+    ("after_ledger", None),
+    ("mid_checkpoint", None),
+    ("mid_publish", None),
+    ("mid_publish", LoraConfig(rank=4, alpha=8.0)),  # a LoRA run's versions are adapters
+]
 
 
 @pytest.mark.system
-@pytest.mark.parametrize("point", FAILPOINT_CASES)
+@pytest.mark.parametrize(("point", "lora"), FAILPOINT_CASES, ids=lambda c: getattr(c, "rank", c))
 def test_a_kill_at_each_failpoint_loses_nothing_trains_nothing_twice_and_ends_on_the_same_weights(
     point: str,
+    lora: LoraConfig | None,
     kafka_config: KafkaConfig,
     s3_config: S3Config,
     unique_name: Callable[[str], str],
@@ -688,6 +705,7 @@ def test_a_kill_at_each_failpoint_loses_nothing_trains_nothing_twice_and_ends_on
             "s3": s3_table(s3_config),
             "trainer": trainer,
             "weights": {"max_delta_fraction": 1.0, "allow_unsigned": True},
+            **({"lora": lora.model_dump()} if lora else {}),
         },
     )
     log_path = tmp_path / "trainer.log"
@@ -733,8 +751,13 @@ def test_a_kill_at_each_failpoint_loses_nothing_trains_nothing_twice_and_ends_on
     ends, committed = end_and_committed(kafka_config, topics["scored"], config.topics.group_id)
     assert committed[0] == ends[0] == sum(ends.values()) == 12  # the other partitions: empty
     assert store.versions() == list(range(6))
-    final = restored_weights(config)
+    final = restored_weights(config, lora)
     snapshot = WeightFollower(store).sync(5)
     assert snapshot is not None
     assert_same_weights(snapshot.state, final)
-    assert_same_weights(final, reference_weights(kafka_config, config, ledger_path, first + fresh))
+    reference = reference_weights(kafka_config, config, ledger_path, first + fresh, lora)
+    assert_same_weights(final, reference)
+    if lora is not None:  # one base, then adapters on it, the second life's too
+        kinds = [Manifest.from_bytes(store.read_manifest(v)) for v in range(6)]
+        assert [m.kind for m in kinds] == ["base"] + ["adapter"] * 5
+        assert {m.base for m in kinds} == {0}

@@ -103,13 +103,15 @@ def test_a_restarted_writer_puts_adapters_on_the_stored_base_only_if_it_is_its_o
 
     restarted = DeltaWriter(store, signing_key=key, adapter_tensors=ADAPTER)
     restarted.publish(lora_state(3))
-    assert manifest(store, 3).kind == "adapter" and manifest(store, 3).base == 0
+    restarted.publish(lora_state(4))  # and keeps to it
+    for version in (3, 4):
+        assert manifest(store, version).kind == "adapter" and manifest(store, version).base == 0
 
     # another key's writer cannot vouch for the stored base, nor can one with other weights
-    DeltaWriter(store, signing_key=other, adapter_tensors=ADAPTER).publish(lora_state(4))
-    assert manifest(store, 4).kind == "base"
-    DeltaWriter(store, signing_key=other, adapter_tensors=ADAPTER).publish(lora_state(5, 1))
+    DeltaWriter(store, signing_key=other, adapter_tensors=ADAPTER).publish(lora_state(5))
     assert manifest(store, 5).kind == "base"
+    DeltaWriter(store, signing_key=other, adapter_tensors=ADAPTER).publish(lora_state(6, 1))
+    assert manifest(store, 6).kind == "base"
 
 
 def test_retention_keeps_the_base_of_every_kept_adapter_and_the_mirror_copies_it(

@@ -218,8 +218,11 @@ class DeltaWriter:
             timings["claim"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        if kind == "adapter":
-            pass  # nothing to remember: the next adapter goes on the same base
+        if (
+            kind == "adapter"
+        ):  # the next adapter goes on the same base (after a restart: the store's)
+            assert on_base is not None
+            self._adapter_base, self._base = on_base, on_base.version
         elif self.adapter_tensors is not None:
             self._adapter_base, self._base = manifest, version
         elif delta is None:
