@@ -23,6 +23,9 @@ Run from the repository root: ``python -m bench.weights [--repeats N] [--synthet
 4. **The cost of a version as the model grows**: bytes, encode, upload and
    download+verify+apply per version for both states, and the 1.1B state's per-GB rates
    carried to 7B and 70B (bf16 and fp32), the arithmetic printed.
+5. **LoRA versions** (``[lora]``, rank 16 and 64 on SmolLM2's attention projections,
+   bf16): the same trip for an adapter on the published base, and the adapter's bytes at
+   7B and 70B from their layer shapes.
 
 Every timing is the median of ``--repeats`` runs.
 """
@@ -220,9 +223,14 @@ class RegionTrip:
 
 
 def across_regions(
-    root: Path, before: fmt.StateDict, after: fmt.StateDict, repeats: int
+    root: Path,
+    before: fmt.StateDict,
+    after: fmt.StateDict,
+    repeats: int,
+    adapter_tensors: list[str] | None = None,
 ) -> RegionTrip:
-    """The full base's upload+download against delta versions publish -> applied in B."""
+    """The full base's upload+download against versions publish -> applied in B: deltas,
+    or with ``adapter_tensors`` adapters on the first version."""
     (server_a, store_a), (server_b, store_b) = (
         start_region(root, "region-a"),
         start_region(root, "region-b"),
@@ -243,7 +251,12 @@ def across_regions(
         store_a.delete([key])
         base_file.unlink()
 
-        writer = DeltaWriter(store_a, base_every=10_000, max_delta_fraction=0.25)
+        writer = DeltaWriter(
+            store_a,
+            base_every=10_000,
+            max_delta_fraction=0.25,
+            adapter_tensors=adapter_tensors,
+        )
         follower = WeightFollower(store_b)
         writer.publish(before, version=0)
         mirror_once(store_a, store_b, trust=UNSIGNED)
@@ -259,7 +272,7 @@ def across_regions(
             snapshot = follower.sync(version)
             done = time.perf_counter()
             assert snapshot is not None and snapshot.version == version
-            assert result.manifest.kind == "delta"
+            assert result.manifest.kind == ("adapter" if adapter_tensors else "delta")
             runs.append(
                 {
                     "total": done - start,
@@ -296,19 +309,20 @@ def print_trip(name: str, trip: RegionTrip, repeats: int) -> None:
         f"{trip.base_round_trip_s * 1e3:7.0f} ms"
     )
     print(
-        f"  delta ({trip.delta_bytes / 1e6:.1f} MB) publish -> applied in region B: "
+        f"  version ({trip.delta_bytes / 1e6:.1f} MB) publish -> applied in region B: "
         f"{trip.total_s * 1e3:7.0f} ms"
     )
     print(
         f"    publish {med['publish'] * 1e3:.0f} ms (encode {med['w.encode'] * 1e3:.0f}, "
-        f"checksum {med['w.checksum'] * 1e3:.0f}, upload {med['w.upload'] * 1e3:.0f}, "
+        f"checksum {med['w.checksum'] * 1e3:.0f}, serialize {med['w.serialize'] * 1e3:.0f}, "
+        f"upload {med['w.upload'] * 1e3:.0f}, "
         f"claim {med['w.claim'] * 1e3:.0f}, writer bookkeeping {med['w.remember'] * 1e3:.0f}); "
         f"mirror {med['mirror'] * 1e3:.0f} ms; follower fetch+verify+apply+checksum "
         f"{med['follow'] * 1e3:.0f} ms"
     )
     verdict = "ok" if speedup >= 10 else "MISSED"
     print(
-        f"  ratio: delta path {speedup:.1f}x faster than shipping the base "
+        f"  ratio: version path {speedup:.1f}x faster than shipping the base "
         f"(target >= 10x: {verdict})"
     )
 
@@ -316,19 +330,18 @@ def print_trip(name: str, trip: RegionTrip, repeats: int) -> None:
 def print_costs(trips: dict[str, RegionTrip]) -> None:
     """Part 4: per-version cost, measured, then carried to larger models per GB."""
     print("\ncost of one version (medians above; seconds)")
-    print("  state                      dense GB  delta MB  encode  upload  download+apply")
+    print("  state                      dense GB  version MB  encode  upload  download+apply")
     for name, trip in trips.items():
-        med = trip.stages
         print(
-            f"  {name:26s} {trip.dense_bytes / 1e9:8.2f}  {trip.delta_bytes / 1e6:8.1f}  "
-            f"{med['w.encode'] + med['w.checksum']:6.2f}  {med['w.upload']:6.2f}  "
-            f"{med['follow']:14.2f}"
+            f"  {name:26s} {trip.dense_bytes / 1e9:8.2f}  {trip.delta_bytes / 1e6:10.1f}  "
+            f"{encode_s(trip):6.2f}  {trip.stages['w.upload']:6.2f}  "
+            f"{trip.stages['follow']:14.2f}"
         )
-    name, trip = list(trips.items())[-1]
+    name, trip = [(n, t) for n, t in trips.items() if n.startswith("synthetic")][-1]
     gb = trip.dense_bytes / 1e9
     per_gb = {
         "delta MB": trip.delta_bytes / 1e6 / gb,
-        "encode": (trip.stages["w.encode"] + trip.stages["w.checksum"]) / gb,
+        "encode": encode_s(trip) / gb,
         "upload": trip.stages["w.upload"] / gb,
         "download+apply": trip.stages["follow"] / gb,
         "base round trip": trip.base_round_trip_s / gb,
@@ -348,6 +361,60 @@ def print_costs(trips: dict[str, RegionTrip]) -> None:
         print(
             f"  {model} fp32: {2 * size:.0f} GB, a base every version: round trip "
             f"{per_gb['base round trip'] * 2 * size:.0f} s"
+        )
+
+
+def encode_s(trip: RegionTrip) -> float:
+    """The writer's seconds before the upload: compare/encode, checksum, serialize."""
+    return sum(trip.stages[f"w.{k}"] for k in ("encode", "checksum", "serialize"))
+
+
+#: Layer shapes of 7B and 70B Llama models: layers, hidden size, key/value width.
+LLAMA_SHAPES = {"7B": (32, 4096, 4096), "70B": (80, 8192, 1024)}
+
+
+def lora_state(cache_dir: Path, rank: int) -> tuple[fmt.StateDict, fmt.StateDict, list[str]]:
+    """SmolLM2 in bf16 with a rank-``rank`` adapter: its first version (B = 0), one whose
+    adapter moved, and the adapter's tensor names."""
+    from core.config import LoraConfig
+    from core.models import adapter_tensor_names
+
+    model = load_model(SMOLLM2, "bfloat16", cache_dir=cache_dir, lora=LoraConfig(rank=rank))
+    names = adapter_tensor_names(model)
+    before = {k: v.detach() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(rank)
+    after = dict(before)
+    for name in names:
+        noise = torch.randn(before[name].shape, generator=gen) * 1e-3
+        after[name] = (before[name].float() + noise).to(torch.bfloat16)
+    return before, after, names
+
+
+def lora_bytes(rank: int, layers: int, hidden: int, kv: int) -> int:
+    """bf16 bytes of a rank-``rank`` adapter on q, k, v and o of every layer: A is
+    rank x in, B is out x rank."""
+    per_layer = rank * ((hidden + hidden) * 2 + (hidden + kv) * 2)
+    return 2 * layers * per_layer
+
+
+def print_lora_costs(trips: dict[int, RegionTrip]) -> None:
+    print("\nLoRA versions: an adapter on the published base (SmolLM2-135M, bf16)")
+    for rank, trip in trips.items():
+        print(
+            f"  rank {rank}: adapter {trip.delta_bytes / 1e6:.2f} MB; encode "
+            f"{encode_s(trip):.2f} s (of it checksumming the frozen model "
+            f"{trip.stages['w.checksum']:.2f} s), upload {trip.stages['w.upload']:.3f} s, "
+            f"download+apply {trip.stages['follow']:.3f} s; publish -> applied in B "
+            f"{trip.total_s:.2f} s, {trip.base_round_trip_s / trip.total_s:.1f}x faster than "
+            "the base"
+        )
+    for model, (layers, hidden, kv) in LLAMA_SHAPES.items():
+        sizes = ", ".join(
+            f"rank {rank} {lora_bytes(rank, layers, hidden, kv) / 1e6:.0f} MB" for rank in trips
+        )
+        print(
+            f"  {model} ({layers} layers, hidden {hidden}, k/v width {kv}): adapter = "
+            f"2 bytes x layers x rank x (2 x (hidden + hidden) + 2 x (hidden + kv)): {sizes}"
         )
 
 
@@ -426,6 +493,15 @@ def main() -> None:
             trips[name] = across_regions(Path(tmp), before, after, args.repeats)
         print_trip(name, trips[name], args.repeats)
     print_costs(trips)
+
+    # --- 5: LoRA versions -----------------------------------------------------------------------
+    lora_trips: dict[int, RegionTrip] = {}
+    for rank in (16, 64):
+        before, after, names = lora_state(args.cache_dir, rank)
+        with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
+            lora_trips[rank] = across_regions(Path(tmp), before, after, args.repeats, names)
+        print_trip(f"SmolLM2-135M LoRA rank {rank}", lora_trips[rank], args.repeats)
+    print_lora_costs(lora_trips)
 
 
 if __name__ == "__main__":

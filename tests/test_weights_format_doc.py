@@ -21,10 +21,11 @@ from weights.writer import DeltaWriter
 DOC = Path(__file__).resolve().parents[1] / "docs" / "weights-format.md"
 
 
-def documented_keys() -> set[str]:
+def documented_keys() -> dict[str, str]:
+    """Each key of the manifest's table, with what its row says it is."""
     text = DOC.read_text()
     table = text[text.index("## The manifest") : text.index("**`checksums`.**")]
-    return set(re.findall(r"^\| `([a-z_0-9]+)` \|", table, re.M))
+    return dict(re.findall(r"^\| `([a-z_0-9]+)` \| ([^|]*)\|", table, re.M))
 
 
 def raw_tensors(path_bytes: bytes) -> dict[str, bytes]:
@@ -50,11 +51,21 @@ def test_every_manifest_key_is_documented_and_state_sha256_is_as_defined(
     writer.publish(state)
     writer.publish(step(state, seed=1))
 
+    # the adapter's manifest: a LoRA run's second version
+    adapters = store_for(s3_config)
+    key = load_private_key(tmp_path / "key")
+    writer = DeltaWriter(adapters, signing_key=key, adapter_tensors=["layers.0.scale"])
+    writer.publish(state)
+    writer.publish({**state, "layers.0.scale": state["layers.0.scale"] + 1})
+
     documented = documented_keys()
-    for version, kind in ((0, "base"), (1, "delta")):
-        raw = json.loads(store.read_manifest(version))
+    adapter_only = {key for key, what in documented.items() if "adapter only" in what}
+    assert adapter_only == {"overlay"}
+    for got, version, kind in ((store, 0, "base"), (store, 1, "delta"), (adapters, 1, "adapter")):
+        raw = json.loads(got.read_manifest(version))
         assert raw["kind"] == kind
-        assert set(raw) == documented, f"undocumented or missing keys in v{version}"
+        want = set(documented) - (set() if kind == "adapter" else adapter_only)
+        assert set(raw) == want, f"undocumented or missing keys in a {kind}"
         assert raw["signature"]["alg"] == "ed25519"
 
     base = Manifest.from_bytes(store.read_manifest(0))

@@ -213,7 +213,7 @@ class WeightFollower:
                 state, found = self._load_adapter(target, chain, Path(scratch))
                 deltas, path = [], "adapter"
             elif head.kind == "base":
-                state = self._load_base(target, head, Path(scratch))
+                state = self._load_stored(target, head, Path(scratch))
                 deltas, path = chain[-2::-1], "base"
             else:
                 state, deltas, path = self._unique, chain[::-1], "delta"
@@ -425,7 +425,10 @@ class WeightFollower:
             )
         return data
 
-    def _load_base(self, target: int, manifest: Manifest, scratch: Path) -> fmt.StateDict:
+    def _load_stored(self, target: int, manifest: Manifest, scratch: Path) -> fmt.StateDict:
+        """The tensors of a base's or an adapter's safetensors files, checked to be
+        exactly the ones the manifest says they store."""
+        what = f"{manifest.kind} v{manifest.version}"
         state: fmt.StateDict = {}
         for entry in manifest.files:
             path = self._fetch(target, manifest, entry, scratch / entry.name)
@@ -433,14 +436,12 @@ class WeightFollower:
             try:
                 state.update(safetensors.torch.load_file(path))
             except Exception as err:  # safetensors raises its own error types
-                raise self._refuse(
-                    target, RefusalReason.CORRUPT, f"base v{manifest.version}: {err}"
-                ) from None
+                raise self._refuse(target, RefusalReason.CORRUPT, f"{what}: {err}") from None
             path.unlink()
         try:
-            fmt.check_base(state, manifest.tensors)
+            fmt.check_base(state, manifest.stored_tensors)
         except FormatError as err:
-            raise self._refuse(target, err.reason, f"base v{manifest.version}: {err}") from None
+            raise self._refuse(target, err.reason, f"{what}: {err}") from None
         return state
 
     def _load_adapter(
@@ -450,26 +451,12 @@ class WeightFollower:
         adapter's laid over them, and (when verifying) the checksums of that state."""
         adapter = chain[0]
         if len(chain) == 2:
-            source = self._load_base(target, chain[1], scratch)
+            source = self._load_stored(target, chain[1], scratch)
             source_sums = fmt.state_checksums(source) if self.verify_state else None
         else:
             assert self._snapshot is not None
             source, source_sums = self._unique, self._snapshot.manifest.checksums
-        overlay: fmt.StateDict = {}
-        for entry in adapter.files:
-            path = self._fetch(target, adapter, entry, scratch / entry.name)
-            assert isinstance(path, Path)
-            try:
-                overlay.update(safetensors.torch.load_file(path))
-            except Exception as err:  # safetensors raises its own error types
-                raise self._refuse(
-                    target, RefusalReason.CORRUPT, f"adapter v{adapter.version}: {err}"
-                ) from None
-            path.unlink()
-        try:
-            fmt.check_base(overlay, adapter.stored_tensors)
-        except FormatError as err:
-            raise self._refuse(target, err.reason, f"adapter v{target}: {err}") from None
+        overlay = self._load_stored(target, adapter, scratch)
         state = {**source, **overlay}
         if source_sums is None:
             return state, None

@@ -126,7 +126,8 @@ class DeltaWriter:
     ) -> PublishResult:
         """Publish ``state`` as ``version`` (default: the one after this writer's last, or
         after the store's latest for a writer that has not published yet, e.g. after a
-        restart, whose first version is always a base). ``state`` must not change while
+        restart, whose first version is a base, or for an adapter writer an adapter on
+        the store's base when that verifies as its own). ``state`` must not change while
         this runs.
 
         Raises ``VersionTaken`` if another writer claimed the number first; this writer's
