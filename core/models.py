@@ -473,20 +473,28 @@ def add_lora(model: Any, config: LoraConfig) -> Any:
     import peft
     import torch
 
-    lora = peft.LoraConfig(
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(LORA_SEED)
+        try:
+            peft.inject_adapter_in_model(peft_lora_config(config), model)
+        except ValueError as err:  # e.g. no module matches target_modules
+            raise ValueError(f"cannot add a LoRA adapter: {err}") from None
+    return model
+
+
+def peft_lora_config(config: LoraConfig, **extra: Any) -> Any:
+    """PEFT's ``LoraConfig`` for ours (no dropout, no bias: the adapter is A and B alone),
+    with ``extra`` PEFT fields (what a saved adapter records)."""
+    import peft
+
+    return peft.LoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,
         target_modules=list(config.target_modules),
         lora_dropout=0.0,
         bias="none",
+        **extra,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(LORA_SEED)
-        try:
-            peft.inject_adapter_in_model(lora, model)
-        except ValueError as err:  # e.g. no module matches target_modules
-            raise ValueError(f"cannot add a LoRA adapter: {err}") from None
-    return model
 
 
 def adapter_tensor_names(model: Any) -> list[str]:
@@ -497,32 +505,29 @@ def adapter_tensor_names(model: Any) -> list[str]:
 _ADAPTER_TENSOR = re.compile(r"\.lora_[AB]\.default\.weight$")
 
 
+def is_adapter_tensor(name: str) -> bool:
+    """Whether a state-dict name is one of a LoRA adapter's tensors (A or B)."""
+    return _ADAPTER_TENSOR.search(name) is not None
+
+
 def save_adapter(
     state: Mapping[str, torch.Tensor], config: LoraConfig, directory: Path, base_model: str
 ) -> Path:
     """Write the adapter of a LoRA version's state as PEFT saves one
     (``adapter_config.json``, ``adapter_model.safetensors``), for ``base_model``: the
     directory ``PeftModel.from_pretrained`` and SGLang's ``/load_lora_adapter`` read."""
-    import peft
     import safetensors.torch
 
     tensors = {
         "base_model.model." + name.replace(".default.", "."): tensor.detach().cpu().contiguous()
         for name, tensor in state.items()
-        if _ADAPTER_TENSOR.search(name)
+        if is_adapter_tensor(name)
     }
     if not tensors:
         raise ValueError("the state holds no LoRA adapter tensors")
     directory.mkdir(parents=True, exist_ok=True)
-    peft.LoraConfig(
-        r=config.rank,
-        lora_alpha=config.alpha,
-        target_modules=list(config.target_modules),
-        lora_dropout=0.0,
-        bias="none",
-        task_type="CAUSAL_LM",
-        base_model_name_or_path=base_model,
-    ).save_pretrained(str(directory))
+    saved = peft_lora_config(config, task_type="CAUSAL_LM", base_model_name_or_path=base_model)
+    saved.save_pretrained(str(directory))
     safetensors.torch.save_file(tensors, directory / "adapter_model.safetensors")
     return directory
 
@@ -539,7 +544,7 @@ def merge_lora(model: Any) -> dict[str, torch.Tensor]:
     return {
         name.replace(".base_layer.", "."): tensor
         for name, tensor in model.state_dict().items()
-        if ".lora_" not in name
+        if not is_adapter_tensor(name)
     }
 
 

@@ -30,8 +30,8 @@ from core.config import (
     SharedConfig,
     StrictModel,
     merge_tables,
-    settings_from_sources,
 )
+from core.config_sources import settings_from_sources
 from producers.config import ProducersConfig
 from rollstream.policies import check_policy_tables, policy_values
 from rollstream.profiles import ProfileConfig, profile_sections
@@ -201,7 +201,7 @@ class RollstreamConfig(SharedConfig):
 def load_config(
     path: Path | None = None, *, policy: str | None = None, **overrides: Any
 ) -> RollstreamConfig:
-    """The whole config from its sources (``core.config.settings_from_sources``): explicit
+    """The whole config from its sources (``core.config_sources.settings_from_sources``): explicit
     ``overrides`` > ``ROLLSTREAM_*`` variables > ``KAFKA_BOOTSTRAP_SERVERS`` /
     ``AWS_ENDPOINT_URL[_S3]`` > the TOML file > the ``[profile]``'s settings > defaults.
 

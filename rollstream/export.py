@@ -96,7 +96,14 @@ def export_version(
     parameters in ``dtype`` (default: as published). A version holding a LoRA adapter
     needs ``lora``, the run's adapter settings."""
     from core.model_files import write_model_files
-    from core.models import cast_parameters, load_model, merge_lora, save_adapter, torch_dtype
+    from core.models import (
+        cast_parameters,
+        is_adapter_tensor,
+        load_model,
+        merge_lora,
+        save_adapter,
+        torch_dtype,
+    )
     from producers.engine_weights import load_state_dict_checked
     from weights.errors import VersionRefused
 
@@ -109,7 +116,7 @@ def export_version(
         raise ExportError(str(err)) from None
     if snapshot is None:
         raise ExportError(f"no versions of run {weights.run!r} in region {weights.region!r}")
-    has_adapter = any(".lora_A." in name for name in snapshot.state)
+    has_adapter = any(is_adapter_tensor(name) for name in snapshot.state)
     if has_adapter and lora is None:
         raise ExportError(
             f"version {snapshot.version} holds a LoRA adapter: export it with the run's "

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from core.config import InvalidConfigError, KafkaConfig
+from core.config import KafkaConfig
+from core.config_sources import InvalidConfigError
 from rollstream.config import load_config
 
 REPO = Path(__file__).resolve().parents[1]

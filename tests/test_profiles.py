@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from core.config import InvalidConfigError
+from core.config_sources import InvalidConfigError
 from rollstream.cli import main
 from rollstream.config import RollstreamConfig, UpConfig, load_config
 from rollstream.profiles import ProfileConfig, profile_sections

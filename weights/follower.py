@@ -296,11 +296,7 @@ class WeightFollower:
         chain = [self._manifest(target, target, manifest_sha256, RefusalReason.NOT_FOUND)]
         held = self._snapshot
         if chain[0].kind == "adapter":  # one step from its base, or from a sibling we hold
-            if (
-                held is not None
-                and held.manifest.kind != "delta"
-                and (held.manifest.base == chain[0].base)
-            ):
+            if held and held.manifest.kind != "delta" and held.manifest.base == chain[0].base:
                 return chain
             base = self._manifest(chain[0].base, target, None, RefusalReason.MISSING_PARENT)
             if base.kind != "base":

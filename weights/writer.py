@@ -37,17 +37,9 @@ from schemas.control import VersionAnnouncement
 from weights import format as fmt
 from weights.announce import Announcer
 from weights.errors import FormatError, ObjectMissing, VersionTaken
-from weights.manifest import (
-    FileEntry,
-    Kind,
-    Manifest,
-    chain_fields_problem,
-    load_private_key,
-    parse_manifest,
-    sha256_hex,
-    verify_signature,
-)
+from weights.manifest import FileEntry, Kind, Manifest, load_private_key, sha256_hex
 from weights.store import WeightStore, new_file_name, sha256_file
+from weights.trust import Trust
 
 log = logging.getLogger(__name__)
 
@@ -219,13 +211,11 @@ class DeltaWriter:
             timings["claim"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        if (
-            kind == "adapter"
-        ):  # the next adapter goes on the same base (after a restart: the store's)
-            assert on_base is not None
-            self._adapter_base, self._base = on_base, on_base.version
-        elif self.adapter_tensors is not None:
-            self._adapter_base, self._base = manifest, version
+        if self.adapter_tensors is not None:
+            # the next adapter goes on this base, or on this adapter's (after a restart: the
+            # store's)
+            self._adapter_base = manifest if on_base is None else on_base
+            self._base = self._adapter_base.version
         elif delta is None:
             self._prev = {
                 k: v.cpu().clone(memory_format=torch.contiguous_format) for k, v in unique.items()
@@ -338,18 +328,13 @@ class DeltaWriter:
         latest = self.store.latest()
         if latest is None:
             return None
-        public_key = None if self.signing_key is None else self.signing_key.public_key()
+        ours = Trust(None if self.signing_key is None else self.signing_key.public_key())
         try:
-            manifest, canonical = parse_manifest(self.store.read_manifest(latest))
-            if manifest.kind != "base":
-                manifest, canonical = parse_manifest(self.store.read_manifest(manifest.base))
-            verify_signature(manifest, canonical, public_key)
+            manifest = ours.manifest(self.store, latest)
+            return manifest if manifest.kind == "base" else ours.manifest(self.store, manifest.base)
         except (FormatError, ObjectMissing) as err:
             log.warning("no reusable base in the store (%s): writing a base", err)
             return None
-        if chain_fields_problem(manifest, self.store.run, manifest.base) is not None:
-            return None
-        return manifest
 
     def _announce(self, announcement: VersionAnnouncement) -> None:
         assert self.announcer is not None
