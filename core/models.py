@@ -47,7 +47,7 @@ import inspect
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -530,6 +530,32 @@ def save_adapter(
     saved.save_pretrained(str(directory))
     safetensors.torch.save_file(tensors, directory / "adapter_model.safetensors")
     return directory
+
+
+_SAVED_PREFIX = "base_model.model."
+_SAVED_ADAPTER_TENSOR = re.compile(r"\.(lora_[AB])\.weight$")
+
+
+def adapter_from_saved(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A saved adapter's tensors (PEFT's names, as ``save_adapter`` writes them) under the
+    names they have in a model ``add_lora`` injected; anything else raises ``ValueError``."""
+    renamed = {}
+    for name, tensor in tensors.items():
+        if not name.startswith(_SAVED_PREFIX) or not _SAVED_ADAPTER_TENSOR.search(name):
+            raise ValueError(f"{name!r} is not a LoRA adapter tensor as PEFT saves one")
+        inner = _SAVED_ADAPTER_TENSOR.sub(r".\1.default.weight", name[len(_SAVED_PREFIX) :])
+        renamed[inner] = tensor
+    return renamed
+
+
+def base_layer_names(
+    state: Mapping[str, torch.Tensor], model_names: Iterable[str]
+) -> dict[str, torch.Tensor]:
+    """A plain checkpoint's tensors under a LoRA model's names: each weight an adapter
+    wraps lives at ``<module>.base_layer.<param>`` there (the inverse of ``merge_lora``'s
+    renaming); names the model has as they are stay."""
+    wrapped = {name.replace(".base_layer.", "."): name for name in model_names}
+    return {wrapped.get(name, name): tensor for name, tensor in state.items()}
 
 
 def merge_lora(model: Any) -> dict[str, torch.Tensor]:

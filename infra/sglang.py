@@ -34,7 +34,9 @@ def require_module(module: str, install: str) -> None:
 
 @dataclass(frozen=True)
 class SGLangServer:
-    """``python -m sglang.launch_server`` serving ``model`` for a run."""
+    """``python -m sglang.launch_server`` serving ``model`` for a run; with ``lora_rank``
+    (a LoRA run) it reserves adapter slots of that rank on ``lora_target_modules``, so
+    versions arrive through ``/load_lora_adapter``."""
 
     model: str
     host: str = "127.0.0.1"
@@ -42,6 +44,8 @@ class SGLangServer:
     api_key: str | None = None
     weight_version: str | None = None
     extra_args: tuple[str, ...] = ()
+    lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] = ()
 
     module: ClassVar[str] = "sglang"
     install: ClassVar[str] = (
@@ -55,6 +59,9 @@ class SGLangServer:
             argv += ["--api-key", self.api_key]
         if self.weight_version is not None:
             argv += ["--weight-version", self.weight_version]
+        if self.lora_rank is not None:
+            argv += ["--enable-lora", "--max-lora-rank", str(self.lora_rank)]
+            argv += ["--lora-target-modules", *self.lora_target_modules]
         return argv + list(self.extra_args)
 
 

@@ -92,7 +92,7 @@ async def run_producer(
         vocab_size: int | None = None  # an engine's vocabulary, to check observations against
         if rollout.engine_url:
             remote = await http_backend(
-                rollout, producers.engine, directory / "weights", config.cache_dir
+                rollout, producers.engine, directory / "weights", config.cache_dir, config.lora
             )
             tokenizer, backend = remote.tokenizer, remote
         else:

@@ -267,8 +267,10 @@ class EngineClient:
         *,
         rids: Sequence[str] | None = None,
         return_logprob: bool = True,
+        lora_path: str | None = None,
     ) -> list[GenerateOutput]:
-        """Generate for a batch of prompts (one request, sent in SGLang's batch form)."""
+        """Generate for a batch of prompts (one request, sent in SGLang's batch form),
+        with the loaded LoRA adapter named ``lora_path`` if given."""
         body: dict[str, Any] = {
             "input_ids": [list(map(int, ids)) for ids in input_ids],
             "sampling_params": (
@@ -278,6 +280,8 @@ class EngineClient:
         }
         if rids is not None:
             body["rid"] = list(rids)
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         data = await self._request("POST", "/generate", body, retry_reads=False)
         return parse_generate_response(data, len(body["input_ids"]), return_logprob)
 
@@ -288,6 +292,7 @@ class EngineClient:
         *,
         rid: str | None = None,
         return_logprob: bool = True,
+        lora_path: str | None = None,
     ) -> GenerateOutput:
         """Generate for one prompt, in SGLang's single form (what a router forwards)."""
         body: dict[str, Any] = {
@@ -297,6 +302,8 @@ class EngineClient:
         }
         if rid is not None:
             body["rid"] = rid
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         data = await self._request("POST", "/generate", body, retry_reads=False)
         return parse_generate_response(data, 1, return_logprob)[0]
 
@@ -323,6 +330,34 @@ class EngineClient:
         data = await self._request("POST", "/update_weights_from_disk", body, retry_reads=False)
         if not isinstance(data, dict) or data.get("success") is not True:
             raise EngineRequestError(400, f"update_weights_from_disk failed: {data!r}")
+        return data
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, sha256: str | None = None
+    ) -> dict[str, Any]:
+        """Ask the engine to load the PEFT adapter directory ``lora_path`` as
+        ``lora_name`` (SGLang's dynamic LoRA API; ``sha256`` of its safetensors bytes, which
+        our engine requires); raises ``EngineRequestError`` when it reports failure."""
+        body: dict[str, Any] = {"lora_name": lora_name, "lora_path": lora_path}
+        if sha256 is not None:
+            body["weights_sha256"] = sha256
+        return self._lora_result(
+            "load_lora_adapter",
+            await self._request("POST", "/load_lora_adapter", body, retry_reads=False),
+        )
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Ask the engine to forget the adapter ``lora_name``."""
+        body = {"lora_name": lora_name}
+        return self._lora_result(
+            "unload_lora_adapter",
+            await self._request("POST", "/unload_lora_adapter", body, retry_reads=False),
+        )
+
+    @staticmethod
+    def _lora_result(what: str, data: Any) -> dict[str, Any]:
+        if not isinstance(data, dict) or data.get("success") is not True:
+            raise EngineRequestError(400, f"{what} failed: {data!r}")
         return data
 
     async def get(self, path: str) -> Any:

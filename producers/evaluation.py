@@ -216,7 +216,9 @@ async def open_session(
     if settings.engine_url:
         own = rollout.model_copy(update={"engine_url": settings.engine_url})
         weights_dir = path.parent / "weights"
-        remote = await http_backend(own, producers.engine, weights_dir, config.cache_dir)
+        remote = await http_backend(
+            own, producers.engine, weights_dir, config.cache_dir, config.lora
+        )
         tokenizer, backend = remote.tokenizer, remote
     else:
         local = await local_backend(producers.engine, config.cache_dir, rollout.initial_version)

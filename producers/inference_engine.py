@@ -46,8 +46,16 @@ from typing import Any
 import torch
 
 from core.config import LoraConfig
-from core.models import load_model, load_tokenizer, model_directory, parse_model_spec
+from core.models import (
+    base_layer_names,
+    is_adapter_tensor,
+    load_model,
+    load_tokenizer,
+    model_directory,
+    parse_model_spec,
+)
 from producers.config import EngineConfig
+from producers.engine_adapters import AdapterRefused, NamedAdapters, check_no_adapter
 from producers.engine_batch import BatchRunner, EngineStats
 from producers.engine_requests import (
     EngineBusy,
@@ -108,6 +116,7 @@ class Engine(BatchRunner):
         self.tokenizer_path = tokenizer_path
         self.weight_version = weight_version
         self.applied = AppliedTensors()  # what update_weights loaded last
+        self.adapters = NamedAdapters.of(self.model)  # None: no LoRA slot
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
         self.max_batch_wait_s = max_batch_wait_s
@@ -170,16 +179,20 @@ class Engine(BatchRunner):
         *,
         rid: str | None = None,
         return_logprob: bool = False,
+        adapter: str | None = None,
     ) -> Future:
         """Queue one request; the future resolves to a ``GenerateResult``."""
-        return self.submit_many([(input_ids, params, rid, return_logprob)])[0]
+        return self.submit_many([(input_ids, params, rid, return_logprob)], adapter)[0]
 
     def submit_many(
-        self, items: Sequence[tuple[Sequence[int], SamplingParams, str | None, bool]]
+        self,
+        items: Sequence[tuple[Sequence[int], SamplingParams, str | None, bool]],
+        adapter: str | None = None,
     ) -> list[Future]:
         """Queue ``(input_ids, params, rid, return_logprob)`` requests, all or none: any
         invalid one raises ``RequestError`` before anything is queued, and ``EngineBusy``
-        when they would take the engine past ``max_pending`` requests in flight."""
+        when they would take the engine past ``max_pending`` requests in flight.
+        ``adapter`` names the LoRA adapter they run with (``load_adapter``)."""
         requests = [self._make_request(ids, p, rid, lp) for ids, p, rid, lp in items]
         rids = [r.rid for r in requests]
         if len(set(rids)) != len(rids):
@@ -192,6 +205,10 @@ class Engine(BatchRunner):
         with self._cv:
             if self._stopped:
                 raise RuntimeError("engine is shut down")
+            if self.adapters is None:
+                check_no_adapter(adapter)
+            else:
+                self.adapters.check_request(adapter)
             busy = [rid for rid in rids if rid in self._pending]
             if busy:
                 raise RequestError(f"rid {busy[0]!r} is already in flight")
@@ -265,6 +282,9 @@ class Engine(BatchRunner):
         """Load ``state_dict`` between batches; the future resolves to the number of
         requests aborted first (``abort_all_requests``)."""
 
+        if any(is_adapter_tensor(name) for name in state_dict):
+            self._forget_named_adapters()
+
         def apply() -> int:
             copied = load_state_dict_checked(self.model, state_dict, self.applied)
             logger.debug("weights %s: %d tensors copied", weight_version, copied)
@@ -290,7 +310,9 @@ class Engine(BatchRunner):
 
         def apply() -> int:
             self.applied.forget()
-            load_state_dict_checked(self.model, read_weights(Path(model_path), sha256))
+            load_state_dict_checked(
+                self.model, self._as_model_state(read_weights(Path(model_path), sha256))
+            )
             self._forget_prefixes()
             if weight_version is not None:
                 self.weight_version = str(weight_version)
@@ -298,6 +320,77 @@ class Engine(BatchRunner):
 
         aborted = self.abort(abort_all=True) if abort_all_requests else 0
         return self._control(apply)
+
+    def _as_model_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A checkpoint's tensors for this model: with a LoRA slot, a plain checkpoint (the
+        base alone, as SGLang loads one) goes under the slot's names and keeps the adapter
+        served; one that carries an adapter replaces it (named adapters are forgotten)."""
+        if self.adapters is None:
+            return state
+        if any(is_adapter_tensor(name) for name in state):
+            self._forget_named_adapters()
+            return state
+        own = self.model.state_dict()
+        kept = {name: tensor for name, tensor in own.items() if is_adapter_tensor(name)}
+        return {**base_layer_names(state, own), **kept}
+
+    # --- named LoRA adapters (SGLang's dynamic LoRA API) -------------------------------
+
+    def load_adapter(
+        self, name: str, directory: Path, tensors: Mapping[str, torch.Tensor]
+    ) -> Future:
+        """Serve adapter ``name`` (``tensors``, read by ``adapters.read``) from the next
+        batch on; requests must name it from now (``submit``'s ``adapter``)."""
+        adapters = self.adapter_slot()
+        with self._cv:
+            if name in adapters.loaded:
+                raise AdapterRefused(f"LoRA adapter {name!r} is already loaded")
+            adapters.loaded[name] = str(directory)
+            adapters.serving = name
+            return self._control(lambda: self._copy_adapter(tensors))
+
+    def unload_adapter(self, name: str) -> Future:
+        """Forget adapter ``name``; if it is the one served, serve the base model (from
+        the next batch on)."""
+        adapters = self.adapter_slot()
+        with self._cv:
+            if name not in adapters.loaded:
+                raise AdapterRefused(f"LoRA adapter {name!r} is not loaded")
+            del adapters.loaded[name]
+            if adapters.serving != name:
+                done: Future = Future()
+                done.set_result(0)
+                return done
+            adapters.serving = None
+            return self._control(lambda: self._copy_adapter(adapters.zeros()))
+
+    @property
+    def serving_adapter(self) -> str | None:
+        """The adapter a request queued now must name (None: none)."""
+        return self.adapters.serving if self.adapters is not None else None
+
+    def adapter_slot(self) -> NamedAdapters:
+        """The named adapters; ``AdapterRefused`` when the model has no LoRA slot."""
+        if self.adapters is None:
+            raise AdapterRefused(
+                "this engine has no LoRA slot: start it with the run's [lora] table "
+                "(as SGLang needs --enable-lora)"
+            )
+        return self.adapters
+
+    def _copy_adapter(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        self.applied.forget()
+        with torch.no_grad():
+            self.model.load_state_dict(dict(tensors), strict=False)
+        self._forget_prefixes()
+        return 0
+
+    def _forget_named_adapters(self) -> None:
+        """Weights that carry their own adapter replace whatever was loaded by name."""
+        if self.adapters is not None:
+            with self._cv:
+                self.adapters.loaded.clear()
+                self.adapters.serving = None
 
     def flush_cache(self) -> Future:
         """Forget every cached prefix, between batches (``/flush_cache``)."""

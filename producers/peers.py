@@ -312,7 +312,7 @@ class PeerSide:
         backend: Backend
         if rollout.engine_url:
             backend = await http_backend(
-                rollout, producers.engine, directory / "weights", peer.cache_dir
+                rollout, producers.engine, directory / "weights", peer.cache_dir, peer.lora
             )
         else:
             backend = await local_backend(producers.engine, peer.cache_dir, rollout.initial_version)

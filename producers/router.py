@@ -1,19 +1,20 @@
 """Several engines behind SGLang's router (``sglang-router``), reached as one.
 
 The router balances ``/generate`` over its engines but forwards only the single-prompt
-form (it refuses SGLang's batch form), and it does not route ``/update_weights_from_disk``
-or ``/abort_request`` at all. ``RouterClient`` therefore sends one ``/generate`` a prompt
-through the router, all at once, and sends weight updates and aborts to every engine the
-router lists (``GET /workers``), asked again at each call so an engine added to the router
-gets the next version. A version counts as loaded only when every engine loaded it; an
-engine that fails keeps its old weights, and the error names it. Records stay truthful
-either way: each answer carries the weight version of the engine that generated it.
+form (it refuses SGLang's batch form), and it does not route ``/update_weights_from_disk``,
+LoRA loads or ``/abort_request`` at all. ``RouterClient`` therefore sends one
+``/generate`` a prompt through the router, all at once, and sends weight updates, adapter
+loads and aborts to every engine the router lists (``GET /workers``), asked again at each
+call so an engine added to the router gets the next version. A version counts as loaded
+only when every engine loaded it; an engine that fails keeps its old weights, and the
+error names it. Records stay truthful either way: each answer carries the weight version
+of the engine that generated it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from producers.client import (
@@ -53,6 +54,7 @@ class RouterClient:
         *,
         rids: Sequence[str] | None = None,
         return_logprob: bool = True,
+        lora_path: str | None = None,
     ) -> list[GenerateOutput]:
         """One ``/generate`` a prompt through the router, in the prompts' order."""
         n = len(input_ids)
@@ -63,7 +65,9 @@ class RouterClient:
         return list(
             await asyncio.gather(
                 *(
-                    self.router.generate_one(ids, p, rid=rid, return_logprob=return_logprob)
+                    self.router.generate_one(
+                        ids, p, rid=rid, return_logprob=return_logprob, lora_path=lora_path
+                    )
                     for ids, p, rid in zip(input_ids, params, names, strict=True)
                 )
             )
@@ -84,16 +88,31 @@ class RouterClient:
     ) -> dict[str, Any]:
         """Every engine loads ``model_path`` (which each must see: the same host or a
         shared volume); raises ``EngineRequestError`` naming those that did not."""
-        engines = await self.engines()
-        results = await asyncio.gather(
-            *(
-                e.update_weights_from_disk(
-                    model_path, weight_version, abort_all_requests=abort_all_requests, sha256=sha256
-                )
-                for e in engines
+        return await self._on_every_engine(
+            "update_weights_from_disk",
+            lambda e: e.update_weights_from_disk(
+                model_path, weight_version, abort_all_requests=abort_all_requests, sha256=sha256
             ),
-            return_exceptions=True,
         )
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, *, sha256: str | None = None
+    ) -> dict[str, Any]:
+        """Every engine loads the adapter (the router does not route LoRA loads)."""
+        return await self._on_every_engine(
+            "load_lora_adapter", lambda e: e.load_lora_adapter(lora_name, lora_path, sha256=sha256)
+        )
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        return await self._on_every_engine(
+            "unload_lora_adapter", lambda e: e.unload_lora_adapter(lora_name)
+        )
+
+    async def _on_every_engine(
+        self, what: str, call: Callable[[EngineClient], Awaitable[Any]]
+    ) -> dict[str, Any]:
+        engines = await self.engines()
+        results = await asyncio.gather(*(call(e) for e in engines), return_exceptions=True)
         failed = [
             f"{e.url}: {r}"
             for e, r in zip(engines, results, strict=True)
@@ -102,8 +121,8 @@ class RouterClient:
         if failed:
             raise EngineRequestError(
                 400,
-                f"update_weights_from_disk reached {len(engines) - len(failed)} of "
-                f"{len(engines)} engines behind {self.url}; failed: {'; '.join(failed)}",
+                f"{what} reached {len(engines) - len(failed)} of {len(engines)} engines "
+                f"behind {self.url}; failed: {'; '.join(failed)}",
             )
         return {"success": True, "engines": len(engines)}
 

@@ -27,6 +27,12 @@ a drop-in for the same client:
   engine settings and counters (not SGLang's fields; ``busy_s``: seconds spent computing
   batches and weight updates).
 - ``POST /flush_cache``: forgets the prefix cache between batches.
+- ``POST /load_lora_adapter``: ``{"lora_name", "lora_path", "pinned", "weights_sha256"}``
+  and ``POST /unload_lora_adapter``: ``{"lora_name"}``; both answer ``{"success",
+  "error_message", "loaded_adapters"}`` (400 when they fail). ``/generate`` names the
+  adapter in ``lora_path`` (one for the whole body). An engine with a LoRA slot only
+  (``producers.engine_adapters``: one adapter served at a time, the last one loaded); the
+  path and hash rules are those of ``/update_weights_from_disk``.
 
 SGLang's router (``sglang-router``) forwards ``/generate`` with ``model``,
 ``return_hidden_states``, ``background``, ``no_logs``, ``return_bytes`` and
@@ -69,6 +75,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from producers.engine_adapters import AdapterRefused
 from producers.engine_auth import AccessRefused, check_bind, check_key, weights_path
 from producers.engine_requests import EngineBusy, RequestError, SamplingParams
 from producers.inference_engine import Engine
@@ -97,6 +104,7 @@ _GENERATE_FIELDS = frozenset(
         "log_metrics",
         "text",
         "token_ids_logprob",
+        "lora_path",
     }
 )
 #: Fields SGLang's router adds to every ``/generate`` it forwards, with the values it sends;
@@ -162,8 +170,9 @@ class _Item:
     return_logprob: bool
 
 
-def parse_generate(body: dict[str, Any]) -> tuple[list[_Item], bool]:
-    """The requests in a ``/generate`` body, and whether it was a batch."""
+def parse_generate(body: dict[str, Any]) -> tuple[list[_Item], bool, str | None]:
+    """The requests in a ``/generate`` body, whether it was a batch, and the LoRA adapter
+    they name (``lora_path``: one for the whole body, as this engine serves one)."""
     unknown = sorted(set(body) - _GENERATE_FIELDS - set(ROUTER_DEFAULTS))
     if unknown:
         raise RequestError(f"unsupported /generate fields: {unknown}")
@@ -195,11 +204,16 @@ def parse_generate(body: dict[str, Any]) -> tuple[list[_Item], bool]:
     logprob = _per_item(body.get("return_logprob"), n, "return_logprob", bool)
     if len(set(r for r in rids if r is not None)) < sum(r is not None for r in rids):
         raise RequestError("rid values must be unique")
+    adapters = set(_per_item(body.get("lora_path"), n, "lora_path", str))
+    if len(adapters) > 1:
+        raise RequestError(
+            f"lora_path names {len(adapters)} adapters: this engine serves one at a time"
+        )
     items = [
         _Item(prompt, rid, SamplingParams.from_dict(p), bool(lp))
         for prompt, rid, p, lp in zip(prompts, rids, params, logprob, strict=True)
     ]
-    return items, batch
+    return items, batch, adapters.pop()
 
 
 def _len_or(value: Any) -> int:
@@ -223,7 +237,7 @@ def _per_item(value: Any, n: int, name: str, kind: type) -> list[Any]:
 async def generate(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE_KEY]
     try:
-        items, batch = parse_generate(await _body(request))
+        items, batch, adapter = parse_generate(await _body(request))
         check_budget(
             [len(i.input_ids) for i in items],
             [i.params.max_new_tokens for i in items],
@@ -235,7 +249,8 @@ async def generate(request: web.Request) -> web.Response:
             [
                 (i.input_ids, i.params, rid, i.return_logprob)
                 for i, rid in zip(items, rids, strict=True)
-            ]
+            ],
+            adapter,
         )
     except RequestError as exc:
         return _error(str(exc))
@@ -307,6 +322,56 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
     return _json({"success": True, "message": message, "num_paused_requests": paused})
 
 
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """Read, check and serve a named adapter (its directory below the weights
+    directory, its bytes those of ``weights_sha256``); the old one stays on failure."""
+    engine = request.app[_ENGINE_KEY]
+    try:
+        body = await _body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise RequestError("lora_name and lora_path are required (non-empty strings)")
+        if not isinstance(body.get("pinned", False), bool):
+            raise RequestError("pinned must be true or false")
+        sha256 = body.get("weights_sha256")
+        if not isinstance(sha256, str) or not sha256:
+            raise RequestError(
+                "weights_sha256 is required: the sha256 of the adapter's safetensors file"
+            )
+        directory = weights_path(path, request.app.get(_WEIGHTS_DIR))
+        tensors = await asyncio.to_thread(engine.adapter_slot().read, directory, sha256)
+        await asyncio.wrap_future(engine.load_adapter(name, directory, tensors))
+    except RequestError as exc:
+        return _error(str(exc))
+    except AccessRefused as exc:
+        logger.warning("load_lora_adapter refused: %s", exc)
+        return _error(str(exc), exc.status)
+    except AdapterRefused as exc:
+        return _lora_answer(engine, str(exc))
+    return _lora_answer(engine)
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE_KEY]
+    try:
+        name = (await _body(request)).get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise RequestError("lora_name is required (a non-empty string)")
+        await asyncio.wrap_future(engine.unload_adapter(name))
+    except RequestError as exc:
+        return _error(str(exc))
+    except AdapterRefused as exc:
+        return _lora_answer(engine, str(exc))
+    return _lora_answer(engine)
+
+
+def _lora_answer(engine: Engine, error: str | None = None) -> web.Response:
+    """SGLang's answer to a LoRA load or unload (400 with ``success`` false on failure)."""
+    loaded = dict(engine.adapters.loaded) if engine.adapters is not None else {}
+    body = {"success": error is None, "error_message": error, "loaded_adapters": loaded}
+    return _json(body, 200 if error is None else 400)
+
+
 async def get_model_info(request: web.Request) -> web.Response:
     return _json(request.app[_ENGINE_KEY].model_info())
 
@@ -350,7 +415,7 @@ async def health_generate(request: web.Request) -> web.Response:
         return web.Response(status=503)
     params = SamplingParams(temperature=0.0, max_new_tokens=1)
     try:
-        future = engine.submit([0], params)
+        future = engine.submit([0], params, adapter=engine.serving_adapter)
     except EngineBusy:
         return web.Response(status=503)
     try:
@@ -385,6 +450,8 @@ def make_app(
     app.router.add_post("/abort_request", abort_request)
     app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
     app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_post("/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/unload_lora_adapter", unload_lora_adapter)
     # SGLang's current names and the older /get_* ones (the router asks for both)
     for name, handler in (("model_info", get_model_info), ("server_info", get_server_info)):
         app.router.add_get(f"/{name}", handler)

@@ -11,6 +11,7 @@ stays instant.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 
 import click
 
-from core.config import RoleConfig
+from core.config import LoraConfig, RoleConfig
 from producers.config import ProducersConfig
 from rollstream.config import RollstreamConfig, role_config
 
@@ -93,7 +94,7 @@ def serve(
         raise click.UsageError(str(err)) from err
     if kind == "sglang":
         version = str(section.rollout.initial_version)
-        _exec_sglang(engine_config.model, engine_config, key, version, engine_args)
+        _exec_sglang(engine_config.model, engine_config, key, version, engine_args, shared.lora)
     if engine_args:
         raise click.UsageError("--engine-arg is for --engine sglang")
     _logging()
@@ -119,15 +120,26 @@ def serve(
 
 
 def _exec_sglang(
-    model: str, engine: Any, api_key: str | None, version: str, extra: tuple[str, ...]
+    model: str,
+    engine: Any,
+    api_key: str | None,
+    version: str,
+    extra: tuple[str, ...],
+    lora: LoraConfig | None,
 ) -> None:
     """Become SGLang's server for ``model`` (a checkpoint directory or a Hub id in the
-    local cache), or stop saying how to install it."""
+    local cache), with LoRA slots for the run's ``[lora]``, or stop saying how to install
+    it."""
     from infra.sglang import SGLangServer
 
     if model.split(":", 1)[0] == "tiny":
         raise click.UsageError("the tiny test model runs only on --engine cpu")
-    _become(SGLangServer(model, engine.host, engine.port, api_key, version, extra))
+    server = SGLangServer(model, engine.host, engine.port, api_key, version, extra)
+    if lora is not None:
+        server = dataclasses.replace(
+            server, lora_rank=lora.rank, lora_target_modules=tuple(lora.target_modules)
+        )
+    _become(server)
 
 
 def _become(spec: Any) -> None:

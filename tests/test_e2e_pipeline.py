@@ -242,6 +242,10 @@ def test_multi_turn_echo_episodes_train_policy_tokens_only_and_reconcile(
     assert all(row["data/exact_old_frac"] == 1.0 for row in rows)
     assert max(row["mismatch/k3_kl"] for row in rows) < 1e-6
     assert_reconciles(run.run_dir, rows)
+    # the engine got the versions as named adapters (SGLang's dynamic LoRA API), the
+    # requests naming them: the kept version directories are adapters
+    engine_dirs = list(tmp_path.glob("state/producers/*/*/weights/v*"))
+    assert engine_dirs and all(d.name.endswith("-adapter") for d in engine_dirs), engine_dirs
     # exported as chats: prompt, then the policy's and the environment's turns in turn,
     # only the policy's tokens marked as its own
     data = exported_dataset(run.run_dir, tmp_path / "dataset")

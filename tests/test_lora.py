@@ -10,6 +10,7 @@ import pytest
 import torch
 from peft import PeftModel
 from pydantic import ValidationError
+from support.lora import LORA, trained
 from support.streams import rollout
 from support.synthetic import synthetic_groups
 
@@ -31,19 +32,7 @@ from weights.writer import DeltaWriter
 
 torch.set_num_threads(1)
 
-LORA = LoraConfig(rank=4, alpha=8.0)
 TINY_VOCAB = 16
-
-
-def trained(version: int) -> dict[str, torch.Tensor]:
-    """The state of a LoRA model whose adapter some training moved (B is 0 at version 0)."""
-    model = load_model("tiny", lora=LORA)
-    gen = torch.Generator().manual_seed(version)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.requires_grad and version:
-                param.add_(torch.randn(param.shape, generator=gen) * 0.3)
-    return model.state_dict()
 
 
 def test_the_adapter_leaves_the_model_unchanged_until_trained_and_alone_trains() -> None:

@@ -34,6 +34,8 @@ ENDPOINTS = [
     ("GET", "/get_server_info", None),
     ("GET", "/server_info", None),
     ("POST", "/flush_cache", None),
+    ("POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": "/tmp"}),
+    ("POST", "/unload_lora_adapter", {"lora_name": "a"}),
     ("GET", "/health_generate", None),
 ]
 

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from click.testing import CliRunner
 from test_producers_server import recompute
 
-from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
+from core.config import LoraConfig
+from core.models import BOS_ID, SEP_ID, TinyTokenizer, add_lora, build_tiny_llama
 from core.process import free_port, tail
 from producers.backends import http_backend
 from producers.client import EngineRequestError
@@ -30,6 +32,7 @@ from rollstream.cli import main
 pytestmark = pytest.mark.integration
 
 KEY = "router-test-key"
+LORA = LoraConfig(rank=4, alpha=8.0)
 PROMPTS = [
     [BOS_ID, 5, 6, 7, SEP_ID],
     [BOS_ID, 1, 2, SEP_ID],
@@ -47,7 +50,12 @@ def weights_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engines(weights_dir: Path) -> Iterator[list[ServerThread]]:
     servers = [
         ServerThread(
-            Engine(build_tiny_llama(seed=0), model_path="tiny", tokenizer=TinyTokenizer(), seed=i),
+            Engine(
+                add_lora(build_tiny_llama(seed=0), LORA),  # a LoRA slot serves plain weights too
+                model_path="tiny",
+                tokenizer=TinyTokenizer(),
+                seed=i,
+            ),
             api_key=KEY,
             weights_dir=weights_dir,
         )
@@ -192,6 +200,44 @@ def test_an_engine_url_is_no_router(engines: list[ServerThread]) -> None:
         run(go())
     with pytest.raises(ValueError, match="2 prompts but 1 sampling_params"):
         run(RouterClient(engines[0].url).generate(PROMPTS[:2], [{}]))
+
+
+def test_lora_versions_reach_every_engine_and_requests_name_them(
+    engines: list[ServerThread], router_url: str, weights_dir: Path, tmp_path: Path
+) -> None:
+    """A LoRA run behind the router: the base and each adapter reach both engines (the
+    router routes no loads), every request names the adapter through the router."""
+    rollout = RolloutConfig(engine_url=router_url, engine_router=True)
+    engine_config = EngineConfig(model="tiny", api_key=KEY)
+    policy = add_lora(build_tiny_llama(seed=9), LORA)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    state = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
+
+    async def go():  # type: ignore[no-untyped-def]
+        backend = await http_backend(
+            rollout, engine_config, weights_dir, tmp_path / "cache", lora=LORA
+        )
+        try:
+            await backend.load_version(4, state)
+            sampling = [{"max_new_tokens": 3, "ignore_eos": True}] * 4
+            return await backend.generate(PROMPTS, sampling, [f"lora-{i}" for i in range(4)])
+        finally:
+            await backend.aclose()
+
+    try:
+        outs = run(go())
+        assert [s.engine.weight_version for s in engines] == ["base-v4", "base-v4"]
+        assert [s.engine.serving_adapter for s in engines] == ["v4", "v4"]
+    finally:  # the other tests send requests that name no adapter
+        for server in engines:
+            if server.engine.serving_adapter is not None:
+                server.engine.unload_adapter(server.engine.serving_adapter).result()
+    assert {o.weight_version for o in outs} == {"4"}
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.logprobs == pytest.approx(recompute(policy, prompt, out.output_ids), abs=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -104,6 +104,16 @@ def test_weight_and_abort_requests_are_sglangs(sglang: zipfile.ZipFile) -> None:
     assert 'extra_behavior="ignore"' in schema
 
 
+def test_lora_requests_and_answers_are_sglangs(sglang: zipfile.ZipFile) -> None:
+    io = _source(sglang, "managers/io_struct.py")
+    assert {"lora_name", "lora_path", "pinned"} <= _fields(io, "LoadLoRAAdapterReqInput")
+    assert "lora_name" in _fields(io, "UnloadLoRAAdapterReqInput")
+    assert OUR_EXTENSIONS.isdisjoint(_fields(io, "LoadLoRAAdapterReqInput"))
+    # both answers are LoRAUpdateOutput: the keys our server answers and our client reads
+    assert {"success", "error_message", "loaded_adapters"} <= _fields(io, "LoRAUpdateOutput")
+    assert "LoadLoRAAdapterReqOutput = UnloadLoRAAdapterReqOutput" in ast.unparse(io)
+
+
 def test_every_endpoint_we_serve_or_call_is_sglangs(sglang: zipfile.ZipFile) -> None:
     theirs = _routes(_source(sglang, "entrypoints/http_server.py"))
     engine = Engine(build_tiny_llama(seed=0), model_path="tiny", tokenizer=TinyTokenizer())
@@ -147,4 +157,10 @@ def test_serve_engine_sglang_flags_are_sglangs(sglang: zipfile.ZipFile) -> None:
     ours = {a for a in argv if a.startswith("--")}
     assert ours == {"--model-path", "--host", "--port", "--api-key", "--weight-version"}
     assert ours <= flags, ours - flags
+    lora = SGLangServer("/models/m", lora_rank=16, lora_target_modules=("q_proj", "v_proj"))
+    argv = lora.argv("python")
+    assert argv[argv.index("--max-lora-rank") + 1] == "16"
+    assert argv[argv.index("--lora-target-modules") + 1 :][:2] == ["q_proj", "v_proj"]
+    ours = {a for a in argv if a.startswith("--")}
+    assert {"--enable-lora", "--max-lora-rank", "--lora-target-modules"} <= ours <= flags
     assert sglang.read("sglang/launch_server.py")  # the module we run exists
