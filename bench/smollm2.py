@@ -7,7 +7,8 @@ file and prints, per window of 10 steps, the mean reward, the share of answers r
 (``reward/correct_frac``), the share that ended with an ``Answer: N`` line
 (``reward/format_ok_frac``), the response length and the seconds per step; it draws the
 same curves to ``docs/learning/smollm2_arithmetic.png``. ``--run-dir DIR --no-run``
-summarises a run that already finished.
+summarises a run that already finished. ``--lora-rank R [--lr LR]`` trains a LoRA
+adapter instead of the whole model (the LoRA comparison in ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -31,10 +33,12 @@ CURVES = (
 )
 
 
-def run_up(run_dir: Path, steps: int) -> float:
-    """``rollstream up --model smollm2-135m --max-steps steps``; its wall-clock seconds."""
+def run_up(run_dir: Path, steps: int, settings: Sequence[str] = ()) -> float:
+    """``rollstream up --model smollm2-135m --max-steps steps`` with ``--set`` for each
+    of ``settings``; its wall-clock seconds."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLSTREAM_")}
-    command = [sys.executable, "-m", "rollstream", "up", "--model", "smollm2-135m",
+    sets = [arg for setting in settings for arg in ("--set", setting)]
+    command = [sys.executable, "-m", "rollstream", *sets, "up", "--model", "smollm2-135m",
                "--max-steps", str(steps), "--run-dir", str(run_dir)]  # fmt: skip
     started = datetime.now(UTC)
     with (run_dir.parent / f"{run_dir.name}.log").open("wb") as log:
@@ -83,16 +87,25 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path, help="default: a new temporary directory")
     parser.add_argument("--no-run", action="store_true", help="summarise --run-dir only")
     parser.add_argument("--plot", type=Path, default=Path("docs/learning/smollm2_arithmetic.png"))
+    parser.add_argument(
+        "--lora-rank", type=int, help="train a LoRA adapter of this rank (alpha 2x rank)"
+    )
+    parser.add_argument("--lr", type=float, help="the trainer's learning rate (default: profile)")
     args = parser.parse_args()
+    settings = []
+    if args.lora_rank:
+        settings += [f"lora.rank={args.lora_rank}", f"lora.alpha={2 * args.lora_rank}"]
+    if args.lr:
+        settings.append(f"trainer.engine.lr={args.lr}")
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="smollm2-")) / "run"
     wall = None
     if not args.no_run:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
-        wall = run_up(run_dir, args.steps)
+        wall = run_up(run_dir, args.steps, settings)
     rows = trainer_rows(run_dir)
     took = f" in {wall:.0f} s (start-up included)" if wall else ""
     print(f"bench.smollm2, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores; "
-          f"{len(rows)} steps{took}")  # fmt: skip
+          f"{len(rows)} steps{took}; settings: {' '.join(settings) or 'the profile'}")  # fmt: skip
     print("| steps | reward | answer right | 'Answer: N' line | response tokens | s/step |")
     print("|---|---|---|---|---|---|")
     for w in windows(rows):
