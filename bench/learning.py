@@ -46,9 +46,12 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.figures import moving_mean, spread
+
+if TYPE_CHECKING:
+    from core.config import LoraConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "learning.md"
@@ -100,6 +103,10 @@ class Settings:
     #: ``[producers.rollout.curriculum]`` keys: prompts are drawn through
     #: ``producers.curriculum.Curriculum`` fed with every generated group's statistics
     curriculum: tuple[tuple[str, Any], ...] = ()
+    #: train a LoRA adapter instead of every weight: the trainer, the generator and the
+    #: old-logit model all carry it, so a version's state dict (base + adapter, PEFT names)
+    #: loads into each as it is
+    lora: LoraConfig | None = None
 
 
 @dataclass
@@ -193,8 +200,9 @@ def build_rig(route: Route, seed: int, settings: Settings, **trainer: Any) -> Ri
             **trainer,
         }
     )
+    lora = settings.lora
     engine = TrainEngine(
-        load_model(spec, "float32"),
+        load_model(spec, "float32", lora=lora),
         config.engine,
         frozen_copies=StepRunner.frozen_copies_needed(config),
     )
@@ -205,14 +213,18 @@ def build_rig(route: Route, seed: int, settings: Settings, **trainer: Any) -> Ri
         trainer=engine,
         runner=StepRunner(engine, config, pad_id=PAD_ID),
         generator=Engine(
-            load_model(spec, "bfloat16"), model_path=spec, seed=seed, eos_token_ids=[EOS_ID]
+            load_model(spec, "bfloat16", lora=lora),
+            model_path=spec,
+            seed=seed,
+            eos_token_ids=[EOS_ID],
         ),
         history=history,
         old_logits=OldLogitEngine(
             OldLogitsConfig(model=spec, dtype="float32"),
             SnapshotStore(history, budget_bytes=1 << 30, dtype=torch.float32),
+            lora=lora,
         ),
-        current_model=load_model(spec, "float32"),
+        current_model=load_model(spec, "float32", lora=lora),
         task=task,
         params=SamplingParams(
             temperature=settings.temperature,
