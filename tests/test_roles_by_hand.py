@@ -6,9 +6,12 @@ laid over it, as a user would: an engine and a producer in the home region, a st
 worker, a trainer, a mirror copying versions to a second region, and a second engine and
 producer there (``produce --region``). No ``up``. The run must train nothing staler than
 the window, the second region must generate with versions the mirror copied there, and
-the audit must reconcile after the roles stop. Learning through the pipeline is asserted
-by the end-to-end run of ``up`` (``tests/test_e2e_pipeline.py``): this run is the same
-pipeline, started differently, so it runs only as long as its own assertions need.
+the audit must reconcile after the roles stop. The same run with ``[lora]`` laid over it
+moves adapters instead of models: the engines get each version through the dynamic LoRA
+endpoints, the mirror carries the one base and the adapters to the second region.
+Learning through the pipeline is asserted by the end-to-end run of ``up``
+(``tests/test_e2e_pipeline.py``): this run is the same pipeline, started differently, so
+it runs only as long as its own assertions need.
 """
 
 from __future__ import annotations
@@ -46,7 +49,13 @@ def _store(config: S3Config) -> dict[str, object]:
 
 
 def _config(
-    tmp_path: Path, kafka: KafkaConfig, home: S3Config, other: S3Config, unique, ports
+    tmp_path: Path,
+    kafka: KafkaConfig,
+    home: S3Config,
+    other: S3Config,
+    unique,
+    ports,
+    lora: dict[str, object] | None,
 ) -> Path:
     """The example file with this test's broker, stores, topic names and files."""
     topics = {name: unique(f"rollouts.{name}") for name in ("raw", "scored", "stale", "dlq")}
@@ -78,6 +87,8 @@ def _config(
             },
         },
     }
+    if lora is not None:
+        ours["lora"] = lora
     with EXAMPLE.open("rb") as fh:
         example = tomllib.load(fh)
     path = tmp_path / "rl.toml"
@@ -109,7 +120,9 @@ def _rollstream(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("lora", [None, {"rank": 8, "alpha": 16.0}], ids=["full", "lora"])
 def test_roles_started_by_hand_from_the_example_config_span_two_regions_and_reconcile(
+    lora: dict[str, object] | None,
     kafka_config: KafkaConfig,
     s3_config: S3Config,
     second_s3_config: S3Config,
@@ -117,7 +130,7 @@ def test_roles_started_by_hand_from_the_example_config_span_two_regions_and_reco
     tmp_path: Path,
 ) -> None:
     ports = {"engine": free_port(), "engine_eu": free_port()}
-    config = _config(tmp_path, kafka_config, s3_config, second_s3_config, unique_name, ports)
+    config = _config(tmp_path, kafka_config, s3_config, second_s3_config, unique_name, ports, lora)
     rs = [sys.executable, "-m", "rollstream", "--config", str(config)]
     env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     home_url = f"http://127.0.0.1:{ports['engine']}"
@@ -180,6 +193,16 @@ def test_roles_started_by_hand_from_the_example_config_span_two_regions_and_reco
     # the second region generated under versions it read from its own store (the mirror's)
     newest = _newest_versions(config)
     assert set(newest) == {"home", "eu"} and newest["eu"] >= 1, newest
+    if lora is not None:  # each region's engine got the versions as named adapters
+        for producer in ("home-0", "eu-0"):
+            kept = list(ledgers.glob(f"*/{producer}/weights/v*"))
+            assert kept and all(d.name.endswith("-adapter") for d in kept), (producer, kept)
+        # the first version is the run's one base, kept while the adapters name it
+        shown = [_rollstream(config, "weights", "show", str(v)) for v in (0, STEPS)]
+        assert all(s.returncode == 0 for s in shown), [s.stderr[-3000:] for s in shown]
+        manifests = [json.loads(s.stdout) for s in shown]
+        assert [m["kind"] for m in manifests] == ["base", "adapter"]
+        assert manifests[1]["base"] == 0
 
 
 def _newest_versions(config: Path) -> dict[str, int]:
