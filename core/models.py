@@ -552,10 +552,16 @@ def base_layer_names(
     state: Mapping[str, torch.Tensor], model_names: Iterable[str]
 ) -> dict[str, torch.Tensor]:
     """A plain checkpoint's tensors under a LoRA model's names: each weight an adapter
-    wraps lives at ``<module>.base_layer.<param>`` there (the inverse of ``merge_lora``'s
-    renaming); names the model has as they are stay."""
+    wraps lives at ``<module>.base_layer.<param>`` there (the inverse of ``plain_names``);
+    names the model has as they are stay."""
     wrapped = {name.replace(".base_layer.", "."): name for name in model_names}
     return {wrapped.get(name, name): tensor for name, tensor in state.items()}
+
+
+def plain_names(base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A LoRA model's base tensors (no adapter tensors) under the plain model's names: what
+    a Hugging Face checkpoint without PEFT holds (the inverse of ``base_layer_names``)."""
+    return {name.replace(".base_layer.", "."): tensor for name, tensor in base.items()}
 
 
 def merge_lora(model: Any) -> dict[str, torch.Tensor]:
@@ -567,11 +573,8 @@ def merge_lora(model: Any) -> dict[str, torch.Tensor]:
     for module in model.modules():
         if isinstance(module, LoraLayer):
             module.merge(safe_merge=True)
-    return {
-        name.replace(".base_layer.", "."): tensor
-        for name, tensor in model.state_dict().items()
-        if not is_adapter_tensor(name)
-    }
+    state = model.state_dict()
+    return plain_names({name: t for name, t in state.items() if not is_adapter_tensor(name)})
 
 
 def load_model(

@@ -198,7 +198,7 @@ class HttpBackend:
         self, version: int, state_dict: Mapping[str, Any], *, again: bool = False
     ) -> None:
         """Load a LoRA version: its base if the engine lacks it, then its adapter."""
-        from core.models import is_adapter_tensor
+        from core.models import is_adapter_tensor, plain_names
 
         assert self.lora is not None
         previous = self.adapter
@@ -209,9 +209,8 @@ class HttpBackend:
         base_tag = previous.base_tag if previous is not None else ""
         if self._base.changed(base):
             base_tag = f"base-v{version}"
-            plain = {n.replace(".base_layer.", "."): t for n, t in base.items()}
             directory = self.weights_dir / f"v{version}"
-            sha256 = await asyncio.to_thread(self._write, plain, directory)
+            sha256 = await asyncio.to_thread(self._write, plain_names(base), directory)
             await self.client.update_weights_from_disk(
                 str(directory), weight_version=base_tag, sha256=sha256
             )
