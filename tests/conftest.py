@@ -9,8 +9,17 @@ and uniquely named topics, so they never see each other's data.
 Tiers, one marker each (given here, at collection): ``system`` for end-to-end tests
 (whole pipelines, chaos, kill -9; a module or test marks itself), ``integration`` for
 tests on the real broker or S3 (a service fixture, or a module that marks itself),
-``unit`` for the rest, which need no service. The whole suite runs the tiers in that
-order, unit first; ``pytest -m unit`` runs only the quick tier.
+``unit`` for the rest, which need no service. ``pytest -m unit`` runs only the quick tier.
+
+The suite runs in three worker processes (pytest-xdist, ``-n 3 --dist loadfile
+--no-loadscope-reorder`` in ``pyproject.toml``), each taking a whole test file at a time,
+so a module's shared pipeline run stays in one worker; each worker starts its own broker
+and servers. Most tests spend
+their time waiting (on the broker, a rebalance, a process starting), so three workers keep
+two cores busy. Files are handed out in the order sorted here, slowest tier first (xdist's own
+reordering, by number of tests, is off): the long system files start at once and the quick
+tiers fill the workers' last minutes, rather than one system file running alone at the
+end.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from weights.store import make_s3_client
 SERVICE_FIXTURES = frozenset(
     {"kafka_config", "s3_config", "second_s3_config", "seaweed_region_a", "seaweed_region_b"}
 )
-TIER_ORDER = {"unit": 0, "integration": 1, "system": 2}
+TIER_ORDER = {"system": 0, "integration": 1, "unit": 2}
 
 
 def tier(item: pytest.Item) -> str:
@@ -44,7 +53,7 @@ def tier(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test with its tier and run the tiers in order, quickest first."""
+    """Mark every test with its tier and order the tiers slowest first (see the module doc)."""
     for item in items:
         item.add_marker(tier(item))
     items.sort(key=lambda item: TIER_ORDER[tier(item)])
