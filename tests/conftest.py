@@ -14,12 +14,10 @@ tests on the real broker or S3 (a service fixture, or a module that marks itself
 The suite runs in three worker processes (pytest-xdist, ``-n 3 --dist loadfile
 --no-loadscope-reorder`` in ``pyproject.toml``), each taking a whole test file at a time,
 so a module's shared pipeline run stays in one worker; each worker starts its own broker
-and servers. Most tests spend
-their time waiting (on the broker, a rebalance, a process starting), so three workers keep
-two cores busy. Files are handed out in the order sorted here, slowest tier first (xdist's own
-reordering, by number of tests, is off): the long system files start at once and the quick
-tiers fill the workers' last minutes, rather than one system file running alone at the
-end.
+and servers. Most tests spend their time waiting (on the broker, a rebalance, a process
+starting), so three workers keep two cores busy. Files are handed out in the order sorted
+here, slowest tier first (xdist's own reordering, by number of tests, is off): the long
+system files start at once and the quick tiers fill the workers' last minutes.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.system
 # trained, exact old logits over policy tokens, the audit. Reading the history takes
 # longer than the suite affords (80 steps reached 0.17 of the digits right against 0.10
 # for a policy that does not read it, the reward rising mostly from the format), so the
-# learning assertion stays with the single-turn run above. The policy trains a LoRA
+# learning assertion stays with the single-turn run of test_e2e_pipeline. The policy trains a LoRA
 # adapter ([lora]): every version after the first is an adapter on it, through the whole
 # pipeline (engine, old-logit service, trainer) and out again by ``rollstream export``.
 ECHO_STEPS = 16
