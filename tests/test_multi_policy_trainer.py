@@ -46,9 +46,11 @@ def test_a_trainer_dead_letters_a_group_holding_another_policys_record(
     ]
     producer = Producer(kafka_config.client_config())
     values = {}
-    for group in as_policy:
+    for group in as_policy:  # one partition: the two refused groups are read before the last
         values[group[0].group_id] = encode_group(scored_group(group))
-        producer.produce(scored, key=group[0].group_id.encode(), value=values[group[0].group_id])
+        producer.produce(
+            scored, key=group[0].group_id.encode(), value=values[group[0].group_id], partition=0
+        )
     assert producer.flush(30) == 0
 
     source = ScoredSource(
