@@ -427,8 +427,11 @@ def test_abandoned_episodes_are_never_published_and_the_ledger_says_why(
 ):
     with gateway_run(
         kafka_config, unique_name, tmp_path, chat_model, groups=1, group_size=4,
-        idle_timeout_s=3.0, claim_wait_s=0.5,
+        idle_timeout_s=10.0, claim_wait_s=0.5,
     ) as run:  # fmt: skip
+        # the idle timeout runs for every open episode, ``kept`` and ``idle`` too, from
+        # their opening until their calls below: long enough for the script before them
+        # on two loaded cores (at 3 s, ``kept`` once went idle before its turn)
         kept, left, dropped, idle = run.open(), run.open(), run.open(), run.open()
         late = run.post("/v1/episodes")  # the group is all claimed; no other may start
         assert late.status_code == 429 and late.headers["Retry-After"] == "1"
@@ -469,6 +472,6 @@ def test_abandoned_episodes_are_never_published_and_the_ledger_says_why(
     assert reasons == {
         left["episode_id"]: "the client left before its answer",
         dropped["episode_id"]: "the client left during the stream",
-        idle["episode_id"]: "no call or reward for 3s",
+        idle["episode_id"]: "no call or reward for 10s",
     }
     assert run.report.groups_delivered == 1
