@@ -1,5 +1,5 @@
 """End to end with a real model: SmolLM2-135M under ``rollstream up`` on the session's real
-Kafka broker and SeaweedFS store, a few steps of its agentic calculator task."""
+Kafka broker and SeaweedFS store, one step of its agentic calculator task."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ _SMOLLM2_BATCH = {"trainer": {"batch": {"max_wait_s": 300.0}}}
 def test_smollm2_trains_calculator_episodes_and_reconciles(
     kafka_config: KafkaConfig, s3_config: S3Config, tmp_path: Path
 ) -> None:
-    """A real model under the language-model profile (``--model smollm2-135m``), a few
-    steps of its agentic task: every step trains whole groups of scored episodes with
+    """A real model under the language-model profile (``--model smollm2-135m``), one
+    step of its agentic task: the step trains whole groups of scored episodes with
     exact old logits over policy tokens, and the audit reconciles. What the untrained
     model answers is luck (a run of 16 episodes may hold no ``Answer:`` line at all), so
     what is asserted of the scoring is that every episode was scored: its flags reach the
@@ -32,17 +32,17 @@ def test_smollm2_trains_calculator_episodes_and_reconciles(
     learns over a longer run is measured in the docs."""
     config = write_config(tmp_path, kafka_config, s3_config, "smol", _SMOLLM2_BATCH)
     args = ("--model", "smollm2-135m", "--task", "arithmetic-calculator",
-            "--max-steps", "2", "--groups-per-step", "1")  # fmt: skip
+            "--max-steps", "1", "--groups-per-step", "1")  # fmt: skip
     run = run_up(tmp_path, config, 600, *args)
-    assert len(run.rows) == 2
+    assert len(run.rows) == 1
     for row in run.rows:
         assert row["data/trajectories"] == 8 and row["data/exact_old_frac"] == 1.0
         assert "reward/correct_frac" in row and "episode/tool_calls_total" in row
         assert sum(v for k, v in row.items() if k.startswith("episode/end/")) == 8
         assert 0.0 <= row["reward/format_ok_frac"] <= 1.0
     assert_reconciles(run.run_dir, run.rows)
-    # versions ship in bf16 whatever the trainer's precision: after v0, small deltas
-    v0, *later = (json.loads(run_command(run.run_dir, "weights", "show", str(v))) for v in range(3))
+    # versions ship in bf16 whatever the trainer's precision: after v0, a small delta
+    v0, *later = (json.loads(run_command(run.run_dir, "weights", "show", str(v))) for v in range(2))
     for manifest in (v0, *later):
         assert {t["dtype"] for t in manifest["tensors"].values()} == {"bfloat16"}
     base_bytes = sum(f["bytes"] for f in v0["files"])
