@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -61,7 +62,7 @@ def test_guard_waits_for_a_live_holder_and_leaves_its_baton_alone(tmp_path: Path
                     baton.parent.mkdir(parents=True, exist_ok=True)
                     baton.touch()
                     print("held", flush=True)
-                    time.sleep(1.5)
+                    time.sleep(4.0)  # long enough for a loaded core to start the wait
                     assert baton.exists(), "a live holder's baton was removed"
                     baton.unlink()
                 """
@@ -107,13 +108,22 @@ def test_extensions_root_defaults_under_the_rollstream_cache_and_leaves_the_env_
 
 
 @pytest.mark.system
-def test_deepspeed_starts_after_a_trainer_was_killed_holding_the_build_lock() -> None:
-    """Plant the baton a kill -9 leaves in the real op directory, then initialise
-    DeepSpeed as a trainer does: it must come up (it used to wait forever)."""
+def test_deepspeed_starts_after_a_trainer_was_killed_holding_the_build_lock(
+    tmp_path: Path,
+) -> None:
+    """Plant the baton a kill -9 leaves in a copy of the real op directory, then initialise
+    DeepSpeed as a trainer does: it must come up (it used to wait forever). A copy, because
+    the trainers of the other test workers share the real one and may clear a baton there
+    first; the built op in it spares a compile."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    root = Path(env.get("TORCH_EXTENSIONS_DIR") or extensions_root())
+    real = Path(env.get("TORCH_EXTENSIONS_DIR") or extensions_root())
+    assert real == extensions_root(), "an earlier test leaked its extensions root"
+    root = tmp_path / "torch_extensions"
+    op = real / "deepspeed_shm_comm"
+    with op_build_guard(real):  # no other process builds into it while it is copied
+        if op.is_dir():
+            shutil.copytree(op, root / op.name, ignore=shutil.ignore_patterns("lock"))
     env["TORCH_EXTENSIONS_DIR"] = str(root)
-    assert root == extensions_root(), "an earlier test leaked its extensions root"
     baton = root / "deepspeed_shm_comm" / "lock"
     baton.parent.mkdir(parents=True, exist_ok=True)
     baton.touch()

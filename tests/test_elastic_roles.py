@@ -30,7 +30,7 @@ def _instances(roles: dict, state: str, role: str) -> list[str]:
 
 
 def test_a_producer_and_a_stream_worker_join_and_leave_a_running_run(tmp_path: Path) -> None:
-    report = run_elastic(tmp_path, phase_s=4.0, timeout_s=300.0)
+    report = run_elastic(tmp_path, phase_s=8.0, timeout_s=300.0)
     for phase in report.phases:
         print(phase)  # the figures, in the test's output
 

@@ -76,18 +76,19 @@ def test_sweep_waits_until_the_agent_has_been_idle_for_the_stall_time(
     _produce(kafka_config, topic, {0: 10})
     table = {offset_key(topic, 0): b"3"}
     seen = FakeConsumer({0: 10})
-    guard = GapGuard(table, kafka_config.client_config(), topic, seen.seek, stall_after_s=0.5)
+    # seconds, not tenths: a loaded core may wake a sleeper late, never early
+    guard = GapGuard(table, kafka_config.client_config(), topic, seen.seek, stall_after_s=2.0)
 
     async def scenario() -> list[list[int]]:
         swept = [await guard.sweep([0], seen.position)]  # just started
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(2.2)
         with guard.busy():  # the agent handles an event (of this partition or another)
             assert await guard.admit(Message(topic, 0, 4, b"g", b"4"))
             swept.append(await guard.sweep([0], seen.position))
-        await asyncio.sleep(0.3)
-        swept.append(await guard.sweep([0], seen.position))  # idle 0.3 s: too soon
-        await asyncio.sleep(0.3)
-        swept.append(await guard.sweep([0], seen.position))  # idle 0.6 s: a hole
+        await asyncio.sleep(0.5)
+        swept.append(await guard.sweep([0], seen.position))  # idle 0.5 s: too soon
+        await asyncio.sleep(1.8)
+        swept.append(await guard.sweep([0], seen.position))  # idle 2.3 s: a hole
         return swept
 
     assert asyncio.run(scenario()) == [[], [], [], [0]]
@@ -161,6 +162,7 @@ def test_a_sweep_that_gets_no_answer_in_time_tries_again_next_sweep(
     async def sweeps() -> list[list[int]]:
         first = await guard.sweep([0], seen.position)
         slow.slow = False
+        guard.lookup_timeout_s = 30.0  # the real broker answers, however loaded the cores
         return [first, await guard.sweep([0], seen.position)]
 
     assert asyncio.run(sweeps()) == [[], [0]]
@@ -193,6 +195,7 @@ def test_admit_does_not_cache_a_lookup_that_timed_out(
     async def admits() -> list[bool]:
         first = await guard.admit(msg)  # unknown: re-read from the watermark, to be safe
         slow.slow = False
+        guard.lookup_timeout_s = 30.0  # the real broker answers, however loaded the cores
         return [first, await guard.admit(msg)]
 
     assert asyncio.run(admits()) == [False, True]

@@ -149,6 +149,17 @@ def gateway_run(
             thread.join(60)
 
 
+def _wait_for_a_group(run: GatewayRun) -> None:
+    """Until the producer has started a group, so its episodes' slots are open (``/health``
+    answers before the worker starts, and on loaded cores that can take seconds)."""
+    deadline = time.monotonic() + 60
+    while "w" not in run.worker or not run.worker["w"].metrics.registry.get_sample_value(
+        "rollstream_producer_inflight_groups"
+    ):
+        assert time.monotonic() < deadline, "the producer started no group"
+        time.sleep(0.05)
+
+
 def _dataset(tmp_path: Path) -> Path:
     rng = random.Random(5)
     rows = []
@@ -432,6 +443,7 @@ def test_abandoned_episodes_are_never_published_and_the_ledger_says_why(
         # the idle timeout runs for every open episode, ``kept`` and ``idle`` too, from
         # their opening until their calls below: long enough for the script before them
         # on two loaded cores (at 3 s, ``kept`` once went idle before its turn)
+        _wait_for_a_group(run)  # the opens below wait only claim_wait_s (0.5 s) for slots
         kept, left, dropped, idle = run.open(), run.open(), run.open(), run.open()
         late = run.post("/v1/episodes")  # the group is all claimed; no other may start
         assert late.status_code == 429 and late.headers["Retry-After"] == "1"

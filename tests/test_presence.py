@@ -90,21 +90,27 @@ def test_beacons_join_leave_and_garbage_is_skipped(
     topic = _roles_topic(kafka_config, unique_name)
     figures = {"groups": 0}
     first = Beacon(
-        kafka, topic, run="run-a", role="producer", instance="p-0", interval_s=1.0,
+        kafka, topic, run="run-a", role="producer", instance="p-0", interval_s=2.0,
         detail=lambda: dict(figures),
     ).start()  # fmt: skip
-    second = Beacon(kafka, topic, run="run-a", role="streams", instance="s-0", interval_s=1.0)
+    second = Beacon(kafka, topic, run="run-a", role="streams", instance="s-0", interval_s=2.0)
     second.start()
-    other_run = Beacon(kafka, topic, run="run-b", role="trainer", interval_s=0.2).start()
+    other_run = Beacon(kafka, topic, run="run-b", role="trainer", interval_s=2.0).start()
     garbage = Producer(kafka)
     for value in (b"not json", b'{"run": "run-a"}', b"[1]", b""):
         garbage.produce(topic, key=b"run-a/producer/x", value=value)
     garbage.produce(topic, key=b"run-a/producer/y", value=None)  # a tombstone
     garbage.flush(10)
     figures["groups"] = 7
-    time.sleep(1.5)  # a beat with the new figures
-
-    seen = read_presence(kafka, topic, "run-a")
+    # Intervals of 2 s: a beat is "silent" after three missed, which loaded cores never
+    # reach by accident. Then read until a beat with the new figures has come.
+    deadline = time.monotonic() + 30
+    while True:
+        seen = read_presence(kafka, topic, "run-a")
+        p0 = [b.detail for b in seen.active if b.instance == "p-0"]
+        if p0 == [{"groups": 7}] or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert sorted((b.role, b.instance) for b in seen.active) == [
         ("producer", "p-0"),
         ("streams", "s-0"),
@@ -119,7 +125,7 @@ def test_beacons_join_leave_and_garbage_is_skipped(
 
     second._stop.set()  # as if killed: no `left`, the beats just stop
     second._thread.join(5)  # type: ignore[union-attr]
-    later = int(time.time() * 1000) + 4_000  # more than three 1 s intervals on
+    later = int(time.time() * 1000) + 7_000  # more than three 2 s intervals on
     seen = read_presence(kafka, topic, "run-a", now_ms=later)
     assert [b.instance for b in seen.silent] == ["s-0"] and not seen.active
     assert read_presence(kafka, topic, "run-b").count("trainer") == 1

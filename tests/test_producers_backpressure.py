@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 import pytest
@@ -20,7 +21,9 @@ from producers.server import ServerThread
 torch.set_num_threads(1)
 
 PROMPT = [BOS_ID, 5, 6, 7, SEP_ID]
-LONG = {"max_new_tokens": 10_000, "ignore_eos": True}  # runs until aborted
+# runs until aborted: the tiny model's 64 positions at 0.5 s a step last ~30 s, far longer
+# than the test's calls need on loaded cores (at 10 ms a step they ended by themselves)
+LONG = {"max_new_tokens": 10_000, "ignore_eos": True}
 
 
 def busy_server(limit: int, retry_after_s: float) -> ServerThread:
@@ -29,7 +32,7 @@ def busy_server(limit: int, retry_after_s: float) -> ServerThread:
         model_path="tiny",
         tokenizer=TinyTokenizer(),
         seed=0,
-        step_delay_s=0.01,
+        step_delay_s=0.5,
         max_pending=limit,
         busy_retry_after_s=retry_after_s,
     )
@@ -85,7 +88,9 @@ def test_the_client_waits_retry_after_then_succeeds(caplog: pytest.LogCaptureFix
         async def go():
             async with EngineClient(server.url, retries=10, retry_max_wait=0.01) as client:
                 call = asyncio.create_task(client.generate([PROMPT], {"max_new_tokens": 3}))
+                deadline = time.monotonic() + 30
                 while server.engine.stats.rejected_busy < 1:
+                    assert time.monotonic() < deadline, "the client was never told busy"
                     await asyncio.sleep(0.01)
                 server.engine.abort(abort_all=True)  # room again
                 return await call

@@ -175,8 +175,9 @@ def test_limits_end_episodes_that_do_not_end_themselves() -> None:
     assert result.end == EpisodeEnd.MAX_TURNS and traj.reward_details["turns"] == 3
     result, traj, _ = play(env, policy, EpisodeLimits(max_turns=50, max_total_tokens=10))
     assert result.end == EpisodeEnd.MAX_TOKENS and len(traj.response_ids) <= 10
-    slow = ScriptedPolicy([[digit(1), EOS_ID]], delay_s=0.05)
-    result, _, _ = play(env, slow, EpisodeLimits(max_turns=50, episode_timeout_s=0.12))
+    # 0.3 s a turn against 1 s: four calls at most, and a second one with 0.7 s to spare
+    slow = ScriptedPolicy([[digit(1), EOS_ID]], delay_s=0.3)
+    result, _, _ = play(env, slow, EpisodeLimits(max_turns=50, episode_timeout_s=1.0))
     assert result.end == EpisodeEnd.EPISODE_TIMEOUT and 2 <= len(slow.histories) <= 4
 
 

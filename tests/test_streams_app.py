@@ -106,7 +106,9 @@ def test_bad_and_stale_records_are_routed_and_the_worker_keeps_going(
             run_id=RUN,
             old_logits={"mode": "off"},
             staleness={"max_staleness": 4},
-            groups={"timeout_s": 3, "tick_interval_s": 0.5},
+            # 10 s: only a group left incomplete closes partial, not one whose samples a
+            # loaded core processed seconds apart
+            groups={"timeout_s": 10, "tick_interval_s": 0.5},
         ),
         tmp_path,
     ).start()

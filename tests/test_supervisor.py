@@ -117,7 +117,7 @@ def _gone(pid: int) -> bool:
 def test_a_stop_signal_reaches_the_child_once_and_is_not_followed_by_a_restart(
     tmp_path: Path, signum: int
 ) -> None:
-    stopped = tmp_path / "stopped"
+    stopped, ready = tmp_path / "stopped", tmp_path / "ready"
     argv = child(
         tmp_path,
         f"""
@@ -127,6 +127,7 @@ def test_a_stop_signal_reaches_the_child_once_and_is_not_followed_by_a_restart(
             sys.exit(0)
         signal.signal(signal.SIGTERM, on_stop)
         signal.signal(signal.SIGINT, on_stop)
+        open({str(ready)!r}, "w").close()
         time.sleep(60)
         sys.exit(1)
         """,
@@ -134,7 +135,7 @@ def test_a_stop_signal_reaches_the_child_once_and_is_not_followed_by_a_restart(
     supervisor = _supervisor_process(tmp_path, argv)
     try:
         _wait_for(lambda: len(starts(tmp_path)) == 1)
-        time.sleep(0.3)  # the child's handlers are installed after its start line
+        _wait_for(ready.exists)  # the child's handlers are installed after its start line
         supervisor.send_signal(signum)  # the supervisor only, not its process group
         assert supervisor.wait(20) == 0
     finally:
