@@ -24,6 +24,7 @@ import openai
 import pytest
 import torch
 from support.chat_model import VOCAB, save_chat_model
+from support.streams import wait_until
 from test_producers_worker import make_topic, read_topic, recompute, rs_config
 
 from core.process import free_port
@@ -39,6 +40,7 @@ pytestmark = pytest.mark.integration
 
 SYSTEM = "copy the first digit twice"
 KEY = "gateway-test-key"
+INFLIGHT = "rollstream_producer_inflight_groups"
 
 
 @pytest.fixture(scope="module")
@@ -147,17 +149,6 @@ def gateway_run(
         if thread.is_alive() and "w" in run.worker:
             run.worker["w"].request_stop_threadsafe()
             thread.join(60)
-
-
-def _wait_for_a_group(run: GatewayRun) -> None:
-    """Until the producer has started a group, so its episodes' slots are open (``/health``
-    answers before the worker starts, and on loaded cores that can take seconds)."""
-    deadline = time.monotonic() + 60
-    while "w" not in run.worker or not run.worker["w"].metrics.registry.get_sample_value(
-        "rollstream_producer_inflight_groups"
-    ):
-        assert time.monotonic() < deadline, "the producer started no group"
-        time.sleep(0.05)
 
 
 def _dataset(tmp_path: Path) -> Path:
@@ -443,7 +434,16 @@ def test_abandoned_episodes_are_never_published_and_the_ledger_says_why(
         # the idle timeout runs for every open episode, ``kept`` and ``idle`` too, from
         # their opening until their calls below: long enough for the script before them
         # on two loaded cores (at 3 s, ``kept`` once went idle before its turn)
-        _wait_for_a_group(run)  # the opens below wait only claim_wait_s (0.5 s) for slots
+        # the opens below wait only claim_wait_s (0.5 s) for slots, and ``/health`` answers
+        # before the worker starts its group, which loaded cores can take seconds to do
+        wait_until(
+            lambda: (
+                "w" in run.worker
+                and bool(run.worker["w"].metrics.registry.get_sample_value(INFLIGHT))
+            ),
+            60,
+            "the producer's first group",
+        )
         kept, left, dropped, idle = run.open(), run.open(), run.open(), run.open()
         late = run.post("/v1/episodes")  # the group is all claimed; no other may start
         assert late.status_code == 429 and late.headers["Retry-After"] == "1"

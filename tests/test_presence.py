@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
+from support.streams import wait_until
 
 from core.config import KafkaConfig
 from core.presence import Beacon, classify, read_presence
@@ -103,14 +104,16 @@ def test_beacons_join_leave_and_garbage_is_skipped(
     garbage.flush(10)
     figures["groups"] = 7
     # Intervals of 2 s: a beat is "silent" after three missed, which loaded cores never
-    # reach by accident. Then read until a beat with the new figures has come.
-    deadline = time.monotonic() + 30
-    while True:
-        seen = read_presence(kafka, topic, "run-a")
-        p0 = [b.detail for b in seen.active if b.instance == "p-0"]
-        if p0 == [{"groups": 7}] or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
+    # reach by accident. Then read once a beat with the new figures has come.
+    wait_until(
+        lambda: (
+            [b.detail for b in read_presence(kafka, topic, "run-a").active if b.instance == "p-0"]
+            == [{"groups": 7}]
+        ),
+        30,
+        "a beat with the new figures",
+    )
+    seen = read_presence(kafka, topic, "run-a")
     assert sorted((b.role, b.instance) for b in seen.active) == [
         ("producer", "p-0"),
         ("streams", "s-0"),

@@ -8,13 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
+from support.streams import wait_until
 from support.synthetic import synthetic_groups
 from test_trainer_kafka import (
     REPO,
@@ -209,10 +209,11 @@ def test_kill_9_of_one_rank_takes_the_world_down_and_a_restart_trains_each_recor
     follower = next(p for p in ranks if p.environ().get("RANK") == "1")
     follower.send_signal(signal.SIGKILL)  # waiting for rank 0's next order
     assert world.wait(120) != 0, log.read_text()[-3000:]  # the launcher stops the world
-    deadline = time.monotonic() + 30
-    while alive := [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
-        assert time.monotonic() < deadline, f"ranks outlived their world: {alive}"
-        time.sleep(0.2)
+    wait_until(
+        lambda: not [p for p in ranks if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
+        30,
+        "the ranks to end with their world",
+    )
     # checkpoint 3 is durable; step 4 was trained into weights that died with the world
     assert [s for s, _ in ledger_steps(tmp_path / "ledger.jsonl")] == [1, 2, 3]
 
