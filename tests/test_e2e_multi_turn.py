@@ -28,7 +28,7 @@ pytestmark = pytest.mark.system
 # learning assertion stays with the single-turn run of test_e2e_pipeline. The policy trains a LoRA
 # adapter ([lora]): every version after the first is an adapter on it, through the whole
 # pipeline (engine, old-logit service, trainer) and out again by ``rollstream export``.
-ECHO_STEPS = 16
+ECHO_STEPS = 8
 
 
 @pytest.mark.timeout(900)  # up's own 600 s, then its stop, come first

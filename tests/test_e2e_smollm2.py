@@ -16,7 +16,10 @@ pytestmark = pytest.mark.system
 # A step of the language-model profile closes 5 s after its first group (async: never wait
 # long for stragglers); on 2 CPU cores a SmolLM2 group takes longer than that to follow,
 # so this run waits for whole steps, which is what its assertions count.
-_SMOLLM2_BATCH = {"trainer": {"batch": {"max_wait_s": 300.0}}}
+_SMOLLM2_BATCH = {
+    "trainer": {"batch": {"max_wait_s": 300.0}},
+    "producers": {"rollout": {"task_options": {"max_new_tokens": 32}}},
+}
 
 
 @pytest.mark.timeout(900)  # up's own 600 s, then its stop, come first

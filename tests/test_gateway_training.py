@@ -68,7 +68,7 @@ def test_an_openai_agent_trains_through_the_gateway(
             "name": "tiny",
             "model": str(model),
             "precision": "fp32",
-            "groups_per_step": 8,
+            "groups_per_step": 4,
         },
         "producers": {
             "engine": {"seed": 7},
