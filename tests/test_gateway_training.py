@@ -43,13 +43,14 @@ def _example() -> ModuleType:
 
 def _agents(agent: ModuleType, gateway: str, stop: threading.Event, rewards: list[float]) -> None:
     """One agent's loop: episodes until the run is over."""
-    while not stop.is_set():
-        try:
-            reward = agent.play_episode(gateway, KEY, "copy the first digit twice", 5.0)
-            rewards.append(reward)
-        except (openai.APIError, httpx.HTTPError, TimeoutError, OSError):
-            if stop.wait(0.5):  # the run stopping under it, or a group's episode abandoned
-                return
+    with httpx.Client(timeout=60) as http:
+        while not stop.is_set():
+            try:
+                reward = agent.play_episode(http, gateway, KEY, "copy the first digit twice", 5.0)
+                rewards.append(reward)
+            except (openai.APIError, httpx.HTTPError, TimeoutError, OSError):
+                if stop.wait(0.5):  # the run stopping under it, or an episode abandoned
+                    return
 
 
 def test_an_openai_agent_trains_through_the_gateway(

@@ -6,8 +6,8 @@ functions (one async, one that raises on some rows), warmup and cosine decay, Te
 
 The task is the tiny one in chat form: the user says three digits, the assistant answers
 the first digit twice (at most two tokens, as TRL's ``max_completion_length``). The model is
-the tiny Llama at the chat vocabulary's size. In 60 steps it learns the answer's format
-(two digits: the reward goes from about 0.35 to 1.0); which digits, the part that reads the
+the tiny Llama at the chat vocabulary's size. In 40 steps it learns the answer's format
+(two digits: the reward goes from about 0.4 to 1.0); which digits, the part that reads the
 prompt, takes longer and is asserted by the tiny run of test_e2e_pipeline.
 """
 
@@ -43,7 +43,7 @@ from rollstream.config import load_config
 pytestmark = pytest.mark.system
 
 SUPPORT = Path(__file__).parent / "support"
-STEPS = 60
+STEPS = 40
 EVAL_EVERY = 20
 SYSTEM_PROMPT = "copy the first digit twice"
 
