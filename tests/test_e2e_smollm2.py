@@ -17,7 +17,7 @@ pytestmark = pytest.mark.system
 # long for stragglers); on 2 CPU cores a SmolLM2 group takes longer than that to follow,
 # so this run waits for whole steps, which is what its assertions count. A turn of 32 new
 # tokens holds a calculator call or an answer line; the task's 96 would triple the run.
-_SMOLLM2_BATCH = {
+_SMOLLM2_SHORT_RUN = {
     "trainer": {"batch": {"max_wait_s": 300.0}},
     "producers": {"rollout": {"group_size": 4, "task_options": {"max_new_tokens": 32}}},
 }
@@ -34,7 +34,7 @@ def test_smollm2_trains_calculator_episodes_and_reconciles(
     what is asserted of the scoring is that every episode was scored: its flags reach the
     step's metrics. How scoring reads answers is tested in test_producers_tasks; what the model
     learns over a longer run is measured in the docs."""
-    config = write_config(tmp_path, kafka_config, s3_config, "smol", _SMOLLM2_BATCH)
+    config = write_config(tmp_path, kafka_config, s3_config, "smol", _SMOLLM2_SHORT_RUN)
     args = ("--model", "smollm2-135m", "--task", "arithmetic-calculator",
             "--max-steps", "1", "--groups-per-step", "1")  # fmt: skip
     run = run_up(tmp_path, config, 600, *args)

@@ -427,13 +427,13 @@ def test_an_edited_history_splits_the_episode_or_is_refused(
 def test_abandoned_episodes_are_never_published_and_the_ledger_says_why(
     kafka_config, unique_name, tmp_path, chat_model
 ):
+    # the idle timeout runs for every open episode, ``kept`` and ``idle`` too, from their
+    # opening until their calls below: long enough for the script before them on two loaded
+    # cores (at 3 s, ``kept`` once went idle before its turn)
     with gateway_run(
         kafka_config, unique_name, tmp_path, chat_model, groups=1, group_size=4,
         idle_timeout_s=10.0, claim_wait_s=0.5,
     ) as run:  # fmt: skip
-        # the idle timeout runs for every open episode, ``kept`` and ``idle`` too, from
-        # their opening until their calls below: long enough for the script before them
-        # on two loaded cores (at 3 s, ``kept`` once went idle before its turn)
         # the opens below wait only claim_wait_s (0.5 s) for slots, and ``/health`` answers
         # before the worker starts its group, which loaded cores can take seconds to do
         wait_until(
