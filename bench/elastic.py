@@ -241,7 +241,7 @@ def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> E
     joined: dict[str, subprocess.Popen[bytes]] = {}
     try:
         config_path = run_dir / "rollstream.toml"
-        _wait("up's first steps", lambda: len(_trainer_rows(run_dir)) >= 3, timeout_s)
+        _wait("up's first step", lambda: len(_trainer_rows(run_dir)) >= 1, timeout_s)
         config = Services(load_config(config_path)).resolved()
         report.phases.append(measure("before", phase_s, run_dir, state, run_id))
         report.roles_before = _rollstream_json(config_path, "roles")
@@ -313,8 +313,17 @@ def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> E
         )
         report.leave_pause_s = _wait_for_step(run_dir, time.time(), timeout_s)
         report.phases.append(measure("after", phase_s, run_dir, state, run_id))
+
         # A killed worker stops beating: silent after three heartbeat intervals.
-        time.sleep(3 * config.presence.interval_s + 1)
+        def streams(roles: dict[str, Any]) -> set[str]:
+            return {b["instance"] for b in roles["active"] if b["role"] == "streams"}
+
+        killed = streams(report.roles_joined) - streams(report.roles_before)
+        _wait(
+            "the killed stream worker told silent",
+            lambda: killed <= {b.instance for b in run_roles(config).presence.silent},
+            3 * config.presence.interval_s + 30,
+        )
         report.roles_after = _rollstream_json(config_path, "roles")
         versions = _joined_records(config, producer_id)
         report.joined_first_version = min(versions) if versions else None

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.system
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "infra" / "rollstream.example.toml"
-STEPS = 16  # enough versions for the mirror to carry some to the second region
+STEPS = 10  # enough versions for the mirror to carry some to the second region
 
 
 def _store(config: S3Config) -> dict[str, object]:
