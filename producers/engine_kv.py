@@ -133,12 +133,16 @@ def keep_prefixes(
     for row, request in enumerate(rows):
         if row in kept:
             continue
-        valid = mask[row].bool()
+        positions = mask[row].nonzero().squeeze(1)  # found once, used for every layer
         fed = request.input_ids + request.output_ids[:-1]
-        if int(valid.sum()) != len(fed):
+        if len(positions) != len(fed):
             continue  # not the layout this row was prefilled with: never guess
+        # index_select copies: the entries own their memory, not views of the batch cache
         layers = [
-            (layer.keys[row][:, valid].clone(), layer.values[row][:, valid].clone())
+            (
+                layer.keys[row].index_select(1, positions),
+                layer.values[row].index_select(1, positions),
+            )
             for layer in cache.layers
         ]
         prefix_cache.store(fed, layers)
