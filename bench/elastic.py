@@ -314,10 +314,10 @@ def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> E
         report.leave_pause_s = _wait_for_step(run_dir, time.time(), timeout_s)
         report.phases.append(measure("after", phase_s, run_dir, state, run_id))
 
-        # A killed worker stops beating: silent after three heartbeat intervals.
         def streams(roles: dict[str, Any]) -> set[str]:
             return {b["instance"] for b in roles["active"] if b["role"] == "streams"}
 
+        # A killed worker stops beating: silent after three heartbeat intervals.
         killed = streams(report.roles_joined) - streams(report.roles_before)
         _wait(
             "the killed stream worker told silent",
