@@ -21,6 +21,11 @@ JIT builder takes no build directory argument: torch reads ``TORCH_EXTENSIONS_DI
 the environment at every build. So ``op_build_guard`` sets it for the guarded block only
 and restores what was there when it leaves; nothing outside the block (other libraries,
 child processes started later) sees a changed environment.
+
+The block also puts this interpreter's own ``bin`` first on ``PATH`` when a ``ninja`` is
+installed there (the lock's): torch runs whichever ``ninja`` ``PATH`` finds, and two ninja
+versions read each other's build log as stale, so a shell with the virtualenv activated
+and one without rebuilt the op (about 30 s on two cores) each time the other ran last.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -55,18 +61,23 @@ def extensions_root(cache_dir: Path | None = None) -> Path:
 
 @contextmanager
 def extensions_dir(root: Path) -> Iterator[None]:
-    """``TORCH_EXTENSIONS_DIR=root`` for the block (the only way to tell DeepSpeed's
-    builder where to build), then the previous value (or none) again."""
+    """``TORCH_EXTENSIONS_DIR=root`` (the only way to tell DeepSpeed's builder where to
+    build) and the interpreter's own ninja first on ``PATH`` for the block, then the
+    previous values (or none) again."""
     with _ENV_LOCK:
-        before = os.environ.get(EXTENSIONS_ENV)
+        before = {name: os.environ.get(name) for name in (EXTENSIONS_ENV, "PATH")}
         os.environ[EXTENSIONS_ENV] = str(root)
+        own_bin = Path(sys.executable).parent
+        if (own_bin / "ninja").is_file():
+            os.environ["PATH"] = os.pathsep.join([str(own_bin), before["PATH"] or os.defpath])
         try:
             yield
         finally:
-            if before is None:
-                os.environ.pop(EXTENSIONS_ENV, None)
-            else:
-                os.environ[EXTENSIONS_ENV] = before
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def stale_batons(root: Path) -> list[Path]:

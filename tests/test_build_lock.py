@@ -107,6 +107,23 @@ def test_extensions_root_defaults_under_the_rollstream_cache_and_leaves_the_env_
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "mine"), "restored"
 
 
+def test_the_block_builds_with_the_interpreters_own_ninja_whatever_path_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ninja versions read each other's build log as stale: with and without the
+    virtualenv on PATH, the op was rebuilt each time the other had run last."""
+    own_ninja = Path(sys.executable).parent / "ninja"
+    assert own_ninja.is_file(), "the lock installs ninja beside the interpreter"
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    with op_build_guard(tmp_path):
+        assert shutil.which("ninja") == str(own_ninja)
+    assert os.environ["PATH"] == "/usr/bin:/bin", "restored"
+    monkeypatch.delenv("PATH")
+    with op_build_guard(tmp_path):
+        assert shutil.which("ninja") == str(own_ninja)
+    assert "PATH" not in os.environ, "an unset PATH stays unset"
+
+
 @pytest.mark.system
 def test_deepspeed_starts_after_a_trainer_was_killed_holding_the_build_lock(
     tmp_path: Path,
