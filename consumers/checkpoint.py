@@ -191,12 +191,24 @@ class CheckpointManager:
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def latest(self) -> tuple[str, int] | None:
-        """``(tag, step)`` of the newest durable checkpoint, or None."""
+        """``(tag, step)`` of the newest durable checkpoint, or None. The tag is used as a
+        directory name, so a marker whose tag is not a checkpoint tag of its own step (a
+        path such as ``../other``, a hand edit) is refused with ``ValueError``."""
         marker = self.dir / LATEST_NAME
         if not marker.exists():
             return None
-        data = orjson.loads(marker.read_bytes())
-        return str(data["tag"]), int(data["step"])
+        try:
+            data = orjson.loads(marker.read_bytes())
+            tag, step = data["tag"], data["step"]
+        except (orjson.JSONDecodeError, TypeError, KeyError) as err:
+            raise ValueError(f"{marker} is not a checkpoint marker: {err}") from err
+        order = tag_order(tag) if isinstance(tag, str) else None
+        if order is None or type(step) is not int or order[0] != step:
+            raise ValueError(
+                f"{marker} names tag {tag!r} at step {step!r}: not a checkpoint of that step "
+                f"(tags look like {tag_for(7)!r})"
+            )
+        return tag, step
 
     def save(self, engine: TrainEngine, state: TrainerState) -> str:
         """Write a checkpoint of ``engine`` + ``state`` and mark it LATEST once durable."""

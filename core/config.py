@@ -8,6 +8,7 @@ errors and instances are frozen. The whole file (``RollstreamConfig``) is assemb
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -27,6 +28,8 @@ from pydantic_settings import (
     BaseSettings,
     SettingsConfigDict,
 )
+
+log = logging.getLogger(__name__)
 
 Port = Annotated[int, Field(ge=0, le=65535)]
 """A TCP port; 0 asks the system for a free one."""
@@ -88,6 +91,13 @@ class Replication(NamedTuple):
         return {} if self.min_insync is None else {"min.insync.replicas": str(self.min_insync)}
 
 
+#: librdkafka properties, and the value that turns off a check TLS relies on.
+INSECURE_OVERRIDES = {
+    "enable.ssl.certificate.verification": "false",
+    "ssl.endpoint.identification.algorithm": "none",
+}
+
+
 class KafkaConfig(StrictModel):
     """How to reach Kafka. No ``bootstrap_servers`` means: run the embedded broker."""
 
@@ -144,7 +154,13 @@ class KafkaConfig(StrictModel):
     )
     client_overrides: dict[str, str] = Field(
         default_factory=dict,
-        description="Extra librdkafka properties passed through to every client.",
+        description="Extra librdkafka properties passed through to every client (not "
+        "security.protocol, and TLS verification stays on unless `insecure`).",
+    )
+    insecure: bool = Field(
+        default=False,
+        description="Allow client_overrides that turn TLS certificate or host name "
+        "verification off; every client built with them logs a warning.",
     )
     # Embedded broker only.
     port: Port = Field(default=0, description="Embedded broker port; 0 picks a free one.")
@@ -207,6 +223,29 @@ class KafkaConfig(StrictModel):
         if problems:
             raise ValueError(f"security_protocol {protocol}: " + "; ".join(problems))
         return self
+
+    @model_validator(mode="after")
+    def _overrides_keep_security(self) -> KafkaConfig:
+        """An override must not undo the typed security settings without saying so: the
+        protocol has its own key, and TLS verification goes off only with ``insecure``."""
+        if "security.protocol" in self.client_overrides:
+            raise ValueError(
+                "client_overrides may not set security.protocol: set security_protocol"
+            )
+        if (weakened := self.verification_off()) and not self.insecure:
+            raise ValueError(
+                f"client_overrides {', '.join(weakened)} turn TLS verification off: "
+                "set kafka.insecure = true to allow it"
+            )
+        return self
+
+    def verification_off(self) -> list[str]:
+        """The ``client_overrides`` (``key=value``) that turn TLS verification off."""
+        return [
+            f"{key}={value}"
+            for key, value in self.client_overrides.items()
+            if INSECURE_OVERRIDES.get(key) == value.strip().lower()
+        ]
 
     @model_validator(mode="after")
     def _insync_within_replicas(self) -> KafkaConfig:
@@ -288,6 +327,8 @@ class KafkaConfig(StrictModel):
         if self.ssl_key_password is not None:
             conf["ssl.key.password"] = self.ssl_key_password.get_secret_value()
         conf.update(self.client_overrides)
+        if weakened := self.verification_off():
+            log.warning("Kafka TLS verification is off (%s, kafka.insecure)", ", ".join(weakened))
         return conf
 
 

@@ -5,7 +5,7 @@ with exponential back-off and jitter (``RetryConfig``) until they succeed, or un
 ``give_up_after_s`` when configured. Every retry is logged with what was being attempted.
 
 An error that waiting cannot cure (``permanent``: denied credentials or authorization, a
-missing topic, a record or config the broker refuses) is raised at once, with its cause,
+missing topic or bucket, a record or config the broker refuses) is raised at once, with its cause,
 instead of being retried for ever while the role looks alive.
 """
 
@@ -64,7 +64,8 @@ PERMANENT_KAFKA = frozenset(
         "_INVALID_ARG",
     }
 )
-#: S3 error codes of refused credentials or access (any 401/403 answer counts too).
+#: S3 error codes of refused credentials or access, or of a bucket that is not there (any
+#: 401/403 answer counts too).
 PERMANENT_S3 = frozenset(
     {
         "AccessDenied",
@@ -75,6 +76,7 @@ PERMANENT_S3 = frozenset(
         "AllAccessDisabled",
         "AccountProblem",
         "InvalidBucketName",
+        "NoSuchBucket",  # a misspelt or deleted bucket: waiting never creates it
     }
 )
 

@@ -204,7 +204,8 @@ MAX_MAGNITUDE = 10**12
 def evaluate_expression(text: str) -> int | float:
     """The value of an arithmetic expression: numbers, + - * / // %, unary minus and
     parentheses, parsed with ``ast`` and walked by hand (never ``eval``); anything else,
-    a division by zero or a value beyond 1e12 raises ``MalformedToolCall``."""
+    a division by zero or a value (a literal or a result) beyond 1e12 raises
+    ``MalformedToolCall``."""
     text = text.strip().replace(",", "")
     if not text or len(text) > MAX_EXPRESSION_CHARS:
         raise MalformedToolCall(f"expression of {len(text)} characters")
@@ -217,6 +218,9 @@ def evaluate_expression(text: str) -> int | float:
         if isinstance(node, ast.Expression):
             return walk(node.body)
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            # a literal too: ``1e999`` parses as inf, and inf - inf is nan
+            if not abs(node.value) <= MAX_MAGNITUDE:
+                raise MalformedToolCall("value out of range")
             return node.value
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
             value = walk(node.operand)

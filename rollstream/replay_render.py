@@ -343,15 +343,19 @@ def _is_terminal() -> bool:
     return sys.stdout.isatty()
 
 
-_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+#: Control characters (Cc), format characters (Cf: bidi marks and overrides, zero-width
+#: ones) and the line and paragraph separators (Zl, Zp): each can make printed text
+#: look other than it is, or break a line where the record has none.
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
 Part = str | tuple[str, str]
 
 
 def line(*parts: Part) -> Text:
     """Text that prints as itself: never read as Rich markup or emoji codes, and control
-    characters (escape sequences: a terminal hyperlink, a screen clear) and bidi overrides
-    shown as ``\\x1b``-style escapes. A record's fields are whatever its writer chose, so
-    everything printed from one goes through here; a part may be ``(text, style)``."""
+    characters (escape sequences: a terminal hyperlink, a screen clear), bidi marks and
+    overrides and line separators shown as ``\\x1b``-style escapes. A record's fields are
+    whatever its writer chose, so everything printed from one goes through here; a part
+    may be ``(text, style)``."""
     text = Text()
     for part in parts:
         value, style = (part, "") if isinstance(part, str) else part
@@ -360,7 +364,7 @@ def line(*parts: Part) -> Text:
 
 
 def neutral(value: object) -> str:
-    """``value`` with control characters and bidi overrides as visible escapes."""
+    """``value`` with control, format and separator characters as visible escapes."""
     text = str(value)
     if not any(_unsafe(c) for c in text):
         return text
@@ -368,7 +372,7 @@ def neutral(value: object) -> str:
 
 
 def _unsafe(char: str) -> bool:
-    return unicodedata.category(char) == "Cc" or char in _BIDI
+    return unicodedata.category(char) in _UNSAFE_CATEGORIES
 
 
 def _f(value: float) -> str:

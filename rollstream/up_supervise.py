@@ -117,12 +117,10 @@ def supervise(
     def check() -> tuple[str, bool] | None:
         # One trainer per policy in a multi-policy run: the run ends when the first
         # reaches max_steps (the others would soon starve: one producer feeds them all).
+        # A trainer that crashed is restarted like any role: it resumes from its
+        # checkpoint and the ledger keeps it from training a trajectory twice.
         for name in trainers:
-            trainer = launcher.roles[name]
-            if not trainer.running():
-                code = trainer.returncode()
-                if code != 0:
-                    return (f"{name} exit {code}", False)
+            if launcher.roles[name].returncode() == 0:
                 return ("max_steps reached", True)
         for role in launcher.exited():
             if restarts_left[role.name] > 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from core.config import KafkaConfig
 from core.config_sources import InvalidConfigError
@@ -76,6 +77,39 @@ def test_sasl_ssl_settings_pass_through_to_clients() -> None:
         "client.id": "rollstream-test",
     }
     assert "s3cret" not in repr(config)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"enable.ssl.certificate.verification": "false"},
+        {"enable.ssl.certificate.verification": " FALSE "},
+        {"ssl.endpoint.identification.algorithm": "none"},
+    ],
+)
+def test_overrides_that_turn_tls_verification_off_need_insecure(
+    overrides: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    tls = {"bootstrap_servers": "broker:9093", "security_protocol": "SSL"}
+    with pytest.raises(ValidationError, match=r"kafka\.insecure"):
+        KafkaConfig.model_validate({**tls, "client_overrides": overrides})
+    allowed = KafkaConfig.model_validate({**tls, "client_overrides": overrides, "insecure": True})
+    with caplog.at_level("WARNING", logger="core.config"):
+        assert allowed.client_config().items() >= overrides.items()
+    assert "TLS verification is off" in caplog.text
+
+
+def test_an_override_cannot_change_the_security_protocol() -> None:
+    with pytest.raises(ValidationError, match="security_protocol"):
+        KafkaConfig.model_validate(
+            {
+                "bootstrap_servers": "broker:9093",
+                "security_protocol": "SASL_SSL",
+                "sasl_username": "alice",
+                "sasl_password": "s3cret",
+                "client_overrides": {"security.protocol": "PLAINTEXT"},
+            }
+        )
 
 
 def test_embedded_kafka_has_no_client_config_until_resolved() -> None:

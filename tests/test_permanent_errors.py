@@ -106,6 +106,14 @@ def test_publisher_and_follower_with_wrong_s3_credentials_fail_fast(s3_config: S
     assert isinstance(err, ClientError) and "SignatureDoesNotMatch" in str(err)
 
 
+def test_a_follower_of_a_missing_bucket_fails_fast(s3_config: S3Config) -> None:
+    # (SeaweedFS creates a bucket on a first upload, so only a reader can meet this here)
+    missing = s3_config.model_copy(update={"bucket": f"{s3_config.bucket}-misspelt"})
+    follower = WeightFollower(WeightStore.from_config(missing, "run-no-bucket"), retry_max_s=1.0)
+    err = finishes(lambda: follower.sync_with_retry())
+    assert isinstance(err, ClientError) and "NoSuchBucket" in str(err)
+
+
 def test_announcing_to_a_missing_topic_fails_fast(
     kafka_config: KafkaConfig, s3_config: S3Config, unique_name: Callable[[str], str]
 ) -> None:

@@ -198,6 +198,11 @@ def test_garbage_tool_calls_never_reach_eval() -> None:
         "10**6 * 10**7",
         "'a' * 3",
         "(1 +",
+        "1e999",
+        "-1e999",
+        "1e999 - 1e999",
+        "0 * 1e999",
+        "99999999999999",
     ):
         with pytest.raises(MalformedToolCall):
             evaluate_expression(garbage)

@@ -76,3 +76,17 @@ def test_every_record_field_renders_literally(evil: str) -> None:
     note = VersionAnnouncement(evil, 2, f"s3://b/{evil}", None, 2, "0" * 64, 10, T0)
     text = _render(dataclasses.replace(record, trajectory=None, announcement=note))
     assert_literal(text, evil)
+
+
+@pytest.mark.parametrize(
+    "char", ["\u2028", "\u2029", "\u200e", "\u200f", "\u202e", "\u2066", "\u200b", "\x85"]
+)
+def test_separators_and_direction_marks_render_as_escapes(char: str) -> None:
+    """A line separator breaks the printed line where the record has none; a direction
+    mark or override reorders what follows it. Each is shown as its escape."""
+    evil = f"safe{char}txt.exe"
+    letter = DeadLetter(evil, "detail", "topic", 0, 1)
+    record = decode_record("dlq", 0, 5, T0, evil.encode(), encode(synthetic()), [letter.header()])
+    text = _render(dataclasses.replace(record, error=evil))
+    assert char not in text
+    assert f"safe{char.encode('unicode_escape').decode()}txt.exe" in text

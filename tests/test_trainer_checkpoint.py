@@ -21,7 +21,7 @@ from consumers.checkpoint import (
     tag_for,
     tag_order,
 )
-from consumers.config import TrainerConfig
+from consumers.config import CheckpointConfig, TrainerConfig
 from consumers.step import StepRunner
 from consumers.train_engine import TrainEngine
 from core.models import load_model
@@ -230,3 +230,36 @@ def test_a_constant_rate_without_warmup_adds_no_scheduler() -> None:
     schedules existed still load."""
     engine, _ = build(TrainerConfig.model_validate({"engine": {"lr": 2e-4}}))
     assert engine.engine.lr_scheduler is None and engine.lr() == 2e-4
+
+
+def _checkpoints(directory: Path) -> CheckpointConfig:
+    return TrainerConfig.model_validate({"checkpoint": {"dir": str(directory)}}).checkpoint
+
+
+@pytest.mark.parametrize(
+    "marker",
+    [
+        b'{"tag": "../../elsewhere", "step": 4}',
+        b'{"tag": "/etc", "step": 4}',
+        b'{"tag": "step000000005", "step": 4}',
+        b'{"tag": "step000000004", "step": "4"}',
+        b'{"tag": 4, "step": 4}',
+        b'{"step": 4}',
+        b"[1, 2]",
+        b"not json",
+    ],
+)
+def test_a_latest_marker_that_names_no_checkpoint_of_its_step_is_refused(
+    tmp_path: Path, marker: bytes
+) -> None:
+    """The tag becomes a path under the checkpoint directory: only a tag of its own step."""
+    manager = CheckpointManager(_checkpoints(tmp_path))
+    (tmp_path / LATEST_NAME).write_bytes(marker)
+    with pytest.raises(ValueError, match="checkpoint"):
+        manager.latest()
+
+
+def test_a_latest_marker_of_a_revision_is_read(tmp_path: Path) -> None:
+    manager = CheckpointManager(_checkpoints(tmp_path))
+    (tmp_path / LATEST_NAME).write_bytes(orjson.dumps({"tag": tag_for(4, 1), "step": 4}))
+    assert manager.latest() == (tag_for(4, 1), 4)
