@@ -120,6 +120,24 @@ class Services(Generic[ConfigT]):
             )
         return self.config.model_copy(update=update)
 
+    def running(self, *, kafka: bool = True, s3: bool = True) -> ConfigT:
+        """``resolved()`` for a command that needs the embedded broker (``kafka``) or store
+        (``s3``) to be running already: a ``ServiceError`` saying what to start when one
+        is not, instead of a client retrying a port where nothing listens. External
+        services are not checked here: their clients retry an outage."""
+        missing = [
+            name
+            for name, needed, service in (("kafka", kafka, self.kafka), ("s3", s3, self.s3))
+            if needed and service is not None and not service.process.running()
+        ]
+        if missing:
+            raise ServiceError(
+                f"the embedded {' and '.join(missing)} of state dir {self.config.state_dir} "
+                "is not running: start it with `rollstream infra up` (with the same --config "
+                "and --state-dir), or configure external ones"
+            )
+        return self.resolved()
+
     def up(self, topics: Sequence[TopicSpec] = ALL_TOPICS) -> UpReport:
         """Start embedded services, wait for them, declare ``topics`` (the run's names)
         and the bucket."""

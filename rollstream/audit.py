@@ -731,7 +731,7 @@ def audit_command(
         raise click.UsageError(
             "--ledger and --producers-dir are one policy's files: name it with --policy"
         )
-    resolved = Services(config).resolved()
+    resolved = Services(config).running()
     views = (
         {name: resolved.view(name) for name in sorted(resolved.policies)}
         if resolved.policies and not resolved.policy

@@ -186,7 +186,7 @@ def topics_ensure(config: RollstreamConfig) -> None:
     from infra.services import Services
     from infra.topics import ensure_topics
 
-    kafka = Services(config).resolved().kafka
+    kafka = Services(config).running(s3=False).kafka
     report = ensure_topics(kafka.client_config(), config.run_topic_specs(), kafka)
     click.echo(f"created: {', '.join(report.created) or '-'}")
     click.echo(f"present: {', '.join(report.existing) or '-'}")

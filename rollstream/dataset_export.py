@@ -206,7 +206,7 @@ def read_scored_groups(
     from rollstream.audit import read_topic
     from schemas.group import decode_group
 
-    client = Services(config).resolved().kafka.client_config()
+    client = Services(config).running(s3=False).kafka.client_config()
     for msg in read_topic(client, config.trainer.topics.scored, timeout_s):
         counts.records += 1
         try:

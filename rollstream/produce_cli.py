@@ -284,7 +284,7 @@ def _produce(config: RollstreamConfig, overrides: dict[str, Any], region: str | 
     from infra.services import Services
     from producers.app import run_producer
 
-    resolved = Services(shared).resolved()
+    resolved = Services(shared).running()
     if region is not None:
         try:
             store = resolved.weights.region(region, resolved.s3)
@@ -294,7 +294,7 @@ def _produce(config: RollstreamConfig, overrides: dict[str, Any], region: str | 
     peers: dict[str, RoleConfig[ProducersConfig]] = {}
     for name in section.rollout.peers:  # each peer policy's own view, from the same sources
         peer_shared, peer_section = role_config(config.peer(name), "producers")
-        peer_shared = Services(peer_shared).resolved()
+        peer_shared = Services(peer_shared).running()
         # this machine's region
         peers[name] = RoleConfig(peer_shared.model_copy(update={"s3": resolved.s3}), peer_section)
     report = asyncio.run(run_producer(resolved, section, peer_configs=peers))
@@ -367,7 +367,7 @@ def evaluate(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    resolved = Services(shared).resolved()
+    resolved = Services(shared).running()
     if stored:
         measuring = evaluate_stored(resolved, section, chosen, stop)
     else:

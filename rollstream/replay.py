@@ -57,7 +57,7 @@ def kafka_client_config(config: RollstreamConfig) -> dict[str, str]:
         return config.kafka.client_config()
     from infra.services import Services
 
-    return Services(config).resolved().kafka.client_config()
+    return Services(config).running(s3=False).kafka.client_config()
 
 
 def bounds_options(command: Any) -> Any:

@@ -90,7 +90,7 @@ def resolved_s3(config: RollstreamConfig) -> S3Config:
         return config.s3
     from infra.services import Services
 
-    return Services(config).resolved().s3
+    return Services(config).running(kafka=False).s3
 
 
 def resolved_weights(config: RollstreamConfig) -> WeightsConfig:

@@ -103,7 +103,7 @@ def roles_command(config: RollstreamConfig, as_json: bool) -> None:
     each stream worker's lag on the raw topic."""
     from infra.services import Services
 
-    resolved = Services(config).resolved()
+    resolved = Services(config).running(s3=False)
     views = (
         {name: resolved.view(name) for name in sorted(resolved.policies)}
         if resolved.policies and not resolved.policy

@@ -58,13 +58,15 @@ def stream(
     if check:
         click.echo(streams.model_dump_json(indent=2))
         return
+    from infra.services import Services
+
+    resolved = Services(shared).running()  # before a supervisor restarts a doomed worker
     datadir = datadir or config.state_dir / "streams" / streams.app_id
     datadir.parent.mkdir(parents=True, exist_ok=True)  # Faust creates only the last level
     if in_process:
-        from infra.services import Services
         from streams.app import build_app, run_worker
 
-        run_worker(build_app(Services(shared).resolved(), streams), datadir, loglevel)
+        run_worker(build_app(resolved, streams), datadir, loglevel)
         return
     root = ctx.find_root()
     worker = [sys.executable, "-m", "rollstream"]

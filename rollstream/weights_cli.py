@@ -37,7 +37,7 @@ class WeightsContext:
         if home.starts_embedded:  # fill in the embedded store's address and credentials
             from infra.services import Services
 
-            home = Services(self.config).resolved().s3
+            home = Services(self.config).running(kafka=False).s3
         return self.weights.region(region or self.region, home)
 
     def trusted(self) -> WeightsConfig:
