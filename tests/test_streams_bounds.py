@@ -91,25 +91,35 @@ def test_an_invalid_record_keyed_like_a_real_group_leaves_the_group_alone() -> N
     assert group.complete and [s.sample_index for s in group.samples] == [0, 1, 2, 3]
 
 
+FILLING = {"validation": {"max_response_tokens": 10**6}, "prompt_stats": {"enabled": False}}
+"""Stream settings that let ``filling_tokens``'s samples through."""
+
+
+def filling_tokens(group_id: str) -> tuple[int, int]:
+    """A response length whose group of 5 samples (``synthetic``, run ``RUN``, settings
+    ``FILLING``) encodes to a scored value within 40 bytes under the scored topic's
+    ``max.message.bytes``, and the room that topic leaves such a group's value."""
+    probe = Harness(**FILLING)
+    for i in range(5):
+        probe.sample(group_id=group_id, group_size=5, sample_index=i, response_len=1000)
+    (small,) = probe.on("rollouts.scored")
+    # Each response token is 8 bytes (id and log-prob) in each of the 5 samples.
+    tokens = 1000 + (ROLLOUTS_SCORED.max_message_bytes - len(small.value)) // 40
+    return tokens, value_room(ROLLOUTS_SCORED, small.key, small.headers)
+
+
 def test_a_group_too_large_for_its_topic_is_dead_lettered_before_it_is_sent() -> None:
     """A scored group whose value fits 16 MiB but whose record (key, headers, batch framing)
     does not would be refused by the broker at every replay of its step; the stream
     dead-letters its samples as ``group_too_large`` instead, and goes on."""
-    config = {"validation": {"max_response_tokens": 10**6}, "prompt_stats": {"enabled": False}}
-    probe = Harness(**config)
-    for i in range(5):
-        probe.sample(group_id="probe", group_size=5, sample_index=i, response_len=1000)
-    (small,) = probe.on("rollouts.scored")
-    # Each response token is 8 bytes (id and log-prob) in each of the 5 samples.
-    tokens = 1000 + (ROLLOUTS_SCORED.max_message_bytes - len(small.value)) // 40
-    h = Harness(**config)
+    tokens, room = filling_tokens("probe")
+    h = Harness(**FILLING)
     for i in range(5):
         h.sample(group_id="probe", group_size=5, sample_index=i, response_len=tokens)
     assert h.on("rollouts.scored") == []
     letters = h.dead_letters()
     assert [d.reason for d in letters] == ["group_too_large"] * 5
     value_size = int(letters[0].detail.split("group would be ")[1].split(" ")[0])
-    room = value_room(ROLLOUTS_SCORED, b"probe", small.headers)
     assert room < value_size <= ROLLOUTS_SCORED.max_message_bytes  # fits the naive check
     assert GroupState.from_bytes(h.table[group_key("probe")]).outcome == "failed"
     h.sample(group_id="next", sample_index=0)  # the worker goes on
