@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from confluent_kafka.admin import (
@@ -57,22 +58,36 @@ def set_max_message_bytes(client: dict, topic: str, size: int) -> None:
         future.result(30)
 
 
-def test_a_record_the_broker_refuses_aborts_its_step_and_stops_the_worker(
-    kafka_config: KafkaConfig, unique_name, tmp_path: Path
-) -> None:
+def setup(
+    kafka_config: KafkaConfig, unique_name: Any, raw_partitions: int, **streams: Any
+) -> tuple[dict[str, str], dict[str, str], str, dict[str, Any]]:
+    """Client config, the test's topics (created), its app id and the worker's config: no
+    group times out, no old logits, and ``streams`` on top."""
     client = kafka_config.client_config()
     topics = stream_topics(unique_name)
-    create_stream_topics(client, topics, raw_partitions=2)
+    create_stream_topics(client, topics, raw_partitions=raw_partitions)
     app_id = unique_name("app")
     config = worker_config(
         kafka_config.bootstrap_servers,
         topics,
         app_id,
+        groups={"timeout_s": 600},
+        old_logits={"mode": "off"},
+        **streams,
+    )
+    return client, topics, app_id, config
+
+
+def test_a_record_the_broker_refuses_aborts_its_step_and_stops_the_worker(
+    kafka_config: KafkaConfig, unique_name, tmp_path: Path
+) -> None:
+    client, topics, app_id, config = setup(
+        kafka_config,
+        unique_name,
+        2,
         run_id=RUN,
         session_timeout_s=8.0,
-        groups={"timeout_s": 600},
         staleness={"max_staleness": 100},
-        old_logits={"mode": "off"},
     )
     samples = [
         synthetic(run_id=RUN, group_id=f"grp-{g}", group_size=SIZE, sample_index=i, seed=g * 10 + i)
@@ -123,18 +138,8 @@ def test_a_group_its_topic_would_refuse_is_dead_lettered_and_the_worker_goes_on(
     worker would crash-loop on it. It is dead-lettered before the transaction instead."""
     from confluent_kafka import Producer
 
-    client = kafka_config.client_config()
-    topics = stream_topics(unique_name)
-    create_stream_topics(client, topics, raw_partitions=1)
-    app_id = unique_name("app")
-    config = worker_config(
-        kafka_config.bootstrap_servers,
-        topics,
-        app_id,
-        run_id=FILLING_RUN,
-        groups={"timeout_s": 600},
-        old_logits={"mode": "off"},
-        **FILLING,
+    client, topics, app_id, config = setup(
+        kafka_config, unique_name, 1, run_id=FILLING_RUN, **FILLING
     )
     tokens, _ = filling_tokens("huge")
     huge = [
