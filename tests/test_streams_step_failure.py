@@ -5,7 +5,9 @@ over a few hundred bytes (``max.message.bytes``), so each group's record passes 
 producer's own size check and fails only in the broker's answer: an asynchronous,
 per-record failure, which must not let the step's other records (its table writes and
 watermark) commit without it. The worker aborts the transaction and stops; once the topic
-takes the records again, a new worker emits every group exactly once.
+takes the records again, a new worker emits every group exactly once. A group too large
+for the topic's declared size is another matter: the broker would refuse it at every
+replay, so the stream dead-letters it before the transaction and goes on.
 """
 
 from __future__ import annotations
