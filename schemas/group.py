@@ -53,6 +53,10 @@ _CHECKSUM = struct.Struct("<I")
 _MIN_SIZE = _HEADER.size + _CHECKSUM.size
 
 
+class GroupTooLarge(ValueError):
+    """The encoded group exceeds the size it was given: no retry can make it fit."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class SampleDiagnostics:
     """Per-sample numbers the trainer logs (it can recompute them from the arrays).
@@ -158,8 +162,9 @@ def _meta(group: ScoredGroup) -> bytes:
 
 
 def encode_group(group: ScoredGroup, *, max_bytes: int = MAX_GROUP_BYTES) -> bytes:
-    """The Kafka value for ``group``; ``ValueError`` if a sample cannot be encoded or the
-    whole exceeds ``max_bytes``."""
+    """The Kafka value for ``group``; ``ValueError`` if a sample cannot be encoded,
+    ``GroupTooLarge`` if the whole exceeds ``max_bytes`` (the room its topic leaves the
+    value, ``schemas.topics.value_room``)."""
     meta = _meta(group)
     parts: list[bytes] = []
     for traj in group.samples:
@@ -168,7 +173,7 @@ def encode_group(group: ScoredGroup, *, max_bytes: int = MAX_GROUP_BYTES) -> byt
         parts.append(record)
     total = _HEADER.size + len(meta) + sum(map(len, parts)) + _CHECKSUM.size
     if total > max_bytes:
-        raise ValueError(f"oversize: group would be {total} bytes, limit is {max_bytes}")
+        raise GroupTooLarge(f"oversize: group would be {total} bytes, limit is {max_bytes}")
     body = b"".join(
         [_HEADER.pack(_PREFIX, 0, total, len(meta), len(group.samples), 0), meta, *parts]
     )
@@ -303,6 +308,7 @@ def _float_in(value: float | int | None) -> float:
 __all__ = [
     "MAX_GROUP_BYTES",
     "NO_VERSION",
+    "GroupTooLarge",
     "SampleDiagnostics",
     "ScoredGroup",
     "decode_group",

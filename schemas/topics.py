@@ -16,6 +16,7 @@ compacted and keyed by run id, so its latest value per run is the current versio
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 MIB = 1024 * 1024
@@ -97,6 +98,22 @@ def stream_changelog(name: str, partitions: int) -> TopicSpec:
 def largest_message(*specs: TopicSpec) -> int:
     """The largest record a producer writing the topics of ``specs`` must accept."""
     return max(spec.max_message_bytes for spec in specs)
+
+
+RECORD_OVERHEAD_BYTES = 128
+"""What a one-record batch takes beyond the record's key, value and headers, rounded up:
+the v2 batch header (61 bytes) and the record's varint framing (at most 36)."""
+
+HEADER_OVERHEAD_BYTES = 10
+"""A header's framing beyond its key and value: their two varint lengths."""
+
+
+def value_room(spec: TopicSpec, key: bytes | None, headers: Iterable[tuple[str, bytes]]) -> int:
+    """The largest value a record with ``key`` and ``headers`` may have in ``spec``'s topic:
+    the broker compares ``max.message.bytes`` with the whole batch, so a value sized up to
+    the limit alone is refused (and would be again on every retry)."""
+    framing = sum(len(k.encode()) + len(v) + HEADER_OVERHEAD_BYTES for k, v in headers)
+    return spec.max_message_bytes - RECORD_OVERHEAD_BYTES - len(key or b"") - framing
 
 
 def producer_limits(*specs: TopicSpec) -> dict[str, str]:

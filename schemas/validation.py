@@ -56,6 +56,7 @@ class Reason(StrEnum):
     # Multi-policy runs.
     BAD_POLICY = "bad_policy"  # a policy name (or turn_policies) the format does not allow
     TURN_POLICY_MISMATCH = "turn_policy_mismatch"  # turn_policies disagree with the turns
+    FIELD_TOO_LONG = "field_too_long"  # an id or reward_details beyond its declared bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,19 @@ class Defect:
 MAX_GROUP_SIZE = 1024
 """Default bound on a record's ``group_size`` (``[streams.validation] max_group_size``)."""
 
+MAX_GROUP_SIZE_LIMIT = 4096
+"""Highest ``max_group_size`` a configuration may set: the stream rewrites a group's state
+per sample (quadratic in the size) and emits the whole group as one Kafka record."""
+
+MAX_ID_BYTES = 256
+"""Default bound (UTF-8 bytes) on each id of a record (``run_id``, ``group_id``, ...): the
+group id is the Kafka key and a header of every record the stream emits for the group, and
+is repeated in each of its samples, so an unbounded id breaks the emitted record's size."""
+
+MAX_REWARD_DETAILS_BYTES = 64 * 1024
+"""Default bound on a record's ``reward_details`` as JSON: repeated in every sample of a
+scored group, it must leave the group's tokens the room of the record."""
+
 
 @dataclass(frozen=True, slots=True)
 class ValidationLimits:
@@ -86,7 +100,9 @@ class ValidationLimits:
     context cannot be scored and would fail the whole group's forward pass.
     ``max_group_size`` bounds the group a record may claim: the stream keeps a group's
     state until it closes and rewrites it per sample, so an unbounded claim is unbounded
-    memory and work.
+    memory and work. ``max_id_bytes`` bounds every string id (UTF-8 bytes) and
+    ``max_reward_details_bytes`` the JSON of ``reward_details``; ``policy`` and
+    ``turn_policies`` are bounded by ``POLICY_NAME``, the other strings are enums.
     """
 
     vocab_size: int | None = None
@@ -95,6 +111,8 @@ class ValidationLimits:
     max_response_tokens: int = 32_768
     max_record_bytes: int = MAX_RECORD_BYTES
     max_group_size: int = MAX_GROUP_SIZE
+    max_id_bytes: int = MAX_ID_BYTES
+    max_reward_details_bytes: int = MAX_REWARD_DETAILS_BYTES
     min_version: int | None = None
     max_version: int | None = None
     logprob_epsilon: float = 1e-4
@@ -117,7 +135,7 @@ def validate(traj: Trajectory, limits: ValidationLimits) -> list[Defect]:
     defects: list[Defect] = []
     arrays = _check_arrays(traj, defects)  # only well-typed arrays are checked further
     _check_identity(traj, limits, defects)
-    _check_scalars(traj, defects)
+    _check_scalars(traj, limits, defects)
     _check_tokens(arrays, limits, defects)
     _check_logprobs(arrays, limits, defects)
     _check_segments(arrays, limits, defects)
@@ -168,6 +186,13 @@ def _check_identity(traj: Trajectory, limits: ValidationLimits, defects: list[De
             _add(
                 defects, Reason.BAD_FIELD, name, f"{name} must be a non-empty string, got {value!r}"
             )
+        elif (n := len(value.encode("utf-8", "surrogatepass"))) > limits.max_id_bytes:
+            _add(
+                defects,
+                Reason.FIELD_TOO_LONG,
+                name,
+                f"{name} is {n} bytes ({value[:32]!r}...), limit {limits.max_id_bytes}",
+            )
     size, index = traj.group_size, traj.sample_index
     if not _is_int(size) or not 1 <= size <= _INT32_MAX:
         _add(
@@ -192,7 +217,7 @@ def _check_identity(traj: Trajectory, limits: ValidationLimits, defects: list[De
         )
 
 
-def _check_scalars(traj: Trajectory, defects: list[Defect]) -> None:
+def _check_scalars(traj: Trajectory, limits: ValidationLimits, defects: list[Defect]) -> None:
     if not isinstance(traj.finish_reason, str) or traj.finish_reason not in _FINISH_REASONS:
         _add(
             defects,
@@ -237,9 +262,18 @@ def _check_scalars(traj: Trajectory, defects: list[Defect]) -> None:
     problem = None if isinstance(details, dict) else f"got a {type(details).__name__}"
     if problem is None:
         try:
-            orjson.dumps(details)
+            size = len(orjson.dumps(details))
         except TypeError as exc:  # orjson.JSONEncodeError
             problem = str(exc)
+        else:
+            if size > limits.max_reward_details_bytes:
+                _add(
+                    defects,
+                    Reason.FIELD_TOO_LONG,
+                    "reward_details",
+                    f"reward_details is {size} bytes as JSON, limit "
+                    f"{limits.max_reward_details_bytes}",
+                )
     if problem is not None:
         _add(
             defects,

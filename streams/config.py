@@ -17,7 +17,7 @@ from core.config import Port, RestartConfig, StrictModel, TopicName
 from core.devices import DEVICE_NAMES, check_device_name
 from core.models import MODEL_SPEC_HELP, parse_model_spec
 from schemas.codec import MAX_RECORD_BYTES
-from schemas.validation import MAX_GROUP_SIZE
+from schemas.validation import MAX_GROUP_SIZE, MAX_GROUP_SIZE_LIMIT
 
 
 class StreamTopics(StrictModel):
@@ -201,11 +201,23 @@ class ValidationConfig(StrictModel):
     max_group_size: int = Field(
         default=MAX_GROUP_SIZE,
         ge=1,
-        le=2**31 - 1,
         description="Largest group_size a record may claim; larger ones are dead-lettered "
         "(bad_field). A group's state is kept until it closes and rewritten per sample, so "
-        "this bounds its memory and work; the producers' group_size must not exceed it.",
+        f"this bounds its memory and work; at most {MAX_GROUP_SIZE_LIMIT}. The producers' "
+        "group_size must not exceed it.",
     )
+
+    @field_validator("max_group_size")
+    @classmethod
+    def _group_size_bound_is_sane(cls, value: int) -> int:
+        """A bound above the limit bounds nothing: refuse it with why."""
+        if value > MAX_GROUP_SIZE_LIMIT:
+            raise ValueError(
+                f"max_group_size {value} is above {MAX_GROUP_SIZE_LIMIT}: the stream rewrites "
+                "a group's state per sample and emits the whole group as one Kafka record, "
+                "so a larger group cannot be assembled or emitted"
+            )
+        return value
 
 
 class PromptStatsConfig(StrictModel):

@@ -5,9 +5,9 @@ Table layout (keys and values are bytes; the changelog is co-partitioned with
 
 - ``g:<group_id>`` → ``GroupState`` as orjson: partition, when the first sample was seen,
   the expected group size, the samples received (trajectory id, sample index, staleness,
-  source offset), the samples dropped on the way (stale or invalid), and once closed,
-  when and how (a marker kept ``emitted_retention_s`` so that a late sample is refused
-  instead of starting a second copy of the group);
+  source offset), the samples dropped on the way (stale, or a version never published),
+  and once closed, when and how (a marker kept ``emitted_retention_s`` so that a late
+  sample is refused instead of starting a second copy of the group);
 - ``s:<group_id>\\0<trajectory_id>`` → the sample's original record bytes, deleted when
   the group closes;
 - ``o:<topic>\\0<partition>`` → the last source offset whose effects are in the table:

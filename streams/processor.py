@@ -27,8 +27,11 @@ A raw record goes through, in order:
 5. **assembly**: the sample joins its group's table entry; a duplicate
    (``duplicate_sample``), a taken sample index (``duplicate_sample_index``), a group size
    that disagrees (``group_size_mismatch``) or a sample of an already closed group
-   (``late_sample``) goes to the DLQ instead. Stale or invalid samples of the group are
-   counted as *dropped*, so a group whose every sample is accounted for closes at once.
+   (``late_sample``) goes to the DLQ instead. Stale samples of the group (and those of a
+   version never published) are counted as *dropped*, so a group whose every sample is
+   accounted for closes at once. A record refused at steps 2-3 changes no group: what it
+   claims is untrusted, and a single bad record keyed like a real group must not close it
+   (its group then closes at the timeout if that sample never comes).
 
 A tick (the internal ``ticks`` topic, same partitioning) closes the partition's groups
 older than ``timeout_s`` and forgets closed-group markers past ``emitted_retention_s``.
@@ -53,7 +56,10 @@ A group whose closing fails (reading its samples, the old-logit forward pass, an
 operator, building the scored group) is closed as ``failed``: every one of its samples goes
 to the DLQ as ``group_failed`` (``operator_failed`` for an operator) with the error and its
 original bytes, once (the closed marker stops ticks from trying again), and
-``groups_total{outcome="failed"}`` counts it.
+``groups_total{outcome="failed"}`` counts it. A scored group too large for its topic
+(``max.message.bytes`` less its key, headers and batch framing) is refused before it is
+sent, its samples dead-lettered as ``group_too_large``: the broker would refuse it in every
+replay of the step, and the worker would never get past it.
 """
 
 from __future__ import annotations
@@ -79,7 +85,8 @@ from schemas.control import (
     StaleRecord,
     prompt_key,
 )
-from schemas.group import encode_group
+from schemas.group import GroupTooLarge, encode_group
+from schemas.topics import ROLLOUTS_SCORED, value_room
 from schemas.trajectory import NO_VERSION, Trajectory
 from schemas.validation import ValidationLimits, validate
 from streams.config import StreamsConfig
@@ -176,6 +183,11 @@ class DeadLetterReason:
     FUTURE_VERSION = "future_version"
     GROUP_FAILED = "group_failed"
     OPERATOR_FAILED = "operator_failed"
+    GROUP_TOO_LARGE = "group_too_large"
+
+
+_NAMED_FAILURES = (DeadLetterReason.OPERATOR_FAILED, DeadLetterReason.GROUP_TOO_LARGE)
+"""Closing failures dead-lettered under their own reason rather than ``group_failed``."""
 
 
 class Processor:
@@ -273,6 +285,9 @@ class Processor:
                     except OperatorError as err:  # user code: the group fails, named
                         why = str(err)
                         closing.reason = DeadLetterReason.OPERATOR_FAILED
+                    except GroupTooLarge as err:  # the broker would refuse it, every time
+                        why = f"{err} (the room {self.topics.scored} leaves a value)"
+                        closing.reason = DeadLetterReason.GROUP_TOO_LARGE
                     except Exception as err:  # a bug: the group fails, the worker goes on
                         log.exception("building group %s failed", state.group_id)
                         why = f"{type(err).__name__}: {err}"
@@ -284,7 +299,7 @@ class Processor:
                         self.metrics.group_latency.observe(latency)
                 else:
                     closing.emit, closing.outcome = False, "failed"
-                    if closing.reason != DeadLetterReason.OPERATOR_FAILED:
+                    if closing.reason not in _NAMED_FAILURES:
                         closing.reason = DeadLetterReason.GROUP_FAILED
                     closing.detail = f"group {state.group_id} failed to close: {why}"
             if not closing.emit:
@@ -331,12 +346,11 @@ class Processor:
             self._reject(step, str(err.reason), err.message)
             return
         defects = validate(traj, self.limits)
-        key_matches = msg.key == traj.group_id.encode()
         if defects:
             detail = "; ".join(str(d) for d in defects)
+            # Only this record: anything it claims (its group, size, index) is untrusted, and
+            # letting it count in the group would let one bad record close a real group.
             self._reject(step, str(defects[0].reason), detail)
-            if key_matches and traj.run_id == self.run_id:
-                self._drop_from_group(step, traj, now_ms)
             return
         if traj.run_id != self.run_id:
             self._reject(
@@ -352,7 +366,7 @@ class Processor:
                 f"policy {traj.policy!r}, stream serves {self.served_policy!r}",
             )
             return
-        if not key_matches:
+        if msg.key != traj.group_id.encode():
             self._reject(
                 step,
                 DeadLetterReason.KEY_MISMATCH,
@@ -363,7 +377,6 @@ class Processor:
         if disagreements:
             detail = "routing headers contradict the body: " + "; ".join(disagreements)
             self._reject(step, DeadLetterReason.HEADER_MISMATCH, detail)
-            self._drop_from_group(step, traj, now_ms)
             return
         trainer = self.tracker.version
         verdict = self.policy.judge(
@@ -409,10 +422,8 @@ class Processor:
         self._store_or_close(step, state, {traj.trajectory_id: (traj, msg.value)})
 
     def _drop_from_group(self, step: Step, traj: Trajectory, now_ms: int) -> None:
-        """Count a stale or invalid sample as accounted for in its group."""
-        size = traj.group_size
-        if not (isinstance(size, int) and 1 <= size <= self.limits.max_group_size):
-            return  # no group a valid sample could open: nothing to account it in
+        """Count a valid but stale (or never-published version's) sample as accounted for
+        in its group, so the group need not wait for its timeout."""
         state = self._load_group(traj.group_id, step.message.partition, now_ms)
         if state.closed or state.has(traj.trajectory_id):
             return
@@ -595,9 +606,10 @@ class Processor:
                 # the trainer orders by it without decoding (earliest deadline first)
                 ("rs-min-version", str(min(t.min_version for t in group.samples)).encode()),
             )
-            sends.append(
-                Send(self.topics.scored, state.group_id.encode(), encode_group(group), headers)
-            )
+            key = state.group_id.encode()
+            room = value_room(ROLLOUTS_SCORED, key, headers)
+            value = encode_group(group, max_bytes=room)
+            sends.append(Send(self.topics.scored, key, value, headers))
         else:
             closing.outcome = "filtered"
         sends.extend(self._prompt_stats(step, state.partition, ordered, closing.version))

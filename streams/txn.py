@@ -54,7 +54,10 @@ would commit without it). Any failure other than losing the partition (fenced, p
 stopped: its transaction can no longer commit) aborts the partition's transaction and
 ends the worker (``STEP_FAILED_EXIT``): the memory holding the earlier steps of that
 transaction is gone with it, and a restart resumes from what was committed, so the step
-is replayed whole or not at all. ``FAILPOINT_ENV`` lets crash tests fail or kill a step
+is replayed whole or not at all. A restart only helps a failure that can pass (a topic
+shrunk under the worker, a broker away): a record that no replay could send, a scored
+group over its topic's declared size, is refused earlier, by ``streams.processor``, and
+dead-lettered as ``group_too_large``. ``FAILPOINT_ENV`` lets crash tests fail or kill a step
 at chosen points.
 """
 

@@ -200,13 +200,19 @@ def test_stale_records_are_routed_and_counted_as_dropped() -> None:
     assert group.trainer_version_seen == 10
 
 
-def test_invalid_samples_of_a_group_count_as_dropped() -> None:
-    h = Harness()
+def test_an_invalid_sample_changes_no_group_and_its_group_closes_at_the_timeout() -> None:
+    h = Harness(groups={"timeout_s": 5})
     bad = synthetic(run_id=RUN, group_id="g", group_size=3, sample_index=0)
     h.feed(encode(dataclasses.replace(bad, logp_infer=bad.logp_infer * np.nan)), b"g")
+    assert group_key("g") not in h.table
     h.sample(group_id="g", group_size=3, sample_index=1)
     h.sample(group_id="g", group_size=3, sample_index=2)
-    assert decode_group(h.on("rollouts.scored")[0].value).samples[0].sample_index == 1
+    assert h.on("rollouts.scored") == []  # sample 0 may still come
+    h.now += 5_000
+    h.tick()
+    group = decode_group(h.on("rollouts.scored")[0].value)
+    assert not group.complete and [s.sample_index for s in group.samples] == [1, 2]
+    assert [d.reason for d in h.dead_letters()] == ["nonfinite_logprob"]
 
 
 def test_timeout_emits_a_partial_group_on_tick() -> None:
@@ -375,8 +381,9 @@ def test_gap_guard_seeks_back_over_records_faust_skipped() -> None:
 
 def test_records_outside_the_models_vocabulary_or_context_are_dead_lettered() -> None:
     """An id the old-logit model has no embedding for (or a sequence longer than its
-    context) never joins a group: the rest of the group is emitted without it."""
-    h = Harness(model=(16, 12))
+    context) never joins a group: the rest of the group is emitted without it (at the
+    timeout: a refused record changes no group)."""
+    h = Harness(model=(16, 12), groups={"timeout_s": 5})
     good = [synthetic(run_id=RUN, group_id="g", group_size=4, sample_index=i) for i in range(2)]
     base = synthetic(run_id=RUN, group_id="g", group_size=4, sample_index=2)
     ids = base.response_ids.copy()
@@ -389,6 +396,8 @@ def test_records_outside_the_models_vocabulary_or_context_are_dead_lettered() ->
         h.feed(encode(traj), b"g")
     assert [d.reason for d in h.dead_letters()] == ["token_out_of_range", "too_long"]
     assert "[0, 16)" in h.dead_letters()[0].detail and "context is 12" in h.dead_letters()[1].detail
+    h.now += 5_000
+    h.tick()
     (out,) = h.on("rollouts.scored")
     assert [s.sample_index for s in decode_group(out.value).samples] == [0, 1]
 
@@ -534,7 +543,7 @@ def test_the_window_is_exact_at_the_version_of_emission(max_staleness: int) -> N
 def test_routing_headers_must_agree_with_the_body() -> None:
     from schemas.codec import routing_headers
 
-    h = Harness()
+    h = Harness(groups={"timeout_s": 5})
     trajs = [synthetic(run_id=RUN, group_id="g", group_size=5, sample_index=i) for i in range(5)]
     honest = routing_headers(trajs[0])
     lying_run = [(k, b"other-run" if k == "rs-run-id" else v) for k, v in routing_headers(trajs[1])]
@@ -546,7 +555,10 @@ def test_routing_headers_must_agree_with_the_body() -> None:
     assert [d.reason for d in letters] == ["header_mismatch"] * 3
     assert "rs-run-id='other-run', body 'run'" in letters[0].detail
     assert "rs-group-id" in letters[1].detail and "more than once" in letters[2].detail
-    (out,) = h.on("rollouts.scored")  # honest and header-less samples; the rest dropped
+    assert h.on("rollouts.scored") == []  # a refused record changes no group
+    h.now += 5_000
+    h.tick()
+    (out,) = h.on("rollouts.scored")  # honest and header-less samples, at the timeout
     assert [s.sample_index for s in decode_group(out.value).samples] == [0, 4]
 
 

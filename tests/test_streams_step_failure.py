@@ -5,13 +5,16 @@ over a few hundred bytes (``max.message.bytes``), so each group's record passes 
 producer's own size check and fails only in the broker's answer: an asynchronous,
 per-record failure, which must not let the step's other records (its table writes and
 watermark) commit without it. The worker aborts the transaction and stops; once the topic
-takes the records again, a new worker emits every group exactly once.
+takes the records again, a new worker emits every group exactly once. A group too large
+for the topic's declared size is another matter: the broker would refuse it at every
+replay, so the stream dead-letters it before the transaction and goes on.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from confluent_kafka.admin import (
@@ -37,8 +40,10 @@ from support.streams import (
 from core.config import KafkaConfig
 from schemas.control import DeadLetter
 from schemas.group import decode_group
-from schemas.topics import ROLLOUTS_SCORED
+from schemas.topics import ROLLOUTS_RAW, ROLLOUTS_SCORED, producer_limits
 from streams.txn import STEP_FAILED_EXIT
+from tests.test_streams_bounds import FILLING, filling_tokens
+from tests.test_streams_logic import RUN as FILLING_RUN
 
 pytestmark = pytest.mark.system
 
@@ -55,22 +60,36 @@ def set_max_message_bytes(client: dict, topic: str, size: int) -> None:
         future.result(30)
 
 
-def test_a_record_the_broker_refuses_aborts_its_step_and_stops_the_worker(
-    kafka_config: KafkaConfig, unique_name, tmp_path: Path
-) -> None:
+def setup(
+    kafka_config: KafkaConfig, unique_name: Any, raw_partitions: int, **streams: Any
+) -> tuple[dict[str, str], dict[str, str], str, dict[str, Any]]:
+    """Client config, the test's topics (created), its app id and the worker's config: no
+    group times out, no old logits, and ``streams`` on top."""
     client = kafka_config.client_config()
     topics = stream_topics(unique_name)
-    create_stream_topics(client, topics, raw_partitions=2)
+    create_stream_topics(client, topics, raw_partitions=raw_partitions)
     app_id = unique_name("app")
     config = worker_config(
         kafka_config.bootstrap_servers,
         topics,
         app_id,
+        groups={"timeout_s": 600},
+        old_logits={"mode": "off"},
+        **streams,
+    )
+    return client, topics, app_id, config
+
+
+def test_a_record_the_broker_refuses_aborts_its_step_and_stops_the_worker(
+    kafka_config: KafkaConfig, unique_name, tmp_path: Path
+) -> None:
+    client, topics, app_id, config = setup(
+        kafka_config,
+        unique_name,
+        2,
         run_id=RUN,
         session_timeout_s=8.0,
-        groups={"timeout_s": 600},
         staleness={"max_staleness": 100},
-        old_logits={"mode": "off"},
     )
     samples = [
         synthetic(run_id=RUN, group_id=f"grp-{g}", group_size=SIZE, sample_index=i, seed=g * 10 + i)
@@ -111,3 +130,44 @@ def test_a_record_the_broker_refuses_aborts_its_step_and_stops_the_worker(
     assert first.process is not None and first.process.returncode == STEP_FAILED_EXIT, log[-5000:]
     assert "stopping the worker" in log and "TooLarge" in log, log[-5000:]
     assert left_work and scored_before == []
+
+
+def test_a_group_its_topic_would_refuse_is_dead_lettered_and_the_worker_goes_on(
+    kafka_config: KafkaConfig, unique_name, tmp_path: Path
+) -> None:
+    """The group's value fits the scored topic's 16 MiB, its record (key, headers, batch
+    framing) would not: the broker would refuse it at every replay of the step, and the
+    worker would crash-loop on it. It is dead-lettered before the transaction instead."""
+    from confluent_kafka import Producer
+
+    client, topics, app_id, config = setup(
+        kafka_config, unique_name, 1, run_id=FILLING_RUN, **FILLING
+    )
+    tokens, _ = filling_tokens("huge")
+    huge = [
+        synthetic(
+            run_id=FILLING_RUN, group_id="huge", group_size=5, sample_index=i, response_len=tokens
+        )
+        for i in range(5)
+    ]
+    small = [synthetic(run_id=FILLING_RUN, group_id="next", sample_index=i) for i in range(4)]
+    producer = Producer({**client, **producer_limits(ROLLOUTS_RAW)})
+    for key, value, headers in map(keyed, [*huge, *small]):
+        producer.produce(topics["raw"], key=key, value=value, headers=headers)
+    assert producer.flush(60) == 0
+    worker = WorkerProcess(config, tmp_path / "w", name="w").start()
+    try:
+        wait_until(
+            lambda: not worker.alive() or all_applied(client, app_id, topics["raw"]),
+            240,
+            "the worker to apply every record",
+        )
+        assert worker.alive(), worker.log()[-5000:]
+        scored = read_topic(client, [topics["scored"]], timeout=30)
+        dead = read_topic(client, [topics["dlq"]], timeout=30)
+    finally:
+        worker.kill()
+    assert [decode_group(m.value()).group_id for m in scored] == ["next"]
+    letters = [DeadLetter.from_headers(m.headers()) for m in dead]
+    assert [d.reason for d in letters] == ["group_too_large"] * 5
+    assert sorted(m.value() for m in dead) == sorted(keyed(t)[1] for t in huge)
