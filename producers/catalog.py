@@ -8,21 +8,62 @@ imports both, and neither imports the other's registrations.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from typing import Any
 
 import producers.environments
 import producers.file_task
 import producers.games  # noqa: F401  (registers the multi-policy tasks)
-from producers.tasks import Task, TaskContext, load_object, registered_factory, registered_names
+from core.config import ConfigurationError
+from producers.tasks import (
+    Task,
+    TaskContext,
+    forwarded_to,
+    load_object,
+    registered_factory,
+    registered_names,
+)
 
 
 def available_tasks() -> list[str]:
     return registered_names()
 
 
+def check_task_options(name: str, options: Mapping[str, Any], section: str) -> None:
+    """Refuse ``options`` that task ``name``'s factory does not take, or lack one it
+    needs, naming the key and ``section``: before a run starts rather than as a
+    ``TypeError`` in a role's log. A factory given as ``module:attr``, or one that takes
+    ``**options`` without declaring where they go, is checked only when it is built."""
+    factory = registered_factory(name)
+    if factory is None:
+        return
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    own = list(inspect.signature(factory).parameters.values())[1:]  # after the context
+    named = [p for p in own if p.kind in kinds]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in own):
+        forwards = forwarded_to(name)
+        if forwards is None:
+            return
+        named += [p for p in inspect.signature(forwards).parameters.values() if p.kind in kinds]
+    unknown = sorted(set(options) - {p.name for p in named})
+    missing = [
+        p.name for p in own if p.kind in kinds and p.default is p.empty and p.name not in options
+    ]
+    problems = [f"unknown option {key!r}" for key in unknown]
+    problems += [f"missing option {key!r}" for key in missing]
+    if problems:
+        accepted = ", ".join(dict.fromkeys(p.name for p in named)) or "none"
+        raise ConfigurationError(
+            f"[{section}] task_options of task {name!r}: {'; '.join(problems)} "
+            f"(it takes: {accepted})"
+        )
+
+
 def make_task(name: str, options: dict[str, Any] | None, context: TaskContext) -> Task:
     """Build a registered task or environment, or one whose factory is given as
     ``module:attr``."""
+    check_task_options(name, options or {}, "producers.rollout")
     factory = registered_factory(name)
     if factory is None:
         if ":" not in name and "." not in name:

@@ -170,7 +170,7 @@ class EchoDigits:
         raise TypeError("echo-digits is scored per episode (Episode.reward)")
 
 
-@register_task("echo-digits")
+@register_task("echo-digits", forwards=EchoDigits)
 def echo_digits(context: TaskContext, turns: int = 3, **kw: Any) -> EchoDigits:
     if turns < 1:
         raise ValueError(f"echo-digits needs at least one turn, got {turns}")
@@ -303,7 +303,7 @@ class CalculatorArithmetic:
         raise TypeError("arithmetic-calculator is scored per episode (Episode.reward)")
 
 
-@register_task("arithmetic-calculator")
+@register_task("arithmetic-calculator", forwards=CalculatorArithmetic)
 def arithmetic_calculator(
     context: TaskContext, tokenizer: str | None = None, **kw: Any
 ) -> CalculatorArithmetic:

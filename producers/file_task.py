@@ -301,7 +301,14 @@ def file_task(
     split: str | None = None,
     eval_path: str | None = None,
     eval_split: str | None = None,
-    **kw: Any,
+    *,
+    chat: bool = False,
+    system_prompt: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    order: Literal["random", "epochs"] = "random",
+    shuffle_seed: int = 0,
+    max_new_tokens: int = 128,
+    stop_token_ids: list[int] | None = None,
 ) -> FileTask:
     """Options: ``path`` (.jsonl, .parquet, .csv or a ``save_to_disk`` directory, with
     ``split`` for a ``DatasetDict``), ``columns`` (our name -> the file's column),
@@ -337,7 +344,7 @@ def file_task(
         tok = None
     else:
         tok = hf_tokenizer(context, tokenizer)
-    stops = kw.pop("stop_token_ids", None)
+    stops = stop_token_ids
     if stops is None:
         eos = getattr(tok, "eos_token_id", None)
         stops = [eos] if eos is not None else []
@@ -349,7 +356,12 @@ def file_task(
         name=name,
         stop_token_ids=stops,
         eval_examples=held_out,
-        **kw,
+        chat=chat,
+        system_prompt=system_prompt,
+        chat_template_kwargs=chat_template_kwargs or {},
+        order=order,
+        shuffle_seed=shuffle_seed,
+        max_new_tokens=max_new_tokens,
     )
     task.render(0, examples[0])  # a prompt that cannot be rendered fails here, not later
     if held_out:

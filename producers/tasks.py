@@ -96,15 +96,22 @@ class TaskContext:
 
 TaskFactory = Callable[..., Task]
 _REGISTRY: dict[str, TaskFactory] = {}
+_FORWARDS: dict[str, Callable[..., Any]] = {}
 
 
-def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
-    """Decorator: register ``factory(context, **options) -> Task`` under ``name``."""
+def register_task(
+    name: str, forwards: Callable[..., Any] | None = None
+) -> Callable[[TaskFactory], TaskFactory]:
+    """Decorator: register ``factory(context, **options) -> Task`` under ``name``. A
+    factory that passes its ``**options`` on names where (``forwards``: a class or
+    function), so that options can be checked before the task is built."""
 
     def decorate(factory: TaskFactory) -> TaskFactory:
         if name in _REGISTRY and _REGISTRY[name] is not factory:
             raise ValueError(f"task {name!r} is already registered")
         _REGISTRY[name] = factory
+        if forwards is not None:
+            _FORWARDS[name] = forwards
         return factory
 
     return decorate
@@ -112,6 +119,11 @@ def register_task(name: str) -> Callable[[TaskFactory], TaskFactory]:
 
 def registered_factory(name: str) -> TaskFactory | None:
     return _REGISTRY.get(name)
+
+
+def forwarded_to(name: str) -> Callable[..., Any] | None:
+    """Where task ``name``'s factory passes the options it does not name, if declared."""
+    return _FORWARDS.get(name)
 
 
 def registered_names() -> list[str]:
@@ -182,17 +194,17 @@ class DigitsTask:
         return score_digits(prompt.meta["target"], response_ids)
 
 
-@register_task("copy-first-digit-twice")
+@register_task("copy-first-digit-twice", forwards=DigitsTask)
 def copy_first_digit_twice(context: TaskContext, num_digits: int = 3, **kw: Any) -> DigitsTask:
     return DigitsTask("copy-first-digit-twice", num_digits, lambda d: [d[0], d[0]], **kw)
 
 
-@register_task("reverse-3-digits")
+@register_task("reverse-3-digits", forwards=DigitsTask)
 def reverse_3_digits(context: TaskContext, **kw: Any) -> DigitsTask:
     return DigitsTask("reverse-3-digits", 3, lambda d: list(reversed(d)), **kw)
 
 
-@register_task("repeat-digit")
+@register_task("repeat-digit", forwards=DigitsTask)
 def repeat_digit(context: TaskContext, **kw: Any) -> DigitsTask:
     """``d`` written ``2d + 1`` times: a long tail of response lengths (2 to 20 tokens)."""
     kw.setdefault("max_new_tokens", 24)
@@ -362,7 +374,7 @@ def hf_tokenizer(context: TaskContext, tokenizer: str | None) -> Any:
     return load_tokenizer(tokenizer or SMOLLM2, context.cache_dir)
 
 
-@register_task("arithmetic")
+@register_task("arithmetic", forwards=ArithmeticTask)
 def arithmetic(context: TaskContext, tokenizer: str | None = None, **kw: Any) -> ArithmeticTask:
     """Options: ``tokenizer`` (a model spec whose tokenizer to use, see ``core.models``;
     default: the engine's, else SmolLM2-135M-Instruct's), ``level`` (``easy`` or

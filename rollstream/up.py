@@ -47,6 +47,7 @@ from rollstream.up_plan import (
     Ports,
     build_config,
     check_models,
+    check_tasks,
     plan_policies,
     role_specs,
     start_groups_at_end,
@@ -213,6 +214,7 @@ def up(ctx: click.Context, run_id: str | None, run_dir: Path | None, **options: 
     run_dir = (run_dir or config.state_dir / "runs" / run_id).absolute()
     try:
         check_models(config)
+        check_tasks(config)
     except ConfigurationError as err:
         raise click.UsageError(str(err)) from err
     result = run_up(config, up_config, run_id, run_dir)

@@ -217,6 +217,18 @@ def check_models(config: RollstreamConfig) -> None:
             raise ConfigurationError(str(exc)) from exc
 
 
+def check_tasks(config: RollstreamConfig) -> None:
+    """Check every policy's task options against its task, before anything starts: a
+    misspelt option is a ``ConfigurationError`` naming it, not an evaluator that dies
+    after the run came up."""
+    from producers.catalog import check_task_options
+
+    for name, view in policy_views(config).items():
+        rollout = view.producers.rollout
+        section = f"policies.{name}.producers.rollout" if name else "producers.rollout"
+        check_task_options(rollout.task, rollout.task_options, section)
+
+
 # --- the run's policies ------------------------------------------------------------------
 
 

@@ -203,7 +203,7 @@ def test_propose_solve_needs_its_peer_and_sane_options(tmp_path: Path) -> None:
         make_task("propose-solve", {"problem_digits": 0}, TaskContext(tmp_path, peers=peers))
     with pytest.raises(ValueError, match="needs the peer policy 'critic'"):
         make_task("propose-solve", {"solver": "critic"}, TaskContext(tmp_path, peers=peers))
-    with pytest.raises(TypeError):
+    with pytest.raises(ConfigurationError, match="unknown option 'bogus'"):
         make_task("propose-solve", {"bogus": 1}, TaskContext(tmp_path, peers=peers))
 
 
