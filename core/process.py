@@ -76,12 +76,32 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
         return sock.connect_ex((host, port)) == 0
 
 
+START_MARK = "--- start"
+"""How a role's log marks each start of the role (``--- start 2: argv``)."""
+
+
 def tail(path: Path, lines: int = 30) -> str:
     """Last lines of a log, for error messages."""
     if not path.exists():
         return f"(no log at {path})"
     text = path.read_text(errors="replace").splitlines()
     return "\n".join(text[-lines:])
+
+
+def last_error(path: Path, lines: int = 200) -> str:
+    """The last line of a log's tail that reads as an error (``...Error: ...``, a Python
+    exception's last line, ``Error:``), else its last line: what to show of a role that
+    exited, so the cause is on the screen and not only in the log."""
+    if not path.exists():
+        return ""
+    text = [line.strip() for line in tail(path, lines).splitlines() if line.strip()]
+    starts = [i for i, line in enumerate(text) if line.startswith(START_MARK)]
+    text = text[starts[-1] + 1 :] if starts else text  # this incarnation's lines only
+    for line in reversed(text):
+        head = line.split(":", 1)[0]
+        if ":" in line and (head.endswith(("Error", "Exception", "Exit")) or head == "Error"):
+            return line
+    return text[-1] if text else ""
 
 
 def _cmdline(pid: int) -> str:
@@ -265,7 +285,7 @@ class RoleProcess:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.spec.env}
         with self.log_file.open("ab") as log:
-            log.write(f"--- start {self.starts + 1}: {' '.join(self.spec.argv)}\n".encode())
+            log.write(f"{START_MARK} {self.starts + 1}: {' '.join(self.spec.argv)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
                 list(self.spec.argv),

@@ -208,25 +208,12 @@ class FileTask:
 
     def render(self, index: int, example: dict[str, Any]) -> tuple[list[int], str | None, Any]:
         """Token ids, text and the prompt as reward functions see it (text or messages)."""
-        if example.get("prompt_ids") is not None:
-            ids = example["prompt_ids"]
-            if not isinstance(ids, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
-            ):
-                raise ValueError(f"example {index}: prompt_ids must be a list of token ids")
-            return list(ids), None, example.get("prompt")
-        conversation = example.get("messages")
-        if conversation is None and is_conversation(example.get("prompt")):
-            conversation = example["prompt"]
-        if conversation is not None:
-            if not is_conversation(conversation):
-                raise ValueError(
-                    f"example {index}: messages must be a list of {{role, content}} objects"
-                )
-            return self._chat(index, conversation), None, conversation
-        text = example.get("prompt")
-        if not isinstance(text, str):
-            raise ValueError(f"example {index} has no prompt_ids, messages or prompt text")
+        kind, value = prompt_of(index, example)
+        if kind == "prompt_ids":
+            return list(value), None, example.get("prompt")
+        if kind == "messages":
+            return self._chat(index, value), None, value
+        text = value
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer (task option 'tokenizer')")
         if self.chat:
@@ -289,6 +276,45 @@ class FileTask:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
+def prompt_of(index: int, example: dict[str, Any]) -> tuple[str, Any]:
+    """Which of ``PROMPT_COLUMNS`` gives row ``index``'s prompt, and its value, checked
+    for shape (no tokenizer needed); ``ValueError`` naming the row if none does."""
+    if example.get("prompt_ids") is not None:
+        ids = example["prompt_ids"]
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+        ):
+            raise ValueError(f"example {index}: prompt_ids must be a list of token ids")
+        return "prompt_ids", ids
+    conversation = example.get("messages")
+    if conversation is None and is_conversation(example.get("prompt")):
+        conversation = example["prompt"]
+    if conversation is not None:
+        if not is_conversation(conversation):
+            raise ValueError(
+                f"example {index}: messages must be a list of {{role, content}} objects"
+            )
+        return "messages", conversation
+    text = example.get("prompt")
+    if not isinstance(text, str):
+        raise ValueError(f"example {index} has no prompt_ids, messages or prompt text")
+    return "prompt", text
+
+
+def check_rows(examples: list[dict[str, Any]], source: str) -> None:
+    """Every row of ``source`` has a prompt of a usable shape: a bad row is an error when
+    the producer starts (the first few named, all counted), not a crash mid-run."""
+    problems: list[str] = []
+    for index, example in enumerate(examples):
+        try:
+            prompt_of(index, example)
+        except ValueError as err:
+            problems.append(str(err))
+    if problems:
+        shown = "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")
+        raise ValueError(f"{source}: {len(problems)} of {len(examples)} rows unusable: {shown}")
+
+
 @register_task("file")
 def file_task(
     context: TaskContext,
@@ -330,6 +356,7 @@ def file_task(
     if not examples:
         raise ValueError(f"{path} holds no examples")
     examples = mapped_rows(examples, columns or {}, path)
+    check_rows(examples, path)
     held_out: list[dict[str, Any]] = []
     if eval_path is not None or eval_split is not None:
         source = eval_path or path
@@ -339,6 +366,7 @@ def file_task(
         if not held_out:
             raise ValueError(f"the eval split of {source} holds no examples")
         held_out = mapped_rows(held_out, columns or {}, source)
+        check_rows(held_out, f"{source} (eval)")
     tok: Any
     if tokenizer is None and context.tokenizer is None:
         tok = None

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import click
 
-from core.process import Launcher
+from core.process import Launcher, last_error
 
 STOP_ORDER = ("eval", "producer", "engine", "streams", "trainer")
 
@@ -123,12 +123,14 @@ def supervise(
             if launcher.roles[name].returncode() == 0:
                 return ("max_steps reached", True)
         for role in launcher.exited():
+            cause = last_error(role.log_file)
             if restarts_left[role.name] > 0:
                 restarts_left[role.name] -= 1
-                console.log(f"{role.name} exited ({role.returncode()}): restarting")
+                console.log(f"{role.name} exited ({role.returncode()}): {cause}; restarting")
                 role.start()
             else:
-                return (f"{role.name} exited with code {role.returncode()}", False)
+                ended = f"{role.name} exited with code {role.returncode()}"
+                return (f"{ended}: {cause}" if cause else ended, False)
         return None
 
     last_line = 0.0

@@ -363,3 +363,26 @@ def test_epochs_walk_every_row_once_and_resume_gives_back_what_was_not_delivered
     assert walk(again, 4) == [first[2], first[5], first[7], first[8]]
     with pytest.raises(ValueError, match="order must be"):
         make_task("file", {**options, "order": "sequential"}, context)
+
+
+@pytest.mark.parametrize("bad_row", [5, 399])
+def test_every_row_is_checked_when_the_task_is_built(tmp_path: Path, bad_row: int) -> None:
+    """A row without a prompt anywhere in the file (not only the first) is an error when
+    the producer starts, naming the row and counting every bad one."""
+    rows = [{"prompt": f"{n} + 1 ="} for n in range(400)]
+    rows[bad_row] = {"question": "no prompt column here"}
+    rows[bad_row - 1] = {"prompt": 7}  # a number is no prompt text either
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    context = TaskContext(cache_dir=tmp_path, tokenizer=chat_tokenizer())
+    options = {"path": str(train), "rewards": [{"function": "producers.math_reward:math_accuracy"}]}
+    with pytest.raises(ValueError, match=f"2 of 400 rows unusable: example {bad_row - 1} ") as err:
+        make_task("file", options, context)
+    assert f"example {bad_row} has no prompt_ids, messages or prompt text" in str(err.value)
+
+    evaluation = tmp_path / "eval.jsonl"
+    evaluation.write_text('{"prompt": "1 + 1 ="}\n{"messages": "not a conversation"}\n')
+    rows[bad_row] = rows[bad_row - 1] = {"prompt": "fine"}
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=r"eval.jsonl \(eval\): 1 of 2 rows unusable"):
+        make_task("file", {**options, "eval_path": str(evaluation)}, context)

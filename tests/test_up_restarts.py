@@ -34,7 +34,7 @@ def _launcher(tmp_path: Path) -> Launcher:
         with starts.open("a") as f:
             f.write("start\\n")
         if len(starts.read_text().split()) == 1:
-            sys.exit(3)  # the first incarnation crashes
+            raise ValueError("example 5 has no prompt text")  # the first incarnation crashes
         time.sleep(120)
         """
     trainer = f"""
@@ -66,7 +66,11 @@ def test_a_crashed_role_is_restarted_and_the_run_finishes(tmp_path: Path) -> Non
 
 def test_without_restarts_a_crashed_role_ends_the_run(tmp_path: Path) -> None:
     outcome, producer_starts = _run(tmp_path, restarts=0)
-    assert outcome == ("producer exited with code 3", False)
+    # the cause, from the role's log, is on the screen
+    assert outcome == (
+        "producer exited with code 1: ValueError: example 5 has no prompt text",
+        False,
+    )
     assert producer_starts == 1
 
 
