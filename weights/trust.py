@@ -48,8 +48,9 @@ class Trust:
     """The key versions must be signed with (``None``: unsigned ones are accepted)."""
 
     public_key: Ed25519PublicKey | None
-    # manifests found not genuine: key -> ETag when refused (read again once it changes)
-    refused: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+    # manifests found not genuine: (region, URI) -> ETag when refused (read again once
+    # it changes); one Trust may judge several regions' stores (the mirror)
+    refused: dict[tuple[str, str], str] = field(default_factory=dict, compare=False, repr=False)
 
     MAX_REFUSED = 4096  # remembered refusals; the oldest are forgotten first
 
@@ -97,7 +98,8 @@ class Trust:
         unread while its ETag stays the same."""
         manifests = [o for o in store.objects(after) if o.name == MANIFEST_NAME]
         for listed in reversed(manifests):
-            if self.refused.get(listed.key) == listed.etag:
+            where = (store.region, store.uri(listed.key))
+            if self.refused.get(where) == listed.etag:
                 continue
             try:
                 if listed.size > MAX_MANIFEST_BYTES:
@@ -108,16 +110,18 @@ class Trust:
                 self.manifest(store, listed.version)
             except FormatError as err:
                 log.warning("weights: ignoring v%d in %s: %s", listed.version, store.region, err)
-                self._remember_refusal(listed.key, listed.etag)
+                self._remember_refusal(where, listed.etag)
                 continue
             except ObjectMissing:  # deleted since it was listed
                 continue
             return listed.version
         return None
 
-    def _remember_refusal(self, key: str, etag: str) -> None:
-        self.refused.pop(key, None)  # re-inserted as the newest
-        self.refused[key] = etag
+    def _remember_refusal(self, where: tuple[str, str], etag: str) -> None:
+        if not etag:  # a store that lists no ETags: nothing tells a rewrite apart
+            return
+        self.refused.pop(where, None)  # re-inserted as the newest
+        self.refused[where] = etag
         while len(self.refused) > self.MAX_REFUSED:
             del self.refused[next(iter(self.refused))]
 
