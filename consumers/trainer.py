@@ -61,6 +61,8 @@ from core.tracking import Tracker
 from schemas.trajectory import Trajectory
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     from consumers.step import StepResult
     from weights.announce import Announcer
 
@@ -77,9 +79,12 @@ Gathered = tuple[
 """What ``Trainer._gather`` returns (see there)."""
 
 
-def trainer_announcer(kafka: Mapping[str, str], config: TrainerConfig) -> Announcer:
+def trainer_announcer(
+    kafka: Mapping[str, str], config: TrainerConfig, signing_key: Ed25519PrivateKey | None = None
+) -> Announcer:
     """The trainer's announcer: every version it announces carries its groups per step and
-    staleness window, from which producers derive their admission credit."""
+    staleness window, from which producers derive their admission credit, signed with the
+    run's key (if it has one) so that producers can tell them from a forged pace."""
     from weights.announce import Announcer
 
     return Announcer(
@@ -87,6 +92,7 @@ def trainer_announcer(kafka: Mapping[str, str], config: TrainerConfig) -> Announ
         topic=config.topics.versions,
         groups_per_step=config.groups_per_step(),
         max_staleness=config.staleness.max_staleness,
+        signing_key=signing_key,
     )
 
 
@@ -298,7 +304,11 @@ class Trainer:
                 store, self.shared.weights, adapter_tensors=self.adapter_tensors
             )
             writer.before_claim = lambda version: failpoint("mid_publish", version)
-            announcer = trainer_announcer(self.kafka, cfg) if cfg.publish.announce else None
+            announcer = (
+                trainer_announcer(self.kafka, cfg, writer.signing_key)
+                if cfg.publish.announce
+                else None
+            )
             self.publisher = Publisher(
                 writer,
                 cfg.publish,

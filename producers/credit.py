@@ -42,6 +42,9 @@ class AdmissionCredit:
         if share is None and trainer is not None and trainer.groups_per_step is not None:
             # producers share the trainer's pace: N of them each start 1/N of a step
             share = trainer.groups_per_step / max(1, trainer.producers or 1)
+            # one group never charges more than the window: a forged pace in a run that
+            # does not sign announcements holds a producer up for a window, not for good
+            share = max(share, 1 / (window + 1))
         self.share = share
         if share is None:
             return None  # no announced pace and none configured: no credit limit

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from core.config import SharedConfig
@@ -268,7 +268,11 @@ class VersionTarget(Protocol):
 class WatchedListener:
     """An ``AnnouncementListener`` that remembers the newest announcement it has seen, so
     the worker knows how far behind it is even while the weight store is unreachable, and
-    the trainer's trained version and pace for its credit."""
+    the trainer's trained version and pace for its credit.
+
+    Only a newer version replaces the announcement held, and one whose pace was not
+    believed (``Trust.vouched`` cleared it) keeps the pace last believed: a replay can
+    neither lift the credit limit nor change it."""
 
     def __init__(self, listener: Any) -> None:
         self.listener = listener
@@ -279,12 +283,26 @@ class WatchedListener:
         announcement = self.listener.next(timeout_s)
         if announcement is not None:
             self.newest = max(self.newest or 0, announcement.version)
-            if self.latest is None or announcement.version >= self.latest.version:
+            held = self.latest
+            if held is None:
                 self.latest = announcement
+            elif announcement.version > held.version:
+                self.latest = (
+                    announcement if announcement.has_pace else _with_pace(announcement, held)
+                )
         return announcement
 
     def close(self) -> None:
         self.listener.close()
+
+
+def _with_pace(announcement: VersionAnnouncement, of: VersionAnnouncement) -> VersionAnnouncement:
+    return replace(
+        announcement,
+        groups_per_step=of.groups_per_step,
+        max_staleness=of.max_staleness,
+        producers=of.producers,
+    )
 
 
 @dataclass
@@ -312,11 +330,16 @@ def start_follower(config: SharedConfig, target: VersionTarget, stop: threading.
 
     store = WeightStore.from_config(config.s3, config.run_id, config.policy)
     follower = WeightFollower.from_config(store, config.weights, on_version)
-    # an announcement counts (credit, lag) only once the store holds its signed manifest
-    confirm = Trust.from_config(config.weights).announcement_check(store)
+    # an announcement counts (credit, lag) only once the store holds its signed manifest,
+    # and its pace only if it is signed itself
+    trust = Trust.from_config(config.weights)
     listener = WatchedListener(
         AnnouncementListener(
-            config.kafka.client_config(), config.run_id, config.weights.topic, confirm=confirm
+            config.kafka.client_config(),
+            config.run_id,
+            config.weights.topic,
+            confirm=trust.announcement_check(store),
+            vouch=trust.vouched,
         )
     )
     thread = threading.Thread(

@@ -38,6 +38,13 @@ STALE_HEADER = "rs-stale"
 FILTERED_HEADER = "rs-filtered"
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_BASE64 = re.compile(r"[A-Za-z0-9+/]{1,256}={0,2}")
+
+#: Bounds of the announced pace, far above any real trainer's, so that even a run that
+#: does not sign its announcements cannot be handed an absurd one.
+MAX_GROUPS_PER_STEP = 1_000_000
+MAX_STALENESS = 1_000_000
+MAX_PRODUCERS = 100_000
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,6 +67,9 @@ class VersionAnnouncement:
     # How many producers' groups the trainer trained over its last window + 1 steps: they
     # share its pace (each starts about groups_per_step / producers groups per step).
     producers: int | None = None
+    # base64 ed25519 signature, by the run's key, over ``signed_bytes`` (None: unsigned);
+    # a listener with the key believes the pace only when it verifies.
+    signature: str | None = None
 
     def __post_init__(self) -> None:
         _check_str(self, "run")
@@ -77,12 +87,28 @@ class VersionAnnouncement:
             )
         _check_int(self, "bytes", minimum=0)
         _check_int(self, "published_at_ms", minimum=0)
+        self._check_pace()
+        if self.signature is not None:
+            _check_str(self, "signature")
+            if not _BASE64.fullmatch(self.signature):
+                raise ValueError("VersionAnnouncement.signature must be base64")
+
+    def _check_pace(self) -> None:
+        """A trainer counts the producers whose groups it trained over its last window + 1
+        steps, at most ``groups_per_step`` a step: more than that is no trainer's pace."""
         if self.groups_per_step is not None:
-            _check_int(self, "groups_per_step", minimum=1)
+            _check_int(self, "groups_per_step", minimum=1, maximum=MAX_GROUPS_PER_STEP)
         if self.max_staleness is not None:
-            _check_int(self, "max_staleness", minimum=0)
+            _check_int(self, "max_staleness", minimum=0, maximum=MAX_STALENESS)
         if self.producers is not None:
-            _check_int(self, "producers", minimum=1)
+            most = MAX_PRODUCERS
+            if self.groups_per_step is not None:
+                most = min(most, self.groups_per_step * ((self.max_staleness or 0) + 1))
+            _check_int(self, "producers", minimum=1, maximum=most)
+
+    @property
+    def has_pace(self) -> bool:
+        return (self.groups_per_step, self.max_staleness, self.producers) != (None, None, None)
 
     @property
     def is_base(self) -> bool:
@@ -90,13 +116,22 @@ class VersionAnnouncement:
 
     # ``builtins.bytes``: inside this class, ``bytes`` is also the name of a field.
     def to_json(self) -> builtins.bytes:
-        """The pace fields are left out when unset, so such an announcement still reads
-        with a parser that predates them."""
+        """The pace fields and the signature are left out when unset, so such an
+        announcement still reads with a parser that predates them."""
+        return orjson.dumps(self._fields(signed=True))
+
+    def signed_bytes(self) -> builtins.bytes:
+        """What the signature covers: every other field that is set, keys sorted."""
+        return orjson.dumps(self._fields(signed=False), option=orjson.OPT_SORT_KEYS)
+
+    def _fields(self, *, signed: bool) -> dict[str, Any]:
         obj = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name in ("groups_per_step", "max_staleness", "producers"):
-            if obj[name] is None:
+        if not signed:
+            del obj["signature"]
+        for name in ("groups_per_step", "max_staleness", "producers", "signature"):
+            if obj.get(name, 0) is None:
                 del obj[name]
-        return orjson.dumps(obj)
+        return obj
 
     @classmethod
     def from_json(cls, data: builtins.bytes | str) -> VersionAnnouncement:

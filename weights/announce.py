@@ -7,11 +7,16 @@ keyed by run id, so a listener that starts late still finds each run's latest ve
 Anyone who can produce to the topic can announce anything, so a listener given a
 ``confirm`` check (``weights.trust.Trust.confirms``) believes an announcement only once
 the store holds a genuine manifest with the announced hash: a forged "version 10**12"
-is refused (``on_error("forged", ...)``) instead of moving every clock for good.
+is refused (``on_error("forged", ...)``) instead of moving every clock for good. The
+manifest does not vouch for the trainer's pace, so a trainer with the run's signing key
+signs each announcement, and a listener given ``vouch`` (``Trust.vouched``) clears the
+pace of one whose signature does not verify: a replay with a forged pace cannot stop
+generation.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 import time
@@ -26,9 +31,10 @@ from confluent_kafka import (
     Producer,
     TopicPartition,
 )
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from core.topic_reader import reader_config, whole_topic
-from schemas.control import VersionAnnouncement
+from schemas.control import MAX_PRODUCERS, VersionAnnouncement
 from schemas.topics import POLICY_VERSIONS, producer_limits
 
 log = logging.getLogger(__name__)
@@ -36,12 +42,18 @@ log = logging.getLogger(__name__)
 DEFAULT_TOPIC = "policy.versions"
 
 
+def _version(item: tuple[tuple[int, str], VersionAnnouncement]) -> int:
+    return item[0][0]
+
+
 class Announcer:
     """Idempotent producer; ``announce`` returns once the broker has acknowledged.
 
     The trainer's announcer also carries its pace: ``groups_per_step`` and
     ``max_staleness`` are stamped on every announcement it sends (producers derive their
-    admission credit from them, ``producers.worker``)."""
+    admission credit from them, ``producers.worker``). With ``signing_key`` every
+    announcement is signed, so that listeners holding the run's public key can tell the
+    trainer's pace from a forged one."""
 
     def __init__(
         self,
@@ -51,8 +63,10 @@ class Announcer:
         *,
         groups_per_step: int | None = None,
         max_staleness: int | None = None,
+        signing_key: Ed25519PrivateKey | None = None,
     ) -> None:
         self.topic = topic
+        self.signing_key = signing_key
         self.timeout_s = timeout_s
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
@@ -76,7 +90,12 @@ class Announcer:
                 announcement,
                 groups_per_step=self.groups_per_step,
                 max_staleness=self.max_staleness,
-                producers=self.producers,
+                producers=self._producers(),
+            )
+        if self.signing_key is not None:
+            signature = self.signing_key.sign(announcement.signed_bytes())
+            announcement = dataclasses.replace(
+                announcement, signature=base64.b64encode(signature).decode()
             )
 
         def delivered(err: KafkaError | None, _msg: object) -> None:
@@ -93,6 +112,14 @@ class Announcer:
             raise KafkaException(KafkaError(KafkaError._MSG_TIMED_OUT, "announcement not acked"))
         if errors:
             raise KafkaException(errors[0])
+
+    def _producers(self) -> int | None:
+        """``producers`` within what the announcement may say: no more than the groups of
+        the last window + 1 steps (each counted producer had one trained in them)."""
+        if self.producers is None or self.groups_per_step is None:
+            return self.producers
+        window = (self.max_staleness or 0) + 1
+        return min(self.producers, self.groups_per_step * window, MAX_PRODUCERS)
 
     def close(self) -> None:
         self._producer.flush(self.timeout_s)
@@ -115,8 +142,13 @@ class AnnouncementListener:
     (a record of this run that is not a valid announcement; it is skipped) and ``forged``
     (``confirm`` found no genuine manifest behind it; it is skipped). An announcement
     whose manifest is not in the store yet (a mirror behind) is asked about again on
-    the next read.
+    each read, until a version at least as new is confirmed: up to ``MAX_PENDING`` such
+    announcements are kept, the lowest versions first (the one due next is the lowest; a
+    forged far-future one must not crowd it out). ``vouch`` returns what of a confirmed
+    announcement to believe (``Trust.vouched``: the pace only if signed).
     """
+
+    MAX_PENDING = 16
 
     def __init__(
         self,
@@ -125,12 +157,16 @@ class AnnouncementListener:
         topic: str = DEFAULT_TOPIC,
         on_error: Callable[[str, str], None] | None = None,
         confirm: Callable[[VersionAnnouncement], bool | None] | None = None,
+        vouch: Callable[[VersionAnnouncement], VersionAnnouncement] | None = None,
     ) -> None:
         self.run = run
         self.topic = topic
         self.on_error = on_error
         self.confirm = confirm  # True: genuine, False: forged, None: not in the store yet
-        self._pending: VersionAnnouncement | None = None  # to confirm again next read
+        self.vouch = vouch
+        # to confirm again next read, by (version, manifest hash)
+        self._pending: dict[tuple[int, str], VersionAnnouncement] = {}
+        self._confirmed: int | None = None  # the newest version confirmed so far
         config = reader_config(client_config, f"versions-{run}")
         self._consumer = Consumer(
             {**config, "enable.partition.eof": False, "error_cb": self._client_error}
@@ -158,23 +194,38 @@ class AnnouncementListener:
         return self._newest_confirmed(read)
 
     def _newest_confirmed(self, read: list[VersionAnnouncement]) -> VersionAnnouncement | None:
-        """The newest of ``read`` (and the one pending) that ``confirm`` accepts."""
+        """The newest of ``read`` (and of those pending) that ``confirm`` accepts."""
         if self.confirm is None:
-            return max(read, key=lambda a: a.version, default=None)
-        if self._pending is not None:
-            read.append(self._pending)
-            self._pending = None
-        for announcement in sorted(read, key=lambda a: a.version, reverse=True):
+            return self._vouched(max(read, key=lambda a: a.version, default=None))
+        candidates = dict(self._pending)
+        for announcement in read:  # the first of a (version, hash) stays: replays add nothing
+            if self._confirmed is None or announcement.version > self._confirmed:
+                candidates.setdefault((announcement.version, announcement.sha256), announcement)
+        self._pending = {}
+        newest: VersionAnnouncement | None = None
+        for key, announcement in sorted(candidates.items(), key=_version, reverse=True):
+            if newest is not None and announcement.version <= newest.version:
+                break  # a newer version is confirmed: older ones are moot
             verdict = self.confirm(announcement)
             if verdict:
-                return announcement
-            if verdict is None:
-                self._pending = self._pending or announcement  # the newest not there yet
-                continue
-            self._error(
-                "forged", f"v{announcement.version}: no genuine manifest with the announced hash"
-            )
-        return None
+                newest = announcement
+                self._confirmed = announcement.version
+            elif verdict is None:
+                self._pending[key] = announcement
+            else:
+                self._error(
+                    "forged",
+                    f"v{announcement.version}: no genuine manifest with the announced hash",
+                )
+        if len(self._pending) > self.MAX_PENDING:  # the lowest versions, the first come
+            kept = sorted(self._pending.items(), key=_version)[: self.MAX_PENDING]
+            self._pending = dict(kept)
+        return self._vouched(newest)
+
+    def _vouched(self, announcement: VersionAnnouncement | None) -> VersionAnnouncement | None:
+        if announcement is None or self.vouch is None:
+            return announcement
+        return self.vouch(announcement)
 
     @property
     def caught_up(self) -> bool:

@@ -137,6 +137,7 @@ class WeightFollower:
         self.store = store
         self.on_version = on_version
         self.public_key = public_key
+        self.trust = Trust(public_key)  # remembers the forged manifests it refused
         self.verify_state = verify_state
         self.retry_max_s = retry_max_s
         self.metrics = metrics if metrics is not None else FollowerMetrics()
@@ -194,7 +195,7 @@ class WeightFollower:
     def _sync(self, target: int | None, manifest_sha256: str | None) -> Snapshot | None:
         if target is None:  # the newest genuine one: a forged newer version must not stall us
             if self.public_key is not None:
-                target = Trust(self.public_key).latest(self.store, after=self.version)
+                target = self.trust.latest(self.store, after=self.version)
             else:
                 target = self.store.latest(after=self.version)
             if target is None:

@@ -54,6 +54,7 @@ class StoredObject:
     name: str  # file name inside the version directory
     size: int
     last_modified: datetime
+    etag: str = ""  # changes whenever the object is rewritten
 
 
 def version_dirname(version: int) -> str:
@@ -175,6 +176,7 @@ class WeightStore:
                         name=match.group(2),
                         size=int(item["Size"]),
                         last_modified=item["LastModified"],
+                        etag=str(item.get("ETag", "")),
                     )
 
     def versions(self, after: int | None = None) -> list[int]:
