@@ -150,20 +150,27 @@ def reward_flag_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
 
 def reward_function_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     """Each reward function's mean value per step (``reward/fn/<name>``), over the
-    trajectories it gave a value for, from the ``rewards`` a task's reward functions
-    record per sample (``producers.rewards``)."""
+    trajectories it gave a value for, and the share of trajectories it failed on
+    (``reward/fn_failed/<name>``: raised, timed out or returned no number), from the
+    ``rewards`` and ``reward_errors`` a task's reward functions record per sample
+    (``producers.rewards``)."""
     seen: dict[str, list[float]] = {}
+    failed: dict[str, list[bool]] = {}
     for traj in trajectories:
         values = traj.reward_details.get("rewards")
         if not isinstance(values, dict):
             continue
+        errors = traj.reward_details.get("reward_errors")
         for name, value in values.items():
             if name not in seen and len(seen) >= MAX_REWARD_FLAGS:
                 continue
             numbers = seen.setdefault(str(name), [])
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 numbers.append(float(value))
-    return {f"reward/fn/{name}": float(np.mean(v)) for name, v in seen.items() if v}
+            failed.setdefault(str(name), []).append(isinstance(errors, dict) and name in errors)
+    out = {f"reward/fn/{name}": float(np.mean(v)) for name, v in seen.items() if v}
+    out.update({f"reward/fn_failed/{name}": float(np.mean(v)) for name, v in failed.items()})
+    return out
 
 
 def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:

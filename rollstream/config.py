@@ -75,6 +75,15 @@ class UpConfig(StrictModel):
     restarts: int = Field(
         default=0, ge=0, description="Restart a role that exits unexpectedly this many times."
     )
+    reward_failure_steps: int = Field(
+        default=5,
+        ge=0,
+        description="A reward function that failed on every sample of this many steps in a "
+        "row is reported (and ends the run unless on_reward_failure is warn); 0: never.",
+    )
+    on_reward_failure: Literal["stop", "warn"] = Field(
+        default="stop", description="What a reward function failing on every sample does."
+    )
     pin_cores: bool = Field(
         default=False,
         description="Pin roles to CPU cores (os.sched_setaffinity): trainer and streams on "

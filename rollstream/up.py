@@ -42,7 +42,7 @@ from pydantic import ValidationError
 
 from core.config import ConfigurationError
 from rollstream.config import RollstreamConfig, UpConfig
-from rollstream.up_display import Dashboard, eval_logs, fmt, trainer_logs
+from rollstream.up_display import Dashboard, RewardWatch, eval_logs, fmt, trainer_logs
 from rollstream.up_plan import (
     Ports,
     build_config,
@@ -69,6 +69,7 @@ class UpResult:
     reward_first: float | None
     reward_last: float | None
     pids: dict[str, int]
+    reward_failures: dict[str, float] = field(default_factory=dict)  # per reward function
     policies: dict[str, dict[str, Any]] = field(default_factory=dict)  # per policy's trainer
     evaluations: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # eval rows
 
@@ -126,7 +127,12 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
                 pollers = {policy.name: roles_poller(policy.config) for policy in plan}
                 try:
                     dashboard = Dashboard(config, plan, logs, pollers, evals)
-                    reason, finished = supervise(launcher, dashboard, stop, up.restarts)
+                    watch = RewardWatch(
+                        logs, up.reward_failure_steps, up.on_reward_failure == "stop"
+                    )
+                    reason, finished = supervise(
+                        launcher, dashboard, stop, up.restarts, watches=[watch]
+                    )
                 finally:
                     for poller in pollers.values():
                         poller.close()

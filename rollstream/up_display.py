@@ -61,13 +61,62 @@ class TrainerLog:
         return sum(values) / len(values) if values else None
 
     def summary(self) -> dict[str, Any]:
-        """Steps and the mean reward of the first and last 10 steps."""
+        """Steps, the mean reward of the first and last 10 steps, and each reward
+        function's share of failed samples over the run."""
         rewards = [row["reward/mean"] for row in self.rows if "reward/mean" in row]
         return {
             "steps": len(self.rows),
             "reward_first": sum(rewards[:10]) / len(rewards[:10]) if rewards else None,
             "reward_last": sum(rewards[-10:]) / len(rewards[-10:]) if rewards else None,
+            "reward_failures": self.reward_failures(),
         }
+
+    def reward_failures(self, last: int | None = None) -> dict[str, float]:
+        """Each reward function's mean share of failed samples over the last ``last``
+        steps (all when None)."""
+        rows = self.rows[-last:] if last else self.rows
+        names = {k.removeprefix(FAILED) for row in rows for k in row if k.startswith(FAILED)}
+        return {
+            name: mean
+            for name in sorted(names)
+            if (mean := self.mean(FAILED + name, len(rows))) is not None
+        }
+
+    def always_failing(self, steps: int) -> list[str]:
+        """Reward functions that failed on every sample of each of the last ``steps``
+        steps (none until there are that many)."""
+        rows = self.rows[-steps:]
+        if steps < 1 or len(rows) < steps:
+            return []
+        names = {k.removeprefix(FAILED) for k in rows[-1] if k.startswith(FAILED)}
+        return sorted(n for n in names if all(row.get(FAILED + n) == 1.0 for row in rows))
+
+
+FAILED = "reward/fn_failed/"
+"""Trainer metric prefix: a reward function's share of failed samples in a step."""
+
+
+@dataclass
+class RewardWatch:
+    """A reward function that fails on every sample, step after step, trains nothing:
+    ``check`` says so once per function (``ends_run``: the supervisor stops the run)."""
+
+    logs: Mapping[str, TrainerLog]
+    steps: int
+    ends_run: bool
+    _told: set[tuple[str, str]] = field(default_factory=set)
+
+    def check(self) -> str | None:
+        for policy, log in self.logs.items():
+            for name in log.always_failing(self.steps):
+                if (policy, name) not in self._told:
+                    self._told.add((policy, name))
+                    where = f" (policy {policy})" if policy else ""
+                    return (
+                        f"reward function {name}{where} failed on every sample for "
+                        f"{self.steps} steps: see the producer log for why"
+                    )
+        return None
 
 
 class Rate:
@@ -215,6 +264,11 @@ class Dashboard:
                 f"staleness {fmt(last.get('staleness/mean'), '.2f')}  "
                 f"{fmt(last.get('throughput/tokens_per_s'), '.0f')} tok/s  "
                 f"{steps / elapsed if elapsed > 0 else 0:.2f} steps/s"
+                + "".join(
+                    f"  {name} failed {share:.0%}"
+                    for name, share in log.reward_failures(10).items()
+                    if share > 0
+                )
             )
         }
         s = _merged(scrape(port) for port in ports.all_streams_metrics)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import signal
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Protocol
@@ -86,6 +86,15 @@ def start_roles(launcher: Launcher, stop: StopFlag, ready_timeout_s: float) -> N
         click.echo(f"{name} ready (pid {role.pid}, log {role.log_file})", err=True)
 
 
+class Watch(Protocol):
+    """Something the loop checks besides the processes: ``check`` returns a message when
+    it sees a problem; with ``ends_run`` that message ends the run."""
+
+    ends_run: bool
+
+    def check(self) -> str | None: ...
+
+
 class Display(Protocol):
     """What the loop shows: a live table on a terminal, else a line now and then."""
 
@@ -103,10 +112,15 @@ def alive(launcher: Launcher) -> dict[str, str]:
 
 
 def supervise(
-    launcher: Launcher, display: Display, stop: StopFlag, restarts: int
+    launcher: Launcher,
+    display: Display,
+    stop: StopFlag,
+    restarts: int,
+    watches: Sequence[Watch] = (),
 ) -> tuple[str, bool]:
-    """Show progress until a trainer ends, a role fails for good, or a signal arrives;
-    returns why the run ended and whether it finished (a trainer reached max_steps)."""
+    """Show progress until a trainer ends, a role fails for good, a watch that ends the
+    run sees a problem, or a signal arrives; returns why the run ended and whether it
+    finished (a trainer reached max_steps)."""
     from rich.console import Console
     from rich.live import Live
 
@@ -131,6 +145,11 @@ def supervise(
             else:
                 ended = f"{role.name} exited with code {role.returncode()}"
                 return (f"{ended}: {cause}" if cause else ended, False)
+        for watch in watches:
+            if (problem := watch.check()) is not None:
+                if watch.ends_run:
+                    return (problem, False)
+                console.log(f"[bold red]{problem}[/]")
         return None
 
     last_line = 0.0

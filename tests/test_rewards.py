@@ -336,6 +336,7 @@ def test_group_records_carry_each_function_and_the_step_reports_them(
     step = data_metrics(records, version=1)
     assert step["reward/reward_failed_frac"] == 1.0
     assert step["reward/fn/echo"] == 0.0 and "reward/fn/picky" not in step
+    assert step["reward/fn_failed/picky"] == 1.0 and step["reward/fn_failed/echo"] == 0.0
 
 
 def test_epochs_walk_every_row_once_and_resume_gives_back_what_was_not_delivered(

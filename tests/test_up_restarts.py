@@ -9,13 +9,16 @@ same loop in ``tests/test_chaos.py``.
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from core.process import Launcher, RoleSpec
 from rollstream.config import load_config
-from rollstream.up_display import Dashboard, TrainerLog
+from rollstream.up_display import Dashboard, RewardWatch, TrainerLog
 from rollstream.up_plan import Ports, plan_policies
 from rollstream.up_supervise import StopFlag, supervise
 
@@ -118,3 +121,54 @@ def test_without_restarts_a_killed_trainer_ends_the_run(tmp_path: Path) -> None:
     launcher = _trainer_killed_once(tmp_path)
     assert _supervise(tmp_path, launcher, restarts=0) == ("trainer exited with code -9", False)
     assert launcher.roles["trainer"].starts == 1
+
+
+def _failing_rows(path: Path, steps: int, share: float) -> None:
+    rows = [
+        {"step": s, "reward/mean": 0.0, "reward/fn_failed/accuracy": share,
+         "reward/fn_failed/format": 0.0}
+        for s in range(1, steps + 1)
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+@pytest.mark.parametrize(("ends_run", "finished"), [(True, False), (False, True)])
+def test_a_reward_function_failing_on_every_sample_is_seen(
+    tmp_path: Path, ends_run: bool, finished: bool
+) -> None:
+    """Five steps in which one reward function failed on every sample: the run stops
+    naming it (or, with ``warn``, goes on to its end)."""
+    metrics = tmp_path / "metrics.jsonl"
+    _failing_rows(metrics, steps=5, share=1.0)
+    logs = {"": TrainerLog(metrics)}
+    launcher = Launcher(tmp_path / "logs")
+    trainer = "import time\ntime.sleep(3)\n"  # finishes (max_steps) after a while
+    launcher.add(RoleSpec("trainer", _script(tmp_path / "trainer.py", trainer)))
+    watch = RewardWatch(logs, steps=5, ends_run=ends_run)
+    try:
+        launcher.roles["trainer"].start()
+        config = load_config(None, run_id="rewards")
+        display = Dashboard(config, plan_policies(config, Ports.free()), logs)
+        reason, done = supervise(launcher, display, StopFlag(), 0, watches=[watch])
+    finally:
+        launcher.stop_all(timeout_s=10)
+    assert done is finished
+    if ends_run:
+        assert reason == (
+            "reward function accuracy failed on every sample for 5 steps: "
+            "see the producer log for why"
+        )
+    assert logs[""].summary()["reward_failures"] == {"accuracy": 1.0, "format": 0.0}
+
+
+def test_a_reward_function_that_sometimes_works_is_not_reported(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    _failing_rows(metrics, steps=4, share=1.0)  # fewer steps than the watch needs
+    log = TrainerLog(metrics)
+    log.poll()
+    assert RewardWatch({"": log}, steps=5, ends_run=True).check() is None
+    _failing_rows(metrics, steps=8, share=0.75)
+    log = TrainerLog(metrics)
+    log.poll()
+    assert log.always_failing(5) == [] and log.reward_failures(10)["accuracy"] == 0.75
+    assert RewardWatch({"": log}, steps=0, ends_run=True).check() is None  # off
