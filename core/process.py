@@ -121,10 +121,15 @@ class ServiceProcess:
         return self.pid() is not None
 
     def start(
-        self, argv: Sequence[str], env: Mapping[str, str], marker: str, cwd: Path | None = None
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        marker: str,
+        cwd: Path | None = None,
+        umask: int = -1,
     ) -> int:
-        """Start detached (in ``cwd`` if given); ``marker`` is a string unique to this
-        command line."""
+        """Start detached (in ``cwd`` if given, with ``umask`` unless -1); ``marker`` is a
+        string unique to this command line."""
         if (pid := self.pid()) is not None:
             return pid
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -137,6 +142,7 @@ class ServiceProcess:
                 env=dict(env),
                 cwd=cwd,
                 start_new_session=True,
+                umask=umask,
             )
         # Until exec() completes, /proc shows the forked Python's command line; wait for
         # ours so that running() (which checks the marker) never sees a stranger.
