@@ -91,6 +91,19 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+# What any service may read from the parent's environment: the rest (cloud keys, tokens)
+# stays out of a process that has no use for it and that others may be able to inspect.
+SERVICE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR")
+
+
+def service_env(*names: str, **deliberate: str) -> dict[str, str]:
+    """The whole environment of a service: the parent's ``SERVICE_ENV``, locale
+    (``LC_*``) and ``names``, plus the ``deliberate`` settings."""
+    keep = set(SERVICE_ENV) | set(names)
+    env = {k: v for k, v in os.environ.items() if k in keep or k.startswith("LC_")}
+    return env | deliberate
+
+
 @dataclass(frozen=True)
 class ServiceProcess:
     """One detached service: ``name`` labels logs; files live in ``run_dir``."""

@@ -31,7 +31,7 @@ import orjson
 from botocore.exceptions import ClientError
 
 from core.config import S3Config
-from core.process import ServiceError, ServiceProcess, free_port
+from core.process import ServiceError, ServiceProcess, free_port, service_env
 from infra.tls import TlsFiles, replace_private, write_tls_files
 from weights.store import make_s3_client
 
@@ -61,6 +61,9 @@ _PORT_FLAGS = (
     "admin.port",
     "admin.port.grpc",
 )
+
+# Go runtime settings a user may tune for the store (GOMEMLIMIT is set from the config).
+_GO_RUNTIME_ENV = ("GOMAXPROCS", "GOGC", "GODEBUG")
 
 
 def weed_binary() -> str:
@@ -157,8 +160,9 @@ class SeaweedServer:
                 "-master.volumeSizeLimitMB=256",
                 *(f"-{flag}={port}" for flag, port in self.ports().items()),
             ]
-            env = dict(os.environ)
-            env.update(
+            # WEED_* variables would override security.toml: none comes from the parent
+            env = service_env(
+                *_GO_RUNTIME_ENV,
                 AWS_ACCESS_KEY_ID=EMBEDDED_ACCESS_KEY,
                 AWS_SECRET_ACCESS_KEY=self.secret(),
                 GOMEMLIMIT=self.memory_limit,
