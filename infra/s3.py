@@ -93,7 +93,7 @@ class SeaweedServer:
             _write_private(path, secrets.token_urlsafe(32))
         return path.read_text().strip()
 
-    def _write_security(self) -> TlsFiles:
+    def _write_security(self) -> None:
         """``security.toml`` and the certificates it names, fresh for every start.
 
         JWT keys make the filer's HTTP API and the volume servers demand tokens only the
@@ -102,18 +102,16 @@ class SeaweedServer:
         (``/col/delete`` drops a bucket) to a client without that certificate.
         """
         tls = write_tls_files(self.data_dir, TLS_NAME)
-        grpc_ca = {"ca": tls.ca}
         server = {"cert": tls.cert, "key": tls.key, "allowed_commonNames": TLS_NAME}
         sections: dict[str, dict[str, str | bool]] = {
             **{name: {"key": secrets.token_hex(32)} for name in _JWT_SECTIONS},
-            "grpc": grpc_ca,
+            "grpc": {"ca": tls.ca},
             **{f"grpc.{name}": server for name in _GRPC_SERVERS},
             "grpc.client": {"cert": tls.cert, "key": tls.key},
             "https.master": {"cert": tls.cert, "key": tls.key, "ca": tls.ca},
             "access": {"ui": False},
         }
         replace_private(self.data_dir / SECURITY_FILE, _toml(sections).encode())
-        return tls
 
     def ports(self) -> dict[str, int]:
         ports_file = self.data_dir / "ports.json"
