@@ -111,6 +111,19 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+# What any service may read from the parent's environment: the rest (cloud keys, tokens)
+# stays out of a process that has no use for it and that others may be able to inspect.
+SERVICE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR")
+
+
+def service_env(*names: str, **deliberate: str) -> dict[str, str]:
+    """The whole environment of a service: the parent's ``SERVICE_ENV``, locale
+    (``LC_*``) and ``names``, plus the ``deliberate`` settings."""
+    keep = set(SERVICE_ENV) | set(names)
+    env = {k: v for k, v in os.environ.items() if k in keep or k.startswith("LC_")}
+    return env | deliberate
+
+
 @dataclass(frozen=True)
 class ServiceProcess:
     """One detached service: ``name`` labels logs; files live in ``run_dir``."""
@@ -141,10 +154,15 @@ class ServiceProcess:
         return self.pid() is not None
 
     def start(
-        self, argv: Sequence[str], env: Mapping[str, str], marker: str, cwd: Path | None = None
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        marker: str,
+        cwd: Path | None = None,
+        umask: int = -1,
     ) -> int:
-        """Start detached (in ``cwd`` if given); ``marker`` is a string unique to this
-        command line."""
+        """Start detached (in ``cwd`` if given, with ``umask`` unless -1); ``marker`` is a
+        string unique to this command line."""
         if (pid := self.pid()) is not None:
             return pid
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -157,6 +175,7 @@ class ServiceProcess:
                 env=dict(env),
                 cwd=cwd,
                 start_new_session=True,
+                umask=umask,
             )
         # Until exec() completes, /proc shows the forked Python's command line; wait for
         # ours so that running() (which checks the marker) never sees a stranger.

@@ -26,7 +26,7 @@ import orjson
 from confluent_kafka.admin import AdminClient
 
 from core.config import KafkaConfig
-from core.process import ServiceError, ServiceProcess, free_port, port_open, tail
+from core.process import ServiceError, ServiceProcess, free_port, port_open, service_env, tail
 
 INFRA_DIR = Path(__file__).resolve().parent
 POM = INFRA_DIR / "pom.xml"
@@ -41,12 +41,20 @@ JVM_PROFILES: dict[str, list[str]] = {
     "light": ["-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC"],
     "throughput": ["-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20"],
 }
+# What the JVM reads from its environment (``java`` is started directly: no Kafka script
+# reads KAFKA_OPTS or KAFKA_HEAP_OPTS).
+JVM_ENV = ("JAVA_HOME", "JAVA_TOOL_OPTIONS", "JDK_JAVA_OPTIONS", "_JAVA_OPTIONS")
 
 
-def _run_tool(cmd: list[str], what: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` to completion within ``timeout_s`` (the child is killed past it)."""
+def _run_tool(
+    cmd: list[str], what: str, timeout_s: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` to completion within ``timeout_s`` (the child is killed past it), in
+    ``env`` if given, else in this process's environment."""
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=timeout_s)
+        return subprocess.run(
+            cmd, capture_output=True, text=True, check=False, timeout=timeout_s, env=env
+        )
     except subprocess.TimeoutExpired as err:
         # what it printed so far (bytes even with text=True, on some Python versions)
         parts = [
@@ -233,6 +241,7 @@ class EmbeddedKafka:
             ),
             f"formatting {self.log_dir}",
             STORAGE_TOOL_TIMEOUT_S,
+            service_env(*JVM_ENV),
         )
         if result.returncode != 0 or not self.formatted():
             raise ServiceError(f"formatting {self.log_dir} failed:\n{result.stdout}{result.stderr}")
@@ -242,7 +251,7 @@ class EmbeddedKafka:
         if not self.process.running():
             self.format()
             argv = self._java("kafka.Kafka", str(self.properties_file), heap=self.config.heap)
-            self.process.start(argv, dict(os.environ), marker=str(self.properties_file))
+            self.process.start(argv, service_env(*JVM_ENV), marker=str(self.properties_file))
 
     def wait_ready(self, timeout: float = 90.0) -> str:
         """Wait until the broker answers; returns its bootstrap address."""

@@ -6,11 +6,14 @@ mini`` opens a dozen ports (master, volume, filer, S3, their gRPC twins, admin, 
 Lance); all of them are chosen once and stored in the data directory, so two instances
 (two "regions" in tests) never collide and a restarted one comes back where it was.
 
-Only the S3 gateway may write: its secret is random per data directory (``s3-secret``,
-mode 0600), and a ``security.toml`` beside it (0600, random keys; ``weed`` reads it from
-its working directory) makes the filer's HTTP API and the volume servers demand a JWT
-signed with keys only the gateway holds. Without that, anyone on the host could write
-the bucket through the filer port with no credentials at all.
+Only the S3 gateway answers a client without the store's files: its secret is random
+per data directory (``s3-secret``, mode 0600). A ``security.toml`` beside it (0600, made
+again at every start; ``weed`` reads it from its working directory) makes the filer's
+HTTP API and the volume servers demand a JWT signed with keys only the gateway holds,
+and puts every gRPC port (and its unix socket) and the master's HTTP API behind mutual
+TLS with a private CA whose key is thrown away (``infra.tls``). Without them anyone on
+the host could copy files into the bucket (``weed filer.copy``), delete them (``weed
+shell``) or drop the whole bucket (the master's ``/col/delete``) with no credentials.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import ssl
 import sys
 import urllib.request
 from pathlib import Path
@@ -27,13 +31,23 @@ import orjson
 from botocore.exceptions import ClientError
 
 from core.config import S3Config
-from core.process import ServiceError, ServiceProcess, free_port
+from core.process import ServiceError, ServiceProcess, free_port, service_env
+from infra.tls import TlsFiles, replace_private, write_tls_files
 from weights.store import make_s3_client
 
 # Access key id of the embedded store; its secret is random per data directory.
 EMBEDDED_ACCESS_KEY = "rollstream"
 SECRET_FILE = "s3-secret"
 SECURITY_FILE = "security.toml"
+# Common name of the one certificate every component presents and asks for.
+TLS_NAME = "rollstream-seaweedfs"
+
+_JWT_SECTIONS = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
+# Every gRPC server ``weed mini`` may run: each demands a certificate from our CA.
+_GRPC_SERVERS = (
+    *("master", "volume", "filer", "s3", "admin"),
+    *("worker", "msg_broker", "msg_agent", "mq"),
+)
 
 _PORT_FLAGS = (
     "master.port",
@@ -47,6 +61,9 @@ _PORT_FLAGS = (
     "admin.port",
     "admin.port.grpc",
 )
+
+# Go runtime settings a user may tune for the store (GOMEMLIMIT is set from the config).
+_GO_RUNTIME_ENV = ("GOMAXPROCS", "GOGC", "GODEBUG")
 
 
 def weed_binary() -> str:
@@ -77,20 +94,24 @@ class SeaweedServer:
         return path.read_text().strip()
 
     def _write_security(self) -> None:
-        """``security.toml``: JWT keys for the filer's HTTP API and the volume servers, so
-        that only the S3 gateway (which reads the same file) can read or write data."""
-        path = self.data_dir / SECURITY_FILE
-        if path.exists():
-            return
-        sections = (
-            "jwt.signing",
-            "jwt.signing.read",
-            "jwt.filer_signing",
-            "jwt.filer_signing.read",
-        )
-        _write_private(
-            path, "".join(f'[{name}]\nkey = "{secrets.token_hex(32)}"\n' for name in sections)
-        )
+        """``security.toml`` and the certificates it names, fresh for every start.
+
+        JWT keys make the filer's HTTP API and the volume servers demand tokens only the
+        S3 gateway can sign; mutual TLS with a private CA (whose key is discarded once it
+        signed the one certificate) closes every gRPC port and the master's HTTP API
+        (``/col/delete`` drops a bucket) to a client without that certificate.
+        """
+        tls = write_tls_files(self.data_dir, TLS_NAME)
+        server = {"cert": tls.cert, "key": tls.key, "allowed_commonNames": TLS_NAME}
+        sections: dict[str, dict[str, str | bool]] = {
+            **{name: {"key": secrets.token_hex(32)} for name in _JWT_SECTIONS},
+            "grpc": {"ca": tls.ca},
+            **{f"grpc.{name}": server for name in _GRPC_SERVERS},
+            "grpc.client": {"cert": tls.cert, "key": tls.key},
+            "https.master": {"cert": tls.cert, "key": tls.key, "ca": tls.ca},
+            "access": {"ui": False},
+        }
+        replace_private(self.data_dir / SECURITY_FILE, _toml(sections).encode())
 
     def ports(self) -> dict[str, int]:
         ports_file = self.data_dir / "ports.json"
@@ -137,14 +158,16 @@ class SeaweedServer:
                 "-master.volumeSizeLimitMB=256",
                 *(f"-{flag}={port}" for flag, port in self.ports().items()),
             ]
-            env = dict(os.environ)
-            env.update(
+            # WEED_* variables would override security.toml: none comes from the parent
+            env = service_env(
+                *_GO_RUNTIME_ENV,
                 AWS_ACCESS_KEY_ID=EMBEDDED_ACCESS_KEY,
                 AWS_SECRET_ACCESS_KEY=self.secret(),
                 GOMEMLIMIT=self.memory_limit,
             )
             # weed finds security.toml in its working directory
-            self.process.start(argv, env, marker=f"-dir={store}", cwd=self.data_dir)
+            # umask 077: its unix sockets (in /tmp) and files are its owner's alone
+            self.process.start(argv, env, marker=f"-dir={store}", cwd=self.data_dir, umask=0o077)
 
     def wait_ready(self, timeout: float = 60.0) -> str:
         """Wait until S3 answers and every volume on disk is registered; returns the URL.
@@ -155,9 +178,10 @@ class SeaweedServer:
         """
         client = make_s3_client(self.config())
         on_disk = len(list((self.data_dir / "store").glob("*.dat")))
-        master = f"http://127.0.0.1:{self.ports()['master.port']}/dir/status"
+        master = f"https://127.0.0.1:{self.ports()['master.port']}/dir/status"
+        tls = TlsFiles.in_dir(self.data_dir).client_context()
         self.process.wait_until(
-            lambda: _answers(client) and _registered_volumes(master) >= on_disk,
+            lambda: _answers(client) and _registered_volumes(master, tls) >= on_disk,
             timeout,
             f"an S3 endpoint that answers with all {on_disk} volumes registered",
         )
@@ -179,14 +203,24 @@ def _write_private(path: Path, text: str) -> None:
         fh.write(text)
 
 
+def _toml(sections: dict[str, dict[str, str | bool]]) -> str:
+    """The sections as TOML (strings quoted by JSON's rules, which TOML's basic strings
+    share for what we write)."""
+    return "".join(
+        f"[{name}]\n"
+        + "".join(f"{key} = {orjson.dumps(value).decode()}\n" for key, value in body.items())
+        for name, body in sections.items()
+    )
+
+
 def _answers(client: Any) -> bool:
     client.list_buckets()
     return True
 
 
-def _registered_volumes(master_status_url: str) -> int:
+def _registered_volumes(master_status_url: str, tls: ssl.SSLContext) -> int:
     """How many volumes the SeaweedFS master has heard of from its volume servers."""
-    with urllib.request.urlopen(master_status_url, timeout=2) as response:
+    with urllib.request.urlopen(master_status_url, timeout=2, context=tls) as response:
         topology = orjson.loads(response.read())["Topology"]
     return sum(
         node.get("Volumes", 0)
