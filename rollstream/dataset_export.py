@@ -29,6 +29,7 @@ import click
 
 from rollstream.config import RollstreamConfig
 from rollstream.export import OUT_DIRECTORY, ExportError, staged_directory
+from rollstream.runs import run_config
 
 if TYPE_CHECKING:
     from schemas.group import ScoredGroup
@@ -262,6 +263,7 @@ def export_dataset(
     if min_reward is not None and not math.isfinite(min_reward):
         raise click.BadParameter("must be a finite number", param_hint="--min-reward")
     run = run or config.run_id
+    config = run_config(config, run)  # a run made by `up` keeps its ledger in its run dir
     ledger = ledger or ledger_path(config, config.trainer)
     if not ledger.is_file():
         raise click.ClickException(

@@ -9,7 +9,8 @@ the trainer's JSONL is the report's one source.
 **Where the metrics are**, first match wins:
 
 1. ``--metrics FILE`` (repeatable; several files of one run, e.g. before and after a move);
-2. ``[trainer] metrics_file`` of the config, when RUN is the config's ``run_id``;
+2. ``[trainer] metrics_file`` of the config, when RUN is the config's ``run_id`` (of the
+   config ``up`` wrote for RUN when it made it: ``rollstream.runs``);
 3. ``<state_dir>/trainer/<RUN>/metrics.jsonl``: the run's trainer directory (checkpoints
    live there too). Point ``[trainer] metrics_file`` there to have reports find it.
 
@@ -53,6 +54,7 @@ from consumers.config import trainer_home
 from producers.config import EvalConfig
 from rollstream.config import RollstreamConfig
 from rollstream.report_compare import write_page
+from rollstream.runs import run_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +125,7 @@ def metrics_paths(config: RollstreamConfig, run: str, given: Sequence[Path]) -> 
         if missing:
             raise click.ClickException(f"metrics file(s) not found: {', '.join(missing)}")
         return list(given)
+    config = run_config(config, run)
     tried: list[Path] = []
     configured = config.trainer.metrics_file
     if configured is not None and run == config.run_id:
@@ -137,6 +140,7 @@ def metrics_paths(config: RollstreamConfig, run: str, given: Sequence[Path]) -> 
 
 def eval_path(config: RollstreamConfig, run: str) -> Path | None:
     """RUN's eval metrics (``rollstream eval``), where its config or state dir puts them."""
+    config = run_config(config, run)
     configured = config.producers.eval.metrics_file
     if configured is not None and run == config.run_id and Path(configured).is_file():
         return Path(configured)

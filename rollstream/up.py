@@ -42,6 +42,7 @@ from pydantic import ValidationError
 
 from core.config import ConfigurationError
 from rollstream.config import RollstreamConfig, UpConfig
+from rollstream.runs import up_run_dir
 from rollstream.up_display import Dashboard, RewardWatch, eval_logs, fmt, trainer_logs
 from rollstream.up_plan import (
     Ports,
@@ -217,7 +218,7 @@ def up(ctx: click.Context, run_id: str | None, run_dir: Path | None, **options: 
         )
     up_config = with_options(config.up, given)
     run_id = run_id or _default_run_id(config)
-    run_dir = (run_dir or config.state_dir / "runs" / run_id).absolute()
+    run_dir = (run_dir or up_run_dir(config, run_id)).absolute()
     try:
         check_models(config)
         check_tasks(config)

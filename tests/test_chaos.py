@@ -4,9 +4,15 @@ One run of the whole pipeline (tiny model, ``copy-first-digit-twice``), with its
 embedded Kafka broker and SeaweedFS store in the test's temporary directory (the broker
 must be restarted, so the session's shared one cannot be used). The roles are the
 commands ``rollstream up`` starts (``rollstream.up_plan.role_specs``), supervised with
-``core.process``. While data flows: SIGKILL and restart the producer, the engine, the
-stream worker and the trainer (between two of its checkpoints), then SIGKILL the broker
-and start it again on the same data directory. Then drain: stop the producer (SIGTERM),
+``core.process``, under ``up``'s own supervision loop with ``--restarts 2``
+(``rollstream.up_supervise.supervise``). While data flows, an attacker who can write the
+bucket and produce to ``policy.versions`` (but holds no signing key) forges 16 manifests
+above the trainer's newest version (the next slots the trainer will claim among them), a
+replay of the newest announcement with a larger pace and an announcement of a far
+version; retention runs every 2 versions with a window of 4. Then SIGKILL the producer,
+the engine, the stream worker and the trainer (between two of its checkpoints), each
+started again by the supervision loop, then SIGKILL the broker and start it again on the
+same data directory. Then drain: stop the producer (SIGTERM),
 start it once more to deliver ``GROUPS`` groups and stop by itself (``--groups``), wait
 until the stream has an outcome for every raw record and the trainer has trained
 everything scored, and stop the trainer (it checkpoints).
@@ -26,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -33,17 +40,23 @@ from pathlib import Path
 
 import pytest
 from support.streams import read_topic
+from weights_support import forge, forged_announcement
 
 from core.process import Launcher, RoleProcess
 from infra.services import Services
 from rollstream.audit import AuditReport, AuditSources, audit
 from rollstream.config import RollstreamConfig, UpConfig, load_config
-from rollstream.up_display import TrainerLog
+from rollstream.up_display import Dashboard, TrainerLog
 from rollstream.up_plan import Ports, build_config, plan_policies, role_specs, write_config
-from rollstream.up_supervise import STOP_ORDER
+from rollstream.up_supervise import STOP_ORDER, StopFlag, supervise
 from schemas.codec import decode
 from schemas.control import PromptStats, prompt_key
 from schemas.group import decode_group
+from weights.announce import AnnouncementListener, Announcer
+from weights.errors import FormatError, ObjectMissing
+from weights.follower import WeightFollower
+from weights.store import WeightStore
+from weights.trust import Trust
 
 pytestmark = pytest.mark.system
 
@@ -52,6 +65,9 @@ GROUPS = 8  # the last producer incarnation delivers this many groups, then stop
 GROUPS_PER_STEP = 4
 CHECKPOINT_EVERY = 3
 READY_S = 180.0
+RESTARTS = 2  # ``up --restarts 2``
+FORGED = 16  # forged manifests above the trainer's newest version
+KEEP_VERSIONS = 4
 
 
 def _config(tmp_path: Path) -> tuple[RollstreamConfig, Ports]:
@@ -76,7 +92,9 @@ def _config(tmp_path: Path) -> tuple[RollstreamConfig, Ports]:
         trainer={
             "ledger_file": str(run_dir / "trainer-ledger.jsonl"),
             "checkpoint": {"every": CHECKPOINT_EVERY, "dir": str(run_dir / "checkpoints")},
+            "publish": {"gc_every": 2},
         },
+        weights={"keep_versions": KEEP_VERSIONS},
     )
     up = UpConfig(max_steps=100_000)
     ports = Ports.free()
@@ -121,13 +139,41 @@ class Run:
             self.launcher.add(spec)
         self.log = TrainerLog(Path(str(config.trainer.metrics_file)))
         self.events: list[str] = []
+        self.ports = ports
+        self.supervisor: threading.Thread | None = None
+        self.supervision = StopFlag()
+        self.outcome: list[tuple[str, bool]] = []
 
     def role(self, name: str) -> RoleProcess:
         return self.launcher.roles[name]
 
     def started(self) -> list[RoleProcess]:
-        """The roles that must keep running: every started one."""
+        """The roles that must keep running: every started one (none while the
+        supervision loop restarts them: then the loop itself must keep running)."""
+        if self.supervisor is not None:
+            if self.outcome:
+                pytest.fail(f"up's supervision loop ended the run: {self.outcome[0]}")
+            return []
         return [r for r in self.launcher.roles.values() if r.proc is not None]
+
+    def supervise(self) -> None:
+        """Run ``up``'s supervision loop (``--restarts 2``) in a thread from now on."""
+        logs = {"": TrainerLog(self.log.path)}  # the loop's own reader of the metrics
+        display = Dashboard(self.config, plan_policies(self.config, self.ports), logs)
+
+        def loop() -> None:
+            self.outcome.append(supervise(self.launcher, display, self.supervision, RESTARTS))
+
+        self.supervisor = threading.Thread(target=loop, name="up-supervise", daemon=True)
+        self.supervisor.start()
+
+    def end_supervision(self) -> None:
+        """Stop the loop as ``up``'s signal handler would; it must not have ended the run."""
+        assert self.supervisor is not None
+        self.supervision.signum = signal.SIGTERM
+        self.supervisor.join(30)
+        assert self.outcome == [("stopped by SIGTERM", False)], self.outcome
+        self.supervisor = None
 
     def steps(self) -> int:
         """Optimiser steps taken so far, re-trained ones after a crash included."""
@@ -147,13 +193,43 @@ class Run:
         _wait(f"{more} more trainer steps", done, timeout_s, self.started())
 
     def crash(self, name: str, ready_s: float = READY_S) -> None:
-        """SIGKILL a role and start it again."""
+        """SIGKILL a role, as ``kill -9`` from outside; the supervision loop starts it again."""
         role = self.role(name)
-        code = role.kill()
-        self.events.append(f"{name} killed (exit {code}) at trainer step {self.last_step()}")
-        assert code == -signal.SIGKILL, f"{name} was not running ({code}):\n{_tail(role)}"
-        role.start()
+        starts, pid = role.starts, role.pid
+        assert pid is not None and role.running(), f"{name} is not running:\n{_tail(role)}"
+        os.kill(pid, signal.SIGKILL)
+        self.events.append(f"{name} killed (SIGKILL) at trainer step {self.last_step()}")
+        _wait(f"up to restart {name}", lambda: role.starts > starts, 30, self.started())
         role.wait_ready(ready_s)
+        self.events.append(f"{name} restarted by up's loop (start {role.starts})")
+
+    def forge(self) -> None:
+        """What an attacker with the bucket's credentials and produce rights on
+        ``policy.versions``, but no signing key, does to the run."""
+        store = WeightStore.from_config(self.config.s3, RUN)
+        head = store.versions()[-1]
+        for version in range(head + 2, head + 2 + FORGED):
+            forge(store, version, like=head)
+        client = self.config.kafka.client_config()
+        topic = self.config.weights.topic
+        listener = AnnouncementListener(client, RUN, topic)
+        try:
+            newest = listener.latest(timeout_s=30)
+        finally:
+            listener.close()
+        assert newest is not None and newest.groups_per_step == GROUPS_PER_STEP
+        attacker = Announcer(client, topic)
+        try:
+            # a replay claiming the most producers the bounds allow: each one's share shrinks
+            replayed = dataclasses.replace(newest, producers=GROUPS_PER_STEP * 3, signature=None)
+            attacker.announce(replayed)
+            attacker.announce(forged_announcement(RUN, head + 10**6))
+        finally:
+            attacker.close()
+        self.events.append(
+            f"forged v{head + 2}..v{head + 1 + FORGED} and two announcements at trainer "
+            f"step {self.last_step()} (newest genuine v{head})"
+        )
 
 
 def test_kill_every_role_and_restart_broker_then_reconcile(
@@ -178,6 +254,9 @@ def test_kill_every_role_and_restart_broker_then_reconcile(
                 run.role(name).start()
             run.role(name).wait_ready(READY_S)
         run.wait_steps(1, timeout_s=240)
+        run.supervise()
+        run.forge()
+        run.wait_steps(2)  # past the forged slots' start: the trainer claims around them
 
         run.crash("producer")
         run.wait_steps(1)  # it recovered; the next kill lands in a running pipeline
@@ -204,8 +283,10 @@ def test_kill_every_role_and_restart_broker_then_reconcile(
         run.events.append("broker started")
         run.wait_steps(1, timeout_s=180)
 
-        # drain: a clean stop (SIGTERM), then a last incarnation that delivers a fixed number
-        # of groups and stops by itself; the stream and the trainer catch up
+        # drain: the supervision loop ends (as up's does at a signal), a clean stop of the
+        # producer (SIGTERM), then a last incarnation that delivers a fixed number of groups
+        # and stops by itself; the stream and the trainer catch up
+        run.end_supervision()
         assert run.role("producer").stop(60) == 0, _tail(run.role("producer"))
         run.events.append(f"producer stopped (SIGTERM) at trainer step {run.last_step()}")
         spec = run.role("producer").spec
@@ -254,12 +335,35 @@ def test_kill_every_role_and_restart_broker_then_reconcile(
         _print(report, run.events, time.monotonic() - started)
         _check(report)
         _check_prompt_stats(config)
+        _check_weights(config, steps)
         assert retrained > 0, "the trainer was not killed between two checkpoints"
     finally:
         if run is not None:
             run.launcher.stop_all(STOP_ORDER, timeout_s=10)
             assert not run.launcher.leftovers()
         services.down()
+
+
+def _check_weights(config: RollstreamConfig, steps: list[int]) -> None:
+    """The trainer published past every forged slot, retention kept the genuine versions
+    (the newest and its chain) despite the forged ones above them, and a follower loads
+    the newest genuine version."""
+    store = WeightStore.from_config(config.s3, RUN)
+    trust = Trust.from_config(config.weights)
+    newest = trust.latest(store)
+    assert newest is not None and newest >= max(steps), (newest, max(steps))
+    genuine = [v for v in store.versions() if _verifies(trust, store, v)]
+    assert newest in genuine and len(genuine) >= KEEP_VERSIONS, genuine
+    snapshot = WeightFollower(store, public_key=trust.public_key).sync(newest)
+    assert snapshot is not None and snapshot.version == newest
+
+
+def _verifies(trust: Trust, store: WeightStore, version: int) -> bool:
+    try:
+        trust.manifest(store, version)
+    except (FormatError, ObjectMissing):
+        return False
+    return True
 
 
 def _print(report: AuditReport, events: list[str], seconds: float) -> None:

@@ -99,7 +99,13 @@ def chat_run(
         "tracking": {"backends": ["tensorboard"], "dir": str(path / "tracking")},
     }
     config = write_config(path, kafka_config, module_s3_config, "chat", extra)
-    return run_up(path, config, 600, "--max-steps", str(STEPS), pythonpath=SUPPORT)
+    run_dir = path / "state" / "runs" / "chat"  # where `up` puts a run it names itself
+    return run_up(path, config, 600, "--max-steps", str(STEPS), pythonpath=SUPPORT, run_dir=run_dir)
+
+
+def _home(run: UpRun) -> Path:
+    """The test's directory, holding the user's files: the run is <home>/state/runs/chat."""
+    return run.run_dir.parents[2]
 
 
 def test_the_reward_rises_under_warmup_and_cosine_decay(chat_run: UpRun) -> None:
@@ -143,7 +149,7 @@ def test_the_eval_split_is_reported_at_its_versions_and_tracked(chat_run: UpRun)
     assert versions and all(v % EVAL_EVERY == 0 for v in versions)
     assert STEPS in versions
     assert all("eval/reward/mean" in row and "eval/fn/two_digits" in row for row in evals)
-    tracking = chat_run.run_dir.parent / "tracking" / "tensorboard"
+    tracking = _home(chat_run) / "tracking" / "tensorboard"
     (trainer_dir,) = tracking.glob("chat-trainer*")
     (eval_dir,) = tracking.glob("chat-eval*")
     assert [step for step, _ in tensorboard_scalars(trainer_dir, "reward/mean")] == list(
@@ -172,7 +178,7 @@ def test_the_export_loads_in_transformers_and_answers_like_the_last_eval(
     # scores each prompt: the same answers give the same reward
     monkeypatch.syspath_prepend(str(SUPPORT))
     rewards = RewardSet.from_configs(load_config(config).producers.rollout.task_options["rewards"])
-    eval_rows = [json.loads(line) for line in (chat_run.run_dir.parent / "test.jsonl").open()]
+    eval_rows = [json.loads(line) for line in (_home(chat_run) / "test.jsonl").open()]
     answers, scores = [], []
     for row in eval_rows:
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, *row["messages"]]
@@ -193,3 +199,28 @@ def test_the_export_loads_in_transformers_and_answers_like_the_last_eval(
     assert sum(scores) / len(scores) == pytest.approx(last["eval/reward/mean"], abs=0.25), answers
     assert sum(a.isdigit() for a in answers) >= len(answers) // 2, answers  # the task's format
     assert_reconciles(chat_run.run_dir, chat_run.rows)
+
+
+def test_the_documented_follow_up_commands_find_the_run_from_the_users_config(
+    chat_run: UpRun, tmp_path: Path
+) -> None:
+    """After `up`, the commands of docs/your-own-run.md with the user's own file (not the
+    run directory's): the run is found by its id."""
+    users = _home(chat_run) / "rollstream.toml"
+
+    def command(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "rollstream", "--config", str(users), *args],
+            env=role_env(SUPPORT), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
+    reported = command("report", "chat", "--out", str(tmp_path / "report"))
+    assert f"{STEPS} steps" in reported and (tmp_path / "report").is_dir()
+    data = tmp_path / "data"
+    command("export-dataset", "--out", str(data), "--min-reward", "1")
+    from datasets import load_from_disk
+
+    rows = load_from_disk(str(data))
+    assert len(rows) > 0 and min(rows["reward"]) >= 1

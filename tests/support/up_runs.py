@@ -126,10 +126,16 @@ class UpRun:
 
 
 def run_up(
-    path: Path, config: Path, timeout_s: float, *args: str, pythonpath: Path | None = None
+    path: Path,
+    config: Path,
+    timeout_s: float,
+    *args: str,
+    pythonpath: Path | None = None,
+    run_dir: Path | None = None,
 ) -> UpRun:
-    """``rollstream up *args`` to its end; it must exit 0."""
-    run_dir = path / "run"
+    """``rollstream up *args`` to its end, in ``run_dir`` (default ``path/run``); it must
+    exit 0."""
+    run_dir = run_dir or path / "run"
     proc = start_up(config, run_dir, *args, pythonpath=pythonpath)
     out = finish(proc, timeout_s=timeout_s).decode(errors="replace")
     assert proc.returncode == 0, out[-4000:]
