@@ -362,7 +362,7 @@ class Gateway:
                 raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary")
             return call.prompt_ids, tokenizer.decode(call.prompt_ids, skip_special_tokens=False)
         if call.prompt_text is not None:
-            return tokenizer(call.prompt_text)["input_ids"], call.prompt_text
+            return self._tokenize(call.prompt_text, add_special_tokens=True), call.prompt_text
         if not getattr(tokenizer, "chat_template", None):
             raise BadRequest("the model's tokenizer has no chat template: use /v1/completions")
         try:
@@ -371,7 +371,16 @@ class Gateway:
             )
         except Exception as exc:  # the template is the model's code: any error is the input's
             raise BadRequest(f"the chat template cannot render these messages: {exc}") from exc
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
+        return self._tokenize(text, add_special_tokens=False), text
+
+    def _tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """The ids of ``text``; text the vocabulary cannot hold (the tiny model's digits
+        and ``+``) is the input's error."""
+        try:
+            found = self.tokenizer(text, add_special_tokens=add_special_tokens)
+        except ValueError as exc:
+            raise BadRequest(f"the model's tokenizer cannot encode the prompt: {exc}") from exc
+        return list(found["input_ids"])
 
     def _retokenize(self, context: list[int], text: str) -> list[int] | None:
         """``context`` and the tokens of ``text`` past the context's own text, when
@@ -380,8 +389,7 @@ class Gateway:
         prefix = self.tokenizer.decode(context, skip_special_tokens=False)
         if not text.startswith(prefix):
             return None
-        rest = text[len(prefix) :]
-        return context + list(self.tokenizer(rest, add_special_tokens=False)["input_ids"])
+        return context + self._tokenize(text[len(prefix) :], add_special_tokens=False)
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
