@@ -20,7 +20,7 @@ reward at the end. Endpoints (JSON; errors use OpenAI's ``{"error": {...}}`` bod
   ...}}`` (components summed), optional ``details``; ends the episode. A second close is
   answered 409, an unknown episode 404.
 - ``POST /v1/episodes/{id}/abort``: the agent gives the episode up (never published).
-- ``GET /v1/models``, ``GET /health``.
+- ``GET /v1/models`` (the names a call's ``model`` may give), ``GET /health``.
 
 A client that is gone before its answer is written (a timeout, a stream closed during
 generation) leaves an episode whose agent never saw the policy's turn: it is abandoned,
@@ -82,15 +82,18 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
-def _error_body(message: str, status: int) -> dict[str, Any]:
+def _error_body(message: str, status: int, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body; ``code`` where OpenAI names one (else the status)."""
     kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
         status, "invalid_request_error"
     )
-    return {"error": {"message": message, "type": kind, "code": status}}
+    return {"error": {"message": message, "type": kind, "code": code or status}}
 
 
-def _error(message: str, status: int, retry_after_s: int | None = None) -> web.Response:
-    response = _json(_error_body(message, status), status)
+def _error(
+    message: str, status: int, retry_after_s: int | None = None, code: str | None = None
+) -> web.Response:
+    response = _json(_error_body(message, status, code), status)
     if retry_after_s is not None:
         response.headers["Retry-After"] = str(retry_after_s)
     if status == 401:
@@ -141,6 +144,7 @@ class Gateway:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.model_name = model_name
+        self.model_names = list(dict.fromkeys([model_name, *config.served_model_names]))
         self.group_size = group_size
         self.vocab_size = vocab_size or len(tokenizer)
         self.max_call_tokens = config.max_call_tokens or generator.task.max_new_tokens
@@ -253,8 +257,11 @@ class Gateway:
         return _json({"episode_id": episode.episode_id, "state": episode.state})
 
     async def models(self, request: web.Request) -> web.Response:
-        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rollstream"}
-        return _json({"object": "list", "data": [model]})
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "rollstream"}
+            for name in self.model_names
+        ]
+        return _json({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
         return _json({"ok": True})
@@ -270,6 +277,15 @@ class Gateway:
     async def _call(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body = await _body(request)
+            model = body.get("model")
+            if model is not None and model not in self.model_names:
+                return _error(
+                    f"the model {model!r:.100} is not served here: this gateway serves "
+                    f"{', '.join(map(repr, self.model_names))} ([producers.rollout.gateway] "
+                    "served_model_names adds names)",
+                    404,
+                    code="model_not_found",
+                )
             call = (chat_request if chat else completion_request)(body, self.max_call_tokens)
             episode = self.desk.episode(_episode_id(request))
             if episode.busy:

@@ -114,7 +114,10 @@ def gateway_run(
         ledger_fsync=False,
         follow_weights=False,
         gateway=GatewayConfig(
-            enabled=True, port=port, api_key=KEY, **{"claim_wait_s": 5.0, **gateway}
+            enabled=True,
+            port=port,
+            api_key=KEY,
+            **{"claim_wait_s": 5.0, "served_model_names": ["policy"], **gateway},
         ),
     )
     settings = ProducersConfig(engine=EngineConfig(model=str(model), seed=7), rollout=rollout)
@@ -390,13 +393,13 @@ def test_an_edited_history_splits_the_episode_or_is_refused(
         opened = run.open()
         client = run.client(opened["episode_id"])
         messages = _messages(opened)
-        first = client.chat.completions.create(model="p", messages=messages, max_tokens=2)
+        first = client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
         edited = [
             *messages,
             {"role": "assistant", "content": "9" + first.choices[0].message.content},
         ]
         client.chat.completions.create(
-            model="p", messages=[*edited, {"role": "user", "content": "copy"}], max_tokens=2
+            model="policy", messages=[*edited, {"role": "user", "content": "copy"}], max_tokens=2
         )
         assert run.close(opened["episode_id"], 0.5).status_code == 200
     records = sorted(run.records(kafka_config), key=lambda t: t.sample_index)
@@ -412,10 +415,10 @@ def test_an_edited_history_splits_the_episode_or_is_refused(
         opened = run.open()
         client = run.client(opened["episode_id"])
         messages = _messages(opened)
-        client.chat.completions.create(model="p", messages=messages, max_tokens=2)
+        client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
         with pytest.raises(openai.ConflictError, match="do not extend"):
             client.chat.completions.create(
-                model="p",
+                model="policy",
                 messages=[*messages, {"role": "assistant", "content": "99999"}],
                 max_tokens=2,
             )
@@ -451,11 +454,11 @@ def test_abandoned_episodes_are_never_published_and_the_ledger_says_why(
         run.worker["w"].backend.engine.step_delay_s = 1.0
         with pytest.raises(openai.APITimeoutError):
             run.client(left["episode_id"], timeout=0.3).chat.completions.create(
-                model="p", messages=_messages(left), max_tokens=2
+                model="policy", messages=_messages(left), max_tokens=2
             )
         # a streaming client that reads the stream's opening chunk, then leaves mid-stream
         stream = run.client(dropped["episode_id"]).chat.completions.create(
-            model="p", messages=_messages(dropped), max_tokens=2, stream=True
+            model="policy", messages=_messages(dropped), max_tokens=2, stream=True
         )
         assert next(iter(stream)).choices[0].delta.role == "assistant"
         stream.close()
@@ -470,10 +473,10 @@ def test_abandoned_episodes_are_never_published_and_the_ledger_says_why(
         for gone in (left, dropped):
             with pytest.raises(openai.ConflictError, match="client left"):
                 run.client(gone["episode_id"]).chat.completions.create(
-                    model="p", messages=_messages(gone), max_tokens=2
+                    model="policy", messages=_messages(gone), max_tokens=2
                 )
         run.client(idle["episode_id"]).chat.completions.create(
-            model="p", messages=_messages(idle), max_tokens=2
+            model="policy", messages=_messages(idle), max_tokens=2
         )  # then nothing more: it goes idle
         _play(run, kept, stream=False)
         assert run.close(kept["episode_id"], 1.0).status_code == 200
