@@ -68,10 +68,11 @@ from producers.versions import Stopped
 logger = logging.getLogger(__name__)
 
 EPISODE_HEADER = "X-Rollstream-Episode"
+KEY_SETTING = "[producers.rollout.gateway] api_key"
 EXPOSURE = (
     "the gateway",
-    "could write episodes and rewards into the run; set [producers.rollout.gateway] "
-    "api_key (or `rollstream gateway --api-key`)",
+    f"could write episodes and rewards into the run; set {KEY_SETTING} "
+    "(or `rollstream gateway --api-key`)",
 )
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -189,7 +190,7 @@ class Gateway:
     async def _require_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         key = self.config.api_key.get_secret_value() if self.config.api_key else None
         try:
-            check_key(request.path, request.headers.get("Authorization"), key)
+            check_key(request.path, request.headers.get("Authorization"), key, KEY_SETTING)
         except AccessRefused as exc:
             return _error(str(exc), exc.status)
         return await handler(request)

@@ -421,6 +421,11 @@ def test_garbage_is_refused_with_a_reason_and_the_group_still_lands(
         for name, (answer, status) in refusals.items():
             assert answer.status_code == status, (name, answer.status_code, answer.text)
             assert answer.json()["error"]["message"], name
+        # the refusals name what to do: the gateway's own key, the limit and its setting
+        no_key = refusals["no key"][0].json()["error"]["message"]
+        assert "Bearer <[producers.rollout.gateway] api_key>" in no_key
+        huge = refusals["a huge max_tokens"][0].json()["error"]["message"]
+        assert "per-call limit 2: [producers.rollout.gateway] max_call_tokens raises it" in huge
         # none of it touched the episode: it plays and closes as if nothing happened
         _play(run, opened, stream=False)
         assert run.close(episode, 1.0).status_code == 200
