@@ -23,6 +23,7 @@ from core.models import (
     EOS_ID,
     PAD_ID,
     SEP_ID,
+    TINY_CHAT_TEMPLATE,
     TINY_VOCAB,
     ModelSpec,
     build_tiny_llama,
@@ -45,7 +46,7 @@ def is_weight_file(name: str) -> bool:
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """The tiny model's vocabulary as a Hugging Face fast tokenizer: one token per digit or
     ``+``, whitespace ignored, the four special tokens matched whole, decoded without
-    separators."""
+    separators; chat messages render as ``TinyTokenizer`` renders them."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -60,6 +61,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
         bos_token=TINY_VOCAB[BOS_ID],
         eos_token=TINY_VOCAB[EOS_ID],
         sep_token=TINY_VOCAB[SEP_ID],
+        chat_template=TINY_CHAT_TEMPLATE,
     )
     return tokenizer
 

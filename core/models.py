@@ -67,11 +67,31 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
 
 
+#: The tiny model's chat template, in its own tokens: ``<bos>``, then each user or tool
+#: message's text ended by ``<sep>`` (the cue the model answers after, as in the digit
+#: tasks' ``BOS digits SEP`` prompts) and each assistant message's ended by ``<eos>`` (where
+#: the model's turn stops). System and developer messages are left out: the vocabulary
+#: cannot say an instruction. Tools are refused: it has no tool-call format either.
+TINY_CHAT_TEMPLATE = (
+    "{% if tools %}{{ raise_exception('the tiny model cannot call tools: its vocabulary "
+    "has no tool-call format') }}{% endif %}"
+    "<bos>"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ message['content'] or '' }}<eos>"
+    "{% elif message['role'] in ('user', 'tool') %}{{ message['content'] or '' }}<sep>"
+    "{% endif %}"
+    "{% endfor %}"
+)
+
+
 class TinyTokenizer:
-    """Tokenizer of the tiny model's 16-token vocabulary (``TINY_VOCAB``).
+    """Tokenizer of the tiny model's vocabulary (``TINY_VOCAB``), with the call signatures
+    of a Hugging Face tokenizer that the engine, the tasks and the gateway use.
 
     Text is digits and ``+``; the special tokens are written ``<pad> <bos> <eos> <sep>``.
-    The model's vocabulary has 16 ids for these 15 names; the unnamed id decodes as ``<15>``.
+    The model's vocabulary (``vocab_size`` ids, 16 by default) has more ids than these 15
+    names; an unnamed id ``n`` is written ``<n>``, both ways. Chat messages render with
+    ``TINY_CHAT_TEMPLATE``.
     """
 
     vocab: tuple[str, ...] = TINY_VOCAB
@@ -82,26 +102,73 @@ class TinyTokenizer:
         SEP_ID,
         PLUS_ID,
     )
-    _SPECIAL = re.compile(r"<pad>|<bos>|<eos>|<sep>|[0-9+]|\s+|.", re.S)
+    unk_token_id = None
+    chat_template: str = TINY_CHAT_TEMPLATE
+    _SPECIAL = re.compile(r"<pad>|<bos>|<eos>|<sep>|<[0-9]+>|[0-9+]|\s+|.", re.S)
+
+    def __init__(self, vocab_size: int = 16) -> None:
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        """``{"input_ids": ...}`` of ``text``; no special token is ever added."""
+        return {"input_ids": self.encode(text)}
 
     def encode(self, text: str) -> list[int]:
         ids = []
         for piece in self._SPECIAL.findall(text):
             if piece.isspace():
                 continue
-            if piece not in self.vocab:
-                raise ValueError(f"{piece!r} is not in the tiny vocabulary {self.vocab}")
-            ids.append(self.vocab.index(piece))
+            ids.append(self._id(piece))
         return ids
+
+    def _id(self, piece: str) -> int:
+        if piece in self.vocab:
+            return self.vocab.index(piece)
+        unnamed = piece[1:-1] if piece.startswith("<") and len(piece) > 2 else ""
+        if unnamed.isdigit() and len(self.vocab) <= int(unnamed) < self.vocab_size:
+            return int(unnamed)
+        raise ValueError(f"{piece!r} is not in the tiny vocabulary {self.vocab}")
+
+    def convert_tokens_to_ids(self, token: str) -> int | None:
+        return self.vocab.index(token) if token in self.vocab else None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         out = []
         for token in ids:
-            if not 0 <= token < len(self.vocab):  # the model's 16th id has no name
+            if not 0 <= token < len(self.vocab):  # an id of the model's without a name
                 out.append(f"<{token}>")
             elif not (skip_special_tokens and token < PLUS_ID):
                 out.append(self.vocab[token])
         return "".join(out)
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        """``conversation`` rendered by ``chat_template`` as transformers renders one (the
+        generation prompt is the last user message's ``<sep>``: nothing is added): its
+        text, its ids, or ``{"input_ids": ids}`` with ``return_dict``."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template(
+            [conversation],
+            tools=tools,
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
+        if not tokenize:
+            return rendered[0]
+        ids = self.encode(rendered[0])
+        return {"input_ids": ids} if return_dict else ids
 
 
 def build_tiny_llama(
@@ -622,7 +689,7 @@ def load_tokenizer(spec: str | ModelSpec, cache_dir: Path | None = None) -> Any:
     parsed = parse_model_spec(spec)
     directory = model_directory(parsed, cache_dir)
     if directory is None:
-        return TinyTokenizer()
+        return TinyTokenizer(parsed.tiny_kwargs.get("vocab_size", _TINY_PARAMETERS["vocab_size"]))
     if not any((directory / name).exists() for name in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer

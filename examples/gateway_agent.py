@@ -4,9 +4,9 @@ What differs from the agent as it would run anywhere else is marked ``# rollstre
 opens an episode, points the ``openai`` client's ``base_url`` at that episode, and reports
 the reward when it is done. The rest (messages, a tool, the loop) is the agent's own.
 
-The task is the tiny demo one (``rollstream up`` with the gateway on and a chat dataset of
-three-digit prompts): the user says three digits, the assistant answers the first one twice;
-the "tool" checks the answer and asks again; the reward scores both answers.
+The task is ``rollstream up``'s default (``copy-first-digit-twice`` on the tiny model) or a
+file task of three-digit chat prompts: the user says three digits, the assistant answers the
+first one twice; the "tool" checks the answer and asks again; the reward scores both answers.
 
     python examples/gateway_agent.py --gateway http://127.0.0.1:8100 --api-key KEY --episodes 50
 """
@@ -55,16 +55,25 @@ def score(answer: str, digits: str) -> float:
     return 0.5 + 0.5 * (answer == digits[0] * 2)
 
 
-def play(client: openai.OpenAI, messages: list[dict[str, Any]], digits: str) -> float:
+def first_messages(prompt: dict[str, Any], system_prompt: str) -> list[dict[str, Any]]:
+    """The conversation an episode starts from: a file task's row (``metadata.example``),
+    else the task's question as the user's message."""
+    example = prompt["metadata"].get("example")
+    messages = example["messages"] if example else [{"role": "user", "content": prompt["text"]}]
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
+def play(client: openai.OpenAI, model: str, messages: list[dict[str, Any]]) -> float:
     """The agent: answer, hear from the tool, answer again; the mean score of both."""
+    digits = messages[-1]["content"]
     scores = []
     for turn in range(2):
-        reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=2)
         answer = reply.choices[0].message.content or ""
         scores.append(score(answer, digits))
         messages = [*messages, {"role": "assistant", "content": answer}]
-        if turn == 0:  # the tool's answer, as the user's next message
-            messages.append({"role": "user", "content": "copy the first digit twice"})
+        if turn == 0:  # the tool's answer, as the user's next message: the question again
+            messages.append({"role": "user", "content": digits})
     return sum(scores) / len(scores)
 
 
@@ -85,10 +94,9 @@ def play_episode(
         max_retries=0,
         http_client=http,
     )
-    example = episode["prompt"]["metadata"]["example"]
-    messages = [{"role": "system", "content": system_prompt}, *example["messages"]]
     try:
-        reward = play(client, messages, example["messages"][-1]["content"])
+        model = client.models.list().data[0].id  # the model the gateway serves
+        reward = play(client, model, first_messages(episode["prompt"], system_prompt))
     except openai.APIError as exc:
         reason = {"reason": f"{type(exc).__name__}: {exc}"[:200]}
         http.post(

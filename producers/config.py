@@ -236,6 +236,12 @@ class GatewayConfig(StrictModel):
         description="Every endpoint but /health needs 'Authorization: Bearer <key>' (the "
         "openai client's api_key). Required to bind a non-loopback host.",
     )
+    served_model_names: list[str] = Field(
+        default_factory=list,
+        description="Names a call's 'model' may give besides the run's model (the engine's "
+        "spec, or expected_model); GET /v1/models lists them all. Any other name is "
+        "answered 404 model_not_found.",
+    )
     history_mismatch: Literal["split", "refuse"] = Field(
         default="split",
         description="A call whose history does not extend the episode's tokens: 'split' "

@@ -56,9 +56,15 @@ def check_bind(host: str, api_key: str | None, exposure: tuple[str, str] = ENGIN
         )
 
 
-def check_key(path: str, authorization: str | None, api_key: str | None) -> None:
+def check_key(
+    path: str,
+    authorization: str | None,
+    api_key: str | None,
+    setting: str = "[producers.engine] api_key",
+) -> None:
     """Raise ``AccessRefused`` (401) unless ``authorization`` is ``Bearer <api_key>``
-    (compared in constant time), the engine has no key, or ``path`` is open."""
+    (compared in constant time), the server has no key, or ``path`` is open. ``setting``:
+    where the caller finds the key, named in the refusal."""
     if not api_key or path in OPEN_PATHS:
         return
     scheme, _, given = (authorization or "").partition(" ")
@@ -67,7 +73,7 @@ def check_key(path: str, authorization: str | None, api_key: str | None) -> None
     ):
         what = "no" if not authorization else "a wrong"
         raise AccessRefused(
-            f"{path}: {what} api key (send Authorization: Bearer <[producers.engine] api_key>)",
+            f"{path}: {what} api key (send Authorization: Bearer <{setting}>)",
             401,
         )
 

@@ -20,7 +20,7 @@ reward at the end. Endpoints (JSON; errors use OpenAI's ``{"error": {...}}`` bod
   ...}}`` (components summed), optional ``details``; ends the episode. A second close is
   answered 409, an unknown episode 404.
 - ``POST /v1/episodes/{id}/abort``: the agent gives the episode up (never published).
-- ``GET /v1/models``, ``GET /health``.
+- ``GET /v1/models`` (the names a call's ``model`` may give), ``GET /health``.
 
 A client that is gone before its answer is written (a timeout, a stream closed during
 generation) leaves an episode whose agent never saw the policy's turn: it is abandoned,
@@ -68,10 +68,11 @@ from producers.versions import Stopped
 logger = logging.getLogger(__name__)
 
 EPISODE_HEADER = "X-Rollstream-Episode"
+KEY_SETTING = "[producers.rollout.gateway] api_key"
 EXPOSURE = (
     "the gateway",
-    "could write episodes and rewards into the run; set [producers.rollout.gateway] "
-    "api_key (or `rollstream gateway --api-key`)",
+    f"could write episodes and rewards into the run; set {KEY_SETTING} "
+    "(or `rollstream gateway --api-key`)",
 )
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -82,15 +83,18 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
 
 
-def _error_body(message: str, status: int) -> dict[str, Any]:
+def _error_body(message: str, status: int, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body; ``code`` where OpenAI names one (else the status)."""
     kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
         status, "invalid_request_error"
     )
-    return {"error": {"message": message, "type": kind, "code": status}}
+    return {"error": {"message": message, "type": kind, "code": code or status}}
 
 
-def _error(message: str, status: int, retry_after_s: int | None = None) -> web.Response:
-    response = _json(_error_body(message, status), status)
+def _error(
+    message: str, status: int, retry_after_s: int | None = None, code: str | None = None
+) -> web.Response:
+    response = _json(_error_body(message, status, code), status)
     if retry_after_s is not None:
         response.headers["Retry-After"] = str(retry_after_s)
     if status == 401:
@@ -141,6 +145,7 @@ class Gateway:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.model_name = model_name
+        self.model_names = list(dict.fromkeys([model_name, *config.served_model_names]))
         self.group_size = group_size
         self.vocab_size = vocab_size or len(tokenizer)
         self.max_call_tokens = config.max_call_tokens or generator.task.max_new_tokens
@@ -185,7 +190,7 @@ class Gateway:
     async def _require_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         key = self.config.api_key.get_secret_value() if self.config.api_key else None
         try:
-            check_key(request.path, request.headers.get("Authorization"), key)
+            check_key(request.path, request.headers.get("Authorization"), key, KEY_SETTING)
         except AccessRefused as exc:
             return _error(str(exc), exc.status)
         return await handler(request)
@@ -253,8 +258,11 @@ class Gateway:
         return _json({"episode_id": episode.episode_id, "state": episode.state})
 
     async def models(self, request: web.Request) -> web.Response:
-        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rollstream"}
-        return _json({"object": "list", "data": [model]})
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "rollstream"}
+            for name in self.model_names
+        ]
+        return _json({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
         return _json({"ok": True})
@@ -270,6 +278,15 @@ class Gateway:
     async def _call(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
             body = await _body(request)
+            model = body.get("model")
+            if model is not None and model not in self.model_names:
+                return _error(
+                    f"the model {model!r:.100} is not served here: this gateway serves "
+                    f"{', '.join(map(repr, self.model_names))} ([producers.rollout.gateway] "
+                    "served_model_names adds names)",
+                    404,
+                    code="model_not_found",
+                )
             call = (chat_request if chat else completion_request)(body, self.max_call_tokens)
             episode = self.desk.episode(_episode_id(request))
             if episode.busy:
@@ -362,7 +379,7 @@ class Gateway:
                 raise BadRequest(f"prompt token ids {bad[:5]} are outside the vocabulary")
             return call.prompt_ids, tokenizer.decode(call.prompt_ids, skip_special_tokens=False)
         if call.prompt_text is not None:
-            return tokenizer(call.prompt_text)["input_ids"], call.prompt_text
+            return self._tokenize(call.prompt_text, add_special_tokens=True), call.prompt_text
         if not getattr(tokenizer, "chat_template", None):
             raise BadRequest("the model's tokenizer has no chat template: use /v1/completions")
         try:
@@ -371,7 +388,16 @@ class Gateway:
             )
         except Exception as exc:  # the template is the model's code: any error is the input's
             raise BadRequest(f"the chat template cannot render these messages: {exc}") from exc
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"]), text
+        return self._tokenize(text, add_special_tokens=False), text
+
+    def _tokenize(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """The ids of ``text``; text the vocabulary cannot hold (the tiny model's digits
+        and ``+``) is the input's error."""
+        try:
+            found = self.tokenizer(text, add_special_tokens=add_special_tokens)
+        except ValueError as exc:
+            raise BadRequest(f"the model's tokenizer cannot encode the prompt: {exc}") from exc
+        return list(found["input_ids"])
 
     def _retokenize(self, context: list[int], text: str) -> list[int] | None:
         """``context`` and the tokens of ``text`` past the context's own text, when
@@ -380,8 +406,7 @@ class Gateway:
         prefix = self.tokenizer.decode(context, skip_special_tokens=False)
         if not text.startswith(prefix):
             return None
-        rest = text[len(prefix) :]
-        return context + list(self.tokenizer(rest, add_special_tokens=False)["input_ids"])
+        return context + self._tokenize(text[len(prefix) :], add_special_tokens=False)
 
 
 async def _body(request: web.Request) -> dict[str, Any]:

@@ -55,7 +55,8 @@ def _options(body: dict[str, Any], max_call_tokens: int) -> dict[str, Any]:
         if max_tokens > max_call_tokens:
             raise BadRequest(
                 f"'max_tokens' {max_tokens} exceeds this gateway's per-call limit "
-                f"{max_call_tokens} (producers.rollout.gateway.max_call_tokens)"
+                f"{max_call_tokens}: [producers.rollout.gateway] max_call_tokens raises it "
+                "(unset, it is the task's max_new_tokens)"
             )
     stop = body.get("stop")
     if stop is None:

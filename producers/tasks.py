@@ -180,7 +180,8 @@ class DigitsTask:
 
     def prompt(self, digits: list[int]) -> Prompt:
         ids = [BOS_ID, *digits_to_ids(digits), SEP_ID]
-        return Prompt(ids, {"digits": digits, "target": self.target_fn(digits)})
+        meta = {"digits": digits, "target": self.target_fn(digits)}
+        return Prompt(ids, meta, "".join(map(str, digits)))  # the text between BOS and SEP
 
     def eval_prompts(self) -> list[Prompt]:
         """``eval_size`` distinct prompts, the same in every process. Training samples the

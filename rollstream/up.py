@@ -49,6 +49,7 @@ from rollstream.up_plan import (
     build_config,
     check_models,
     check_tasks,
+    gateway_notes,
     plan_policies,
     role_specs,
     start_groups_at_end,
@@ -124,6 +125,8 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
             (run_dir / "pids.json").write_text("{}")
             start_roles(launcher, stop, up.ready_timeout_s)
             (run_dir / "pids.json").write_text(json.dumps(launcher.pids()))
+            for note in gateway_notes(plan, config_path):
+                click.echo(note, err=True)
             if not stop:
                 pollers = {policy.name: roles_poller(policy.config) for policy in plan}
                 try:

@@ -89,20 +89,26 @@ class Ports:
         return cls(*(int(port) for port in found))  # type: ignore[arg-type]
 
 
-def up_sections(up: UpConfig, run_id: str, run_dir: Path, ports: Ports) -> dict[str, Any]:
+def up_sections(
+    up: UpConfig, run_id: str, run_dir: Path, ports: Ports, *, gateway: bool = False
+) -> dict[str, Any]:
     """What ``up`` itself sets unless the file says otherwise: ports, files in the run
     dir, per-run group ids, quiet roles, a per-run API key of the engines (which the
-    producers read from the same file, written 0600). What the roles learn with comes
-    from the ``[profile]`` (``rollstream.profiles``), already in the loaded config."""
+    producers read from the same file, written 0600) and, with ``gateway``, one of the
+    gateway (its agents read it there). What the roles learn with comes from the
+    ``[profile]`` (``rollstream.profiles``), already in the loaded config."""
+    rollout: dict[str, Any] = {
+        "producer_id": f"{run_id}-producer-0",
+        "metrics_port": ports.producer_metrics,
+        "progress": False,
+    }
+    if gateway:
+        rollout["gateway"] = {"api_key": secrets.token_urlsafe(32)}
     return {
         "run_id": run_id,
         "producers": {
             "engine": {"port": ports.engine, "api_key": secrets.token_urlsafe(32)},
-            "rollout": {
-                "producer_id": f"{run_id}-producer-0",
-                "metrics_port": ports.producer_metrics,
-                "progress": False,
-            },
+            "rollout": rollout,
             "eval": {"metrics_file": str(run_dir / "eval.jsonl")},
         },
         "streams": {
@@ -138,7 +144,8 @@ def build_config(
     explicit = explicit_values(base)
     explicit.pop("up", None)
     explicit.pop("run_id", None)
-    merged = merge_tables(up_sections(up, run_id, run_dir, ports), explicit)
+    gateway = base.producers.rollout.gateway.enabled
+    merged = merge_tables(up_sections(up, run_id, run_dir, ports, gateway=gateway), explicit)
     merged["up"] = up.model_dump()
     merged["trainer"]["max_steps"] = up.max_steps  # [up] max_steps (or --max-steps) decides
     if merged.get("policies"):
@@ -278,6 +285,23 @@ def plan_policies(config: RollstreamConfig, ports: Ports | None = None) -> list[
 
 
 # --- the roles ---------------------------------------------------------------------------
+
+
+def gateway_notes(plan: Sequence[PolicyPlan], config_path: Path) -> list[str]:
+    """Where each gateway of the run serves its agents, and where its key is: the one
+    thing an agent needs that is not in the terminal otherwise."""
+    from producers.gateway import KEY_SETTING
+
+    notes = []
+    for policy in plan:
+        gateway = policy.config.producers.rollout.gateway
+        if not (policy.drives and gateway.enabled):
+            continue
+        port = gateway.port or "<a free port: the producer's log names it>"
+        key = f"key: {KEY_SETTING} in {config_path}" if gateway.api_key else "no key"
+        name = f" {policy.name}" if policy.name else ""
+        notes.append(f"gateway{name} http://{gateway.host}:{port} ({key})")
+    return notes
 
 
 def role_name(role: str, index: int) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import random
 import threading
@@ -27,6 +28,7 @@ from support.chat_model import VOCAB, save_chat_model
 from support.streams import wait_until
 from test_producers_worker import make_topic, read_topic, recompute, rs_config
 
+from core.models import BOS_ID, SEP_ID
 from core.process import free_port
 from producers.app import run_producer
 from producers.config import EngineConfig, GatewayConfig, ProducersConfig, RolloutConfig
@@ -86,25 +88,31 @@ def gateway_run(
     kafka_config: Any,
     unique_name: Any,
     tmp_path: Path,
-    model: Path,
+    model: Path | str,
     *,
     groups: int,
     group_size: int = 2,
+    task: dict[str, Any] | None = None,
     **gateway: Any,
 ) -> Iterator[GatewayRun]:
-    """A gateway producer that delivers ``groups`` groups (or is stopped on exit)."""
+    """A gateway producer that delivers ``groups`` groups (or is stopped on exit); its
+    task is the chat dataset unless ``task`` gives ``task`` and ``task_options``. Its
+    calls may name the model ``policy``."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     topic = make_topic(kafka_config, unique_name, partitions=1)
     config = rs_config(kafka_config, tmp_path)
     port = free_port()
-    rollout = RolloutConfig(
-        topic=topic,
-        task="file",
-        task_options={
+    task = task or {
+        "task": "file",
+        "task_options": {
             "path": str(_dataset(tmp_path)),
             "system_prompt": SYSTEM,
             "max_new_tokens": 2,
         },
+    }
+    rollout = RolloutConfig(
+        topic=topic,
+        **task,
         group_size=group_size,
         groups=groups,
         max_inflight_groups=1,
@@ -114,7 +122,10 @@ def gateway_run(
         ledger_fsync=False,
         follow_weights=False,
         gateway=GatewayConfig(
-            enabled=True, port=port, api_key=KEY, **{"claim_wait_s": 5.0, **gateway}
+            enabled=True,
+            port=port,
+            api_key=KEY,
+            **{"claim_wait_s": 5.0, "served_model_names": ["policy"], **gateway},
         ),
     )
     settings = ProducersConfig(engine=EngineConfig(model=str(model), seed=7), rollout=rollout)
@@ -273,6 +284,46 @@ def test_openai_agents_play_a_group_recorded_token_for_token(
     assert list(state.delivered) == [first["group_id"]] and state.abandoned == {}
 
 
+def _example() -> Any:
+    """``examples/gateway_agent.py`` as a module."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "gateway_agent.py"
+    spec = importlib.util.spec_from_file_location("gateway_agent", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_example_agent_plays_the_default_task_on_the_tiny_model(
+    kafka_config, unique_name, tmp_path
+):
+    """What a new user runs first: no model download, the default task, the example as
+    written; a call naming a model the gateway does not serve is 404, as OpenAI's is."""
+    default = {"task": "copy-first-digit-twice", "task_options": {}}
+    agent = _example()
+    with gateway_run(kafka_config, unique_name, tmp_path, "tiny", groups=1, task=default) as run:
+        client = openai.OpenAI(base_url=run.url + "/v1", api_key=KEY, max_retries=0)
+        assert [m.id for m in client.models.list()] == ["tiny", "policy"]
+        messages = [{"role": "user", "content": "123"}]
+        for call in (
+            lambda: client.chat.completions.create(model="gpt-4o", messages=messages),
+            lambda: client.completions.create(model="gpt-4o", prompt="123"),
+        ):
+            with pytest.raises(openai.NotFoundError, match="served_model_names") as refused:
+                call()
+            assert refused.value.code == "model_not_found"
+        with httpx.Client(timeout=60) as http:
+            rewards = [agent.play_episode(http, run.url, KEY, SYSTEM, 30.0) for _ in range(2)]
+    records = run.records(kafka_config)  # an answer with a special token splits its episode
+    assert len({r.reward_details["gateway"]["episode_id"] for r in records}) == 2
+    assert {r.reward for r in records} == set(rewards)
+    firsts = [r for r in records if r.reward_details["gateway"].get("part", [1])[0] == 1]
+    assert len(firsts) == 2
+    for record in firsts:  # the chat prompt is the task's own: BOS d1 d2 d3 SEP
+        ids = list(record.prompt_ids)
+        assert len(ids) == 5 and (ids[0], ids[-1]) == (BOS_ID, SEP_ID), ids
+
+
 def _split_turns(traj: Trajectory) -> list[list[int]]:
     turns, start = [], 0
     for length in traj.turn_lengths:
@@ -370,6 +421,11 @@ def test_garbage_is_refused_with_a_reason_and_the_group_still_lands(
         for name, (answer, status) in refusals.items():
             assert answer.status_code == status, (name, answer.status_code, answer.text)
             assert answer.json()["error"]["message"], name
+        # the refusals name what to do: the gateway's own key, the limit and its setting
+        no_key = refusals["no key"][0].json()["error"]["message"]
+        assert "Bearer <[producers.rollout.gateway] api_key>" in no_key
+        huge = refusals["a huge max_tokens"][0].json()["error"]["message"]
+        assert "per-call limit 2: [producers.rollout.gateway] max_call_tokens raises it" in huge
         # none of it touched the episode: it plays and closes as if nothing happened
         _play(run, opened, stream=False)
         assert run.close(episode, 1.0).status_code == 200
@@ -390,13 +446,13 @@ def test_an_edited_history_splits_the_episode_or_is_refused(
         opened = run.open()
         client = run.client(opened["episode_id"])
         messages = _messages(opened)
-        first = client.chat.completions.create(model="p", messages=messages, max_tokens=2)
+        first = client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
         edited = [
             *messages,
             {"role": "assistant", "content": "9" + first.choices[0].message.content},
         ]
         client.chat.completions.create(
-            model="p", messages=[*edited, {"role": "user", "content": "copy"}], max_tokens=2
+            model="policy", messages=[*edited, {"role": "user", "content": "copy"}], max_tokens=2
         )
         assert run.close(opened["episode_id"], 0.5).status_code == 200
     records = sorted(run.records(kafka_config), key=lambda t: t.sample_index)
@@ -412,10 +468,10 @@ def test_an_edited_history_splits_the_episode_or_is_refused(
         opened = run.open()
         client = run.client(opened["episode_id"])
         messages = _messages(opened)
-        client.chat.completions.create(model="p", messages=messages, max_tokens=2)
+        client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
         with pytest.raises(openai.ConflictError, match="do not extend"):
             client.chat.completions.create(
-                model="p",
+                model="policy",
                 messages=[*messages, {"role": "assistant", "content": "99999"}],
                 max_tokens=2,
             )
@@ -451,11 +507,11 @@ def test_abandoned_episodes_are_never_published_and_the_ledger_says_why(
         run.worker["w"].backend.engine.step_delay_s = 1.0
         with pytest.raises(openai.APITimeoutError):
             run.client(left["episode_id"], timeout=0.3).chat.completions.create(
-                model="p", messages=_messages(left), max_tokens=2
+                model="policy", messages=_messages(left), max_tokens=2
             )
         # a streaming client that reads the stream's opening chunk, then leaves mid-stream
         stream = run.client(dropped["episode_id"]).chat.completions.create(
-            model="p", messages=_messages(dropped), max_tokens=2, stream=True
+            model="policy", messages=_messages(dropped), max_tokens=2, stream=True
         )
         assert next(iter(stream)).choices[0].delta.role == "assistant"
         stream.close()
@@ -470,10 +526,10 @@ def test_abandoned_episodes_are_never_published_and_the_ledger_says_why(
         for gone in (left, dropped):
             with pytest.raises(openai.ConflictError, match="client left"):
                 run.client(gone["episode_id"]).chat.completions.create(
-                    model="p", messages=_messages(gone), max_tokens=2
+                    model="policy", messages=_messages(gone), max_tokens=2
                 )
         run.client(idle["episode_id"]).chat.completions.create(
-            model="p", messages=_messages(idle), max_tokens=2
+            model="policy", messages=_messages(idle), max_tokens=2
         )  # then nothing more: it goes idle
         _play(run, kept, stream=False)
         assert run.close(kept["episode_id"], 1.0).status_code == 200

@@ -3,8 +3,9 @@ through ``rollstream up`` with the gateway on: its episodes go through the real 
 the stream to the trainer, and the reward it reports rises.
 
 The task is the tiny chat one of test_your_own_run.py in two turns: the user says three
-digits, the assistant answers, the agent's tool asks again, the assistant answers again;
-the agent scores both answers (half for two digits, half for the right ones).
+digits, the assistant answers, the agent's tool asks again (the digits again), the assistant
+answers again; the agent scores both answers (half for two digits, half for the right ones).
+``up`` prints where the gateway listens and where its key is.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def test_an_openai_agent_trains_through_the_gateway(
             thread.join(30)
             assert not thread.is_alive(), "an agent did not stop"
     assert proc.returncode == 0, out[-4000:]
+    assert f"gateway http://127.0.0.1:{port} (key: [producers.rollout.gateway] api_key" in out
     rows_ = metric_rows(tmp_path / "run")
     assert len(rows_) == STEPS
     first, last = mean(rows_[:10], "reward/mean"), mean(rows_[-10:], "reward/mean")

@@ -1,6 +1,7 @@
 """Every listener binds loopback unless told otherwise: the Prometheus endpoints of the
 producer, the stream worker and the trainer, and (under ``rollstream up``) the trainer's
-rendezvous; ``up`` gives its engines a per-run API key its producers send."""
+rendezvous; ``up`` gives its engines a per-run API key its producers send, and its gateway
+one its agents send."""
 
 from __future__ import annotations
 
@@ -93,6 +94,25 @@ def test_up_gives_its_engines_a_per_run_key_that_its_producers_send(tmp_path):
     write_config(config, path)  # producers and engines read the key from this file (0600)
     assert key.get_secret_value() in path.read_text()
     assert path.stat().st_mode & 0o077 == 0
+
+
+def test_up_gives_its_gateway_a_per_run_key_and_says_where_agents_find_it(tmp_path):
+    from rollstream.config import RollstreamConfig, UpConfig
+    from rollstream.up_plan import Ports, build_config, gateway_notes, plan_policies
+
+    gateway = {"producers": {"rollout": {"gateway": {"enabled": True, "port": 8123}}}}
+    base = RollstreamConfig.model_validate(gateway)
+    config = build_config(base, UpConfig(), "run1", tmp_path / "run", Ports.free())
+    key, engine_key = config.producers.rollout.gateway.api_key, config.producers.engine.api_key
+    assert key is not None and engine_key is not None and len(key.get_secret_value()) >= 32
+    assert key.get_secret_value() != engine_key.get_secret_value()
+    path = tmp_path / "run" / "rollstream.toml"
+    assert gateway_notes(plan_policies(config), path) == [
+        f"gateway http://127.0.0.1:8123 (key: [producers.rollout.gateway] api_key in {path})"
+    ]
+    alone = _up_config(tmp_path, trainer_ranks=1)  # no gateway: no key, nothing to say
+    assert alone.producers.rollout.gateway.api_key is None
+    assert gateway_notes(plan_policies(alone), path) == []
 
 
 _ALONE = """

@@ -41,3 +41,31 @@ def test_smollm2_is_converted_once_to_bf16_safetensors(cache_dir: Path) -> None:
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     assert torch.isfinite(logits.float()).all()
+
+
+def test_the_tiny_tokenizer_serves_chat_in_its_own_tokens() -> None:
+    """The default model answers chat calls: a user message renders as the digit tasks'
+    prompt, so the policy the task trains is the one an agent talks to; its saved copy
+    (what an HTTP engine loads) renders the same."""
+    from core.model_files import tiny_tokenizer
+    from core.models import load_tokenizer
+    from producers.tasks import copy_first_digit_twice
+
+    tokenizer = load_tokenizer("tiny")
+    assert len(tokenizer) == 16 and len(load_tokenizer("tiny:vocab_size=32")) == 32
+    first = [{"role": "system", "content": "copy the first digit twice"}]
+    first.append({"role": "user", "content": "123"})
+    ids = tokenizer.apply_chat_template(first, add_generation_prompt=True)
+    assert ids == copy_first_digit_twice(None).prompt([1, 2, 3]).ids  # type: ignore[arg-type]
+    again = [*first, {"role": "assistant", "content": "11"}, {"role": "tool", "content": "4+5"}]
+    text = tokenizer.apply_chat_template(again, add_generation_prompt=True, tokenize=False)
+    assert text == "<bos>123<sep>11<eos>4+5<sep>"
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == tokenizer.encode(text)
+    saved = tiny_tokenizer()
+    assert saved.apply_chat_template(again, add_generation_prompt=True, tokenize=False) == text
+    assert tokenizer.decode(tokenizer.encode("<15>1")) == "<15>1"  # an unnamed id, both ways
+    with pytest.raises(ValueError, match="16"):
+        tokenizer.encode("<16>")
+    tool = {"type": "function", "function": {"name": "add", "parameters": {}}}
+    with pytest.raises(Exception, match="cannot call tools"):
+        tokenizer.apply_chat_template(first, tools=[tool])

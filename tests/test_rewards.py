@@ -298,11 +298,13 @@ def test_conversations_render_with_the_chat_template(tmp_path: Path, module: str
     assert rendered[1] == TOK.encode("+7<sep>45<sep>++<bos>")
     with pytest.raises(ValueError, match="messages must be a list of"):
         task.render(0, {"messages": [{"role": "user"}]})
+    plain = tiny_tokenizer()
+    plain.chat_template = None
     with pytest.raises(ValueError, match="need a tokenizer with a chat template"):
         make_task(
             "file",
             {"path": str(tmp_path / "chat.jsonl"), "reward": f"{module}:length"},
-            TaskContext(cache_dir=tmp_path, tokenizer=tiny_tokenizer()),
+            TaskContext(cache_dir=tmp_path, tokenizer=plain),
         )
 
 
