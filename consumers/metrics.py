@@ -41,8 +41,10 @@ Loss metrics come from ``consumers.losses`` (see its table): ``loss/total``,
 step's optimiser steps), ``ppo/optimizer_steps``, ``optim/lr``, ``ewma/*``. The trainer
 adds ``step``, ``version``, ``time/*`` (step, wait for data, publish, checkpoint seconds;
 ``time/unix_s`` the wall clock at the end of the step),
-``throughput/tokens_per_s`` (prompt + response tokens of the step / step compute time)
-and ``data/dlq`` (records sent to the DLQ since the last step).
+``throughput/tokens_per_s`` (prompt + response tokens of the step / step compute time),
+``data/dlq`` (records sent to the DLQ since the last step) and, when it publishes,
+``weights/forged_claims_total`` (manifests that did not verify, deleted off the slots of
+its versions since it started: nonzero means someone else writes the bucket).
 
 Backlog (``ScoredSource.lag``): ``lag/partition/<p>`` is the records of
 ``rollouts.scored[p]`` not trained yet (the consumer's last high watermark minus the

@@ -432,6 +432,8 @@ class Trainer:
             published = self.publisher.publish(self.step, self._full_weights())
             metrics["time/publish_s"] = published.seconds
             self.summary.published.append(self.step)
+        if self.publisher is not None:
+            metrics["weights/forged_claims_total"] = float(self.publisher.forged_claims)
         if self.checkpoint_s is not None:  # the checkpoint after the previous step
             metrics["time/checkpoint_s"] = self.checkpoint_s
             self.checkpoint_s = None

@@ -7,9 +7,17 @@ when the store has none).
 - **Outages.** The S3 part (``DeltaWriter.publish``: data file, then the manifest claim)
   and the announcement on ``policy.versions`` are retried separately with back-off, so an
   outage of one never re-runs the other. A claim that reached S3 but whose answer was
-  lost comes back as ``VersionTaken`` on retry: if the stored manifest's state digest is
-  that of our weights, the version *is* ours and is announced; otherwise another writer
-  owns the number and the error is raised. No scheduled version is skipped.
+  lost comes back as ``VersionTaken`` on retry: if the stored manifest verifies as this
+  run's (``weights.trust``: signature and chain fields) and its state digest is that of
+  our weights, the version *is* ours and is announced; if it verifies but holds other
+  weights, another writer owns the number and the error is raised. No scheduled version
+  is skipped.
+- **Forged claims.** A manifest on the trainer's next slot that does not verify was
+  written by whoever could write the bucket, not by a writer of this run: it is never
+  adopted. The publisher deletes it (logged, counted in ``forged_claims``) and claims
+  the slot again, so version numbers stay the trainer's steps; after
+  ``FORGED_CLAIM_ATTEMPTS`` rounds of it being put back the error is raised. With
+  unsigned versions allowed only a malformed manifest fails verification.
 - **Precision.** ``publish.dtype = "bfloat16"`` publishes the bf16 copy of fp32 master
   weights: every reader (engines, the old-logit service, followers in other regions) gets
   exactly those values, and a version's delta holds only the elements whose bf16 value moved.
@@ -48,8 +56,8 @@ from core.retry import retrying
 from schemas.control import VersionAnnouncement
 from weights import format as fmt
 from weights.announce import Announcer
-from weights.errors import VersionTaken, WeightsError
-from weights.manifest import parse_manifest, sha256_hex
+from weights.errors import FormatError, ObjectMissing, VersionTaken, WeightsError
+from weights.manifest import sha256_hex
 from weights.retention import collect_garbage
 from weights.trust import Trust
 from weights.writer import DeltaWriter, PublishResult
@@ -58,6 +66,10 @@ log = logging.getLogger(__name__)
 
 S3_ERRORS: tuple[type[BaseException], ...] = (BotoCoreError, ClientError, Boto3Error)
 T = TypeVar("T")
+
+FORGED_CLAIM_ATTEMPTS = 3
+"""Claims of one version the publisher makes while forged manifests hold its slot (a
+writer that puts one back each time it is deleted is attacking, not glitching)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,7 @@ class Publisher:
         self.keep_versions = keep_versions  # None: no retention here
         self.orphan_grace_s = orphan_grace_s
         self.published_count = 0
+        self.forged_claims = 0  # forged manifests deleted off this publisher's slots
         self.writer = writer
         self.store = writer.store
         self.config = config
@@ -131,12 +144,19 @@ class Publisher:
         if self.config.dtype == "bfloat16":
             state = fmt.cast_state(state, torch.bfloat16)
         result: PublishResult | None = None
-        announcement: VersionAnnouncement
-        try:
-            result = self._s3(lambda: self.writer.publish(state, version), f"publish v{version}")
-            announcement = result.announcement
-        except VersionTaken:
-            announcement = self._ours_after_lost_answer(version, state)
+        announcement: VersionAnnouncement | None = None
+        for _ in range(FORGED_CLAIM_ATTEMPTS):
+            try:
+                result = self._s3(
+                    lambda: self.writer.publish(state, version), f"publish v{version}"
+                )
+                announcement = result.announcement
+            except VersionTaken:
+                announcement = self._ours_after_lost_answer(version, state)
+            if announcement is not None:
+                break
+        if announcement is None:
+            raise VersionTaken(self.store.run, version, self.store.manifest_key(version))
         if self.announcer is not None and self.config.announce:
             announcer = self.announcer
             for attempt in retrying(self.retry, (KafkaException,), f"announce v{version}"):
@@ -166,25 +186,41 @@ class Publisher:
         if self.keep_versions is None or every is None or self.published_count % every:
             return
         try:
-            collect_garbage(self.store, self.keep_versions, self.orphan_grace_s)
+            collect_garbage(self.store, self.keep_versions, self.orphan_grace_s, trust=self.trust)
         except (*S3_ERRORS, WeightsError) as err:  # retention waits; training does not
             log.warning("retention of %s failed, tried again later: %s", self.store.region, err)
 
     def _ours_after_lost_answer(
         self, version: int, state: Mapping[str, torch.Tensor]
-    ) -> VersionAnnouncement:
-        """After ``VersionTaken``: the announcement of the stored version if it holds our
-        weights (a retried claim whose first answer was lost), else re-raise."""
-        raw = self._s3(lambda: self.store.read_manifest(version), f"read manifest v{version}")
-        manifest, _ = parse_manifest(raw)
+    ) -> VersionAnnouncement | None:
+        """After ``VersionTaken``: the announcement of the stored version if it verifies
+        and holds our weights (a retried claim whose first answer was lost); None once a
+        manifest that does not verify is deleted (claim again); else re-raise."""
+        key = self.store.manifest_key(version)
+        try:
+            raw = self._s3(lambda: self.store.read_manifest(version), f"read manifest v{version}")
+            manifest = self.trust.check(raw, self.store.run, version)
+        except ObjectMissing:
+            return None  # gone since the claim failed: claim again
+        except FormatError as err:
+            self.forged_claims += 1
+            log.warning(
+                "v%d is held by a manifest that does not verify as this run's (%s): "
+                "deleting it and claiming v%d again",
+                version,
+                err,
+                version,
+            )
+            self._s3(lambda: self.store.delete([key]), f"delete forged manifest v{version}")
+            return None
         unique, _aliases = fmt.split_aliases({k: v.detach() for k, v in state.items()})
         if manifest.state_sha256 != fmt.state_digest(unique):
-            raise VersionTaken(self.store.run, version, self.store.manifest_key(version))
+            raise VersionTaken(self.store.run, version, key)
         log.warning("v%d was already claimed by this trainer (a lost answer): keeping it", version)
         return VersionAnnouncement(
             run=self.store.run,
             version=version,
-            uri=self.store.uri(self.store.manifest_key(version)),
+            uri=self.store.uri(key),
             parent=manifest.parent,
             base=manifest.base,
             sha256=sha256_hex(raw),

@@ -236,12 +236,19 @@ def mirror(ctx: WeightsContext, src: str, dst: str, since: int | None, watch: bo
 def gc(ctx: WeightsContext, keep: int | None, dry_run: bool) -> None:
     """Delete versions outside the retention window (never what a kept one needs)."""
     from weights.retention import collect_garbage
+    from weights.trust import Trust
 
     plan = collect_garbage(
-        ctx.store(), keep or ctx.weights.keep_versions, ctx.weights.orphan_grace_s, dry_run
+        ctx.store(),
+        keep or ctx.weights.keep_versions,
+        ctx.weights.orphan_grace_s,
+        dry_run,
+        trust=Trust.from_config(ctx.trusted()),
     )
     verb = "would delete" if dry_run else "deleted"
     click.echo(f"kept {plan.keep}")
+    for version, reason in plan.unverified.items():
+        click.echo(f"v{version} does not verify, not counted: {reason}")
     click.echo(f"{verb} versions {plan.delete} and {len(plan.orphans)} orphan file(s)")
 
 

@@ -280,6 +280,7 @@ def test_trains_every_valid_group_dead_letters_the_rest_and_publishes(
     assert [m["step"] for m in lines] == [1.0, 2.0, 3.0]
     for key in ("loss/total", "reward/mean", "staleness/hist/0", "grad/norm", "clip/frac"):
         assert key in lines[-1]
+    assert lines[-1]["weights/forged_claims_total"] == 0.0  # nobody else wrote the bucket
     # the same rows in the tracking backends
     home = tmp_path / "state" / "tracking" / RUN
     for key in ("loss/total", "reward/mean"):

@@ -4,10 +4,13 @@ publisher never rewrites versions that already exist."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from support.streams import rollout
+from weights_support import keypair
 
 from consumers.config import PublishConfig
 from consumers.weight_publisher import Publisher
@@ -20,8 +23,9 @@ from streams.snapshots import FollowerSource, SnapshotStore
 from weights import format as fmt
 from weights.errors import VersionTaken
 from weights.follower import WeightFollower
-from weights.manifest import parse_manifest
+from weights.manifest import load_private_key, load_public_key, parse_manifest, sha256_hex
 from weights.store import WeightStore
+from weights.trust import Trust
 from weights.writer import DeltaWriter
 
 
@@ -64,6 +68,43 @@ def test_a_lost_claim_answer_is_recognised_as_ours(s3_config: S3Config) -> None:
     with pytest.raises(VersionTaken):
         publisher(store).publish(4, state(5))  # other weights: not ours, refused
     assert store.versions() == [4]
+
+
+def test_a_forged_claim_on_the_next_version_is_removed_never_adopted(
+    s3_config: S3Config, tmp_path: Path
+) -> None:
+    """Whoever can write the bucket claims the trainer's next versions first: v1 with
+    other weights, v2 with exactly the weights the trainer is about to publish (anyone who
+    knows them can compute the state digest). Neither verifies, so neither is adopted:
+    each is deleted, counted, and the trainer's own signed version takes the slot. One
+    put back before every claim makes the publisher give up after a few rounds."""
+    private, public = keypair(tmp_path)
+    key = load_private_key(private)
+    store = WeightStore.from_config(s3_config, "forged-claim")
+    pub = Publisher(DeltaWriter(store, signing_key=key), PublishConfig(), RetryConfig(max_s=1.0))
+    pub.publish(0, state(0))
+    DeltaWriter(store).publish(state(7), 1)  # anonymous, other weights
+    DeltaWriter(store).publish(state(2), 2)  # anonymous, the trainer's own next weights
+    for version in (1, 2):
+        assert pub.publish(version, state(version)).version == version
+    assert pub.forged_claims == 2
+    trust = Trust(load_public_key(public))
+    for version in (0, 1, 2):
+        announced = trust.manifest(store, version)  # signed by the trainer's key now
+        assert announced.signature is not None
+    assert pub.last is not None
+    assert pub.last.announcement.sha256 == sha256_hex(store.read_manifest(2))
+    follower = WeightFollower(store, public_key=trust.public_key)
+    snapshot = follower.sync(2)
+    assert snapshot is not None
+    assert all(torch.equal(snapshot.state[k], v) for k, v in state(2).items())
+
+    # a forger that puts its manifest back before every claim: bounded, then refused
+    forger = WeightStore.from_config(s3_config, "forged-claim")
+    pub.writer.before_claim = lambda version: DeltaWriter(forger).publish(state(9), version)
+    with pytest.raises(VersionTaken):
+        pub.publish(3, state(3))
+    assert pub.forged_claims == 2 + 3
 
 
 def test_the_trainer_applies_the_retention_window_as_it_publishes(s3_config: S3Config) -> None:

@@ -24,7 +24,7 @@ import orjson
 import pytest
 from botocore.exceptions import ClientError
 from pydantic import SecretStr
-from weights_support import same_bits, step, store_for, tiny_state
+from weights_support import forge, keypair, same_bits, step, store_for, tiny_state
 
 from consumers.config import PublishConfig
 from consumers.weight_publisher import Publisher
@@ -48,45 +48,17 @@ from weights.announce import Announcer
 from weights.errors import RefusalReason, VersionRefused
 from weights.follower import WeightFollower
 from weights.manifest import (
-    generate_keypair,
     load_private_key,
     load_public_key,
-    parse_manifest,
     sha256_hex,
 )
 from weights.mirror import mirror_once
-from weights.store import WeightStore, make_s3_client
+from weights.store import make_s3_client
 from weights.trust import Trust
 from weights.writer import DeltaWriter
 
 HUGE = 9_999_999_999
 OLD_PUBLIC_SECRET = "rollstream-embedded-secret"  # the fixed secret every install shared
-
-
-def keypair(directory: Path, name: str = "k") -> tuple[Path, Path]:
-    private, public = directory / name, directory / f"{name}.pub"
-    generate_keypair(private, public)
-    return private, public
-
-
-def forge(store: WeightStore, version: int, *, like: int, signer: Path | None = None) -> None:
-    """Write, with the bucket's real credentials, a manifest for ``version`` copied from
-    genuine ``like`` (its files exist): unsigned, or signed with a stranger's key."""
-    manifest, _ = parse_manifest(store.read_manifest(like))
-    forged = dataclasses.replace(manifest, version=version, signature=None)
-    if forged.kind == "delta":
-        forged = dataclasses.replace(forged, parent=like)
-    else:
-        forged = dataclasses.replace(forged, base=version)
-    if signer is not None:
-        forged = forged.sign(load_private_key(signer))
-    for entry in manifest.files:
-        store.client.copy_object(
-            Bucket=store.bucket,
-            Key=store.key(version, entry.name),
-            CopySource={"Bucket": store.bucket, "Key": store.key(like, entry.name)},
-        )
-    store.claim(version, forged.to_bytes())
 
 
 def test_the_embedded_store_has_a_private_secret_and_no_unauthenticated_write_path(

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from core.config import S3Config
 from weights import format as fmt
+from weights.manifest import generate_keypair, load_private_key, parse_manifest
 from weights.store import WeightStore
 from weights.trust import Trust
 
@@ -64,3 +67,29 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+def keypair(directory: Path, name: str = "k") -> tuple[Path, Path]:
+    private, public = directory / name, directory / f"{name}.pub"
+    generate_keypair(private, public)
+    return private, public
+
+
+def forge(store: WeightStore, version: int, *, like: int, signer: Path | None = None) -> None:
+    """Write, with the bucket's real credentials, a manifest for ``version`` copied from
+    genuine ``like`` (its files exist): unsigned, or signed with a stranger's key."""
+    manifest, _ = parse_manifest(store.read_manifest(like))
+    forged = dataclasses.replace(manifest, version=version, signature=None)
+    if forged.kind == "delta":
+        forged = dataclasses.replace(forged, parent=like)
+    else:
+        forged = dataclasses.replace(forged, base=version)
+    if signer is not None:
+        forged = forged.sign(load_private_key(signer))
+    for entry in manifest.files:
+        store.client.copy_object(
+            Bucket=store.bucket,
+            Key=store.key(version, entry.name),
+            CopySource={"Bucket": store.bucket, "Key": store.key(like, entry.name)},
+        )
+    store.claim(version, forged.to_bytes())
