@@ -17,8 +17,8 @@ from pathlib import Path
 import orjson
 import pytest
 from confluent_kafka import Producer
-from test_weights_trust import HUGE, forge, forged_announcement, keypair
-from weights_support import step, store_for, tiny_state
+from test_weights_trust import HUGE
+from weights_support import forge, forged_announcement, keypair, step, store_for, tiny_state
 
 from core.config import KafkaConfig, S3Config
 from infra.topics import ensure_topics

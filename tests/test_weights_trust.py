@@ -24,7 +24,15 @@ import orjson
 import pytest
 from botocore.exceptions import ClientError
 from pydantic import SecretStr
-from weights_support import forge, keypair, same_bits, step, store_for, tiny_state
+from weights_support import (
+    forge,
+    forged_announcement,
+    keypair,
+    same_bits,
+    step,
+    store_for,
+    tiny_state,
+)
 
 from consumers.config import PublishConfig
 from consumers.weight_publisher import Publisher
@@ -39,7 +47,6 @@ from core.config import (
 from infra.s3 import SECRET_FILE, SECURITY_FILE, SeaweedServer, ensure_bucket
 from infra.topics import ensure_topics
 from producers.versions import start_follower
-from schemas.control import VersionAnnouncement
 from schemas.topics import TopicSpec
 from streams.snapshots import FollowerSource, VersionUnavailable
 from streams.staleness import VersionTracker
@@ -205,19 +212,6 @@ def test_the_publisher_ignores_a_forged_latest_version(s3_config: S3Config, tmp_
 
 
 # --- announcements -------------------------------------------------------------------------
-
-
-def forged_announcement(run: str, version: int) -> VersionAnnouncement:
-    return VersionAnnouncement(
-        run=run,
-        version=version,
-        uri=f"s3://nowhere/weights/{run}/v{version:010d}/manifest.json",
-        parent=None,
-        base=version,
-        sha256="0" * 64,
-        bytes=1,
-        published_at_ms=int(time.time() * 1000),
-    )
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:

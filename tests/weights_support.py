@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from core.config import S3Config
+from schemas.control import VersionAnnouncement
 from weights import format as fmt
 from weights.manifest import generate_keypair, load_private_key, parse_manifest
 from weights.store import WeightStore
@@ -93,3 +94,17 @@ def forge(store: WeightStore, version: int, *, like: int, signer: Path | None = 
             CopySource={"Bucket": store.bucket, "Key": store.key(like, entry.name)},
         )
     store.claim(version, forged.to_bytes())
+
+
+def forged_announcement(run: str, version: int) -> VersionAnnouncement:
+    """An announcement of ``version`` that no store backs (an attacker's)."""
+    return VersionAnnouncement(
+        run=run,
+        version=version,
+        uri=f"s3://nowhere/weights/{run}/v{version:010d}/manifest.json",
+        parent=None,
+        base=version,
+        sha256="0" * 64,
+        bytes=1,
+        published_at_ms=int(time.time() * 1000),
+    )
