@@ -90,8 +90,8 @@ def tail(path: Path, lines: int = 30) -> str:
 
 def last_error(path: Path, lines: int = 200) -> str:
     """The last line of a log's tail that reads as an error (``...Error: ...``, a Python
-    exception's last line, ``Error:``), else its last line: what to show of a role that
-    exited, so the cause is on the screen and not only in the log."""
+    exception's last line, ``Error:``), else nothing: what to show of a role that exited,
+    so the cause is on the screen and not only in the log."""
     if not path.exists():
         return ""
     text = [line.strip() for line in tail(path, lines).splitlines() if line.strip()]
@@ -101,7 +101,7 @@ def last_error(path: Path, lines: int = 200) -> str:
         head = line.split(":", 1)[0]
         if ":" in line and (head.endswith(("Error", "Exception", "Exit")) or head == "Error"):
             return line
-    return text[-1] if text else ""
+    return ""
 
 
 def _cmdline(pid: int) -> str:

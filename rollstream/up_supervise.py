@@ -111,6 +111,16 @@ def alive(launcher: Launcher) -> dict[str, str]:
     }
 
 
+def killed_by(code: int | None) -> str:
+    """``killed by SIGKILL`` for a process a signal ended (a negative exit code)."""
+    if code is None or code >= 0:
+        return ""
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
+
+
 def supervise(
     launcher: Launcher,
     display: Display,
@@ -137,7 +147,7 @@ def supervise(
             if launcher.roles[name].returncode() == 0:
                 return ("max_steps reached", True)
         for role in launcher.exited():
-            cause = last_error(role.log_file)
+            cause = last_error(role.log_file) or killed_by(role.returncode())
             if restarts_left[role.name] > 0:
                 restarts_left[role.name] -= 1
                 console.log(f"{role.name} exited ({role.returncode()}): {cause}; restarting")

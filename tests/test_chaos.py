@@ -143,6 +143,7 @@ class Run:
         self.supervisor: threading.Thread | None = None
         self.supervision = StopFlag()
         self.outcome: list[tuple[str, bool]] = []
+        self.released = threading.Event()
 
     def role(self, name: str) -> RoleProcess:
         return self.launcher.roles[name]
@@ -163,6 +164,9 @@ class Run:
 
         def loop() -> None:
             self.outcome.append(supervise(self.launcher, display, self.supervision, RESTARTS))
+            # A role dies with the *thread* that started it (its parent-death signal is
+            # tied to that thread): the roles this loop restarted live until released.
+            self.released.wait()
 
         self.supervisor = threading.Thread(target=loop, name="up-supervise", daemon=True)
         self.supervisor.start()
@@ -171,7 +175,9 @@ class Run:
         """Stop the loop as ``up``'s signal handler would; it must not have ended the run."""
         assert self.supervisor is not None
         self.supervision.signum = signal.SIGTERM
-        self.supervisor.join(30)
+        deadline = time.monotonic() + 30
+        while not self.outcome and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert self.outcome == [("stopped by SIGTERM", False)], self.outcome
         self.supervisor = None
 
@@ -340,6 +346,7 @@ def test_kill_every_role_and_restart_broker_then_reconcile(
     finally:
         if run is not None:
             run.launcher.stop_all(STOP_ORDER, timeout_s=10)
+            run.released.set()
             assert not run.launcher.leftovers()
         services.down()
 

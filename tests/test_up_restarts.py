@@ -119,7 +119,10 @@ def test_a_killed_trainer_is_restarted_and_the_run_finishes(tmp_path: Path) -> N
 
 def test_without_restarts_a_killed_trainer_ends_the_run(tmp_path: Path) -> None:
     launcher = _trainer_killed_once(tmp_path)
-    assert _supervise(tmp_path, launcher, restarts=0) == ("trainer exited with code -9", False)
+    assert _supervise(tmp_path, launcher, restarts=0) == (
+        "trainer exited with code -9: killed by SIGKILL",
+        False,
+    )
     assert launcher.roles["trainer"].starts == 1
 
 
