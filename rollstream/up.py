@@ -47,6 +47,7 @@ from rollstream.up_plan import (
     Ports,
     build_config,
     check_models,
+    default_run_dir,
     plan_policies,
     role_specs,
     start_groups_at_end,
@@ -210,7 +211,7 @@ def up(ctx: click.Context, run_id: str | None, run_dir: Path | None, **options: 
         )
     up_config = with_options(config.up, given)
     run_id = run_id or _default_run_id(config)
-    run_dir = (run_dir or config.state_dir / "runs" / run_id).absolute()
+    run_dir = (run_dir or default_run_dir(config.state_dir, run_id)).absolute()
     try:
         check_models(config)
     except ConfigurationError as err:
