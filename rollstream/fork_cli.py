@@ -159,6 +159,7 @@ def recorded_ledger(config: RollstreamConfig, recorded: RollstreamConfig, follow
     no fork, whose files are where ``recorded`` says (a config names its own run's), with a
     ledger (unless ``following``: a run still training may have none yet)."""
     from consumers.config import ledger_path, trainer_home
+    from rollstream.up_plan import default_run_dir
 
     run = recorded.run_id
     forked = read_fork(trainer_home(config.state_dir, run, config.policy))
@@ -172,10 +173,12 @@ def recorded_ledger(config: RollstreamConfig, recorded: RollstreamConfig, follow
             f"no run {run!r}: no weight lineage, run directory, ledger or checkpoints of that name"
         )
     named = recorded.trainer.ledger_file is not None or recorded.trainer.checkpoint.dir is not None
-    if config.run_id != run and named:
+    own = default_run_dir(config.state_dir, run) / "rollstream.toml"  # an `up` run's
+    if config.run_id != run and (named or own.is_file()):
+        where = own if own.is_file() else "<run_dir>/rollstream.toml, as `up` writes it"
         raise click.ClickException(
-            f"this config names the ledger and checkpoints of run {config.run_id}, not "
-            f"{run}'s: fork {run} with its own config file (`up` writes <run_dir>/rollstream.toml)"
+            f"this config is run {config.run_id}'s, not {run}'s (it names where that run "
+            f"keeps its ledger and checkpoints): fork {run} with --config {where}"
         )
     ledger = ledger_path(recorded, recorded.trainer)
     if not ledger.is_file() and not following:

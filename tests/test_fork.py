@@ -368,7 +368,8 @@ GHOST = ["--set", "run_id=ghost", "--set", "trainer.ledger_file={tmp}/ghost.json
         # RUN is no run, a fork, or another run than the config's
         (["fork", "nosuchrun", "--as", "x10"], "no run 'nosuchrun'"),
         (["fork", "taken", "--as", "x11"], "taken is a fork of fork-source: fork fork-source"),
-        (["fork", "lineage", "--as", "x12"], "names the ledger and checkpoints of run fork-source"),
+        (["fork", "lineage", "--as", "x12"], "this config is run fork-source's, not lineage's"),
+        (["fork", "up-run", "--as", "x15"], "--config {tmp}/state/runs/up-run/rollstream.toml"),
         (
             of_run("--as", "x13", "--set", "trainer.engine.grad_accum_steps=1"),
             "grad_accum_steps is 1",
@@ -391,16 +392,16 @@ def test_a_fork_that_cannot_be_made_says_why_and_writes_nothing(
         for version in (0, 1):
             writer.publish({"w": torch.full((4,), float(version))}, version)
     (recorded.state / "runs" / "up-run").mkdir(parents=True, exist_ok=True)
-    (recorded.state / "runs" / "up-run" / "ledger.jsonl").write_text("")
+    (recorded.state / "runs" / "up-run" / "rollstream.toml").write_text('run_id = "up-run"\n')
     ghost = TrainingLedger(recorded.tmp / "ghost.jsonl")  # steps of samples never recorded
     if not ghost.path.exists():
         ghost.append([LedgerStep(1, ["g1", "g2"], [["g1"], ["g2"]], [])])
-    versions = {run: recorded.store(run).versions() for run in ("x10", "x11", "x13", "x14")}
+    versions = {run: recorded.store(run).versions() for run in ("x10", "x13", "x14", "x15")}
     before = tree_digest(recorded.state)
     given = [a.format(tmp=recorded.tmp) for a in args]
     done = CliRunner().invoke(main, ["--config", str(recorded.config), *given])
     assert done.exit_code in (1, 2), done.output
-    assert message in done.output
+    assert message.format(tmp=recorded.tmp) in done.output
     assert not isinstance(done.exception, Exception) or isinstance(done.exception, SystemExit)
     assert tree_digest(recorded.state) == before
     assert {run: recorded.store(run).versions() for run in versions} == versions
