@@ -2,7 +2,8 @@
 
 Only the crash tests set ``ROLLSTREAM_TRAINER_FAILPOINT`` (``name:step``). A kill at a
 chosen point proves what a crash there leaves behind; the warning logged first proves the
-kill landed there and not somewhere benign. The points:
+kill landed there and not somewhere benign. ``name:step:stop`` sends SIGTERM instead: a
+stop request (what ``up`` or a user sends) landing at a known step. The points:
 
 - ``after_checkpoint:N``: checkpoint N is durable (LATEST marked), before its stale groups
   are routed, its ledger lines written and its offsets committed;
@@ -32,8 +33,13 @@ FAILPOINTS = (
 
 
 def failpoint(name: str, step: int) -> None:
-    """SIGKILL this process when the environment names ``name:step``; otherwise nothing."""
-    if os.environ.get(FAILPOINT_ENV) == f"{name}:{step}":
+    """SIGKILL this process when the environment names ``name:step``, SIGTERM it when it
+    names ``name:step:stop``; otherwise nothing."""
+    chosen = os.environ.get(FAILPOINT_ENV)
+    if chosen == f"{name}:{step}:stop":
+        log.warning("failpoint %s:%d: asking this process to stop", name, step)
+        os.kill(os.getpid(), signal.SIGTERM)
+    elif chosen == f"{name}:{step}":
         log.warning("failpoint %s:%d: killing this process", name, step)
         for handler in logging.getLogger().handlers:
             handler.flush()

@@ -103,6 +103,21 @@ class ForkPlan:
             self.partial,
         )
 
+    def check_micro_batches(self, count: int) -> None:
+        """``ForkError`` at the first planned step that did not train ``count`` micro-batches
+        (the fork's ``grad_accum_steps``): checked before a fork writes anything."""
+        for step in self.steps:
+            trained = len(self.micro_batches(step))
+            if trained != count:
+                raise ForkError(self.accumulation_mismatch(step.step, trained, count))
+
+    def accumulation_mismatch(self, step: int, trained: int, count: int) -> str:
+        """What a fork says of a step whose micro-batches its accumulation does not fit."""
+        return (
+            f"step {step} of run {self.run_id!r} trained {trained} micro-batches; this "
+            f"fork's [trainer.engine] grad_accum_steps is {count}"
+        )
+
     @classmethod
     def ids_of(cls, steps: Sequence[LedgerStep]) -> set[str]:
         """The sample ids ``steps`` trained."""
@@ -333,10 +348,7 @@ class ForkTrainer(Trainer):
             return None
         batches, relaxed = found
         if len(batches) != count:
-            raise ForkError(
-                f"step {self.step + 1} of run {self.plan.run_id!r} trained {len(batches)} "
-                f"micro-batches; this fork's [trainer.engine] grad_accum_steps is {count}"
-            )
+            raise ForkError(self.plan.accumulation_mismatch(self.step + 1, len(batches), count))
         return batches, {}, [], relaxed, set(), []
 
     def _wait_for_recorded_steps(self) -> bool:

@@ -419,8 +419,9 @@ class EvalConfig(StrictModel):
     every_versions: int = Field(
         default=0,
         ge=0,
-        description="Evaluate each version that is a multiple of this (0: no evaluation; "
-        "`rollstream up` starts the eval role when it is set).",
+        description="Evaluate each version that is a multiple of this (0: no evaluation, "
+        "and every stored version for `rollstream eval --stored`; `rollstream up` starts "
+        "the eval role when it is set).",
     )
     samples_per_prompt: int = Field(default=1, ge=1, le=64, description="Completions per prompt.")
     temperature: float = Field(

@@ -281,16 +281,15 @@ def stored_due(
     stored: Sequence[int], every: int, done: set[int], versions: Sequence[int] | None
 ) -> list[int]:
     """The stored versions to evaluate, oldest first: ``versions`` (each must be stored),
-    else every multiple of ``every``; those ``done`` already are left out."""
+    else every multiple of ``every`` (every one, ``every`` 0: a fork's lineage measured
+    without an eval schedule); those ``done`` already are left out."""
     if versions is not None:
         missing = sorted(set(versions) - set(stored))
         if missing:
             raise ValueError(f"the weight store holds no version {missing} (it holds {stored})")
         wanted = set(versions)
-    elif every < 1:
-        raise ValueError("name the versions or set producers.eval.every_versions to N >= 1")
     else:
-        wanted = {v for v in stored if v % every == 0}
+        wanted = {v for v in stored if every < 1 or v % every == 0}
     return sorted(wanted - done)
 
 

@@ -1,38 +1,28 @@
 """``rollstream fork RUN --as NEW``: train a run again from its log, under a new run id.
 
-The fork's trainer (``consumers.fork``) trains exactly the steps RUN's trainer trained,
-from RUN's recorded scored groups, with the configuration of this command (the same file
-as RUN's, ``--set`` laid over it: the one thing changed). It starts from RUN's initial
-weights (``[trainer.model]``) or, with ``--from-step N``, from RUN's checkpoint of step N
-(optimiser state included). With ``--restream`` the groups are made again first, from
-RUN's raw topic with the fork's stream settings (``rollstream.fork_restream``), and each
-step trains those of its samples the restream kept. Everything the fork writes is its
-own, under ``<state_dir>/trainer/NEW/``: ``fork.json`` (what it forks, with which settings),
-``checkpoints/``, ``ledger.jsonl``, ``metrics.jsonl`` (where ``rollstream report NEW``
-finds it); and its weight lineage in S3 under NEW. Run the same command again to resume
-a fork that stopped or was killed; the same name with other settings is refused.
-With ``--follow`` the fork keeps up with a run that is still training: past the last
-step RUN's ledger held at its start, it trains each step RUN's trainer records next.
-
-At the end it compares, version by version, the fork's published weights with RUN's
-(the manifests' ``state_sha256``): a control arm (nothing changed) is identical at every
-version when RUN trained with ``[trainer.engine] deterministic``.
+What the command takes, writes and compares is its help (the ``fork`` command's
+docstring); how the fork's trainer gets its data: ``consumers.fork``; ``--restream``:
+``rollstream.fork_restream``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import orjson
 from pydantic import ValidationError
 
 from rollstream.config import CONFIG_SOURCES, ConfigSources, RollstreamConfig, parse_assignments
+
+if TYPE_CHECKING:
+    from consumers.fork import ForkPlan, ForkTrainer
 
 FORK_FILE = "fork.json"
 
@@ -103,28 +93,97 @@ def fork_manifest(
 
 
 def claim_home(home: Path, manifest: dict[str, Any]) -> bool:
-    """Make ``home`` the fork's (True), or find it is already (False: a resume);
-    ``ClickException`` when it belongs to another run or another fork."""
+    """Whether ``home`` is free for the fork (True) or already its own (False: a resume);
+    ``ClickException`` when it belongs to another fork. Writes nothing: ``write_claim``
+    does, once everything the fork needs has been checked."""
     existing = read_fork(home)
-    if existing is not None:
-        older = {"restream": False, "follow": False}  # fork.json of forks made before these
-        kept = older | {k: v for k, v in existing.items() if k != "created"}
-        if kept != manifest:
-            raise click.ClickException(
-                f"{manifest['fork']} is already a fork of {existing['run']} with other "
-                f"settings ({home / FORK_FILE}); choose another name"
-            )
-        return False
-    if home.exists() and any(home.iterdir()):
+    if existing is None:
+        return True
+    older = {"restream": False, "follow": False}  # fork.json of forks made before these
+    kept = older | {k: v for k, v in existing.items() if k != "created"}
+    if kept != manifest:
         raise click.ClickException(
-            f"{manifest['fork']} is a run of its own ({home} holds its files): choose another name"
+            f"{manifest['fork']} is already a fork of {existing['run']} with other "
+            f"settings ({home / FORK_FILE}); choose another name"
         )
+    return False
+
+
+def write_claim(home: Path, manifest: dict[str, Any]) -> None:
+    """Make ``home`` the fork's: its ``fork.json``."""
     home.mkdir(parents=True, exist_ok=True)
     created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     (home / FORK_FILE).write_bytes(
         orjson.dumps({**manifest, "created": created}, option=orjson.OPT_INDENT_2)
     )
-    return True
+
+
+def traces_of(config: RollstreamConfig, run: str) -> list[str]:
+    """What shows that ``run`` is a run here: its weight lineage in the store, its ``up``
+    run directory, its trainer's home under the state dir and, when ``config`` is that
+    run's own, the ledger and checkpoints it names. Empty: no run of that name."""
+    from consumers.config import checkpoint_dir, ledger_path, trainer_home
+    from infra.services import Services
+    from rollstream.up_plan import default_run_dir
+    from weights.store import WeightStore
+
+    found = []
+    s3 = Services(config).resolved().s3
+    versions = WeightStore.from_config(s3, run, config.policy).versions()
+    if versions:
+        found.append(f"versions {versions[0]}..{versions[-1]} in the weight store")
+    places = [
+        default_run_dir(config.state_dir, run),
+        trainer_home(config.state_dir, run, config.policy),
+    ]
+    if config.run_id == run:
+        places += [ledger_path(config, config.trainer), checkpoint_dir(config, config.trainer)]
+    for place in places:
+        if place.is_file() or (place.is_dir() and any(place.iterdir())):
+            found.append(str(place))
+    return found
+
+
+def refuse_taken(config: RollstreamConfig, new: str) -> None:
+    """``ClickException`` when ``new`` already names a run (a fork would add its versions
+    to that run's lineage)."""
+    traces = traces_of(config, new)
+    if traces:
+        raise click.ClickException(
+            f"{new} is a run of its own ({'; '.join(traces)}): choose another name"
+        )
+
+
+def recorded_ledger(config: RollstreamConfig, recorded: RollstreamConfig, following: bool) -> Path:
+    """RUN's ledger, once RUN is known to be a run this config can fork: one that exists,
+    no fork, whose files are where ``recorded`` says (a config names its own run's), with a
+    ledger (unless ``following``: a run still training may have none yet)."""
+    from consumers.config import ledger_path, trainer_home
+    from rollstream.up_plan import default_run_dir
+
+    run = recorded.run_id
+    forked = read_fork(trainer_home(config.state_dir, run, config.policy))
+    if forked is not None:
+        raise click.ClickException(
+            f"{run} is a fork of {forked['run']}: fork {forked['run']} instead, with "
+            f"{run}'s --set ({' '.join(forked.get('set', [])) or 'none'}) and yours"
+        )
+    if not traces_of(config, run):
+        raise click.ClickException(
+            f"no run {run!r}: no weight lineage, run directory, ledger or checkpoints of that name"
+        )
+    named = recorded.trainer.ledger_file is not None or recorded.trainer.checkpoint.dir is not None
+    own = default_run_dir(config.state_dir, run) / "rollstream.toml"  # an `up` run's
+    if config.run_id != run and (named or own.is_file()):
+        where = own if own.is_file() else "<run_dir>/rollstream.toml, as `up` writes it"
+        raise click.ClickException(
+            f"this config is run {config.run_id}'s, not {run}'s (it names where that run "
+            f"keeps its ledger and checkpoints): fork {run} with --config {where}"
+        )
+    ledger = ledger_path(recorded, recorded.trainer)
+    if not ledger.is_file() and not following:
+        raise click.ClickException(f"run {run} has no ledger at {ledger}: it trained no step")
+    return ledger
 
 
 @click.command("fork")
@@ -188,7 +247,27 @@ def fork(
     timeout_s: float,
 ) -> None:
     """Train RUN again from its recorded scored groups, step by step as RUN's trainer
-    did, as run NEW (its own checkpoints, ledger, metrics and weights)."""
+    did, as run NEW, with this command's configuration: RUN's own config file, --set laid
+    over it (the one thing changed). It starts from RUN's initial weights
+    ([trainer.model]) or, with --from-step N, from RUN's checkpoint of step N (optimiser
+    state included); with --restream the groups are made again first.
+
+    RUN must be the run this config file is for (or one with the default file locations),
+    not a fork; NEW must name no run yet (no weight lineage, run directory, ledger or
+    checkpoints). A fork that cannot be made, or fails before it publishes a version,
+    writes nothing.
+
+    Everything the fork writes is its own: under <state_dir>/trainer/NEW/, fork.json (what
+    it forks, with which settings), checkpoints/, ledger.jsonl and metrics.jsonl (where
+    `rollstream report NEW` finds them); in S3, its weight lineage under NEW (versions not
+    announced). Run the same command again to resume a fork that was stopped (it exits 1
+    then) or killed; the same name with other settings is refused.
+
+    At the end it compares the fork's versions with RUN's, each by its manifest's
+    state_sha256. A control fork (no --set, no --restream) that differs at any version
+    exits 1 and says why: only a run trained with [trainer.engine] deterministic = true
+    (off by default, in `up`'s runs too), forked on the same kind of machine and software
+    and on one rank as it trained, has bit-identical control forks."""
     config: RollstreamConfig = ctx.obj
     config.require_policy()
     if show_list:
@@ -231,7 +310,17 @@ def fork(
     )
     following = follow_idle_s if follow else None
     sys.exit(
-        run_fork(recorded, forked, assignments, from_step, to_step, restream, following, timeout_s)
+        run_fork(
+            config,
+            recorded,
+            forked,
+            assignments,
+            from_step,
+            to_step,
+            restream,
+            following,
+            timeout_s,
+        )
     )
 
 
@@ -257,6 +346,7 @@ def forked_config(
 
 
 def run_fork(
+    config: RollstreamConfig,
     recorded: RollstreamConfig,
     forked: RollstreamConfig,
     assignments: tuple[str, ...],
@@ -266,17 +356,16 @@ def run_fork(
     follow_idle_s: float | None,
     timeout_s: float,
 ) -> int:
-    """Plan the fork from RUN's ledger, claim its home, restream if asked, train (following
-    RUN while its ledger grows, given ``follow_idle_s``), compare the versions."""
-    from consumers.checkpoint import CheckpointManager, TrainingLedger
-    from consumers.config import checkpoint_dir, ledger_path, trainer_home
-    from consumers.fork import ForkError, ForkPlan, ForkTrainer, LedgerFollowing
-    from infra.services import Services
-    from rollstream.config import role_config
+    """Check RUN, NEW and the plan (RUN's ledger) before writing anything, claim the
+    fork's home, then train (``ForkJob``) and compare the versions. A fresh fork that
+    fails before publishing a version leaves nothing behind."""
+    from consumers.checkpoint import TrainingLedger
+    from consumers.config import trainer_home
+    from consumers.fork import ForkError, ForkPlan
     from rollstream.fork_restream import restream_topic
 
     run, new = recorded.run_id, forked.run_id
-    run_ledger = ledger_path(recorded, recorded.trainer)
+    run_ledger = recorded_ledger(config, recorded, follow_idle_s is not None)
     scored = recorded.trainer.topics.scored
     try:
         plan = ForkPlan.of_ledger(
@@ -288,55 +377,36 @@ def run_fork(
             partial=restream,
             following=follow_idle_s is not None,
         )
+        plan.check_micro_batches(forked.trainer.engine.grad_accum_steps)
     except ForkError as err:
         raise click.ClickException(f"{err} (ledger {run_ledger})") from None
     home = trainer_home(forked.state_dir, new, forked.policy)
     follow = follow_idle_s is not None
     last = to_step if follow else plan.to_step
-    fresh = claim_home(
-        home,
-        fork_manifest(run, new, forked.policy, from_step, last, assignments, restream, follow),
+    manifest = fork_manifest(
+        run, new, forked.policy, from_step, last, assignments, restream, follow
     )
-    shared, trainer = role_config(forked, "trainer", {"max_steps": last})
-    trainer = trainer.model_copy(
-        update={
-            "checkpoint": trainer.checkpoint.model_copy(update={"dir": home / "checkpoints"}),
-            "ledger_file": home / "ledger.jsonl",
-            "metrics_file": home / "metrics.jsonl",
-            "publish": trainer.publish.model_copy(update={"announce": False}),
-        }
-    )
-    if fresh and from_step:
-        try:
-            CheckpointManager(trainer.checkpoint).adopt(
-                checkpoint_dir(recorded, recorded.trainer), from_step
-            )
-        except FileNotFoundError as err:
-            shutil.rmtree(home)  # claimed just now: nothing of the fork's is lost
-            raise click.ClickException(str(err)) from None
-        TrainingLedger(home / "ledger.jsonl").append(
-            [s for s in TrainingLedger.read_steps(run_ledger) if s.step <= from_step]
-        )
-    services = Services(shared).resolved()
-    if restream:
-        try:
-            restream_once(recorded, forked, services.kafka.client_config(), home, timeout_s)
-        except click.ClickException:
-            if fresh:
-                shutil.rmtree(home)  # claimed just now: nothing of the fork's is lost
-            raise
-    following = LedgerFollowing(run_ledger, follow_idle_s) if follow_idle_s is not None else None
-    runner = ForkTrainer(services, trainer, plan, read_timeout_s=timeout_s, following=following)
-    runner.install_signal_handlers()
+    fresh = claim_home(home, manifest)
+    if fresh:
+        refuse_taken(config, new)
+        write_claim(home, manifest)
+    job = ForkJob(recorded, forked, plan, run_ledger, home, last, restream, follow_idle_s)
     try:
-        summary = runner.run()
-    except ForkError as err:
-        raise click.ClickException(str(err)) from None
+        runner = job.train(fresh, timeout_s)
+    except BaseException:
+        if fresh and not stored_versions(forked, new):
+            shutil.rmtree(home, ignore_errors=True)  # claimed just now: nothing of the fork's
+        raise
+    summary = runner.summary
     click.echo(
         f"fork {new} of {run}: at step {summary.step} ({summary.steps_this_run} this run), "
         f"published {len(summary.published)} versions",
         err=True,
     )
+    if runner.stop_event.is_set():
+        raise click.ClickException(
+            f"fork {new} was stopped at step {summary.step}: run the same command again to go on"
+        )
     pairs = compare_versions(forked, run, new)
     same = [v for v, theirs, ours in pairs if theirs == ours]
     differ = [v for v, theirs, ours in pairs if theirs != ours]
@@ -344,7 +414,93 @@ def run_fork(
         f"versions held by both: {len(pairs)}; identical to {run}'s: {len(same)}; "
         f"different: {len(differ)}" + (f" (first {differ[0]})" if differ else "")
     )
+    if differ and not assignments and not restream:
+        raise click.ClickException(control_differs(recorded, differ[0]))
     return 0
+
+
+def control_differs(recorded: RollstreamConfig, version: int) -> str:
+    """Why a control fork (nothing changed) can differ from its run at ``version``."""
+    head = f"this control fork differs from {recorded.run_id} from version {version} on: "
+    if not recorded.trainer.engine.deterministic:
+        return head + (
+            f"{recorded.run_id}'s trainer ran without [trainer.engine] deterministic, so its "
+            "floating-point sums may come out in another order; only a run trained with "
+            "deterministic = true has bit-identical control forks"
+        )
+    return head + (
+        "the fork trained with other settings than the run (did its config change?), on "
+        "another kind of machine or software, or the run trained on more than one rank"
+    )
+
+
+def stored_versions(config: RollstreamConfig, run: str) -> list[int]:
+    """The versions of ``run``'s weight lineage in the store."""
+    from infra.services import Services
+    from weights.store import WeightStore
+
+    s3 = Services(config).resolved().s3
+    return WeightStore.from_config(s3, run, config.policy).versions()
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkJob:
+    """A checked fork, its home claimed: what ``train`` needs. ``last``: the step it
+    ends after (None: RUN's end, following it)."""
+
+    recorded: RollstreamConfig
+    forked: RollstreamConfig
+    plan: ForkPlan
+    run_ledger: Path
+    home: Path
+    last: int | None
+    restream: bool
+    follow_idle_s: float | None
+
+    def train(self, fresh: bool, timeout_s: float) -> ForkTrainer:
+        """Adopt RUN's checkpoint (a fresh fork from a step), restream if asked, train;
+        the ``ForkTrainer`` once it has run."""
+        from consumers.checkpoint import CheckpointManager, TrainingLedger
+        from consumers.config import checkpoint_dir
+        from consumers.fork import ForkError, ForkTrainer, LedgerFollowing
+        from infra.services import Services
+        from rollstream.config import role_config
+
+        recorded, home, start = self.recorded, self.home, self.plan.from_step
+        shared, trainer = role_config(self.forked, "trainer", {"max_steps": self.last})
+        trainer = trainer.model_copy(
+            update={
+                "checkpoint": trainer.checkpoint.model_copy(update={"dir": home / "checkpoints"}),
+                "ledger_file": home / "ledger.jsonl",
+                "metrics_file": home / "metrics.jsonl",
+                "publish": trainer.publish.model_copy(update={"announce": False}),
+            }
+        )
+        if fresh and start:
+            try:
+                CheckpointManager(trainer.checkpoint).adopt(
+                    checkpoint_dir(recorded, recorded.trainer), start
+                )
+            except FileNotFoundError as err:
+                raise click.ClickException(str(err)) from None
+            TrainingLedger(home / "ledger.jsonl").append(
+                [s for s in TrainingLedger.read_steps(self.run_ledger) if s.step <= start]
+            )
+        services = Services(shared).resolved()
+        if self.restream:
+            client = services.kafka.client_config()
+            restream_once(recorded, self.forked, client, home, timeout_s)
+        idle_s = self.follow_idle_s
+        following = LedgerFollowing(self.run_ledger, idle_s) if idle_s is not None else None
+        runner = ForkTrainer(
+            services, trainer, self.plan, read_timeout_s=timeout_s, following=following
+        )
+        runner.install_signal_handlers()
+        try:
+            runner.run()
+        except ForkError as err:
+            raise click.ClickException(str(err)) from None
+        return runner
 
 
 RESTREAM_FILE = "restream.json"
@@ -359,8 +515,6 @@ def restream_once(
 ) -> None:
     """Restream RUN's raw topic into the fork's scored topic, unless an earlier run of
     this fork did (``restream.json`` in its home, written once the topic is committed)."""
-    import dataclasses
-
     from confluent_kafka import KafkaException
 
     from core.topic_reader import ReadStalled

@@ -307,7 +307,12 @@ def _produce(config: RollstreamConfig, overrides: dict[str, Any], region: str | 
 
 
 @click.command("eval")
-@click.option("--every-versions", type=int, help="Evaluate each version that is a multiple of N.")
+@click.option(
+    "--every-versions",
+    type=int,
+    help="Evaluate each version that is a multiple of N (with --stored and N unset: every "
+    "version the store holds).",
+)
 @click.option(
     "--engine-url", help="An engine of its own speaking SGLang's API; default: in-process."
 )
@@ -354,7 +359,7 @@ def evaluate(
     if other_run:  # the config's metrics_file is its own run's: RUN's rows go to the default
         rows = section.eval.model_copy(update={"metrics_file": None})
         section = section.model_copy(update={"eval": rows})
-    if section.eval.every_versions < 1 and chosen is None:
+    if section.eval.every_versions < 1 and not stored:
         raise click.UsageError("set producers.eval.every_versions (or --every-versions) to N >= 1")
     _logging()
     import signal

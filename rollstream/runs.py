@@ -8,22 +8,16 @@ A command given the user's own file and a run id reads that file's paths instead
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rollstream.config import RollstreamConfig, load_config
+from rollstream.up_plan import default_run_dir
 
 RUN_CONFIG = "rollstream.toml"
-
-
-def up_run_dir(config: RollstreamConfig, run: str) -> Path:
-    """Where ``up`` keeps ``run`` by default (``up --run-dir`` puts it elsewhere)."""
-    return config.state_dir / "runs" / run
 
 
 def run_config(config: RollstreamConfig, run: str) -> RollstreamConfig:
     """The config ``up`` ran ``run`` with, seen as ``config``'s policy and state dir, when
     ``up`` made it; else ``config`` itself."""
-    path = up_run_dir(config, run) / RUN_CONFIG
+    path = default_run_dir(config.state_dir, run) / RUN_CONFIG
     if not path.is_file():
         return config
     return load_config(path, policy=config.policy, state_dir=str(config.state_dir))

@@ -42,13 +42,13 @@ from pydantic import ValidationError
 
 from core.config import ConfigurationError
 from rollstream.config import RollstreamConfig, UpConfig
-from rollstream.runs import up_run_dir
 from rollstream.up_display import Dashboard, RewardWatch, eval_logs, fmt, trainer_logs
 from rollstream.up_plan import (
     Ports,
     build_config,
     check_models,
     check_tasks,
+    default_run_dir,
     gateway_notes,
     plan_policies,
     role_specs,
@@ -221,7 +221,7 @@ def up(ctx: click.Context, run_id: str | None, run_dir: Path | None, **options: 
         )
     up_config = with_options(config.up, given)
     run_id = run_id or _default_run_id(config)
-    run_dir = (run_dir or up_run_dir(config, run_id)).absolute()
+    run_dir = (run_dir or default_run_dir(config.state_dir, run_id)).absolute()
     try:
         check_models(config)
         check_tasks(config)

@@ -89,6 +89,12 @@ class Ports:
         return cls(*(int(port) for port in found))  # type: ignore[arg-type]
 
 
+def default_run_dir(state_dir: Path, run_id: str) -> Path:
+    """``<state_dir>/runs/<run_id>``: where ``up`` keeps a run's config, logs, ledger and
+    checkpoints unless ``--run-dir`` says otherwise."""
+    return state_dir / "runs" / run_id
+
+
 def up_sections(
     up: UpConfig, run_id: str, run_dir: Path, ports: Ports, *, gateway: bool = False
 ) -> dict[str, Any]:

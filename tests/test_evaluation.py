@@ -371,8 +371,7 @@ def test_stored_versions_due_are_the_multiples_or_the_ones_named():
     assert stored_due(stored, 3, {1}, [1]) == []
     with pytest.raises(ValueError, match=r"holds no version \[9\]"):
         stored_due(stored, 2, set(), [4, 9])
-    with pytest.raises(ValueError, match="every_versions"):
-        stored_due(stored, 0, set(), None)
+    assert stored_due(stored, 0, {2}, None) == [0, 1, 3, 4, 5, 6]  # no schedule: every one
 
 
 @pytest.mark.unit
@@ -402,7 +401,7 @@ def test_the_eval_command_refuses_garbage_stored_options(tmp_path):
         (["--run", "other"], "go with --stored"),
         (["--stored", "--versions", "1,x"], "not a comma-separated list"),
         (["--stored", "--versions", "3,-1"], "0 or more"),
-        (["--stored"], "every_versions"),
+        (["--every-versions", "0"], "every_versions"),  # --stored alone: every stored version
     ):
         done = CliRunner().invoke(main, ["--config", str(config), "eval", *args])
         assert done.exit_code == 2 and message in done.output, (args, done.output)
@@ -442,3 +441,28 @@ def test_the_versions_a_store_holds_are_measured_once_and_the_command_ends(
         expected = _expected_row(data, settings.rollout, states[row["version"]], row["version"])
         for key in ("eval/reward/mean", "eval/fn/first_token", "eval/fn/target_seen"):
             assert row[key] == expected[key], (row["version"], key)
+
+    # `eval --stored` with no every_versions in the config: every stored version (1 is left)
+    from click.testing import CliRunner
+    from test_trainer_kafka import s3_table
+
+    from core.config import to_toml
+    from rollstream.cli import main
+
+    unscheduled = settings.model_copy(update={"eval": EvalConfig(samples_per_prompt=2)})
+    file = tmp_path / "rollstream.toml"
+    file.write_text(
+        to_toml(
+            {
+                "run_id": config.run_id,
+                "state_dir": str(config.state_dir),
+                "cache_dir": str(config.cache_dir),
+                "s3": s3_table(s3_config),
+                "weights": {"allow_unsigned": True},
+                "producers": unscheduled.model_dump(mode="json", exclude_defaults=True),
+            }
+        )
+    )
+    done = CliRunner().invoke(main, ["--config", str(file), "eval", "--stored"])
+    assert done.exit_code == 0 and "evaluated 1 version(s)" in done.output, done.output
+    assert [json.loads(line)["version"] for line in path.read_text().splitlines()][4:] == [1]

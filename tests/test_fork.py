@@ -3,15 +3,17 @@
 One recorded run (a trainer subprocess: 30 steps of two micro-batches each, deterministic,
 a version published after every step) is forked three ways:
 
-- a control arm, killed by a failpoint right after its checkpoint of step 10 and run again:
-  every version 0..30 is RUN's bit for bit (``state_sha256``), every step trained exactly
-  RUN's samples once, its metrics are RUN's, and neither RUN's files, RUN's weights nor
-  any topic changed;
+- a control arm, killed by a failpoint right after its checkpoint of step 10, stopped
+  (SIGTERM: it exits 1) after that of step 15, and run again: every version 0..30 is
+  RUN's bit for bit (``state_sha256``), every step trained exactly RUN's samples once,
+  its metrics are RUN's, and neither RUN's files, RUN's weights nor any topic changed; a
+  control arm that differs (RUN as if trained without ``deterministic``) exits 1;
 - a counterfactual arm from RUN's checkpoint of step 10 with three times the learning rate:
   version 10 is RUN's, every later one differs, and it ends further from the generating
   policy than RUN (``offpolicy/k3_kl``);
 - garbage: a fork named like its run, steps RUN never trained, a checkpoint RUN no longer
-  keeps, a malformed ``--set``, a name taken with other settings.
+  keeps, a malformed ``--set``, a name taken by another fork or by a run, a RUN that is
+  no run, a fork, or not the config's; none writes anything.
 
 ``fork --list`` lists both arms; ``report RUN ctl lr`` overlays the three runs; ``eval
 --stored`` measures RUN's and the control arm's versions alike. A fork started while its
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+import torch
 from click.testing import CliRunner
 from confluent_kafka import Consumer, TopicPartition
 from support.synthetic import synthetic_groups
@@ -43,7 +46,7 @@ from test_trainer_kafka import (
     write_toml,
 )
 
-from consumers.checkpoint import TrainingLedger
+from consumers.checkpoint import LedgerStep, TrainingLedger
 from consumers.config import TrainerConfig
 from consumers.trainer import FAILPOINT_ENV
 from core.config import KafkaConfig, S3Config
@@ -54,6 +57,7 @@ from rollstream.fork_cli import forked_config
 from rollstream.report import load_metrics
 from weights.manifest import Manifest
 from weights.store import WeightStore
+from weights.writer import DeltaWriter
 
 RUN = "fork-source"
 STEPS = 30
@@ -218,9 +222,15 @@ def test_a_control_fork_killed_and_resumed_is_the_run_bit_for_bit(
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
     assert "failpoint after_checkpoint:10" in killed.stderr
+    stopped = rollstream(
+        recorded.config, "fork", RUN, "--as", "ctl", failpoint="after_checkpoint:15:stop"
+    )
+    assert stopped.returncode == 1, stopped.stderr[-4000:]  # a stopped fork is no success
+    assert "restored step 10" in stopped.stderr
+    assert "fork ctl was stopped at step 15: run the same command again" in stopped.stderr
     resumed = rollstream(recorded.config, "fork", RUN, "--as", "ctl")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert "restored step 10" in resumed.stderr
+    assert "restored step 15" in resumed.stderr
     assert f"identical to {RUN}'s: {STEPS + 1}; different: 0" in resumed.stdout
 
     assert digests(recorded.store("ctl")) == run_versions  # every version, bit for bit
@@ -309,21 +319,63 @@ def test_a_counterfactual_fork_from_a_checkpoint_diverges_and_says_how_far_off_p
 
 
 @pytest.mark.system
+def test_a_control_fork_that_differs_from_its_run_fails_and_says_why(recorded: Recorded) -> None:
+    """RUN as if trained without ``deterministic`` (and with another lr, so that this fork
+    does differ): a control fork (no ``fork --set``) that differs is no success."""
+    drift = ("--set", "trainer.engine.deterministic=false", "--set", "trainer.engine.lr=3e-3")
+    done = rollstream(recorded.config, *drift, "fork", RUN, "--as", "drift", "--from-step", "25")
+    assert done.returncode == 1, done.stderr[-4000:]
+    assert "identical to fork-source's: 1; different: 5 (first 26)" in done.stdout
+    assert (
+        "this control fork differs from fork-source from version 26 on: fork-source's trainer "
+        "ran without [trainer.engine] deterministic"
+    ) in done.stderr
+
+
+def of_run(*args: str) -> list[str]:
+    return ["fork", RUN, *args]
+
+
+WINDOW, ACCUMULATION = "streams.staleness.max_staleness", "trainer.engine.grad_accum_steps"
+GHOST = ["--set", "run_id=ghost", "--set", "trainer.ledger_file={tmp}/ghost.jsonl"]
+
+
+@pytest.mark.system
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--as", RUN], "a run id of its own"),
-        (["--as", "x1", "--to-step", "99"], "not within run"),
-        (["--as", "x2", "--from-step", "3"], "no checkpoint of step 3"),
-        (["--as", "x3", "--set", "trainer.engine.lr"], "expected KEY=VALUE"),
-        (["--as", "x4", "--set", "run_id=other"], "the fork's own"),
-        (["--as", "x5", "--set", "trainer.engine.lr=-1"], "lr"),
-        (["--as", "taken", "--set", "trainer.engine.lr=1e-2"], "other settings"),
-        (["--as", "x6", "--set", "trainer.loss.type=nonsense"], "invalid configuration"),
-        ([], "--as NEW is required"),
-        (["--as", "x7", "--set", "streams.staleness.max_staleness=0"], "only with --restream"),
-        (["--as", "x8", "--restream", "--set", "streams.staleness.max_staleness=-1"], "invalid"),
-        (["--as", "x9", "--restream"], "cannot restream"),  # RUN never had a raw topic
+        (of_run("--as", RUN), "a run id of its own"),
+        (of_run("--as", "x1", "--to-step", "99"), "not within run"),
+        (of_run("--as", "x2", "--from-step", "3"), "no checkpoint of step 3"),
+        (of_run("--as", "x3", "--set", "trainer.engine.lr"), "expected KEY=VALUE"),
+        (of_run("--as", "x4", "--set", "run_id=other"), "the fork's own"),
+        (of_run("--as", "x5", "--set", "trainer.engine.lr=-1"), "lr"),
+        (of_run("--as", "taken", "--set", "trainer.engine.lr=1e-2"), "other settings"),
+        (of_run("--as", "x6", "--set", "trainer.loss.type=nonsense"), "invalid configuration"),
+        (of_run(), "--as NEW is required"),
+        (
+            of_run("--as", "x7", "--set", "streams.staleness.max_staleness=0"),
+            "only with --restream",
+        ),
+        (
+            of_run("--as", "x8", "--restream", "--set", "streams.staleness.max_staleness=-1"),
+            "invalid",
+        ),
+        (of_run("--as", "x9", "--restream"), "cannot restream"),  # RUN never had a raw topic
+        # NEW names a run already: its weight lineage, its `up` run directory
+        (of_run("--as", "lineage"), "lineage is a run of its own (versions 0..1 in the weight"),
+        (of_run("--as", "up-run"), "up-run is a run of its own ("),
+        # RUN is no run, a fork, or another run than the config's
+        (["fork", "nosuchrun", "--as", "x10"], "no run 'nosuchrun'"),
+        (["fork", "taken", "--as", "x11"], "taken is a fork of fork-source: fork fork-source"),
+        (["fork", "lineage", "--as", "x12"], "this config is run fork-source's, not lineage's"),
+        (["fork", "up-run", "--as", "x15"], "--config {tmp}/state/runs/up-run/rollstream.toml"),
+        (
+            of_run("--as", "x13", "--set", "trainer.engine.grad_accum_steps=1"),
+            "grad_accum_steps is 1",
+        ),
+        # found wanting once training starts (its samples are not on the topic): removed
+        ([*GHOST, "fork", "ghost", "--as", "x14"], "samples of run 'ghost' that steps [1] trained"),
     ],
 )
 def test_a_fork_that_cannot_be_made_says_why_and_writes_nothing(
@@ -334,12 +386,25 @@ def test_a_fork_that_cannot_be_made_says_why_and_writes_nothing(
     (taken / "fork.json").write_bytes(
         orjson.dumps({"run": RUN, "fork": "taken", "policy": "", "from_step": 0, "to_step": 30})
     )
+    lineage = recorded.store("lineage")
+    if not lineage.versions():  # a run's lineage and nothing else of it here
+        writer = DeltaWriter(lineage)
+        for version in (0, 1):
+            writer.publish({"w": torch.full((4,), float(version))}, version)
+    (recorded.state / "runs" / "up-run").mkdir(parents=True, exist_ok=True)
+    (recorded.state / "runs" / "up-run" / "rollstream.toml").write_text('run_id = "up-run"\n')
+    ghost = TrainingLedger(recorded.tmp / "ghost.jsonl")  # steps of samples never recorded
+    if not ghost.path.exists():
+        ghost.append([LedgerStep(1, ["g1", "g2"], [["g1"], ["g2"]], [])])
+    versions = {run: recorded.store(run).versions() for run in ("x10", "x13", "x14", "x15")}
     before = tree_digest(recorded.state)
-    done = CliRunner().invoke(main, ["--config", str(recorded.config), "fork", RUN, *args])
+    given = [a.format(tmp=recorded.tmp) for a in args]
+    done = CliRunner().invoke(main, ["--config", str(recorded.config), *given])
     assert done.exit_code in (1, 2), done.output
-    assert message in done.output
+    assert message.format(tmp=recorded.tmp) in done.output
     assert not isinstance(done.exception, Exception) or isinstance(done.exception, SystemExit)
     assert tree_digest(recorded.state) == before
+    assert {run: recorded.store(run).versions() for run in versions} == versions
 
 
 def test_a_fork_of_another_loss_type_starts_from_that_loss_s_defaults(tmp_path: Path) -> None:
