@@ -342,9 +342,10 @@ class RolloutConfig(StrictModel):
     )
     stop_policy: Literal["abort", "finish"] = Field(
         default="abort",
-        description="On SIGTERM/Ctrl-C: 'abort' the groups in flight (never published) or "
-        "'finish' them first (up to stop_finish_timeout_s, then abort the rest). The "
-        "ledger's last line says which groups went which way.",
+        description="On SIGTERM/Ctrl-C: 'abort' the groups in flight (never published, but "
+        "for a gateway's closed episodes: gateway.stop_min_episodes) or 'finish' them first "
+        "(up to stop_finish_timeout_s, then abort the rest). The ledger's last line says "
+        "which groups went which way.",
     )
     stop_finish_timeout_s: float = Field(
         default=60.0, gt=0, description="'finish': longest wait for groups in flight."
