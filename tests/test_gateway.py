@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import importlib.util
 import json
 import random
@@ -27,19 +26,17 @@ import openai
 import pytest
 import torch
 from support.chat_model import VOCAB, save_chat_model
-from support.streams import wait_until
+from support.streams import create_stream_topics, wait_until
 from test_producers_worker import make_topic, read_topic, recompute, rs_config
 
 from core.models import BOS_ID, SEP_ID
 from core.process import free_port
-from infra.topics import ensure_topics
 from producers.app import run_producer
 from producers.config import EngineConfig, GatewayConfig, ProducersConfig, RolloutConfig
 from producers.ledger import ledger_dir, read_ledger
 from rollstream.audit import AuditSources, audit
 from schemas.codec import decode
 from schemas.control import DeadLetter
-from schemas.topics import ROLLOUTS_DLQ, ROLLOUTS_STALE
 from schemas.trajectory import Trajectory, TurnKind
 
 torch.set_num_threads(1)
@@ -557,13 +554,7 @@ def test_a_stop_publishes_or_dead_letters_every_closed_episode_and_the_audit_cou
     kafka_config, unique_name, tmp_path, chat_model
 ):
     dlq, stale = unique_name("rollouts.dlq"), unique_name("rollouts.stale")
-    ensure_topics(
-        kafka_config.client_config(),
-        [
-            dataclasses.replace(ROLLOUTS_DLQ, name=dlq),
-            dataclasses.replace(ROLLOUTS_STALE, name=stale),
-        ],
-    )
+    create_stream_topics(kafka_config.client_config(), {"dlq": dlq, "stale": stale})
     with gateway_run(
         kafka_config, unique_name, tmp_path, chat_model, groups=5, group_size=3, inflight=2,
         dead_letter_topic=dlq,
