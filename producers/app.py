@@ -167,6 +167,7 @@ async def run_producer(
                 model_name=rollout.expected_model or producers.engine.model,
                 group_size=rollout.group_size,
                 vocab_size=vocab_size,
+                settled=lambda group_id: settled(ledger, group_id),
             )
             await gateway.start()
             stack.push_async_callback(gateway.close)
@@ -216,6 +217,14 @@ def gateway_desk(rollout: RolloutConfig, metrics: ProducerMetrics) -> EpisodeDes
         return None
     limits = dataclasses.replace(EpisodeLimits(), **rollout.episode.overrides())
     return EpisodeDesk(rollout.gateway, limits, metrics)
+
+
+def settled(ledger: Ledger, group_id: str) -> str | None:
+    """What Kafka acknowledged of a group, by the ledger: ``published`` (the raw topic),
+    ``dead_lettered`` (the dead-letter topic), or None (not yet, or never)."""
+    if group_id in ledger.state.delivered:
+        return "published"
+    return "dead_lettered" if group_id in ledger.state.dead_lettered else None
 
 
 def stop_record(report: WorkerReport, ledger: Ledger, policy: str) -> StopRecord:

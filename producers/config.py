@@ -271,6 +271,19 @@ class GatewayConfig(StrictModel):
         description="An episode with no call for this long, or a slot nobody opened, "
         "ends as abandoned (never trained).",
     )
+    stop_min_episodes: int = Field(
+        default=2,
+        ge=1,
+        description="When the producer stops, a group with at least this many closed "
+        "episodes is published as it is (its open ones abandoned); one with fewer goes to "
+        "dead_letter_topic (reason gateway_stopped_incomplete_group). A group of one has no "
+        "spread to learn from.",
+    )
+    dead_letter_topic: TopicName = Field(
+        default="rollouts.dlq",
+        description="Where closed episodes that cannot be published go: the stream's "
+        "[streams.topics] dlq, where rollstream audit reads them.",
+    )
 
 
 class RolloutConfig(StrictModel):
@@ -329,9 +342,10 @@ class RolloutConfig(StrictModel):
     )
     stop_policy: Literal["abort", "finish"] = Field(
         default="abort",
-        description="On SIGTERM/Ctrl-C: 'abort' the groups in flight (never published) or "
-        "'finish' them first (up to stop_finish_timeout_s, then abort the rest). The "
-        "ledger's last line says which groups went which way.",
+        description="On SIGTERM/Ctrl-C: 'abort' the groups in flight (never published, but "
+        "for a gateway's closed episodes: gateway.stop_min_episodes) or 'finish' them first "
+        "(up to stop_finish_timeout_s, then abort the rest). The ledger's last line says "
+        "which groups went which way.",
     )
     stop_finish_timeout_s: float = Field(
         default=60.0, gt=0, description="'finish': longest wait for groups in flight."

@@ -17,8 +17,13 @@ reward at the end. Endpoints (JSON; errors use OpenAI's ``{"error": {...}}`` bod
   the model's chat template, the engine generates with log-probs under the run's sampling,
   and the episode keeps the exact tokens (``producers.gateway_episodes``).
 - ``POST /v1/episodes/{id}/close``: ``{"reward": 1.0}`` or ``{"reward": {"name": 0.5,
-  ...}}`` (components summed), optional ``details``; ends the episode. A second close is
-  answered 409, an unknown episode 404.
+  ...}}`` (components summed), optional ``details``; ends the episode. The answer says
+  the records are not published yet (``published: false``): they wait for the rest of
+  the group (``state`` ``waiting_for_group``, ``group_open`` episodes still open) or the
+  group is being published (``publishing``). A second close is answered 409, an unknown
+  episode 404.
+- ``GET /v1/episodes/{id}``: what became of it (``EPISODE_STATES``): ``published``
+  only once Kafka acknowledged its group.
 - ``POST /v1/episodes/{id}/abort``: the agent gives the episode up (never published).
 - ``GET /v1/models`` (the names a call's ``model`` may give), ``GET /health``.
 
@@ -68,6 +73,15 @@ from producers.versions import Stopped
 logger = logging.getLogger(__name__)
 
 EPISODE_HEADER = "X-Rollstream-Episode"
+EPISODE_STATES = (
+    "active",  # opened, not yet closed
+    "abandoned",  # ended without a reward (``reason``): never published
+    "waiting_for_group",  # closed; its group has episodes still open
+    "publishing",  # closed; its group complete, handed to Kafka, not yet acknowledged
+    "published",  # acknowledged in the raw topic: durable
+    "dead_lettering",  # closed; the producer stopped too early for its group to train
+    "dead_lettered",  # acknowledged in the dead-letter topic
+)
 KEY_SETTING = "[producers.rollout.gateway] api_key"
 EXPOSURE = (
     "the gateway",
@@ -133,6 +147,7 @@ class Gateway:
         model_name: str,
         group_size: int,
         vocab_size: int | None = None,
+        settled: Callable[[str], str | None] = lambda group_id: None,
     ) -> None:
         check_bind(
             config.host, config.api_key.get_secret_value() if config.api_key else None, EXPOSURE
@@ -149,6 +164,7 @@ class Gateway:
         self.group_size = group_size
         self.vocab_size = vocab_size or len(tokenizer)
         self.max_call_tokens = config.max_call_tokens or generator.task.max_new_tokens
+        self.settled = settled  # a group's acknowledged fate: published, dead_lettered, None
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -159,6 +175,7 @@ class Gateway:
             client_max_size=MAX_BODY_BYTES, middlewares=[self._count, self._require_key]
         )
         app.router.add_post("/v1/episodes", self.open_episode)
+        app.router.add_get("/v1/episodes/{episode}", self.episode_state)
         app.router.add_post("/v1/episodes/{episode}/close", self.close_episode)
         app.router.add_post("/v1/episodes/{episode}/abort", self.abort_episode)
         for prefix in ("/v1", "/episodes/{episode}/v1"):
@@ -242,10 +259,38 @@ class Gateway:
             body = await _body(request)
             reward, details = parse_reward(body)
             episode = self.desk.episode(request.match_info["episode"])
-            records = self.desk.close(episode, reward, details)
+            receipt = self.desk.close(episode, reward, details)
         except (EpisodeRefused, BadRequest) as exc:
             return _error(str(exc), getattr(exc, "status", 400))
-        return _json({"episode_id": episode.episode_id, "reward": reward, "records": records})
+        return _json(
+            {
+                "episode_id": episode.episode_id,
+                "reward": reward,
+                "records": receipt.records,
+                "published": False,
+                "state": "waiting_for_group" if receipt.group_open else "publishing",
+                "group_open": receipt.group_open,
+            }
+        )
+
+    async def episode_state(self, request: web.Request) -> web.Response:
+        try:
+            episode = self.desk.known(request.match_info["episode"])
+        except EpisodeRefused as exc:
+            return _error(str(exc), exc.status)
+        state = episode.state
+        if state == "closed":
+            state = episode.fate or "waiting_for_group"
+            state = self.settled(episode.group_id) or state
+        answer = {
+            "episode_id": episode.episode_id,
+            "group_id": episode.group_id,
+            "state": state,
+            "published": state == "published",
+        }
+        if episode.reason:
+            answer["reason"] = episode.reason
+        return _json(answer)
 
     async def abort_episode(self, request: web.Request) -> web.Response:
         try:

@@ -16,6 +16,10 @@ So a record only ever holds policy tokens the engine generated, in the context i
 generated them in. The group is published once every slot is closed or abandoned; the
 abandoned ones (no call for ``idle_timeout_s``, a slot never opened, a client that left
 before its answer, the producer stopping) are never published, and the ledger says why.
+A closed episode is therefore not durable when its close is answered: it waits for its
+group (``GatewayEpisode.fate``). When the producer stops first, ``play`` returns the
+closed episodes of the unfinished group (``GroupOutcome.stopped``) for the worker to
+publish or dead-letter: none is dropped.
 """
 
 from __future__ import annotations
@@ -97,6 +101,9 @@ class GatewayEpisode:
     mismatches: int = 0
     tool_messages: int = 0
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+    # a closed episode's records: "" while its group waits, then what the worker did with
+    # them ("publishing" or "dead_lettering")
+    fate: str = ""
 
     @property
     def done(self) -> bool:
@@ -210,10 +217,23 @@ def _is_number(value: Any) -> bool:
 
 @dataclass
 class GroupOutcome:
-    """What a group's agents made: the records to publish and the abandoned episodes."""
+    """What a group's agents made: the records to publish, the closed episodes they come
+    from and the abandoned episodes; ``stopped``: the producer stopped before every
+    episode ended."""
 
     records: list[tuple[Prompt, EpisodeResult]]
     abandoned: dict[str, str]  # episode id -> why
+    closed: list[GatewayEpisode] = field(default_factory=list)
+    stopped: bool = False
+
+
+@dataclass(frozen=True)
+class CloseReceipt:
+    """What a close did: the records the episode makes, and how many episodes of its
+    group are still open (its records wait for them)."""
+
+    records: int
+    group_open: int
 
 
 class EpisodeDesk:
@@ -229,6 +249,7 @@ class EpisodeDesk:
         self._slot_added = asyncio.Event()
         self._episodes: dict[str, GatewayEpisode] = {}
         self._finished: OrderedDict[str, GatewayEpisode] = OrderedDict()
+        self._groups: dict[str, list[GatewayEpisode]] = {}
         self.stopping = False
 
     # --- the worker's side ---------------------------------------------------------------
@@ -237,8 +258,8 @@ class EpisodeDesk:
         self, prompt: Prompt, group_id: str, size: int, stop: StopSignals
     ) -> GroupOutcome:
         """Offer a group of ``size`` episodes of ``prompt`` and wait until each is closed
-        or abandoned. Raises ``Stopped`` (its episodes abandoned) when the worker cancels
-        what is in flight."""
+        or abandoned. When the worker cancels what is in flight, the episodes still open
+        are abandoned and the closed ones returned (``stopped``); none closed: ``Stopped``."""
         episodes = [
             GatewayEpisode(
                 uuid.uuid4().hex, group_id, i, prompt, self.limits, self.config.history_mismatch
@@ -247,14 +268,15 @@ class EpisodeDesk:
         ]
         for episode in episodes:
             self._episodes[episode.episode_id] = episode
+        self._groups[group_id] = episodes
         self._slots.extend(episodes)
         self._slot_added.set()
+        stopped = False
         try:
             while not all(e.done for e in episodes):
                 if stop.cancelled.is_set():
-                    for episode in episodes:
-                        self.abandon(episode, "stopped", "the producer stopped")
-                    raise Stopped
+                    stopped = True
+                    break
                 self._expire(episodes)
                 pending = [asyncio.ensure_future(e.finished.wait()) for e in episodes if not e.done]
                 pending.append(asyncio.ensure_future(stop.cancelled.wait()))
@@ -267,10 +289,22 @@ class EpisodeDesk:
             for episode in episodes:
                 self.abandon(episode, "stopped", "the producer stopped")  # only if still open
                 self._forget(episode)
+            self._groups.pop(group_id, None)
+        closed = [e for e in episodes if e.state == "closed"]
+        if stopped and not closed:
+            raise Stopped
         return GroupOutcome(
-            [record for e in episodes if e.state == "closed" for record in e.records()],
+            [record for e in closed for record in e.records()],
             {e.episode_id: e.reason for e in episodes if e.state == "abandoned"},
+            closed,
+            stopped,
         )
+
+    @staticmethod
+    def settle(outcome: GroupOutcome, fate: str) -> None:
+        """What the worker did with a group's closed episodes (``GatewayEpisode.fate``)."""
+        for episode in outcome.closed:
+            episode.fate = fate
 
     def _expire(self, episodes: list[GatewayEpisode]) -> None:
         idle = self.config.idle_timeout_s
@@ -319,19 +353,22 @@ class EpisodeDesk:
 
     def episode(self, episode_id: str) -> GatewayEpisode:
         """The open episode ``episode_id``; refused when it is unknown or over."""
-        episode = self._episodes.get(episode_id)
-        if episode is None:
-            gone = self._finished.get(episode_id)
-            if gone is None:
-                raise EpisodeRefused(f"no episode {episode_id!r} was opened here", 404)
-            episode = gone
-        if episode.state == "open":  # a slot's id is only known once it is claimed
-            raise EpisodeRefused(f"no episode {episode_id!r} was opened here", 404)
+        episode = self.known(episode_id)
         episode.check_open()
         return episode
 
-    def close(self, episode: GatewayEpisode, reward: float, details: Mapping[str, Any]) -> int:
-        """Score the episode and end it; returns how many records it makes."""
+    def known(self, episode_id: str) -> GatewayEpisode:
+        """The episode ``episode_id``, open or over (among the last remembered); 404
+        when no agent opened it."""
+        episode = self._episodes.get(episode_id) or self._finished.get(episode_id)
+        if episode is None or episode.state == "open":  # a slot's id is known once claimed
+            raise EpisodeRefused(f"no episode {episode_id!r} was opened here", 404)
+        return episode
+
+    def close(
+        self, episode: GatewayEpisode, reward: float, details: Mapping[str, Any]
+    ) -> CloseReceipt:
+        """Score the episode and end it; its records wait for the rest of its group."""
         episode.check_open()
         if episode.busy:
             raise EpisodeRefused("a call of this episode is still in flight")
@@ -344,7 +381,8 @@ class EpisodeDesk:
             part.result.details = dict(details)
         episode.state = "closed"
         episode.finished.set()
-        return len(records)
+        group = self._groups.get(episode.group_id, [])
+        return CloseReceipt(len(records), sum(1 for e in group if not e.done))
 
     def abandon(self, episode: GatewayEpisode, kind: str, reason: str) -> None:
         """End an episode without a reward (never published); no-op once it is over."""

@@ -6,7 +6,8 @@ produces the G records (key = group id, value = ``schemas.codec.encode``, header
 ``routing_headers``). Delivery callbacks run inside ``poll``/``flush`` (the caller's
 thread); when the G-th acknowledgement of a group arrives, the group's ``delivered``
 line goes to the ledger with every record's partition and offset. A group is delivered
-only then.
+only then. ``dead_letter`` sends a group's records to the dead-letter topic instead, each
+with a ``DeadLetter`` header; their acknowledgement is the ledger's ``dead_lettered`` line.
 
 The producer is idempotent (``enable.idempotence=true``, hence ``acks=all``): librdkafka
 retries internally without duplicates or reordering for as long as
@@ -31,6 +32,7 @@ from producers.config import RolloutConfig
 from producers.ledger import Ledger, recover
 from producers.metrics import ProducerMetrics
 from schemas.codec import encode, routing_headers
+from schemas.control import DeadLetter
 from schemas.topics import ROLLOUTS_RAW, producer_limits
 from schemas.trajectory import Trajectory
 
@@ -50,6 +52,7 @@ class _Prepared:
     group_id: str
     values: list[bytes]
     headers: list[list[tuple[str, bytes]]]
+    topic: str = ""  # default: the publisher's
 
 
 @dataclass
@@ -57,6 +60,7 @@ class _Group:
     trajectory_ids: list[str]
     positions: dict[int, tuple[int, int]] = field(default_factory=dict)
     failed: bool = False
+    dead_letter: str = ""  # the reason, for a group sent to the dead-letter topic
 
 
 def producer_config(
@@ -150,6 +154,28 @@ class GroupPublisher:
         self.metrics.undelivered_groups.set(len(self._groups))
         return _Prepared(group_id, values, headers)
 
+    def dead_letter(
+        self,
+        group_id: str,
+        trajectories: Sequence[Trajectory],
+        topic: str,
+        reason: str,
+        detail: str,
+    ) -> None:
+        """Produce a group's records to the dead-letter ``topic`` (never to the raw one),
+        each with a ``DeadLetter`` header naming ``reason``; the ledger's ``dead_lettered``
+        line follows their acknowledgement, as ``delivered`` does a group's."""
+        self.raise_if_failed()
+        if group_id in self._groups:
+            raise ValueError(f"group {group_id} is already being published")
+        letter = DeadLetter(reason, detail[:2000], self.topic, 0, 0).header()
+        ids = [t.trajectory_id for t in trajectories]
+        self._groups[group_id] = _Group(ids, dead_letter=reason)
+        self.metrics.undelivered_groups.set(len(self._groups))
+        values = [encode(t) for t in trajectories]
+        headers = [[*routing_headers(t), letter] for t in trajectories]
+        self.send(_Prepared(group_id, values, headers, topic))
+
     def send(self, prepared: _Prepared) -> None:
         """Hand a prepared group's records to the producer (after the ledger sync)."""
         key = prepared.group_id.encode()
@@ -160,7 +186,11 @@ class GroupPublisher:
             while True:
                 try:
                     self._producer.produce(
-                        self.topic, value=value, key=key, headers=headers, on_delivery=callback
+                        prepared.topic or self.topic,
+                        value=value,
+                        key=key,
+                        headers=headers,
+                        on_delivery=callback,
                     )
                     break
                 except BufferError:  # local queue full: wait for the broker to drain it
@@ -218,14 +248,18 @@ class GroupPublisher:
                 )
             return
         group.positions[index] = (msg.partition(), msg.offset())
-        if len(group.positions) == len(group.trajectory_ids) and not group.failed:
+        if len(group.positions) < len(group.trajectory_ids) or group.failed:
+            return
+        del self._groups[group_id]
+        self.metrics.undelivered_groups.set(len(self._groups))
+        if group.dead_letter:
+            self.ledger.dead_lettered(group_id, group.trajectory_ids, group.dead_letter)
+        else:
             positions = [group.positions[i] for i in range(len(group.trajectory_ids))]
             self.ledger.delivered(group_id, group.trajectory_ids, positions)
-            del self._groups[group_id]
             self.delivered_groups += 1
             self.metrics.groups.inc()
             self.metrics.trajectories.inc(len(positions))
-            self.metrics.undelivered_groups.set(len(self._groups))
 
     def _on_error(self, err: Any) -> None:
         if err.fatal():

@@ -19,6 +19,9 @@ one event a line, flushed to the OS as it is written (enough to survive kill -9)
 - ``abandoned``: gateway episodes of a group that ended without a reward (the agent went
   away, never opened its slot, or the producer stopped), each with the reason; they are
   never published.
+- ``dead_lettered``: gateway episodes an agent closed whose group could not be published
+  (the producer stopped with too few of it closed), acknowledged in the dead-letter topic
+  with the reason: their trajectory ids, so ``rollstream audit`` expects them there.
 
 Recovery (``recover``) runs at start-up, before producing. For each group left pending
 it scans the topic from the last mark written before the oldest pending line (a bounded
@@ -90,6 +93,7 @@ class LedgerState:
     lines: int = 0
     positions: dict[str, int] = field(default_factory=dict)  # group -> prompt position
     abandoned: dict[str, dict[str, str]] = field(default_factory=dict)  # group -> episode -> why
+    dead_lettered: dict[str, list[str]] = field(default_factory=dict)  # group -> ids in the DLQ
 
     @property
     def delivered_ids(self) -> set[str]:
@@ -237,6 +241,12 @@ class Ledger:
         self._append({"kind": "abandoned", "group_id": group_id, "episodes": dict(reasons)})
         self.state.abandoned[group_id] = dict(reasons)
 
+    def dead_lettered(self, group_id: str, trajectory_ids: list[str], reason: str) -> None:
+        """Records of ``group_id`` the dead-letter topic acknowledged instead of the raw one."""
+        event = {"kind": "dead_lettered", "group_id": group_id, "trajectory_ids": trajectory_ids}
+        self._append({**event, "reason": reason})
+        self.state.dead_lettered[group_id] = trajectory_ids
+
     def _append(self, event: dict[str, Any], *, sync: bool = False) -> None:
         if self._fh is None:
             raise RuntimeError("ledger is not open")
@@ -285,6 +295,8 @@ def read_ledger(path: Path) -> LedgerState:
                 state.lost.add(gid)
             elif kind == "abandoned":
                 state.abandoned[gid] = event["episodes"]
+            elif kind == "dead_lettered":
+                state.dead_lettered[gid] = event["trajectory_ids"]
             elif kind == "stopped":
                 state.stops.append(
                     StopRecord(

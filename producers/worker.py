@@ -20,7 +20,8 @@ idempotent producer (admission pauses once ``max_undelivered_groups`` wait); an
 unreachable weight store pauses admission once the announced versions run ahead. A
 malformed engine answer, an invalid record or a delivery error stops the worker with that
 error. ``request_stop`` (SIGINT/SIGTERM) stops admission and, by ``rollout.stop_policy``,
-aborts generation in flight (``abort``: those groups are dropped, never published) or
+aborts generation in flight (``abort``: those groups are dropped, never published, but
+for the episodes a gateway's agents closed: ``_publish_agents_group``) or
 lets it finish and publish (``finish``, up to ``stop_finish_timeout_s``); then it waits
 for acknowledgements of what was published and returns. ``producers.app.run_producer``
 writes which groups went which way as the ledger's ``stopped`` line.
@@ -44,7 +45,7 @@ from producers.client import EngineUnavailable
 from producers.config import RolloutConfig
 from producers.curriculum import Curriculum
 from producers.episodes import EpisodeRunner
-from producers.gateway_episodes import EpisodeDesk
+from producers.gateway_episodes import EpisodeDesk, GroupOutcome
 from producers.generation import GroupGenerator, now_ms
 from producers.group_publisher import GroupPublisher
 from producers.metrics import Progress
@@ -55,6 +56,9 @@ from producers.versions import EngineVersions, Stopped, StopSignals
 from schemas.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
+
+STOPPED_GROUP = "gateway_stopped_incomplete_group"
+"""The dead-letter reason of closed gateway episodes whose group the stop cut short."""
 
 
 @dataclass
@@ -366,22 +370,10 @@ class RolloutWorker:
         generated = time.perf_counter() - began
         peer_groups: list[tuple[str, str, list[Trajectory]]] = []
         if self.gateway is not None:
-            if outcome.abandoned:
-                self.publisher.ledger.abandoned(group_id, outcome.abandoned)
-            if not outcome.records:
-                self.report.groups_dropped += 1
-                return
-            provenance = getattr(self.task, "provenance", None)  # which row, for a resume
-            row = provenance(prompt) if provenance is not None else {}
-            for _, result in outcome.records:
-                result.details.update(row)
-            trajectories = [
-                self.records.episode_trajectory(
-                    part_prompt, group_id, i, len(outcome.records), result, created_ms
-                )
-                for i, (part_prompt, result) in enumerate(outcome.records)
-            ]
-        elif self.generator.episodes is not None:
+            await self._publish_agents_group(prompt, group_id, outcome, created_ms)
+            self.metrics.generate_seconds.observe(generated)
+            return
+        if self.generator.episodes is not None:
             trajectories = [
                 self.records.episode_trajectory(prompt, group_id, i, size, episode, created_ms)
                 for i, episode in enumerate(episodes)
@@ -395,3 +387,44 @@ class RolloutWorker:
         await self.outbox.publish(group_id, trajectories, peer_groups)
         self.metrics.publish_seconds.observe(time.perf_counter() - began)
         self.metrics.generate_seconds.observe(generated)
+
+    async def _publish_agents_group(
+        self, prompt: Prompt, group_id: str, outcome: GroupOutcome, created_ms: int
+    ) -> None:
+        """The records of the episodes the gateway's agents closed, published as the group
+        (its size: how many there are). A group the stop cut short with fewer than
+        ``stop_min_episodes`` closed goes to the dead-letter topic instead: its agents
+        were told their episodes were accepted, so they are never dropped unsaid."""
+        assert self.gateway is not None
+        if outcome.abandoned:
+            self.publisher.ledger.abandoned(group_id, outcome.abandoned)
+        if not outcome.records:
+            self.report.groups_dropped += 1
+            return
+        provenance = getattr(self.task, "provenance", None)  # which row, for a resume
+        row = provenance(prompt) if provenance is not None else {}
+        for _, result in outcome.records:
+            result.details.update(row)
+        trajectories = [
+            self.records.episode_trajectory(
+                part_prompt, group_id, i, len(outcome.records), result, created_ms
+            )
+            for i, (part_prompt, result) in enumerate(outcome.records)
+        ]
+        gateway = self.config.gateway
+        if outcome.stopped and len(outcome.closed) < gateway.stop_min_episodes:
+            detail = (
+                f"the producer stopped with {len(outcome.closed)} of the group's "
+                f"{self.config.group_size} episodes closed (stop_min_episodes "
+                f"{gateway.stop_min_episodes}); never produced to {self.publisher.topic}"
+            )
+            self.gateway.settle(outcome, "dead_lettering")
+            self.publisher.dead_letter(
+                group_id, trajectories, gateway.dead_letter_topic, STOPPED_GROUP, detail
+            )
+            self.report.groups_dropped += 1
+            return
+        began = time.perf_counter()
+        await self.outbox.publish(group_id, trajectories)
+        self.gateway.settle(outcome, "publishing")
+        self.metrics.publish_seconds.observe(time.perf_counter() - began)

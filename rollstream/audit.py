@@ -8,7 +8,9 @@ trained that no producer produced. Each role keeps its own record of its side:
 - the producers' delivery ledgers (``producers.ledger``, one per producer under
   ``<state_dir>/producers/<run_id>/``): trajectory ids of every group whose G records
   Kafka acknowledged (*delivered*), and of groups a crash left partly in the topic
-  (*orphaned*; the stream closes them as partial groups or dead-letters them). Producers
+  (*orphaned*; the stream closes them as partial groups or dead-letters them), and gateway
+  episodes a stopping producer dead-lettered itself (*dead-lettered by producers*, expected
+  in the DLQ like delivered ids, never in raw). Producers
   on other machines: the same sets are told by ``rollouts.raw`` itself
   (``produced_from_raw``, ``--delivery topic``);
 - the trainer's ledger (``trainer.ledger_file``): trajectory ids per trainer step whose
@@ -72,6 +74,7 @@ class Produced:
     orphaned: dict[str, list[str]] = field(default_factory=dict)  # ids that reached raw
     lost: set[str] = field(default_factory=set)  # group ids, none of it reached raw
     pending: dict[str, list[str]] = field(default_factory=dict)  # unsettled by the producer
+    dead_lettered: dict[str, list[str]] = field(default_factory=dict)  # group id -> ids in DLQ
 
     @property
     def delivered_ids(self) -> set[str]:
@@ -80,6 +83,10 @@ class Produced:
     @property
     def orphaned_ids(self) -> set[str]:
         return {tid for ids in self.orphaned.values() for tid in ids}
+
+    @property
+    def dead_lettered_ids(self) -> set[str]:
+        return {tid for ids in self.dead_lettered.values() for tid in ids}
 
     def settle_pending(self, raw_ids: Iterable[str]) -> int:
         """Settle ``pending`` groups against the ids found in the raw topic, as the
@@ -134,6 +141,7 @@ def read_producer_ledgers(directory: Path) -> Produced:
         produced.orphaned.update(state.orphaned)
         produced.lost |= state.lost
         produced.pending.update({g: p.trajectory_ids for g, p in state.pending.items()})
+        produced.dead_lettered.update(state.dead_lettered)
     return produced
 
 
@@ -380,10 +388,12 @@ class AuditReport:
 
     @property
     def missing(self) -> set[str]:
-        """Delivered, yet neither trained, stale nor dead-lettered, nor in flight: lost
+        """Delivered (or dead-lettered by a producer), yet neither trained, stale nor
+        dead-lettered, nor in flight: lost
         (``lost_in_flight`` included). Without the raw and scored views (``--quick``)
         records in flight count too."""
-        return self.delivered - self.accounted - self.unprocessed - self.untrained
+        expected = self.delivered | self.produced.dead_lettered_ids
+        return expected - self.accounted - self.unprocessed - self.untrained
 
     @property
     def trained_twice(self) -> dict[str, int]:
@@ -432,7 +442,8 @@ class AuditReport:
     @property
     def unknown_dead_letters(self) -> set[str]:
         """Dead-lettered ids no producer ledger knows (not a loss; worth a look)."""
-        return set(self.dlq.ids) - self.delivered - self.produced.orphaned_ids
+        known = self.delivered | self.produced.orphaned_ids | self.produced.dead_lettered_ids
+        return set(self.dlq.ids) - known
 
     @property
     def unprocessed(self) -> set[str]:
@@ -528,6 +539,7 @@ class AuditReport:
             "delivered": len(self.delivered),
             "orphaned": len(self.produced.orphaned_ids),
             "lost_groups": len(self.produced.lost),
+            "dead_lettered_by_producers": len(self.produced.dead_lettered_ids),
             "trained": len(trained),
             "trained_total": sum(self.trained.values()),
             "trained_of_delivered": len(trained & self.delivered),
@@ -591,7 +603,7 @@ class AuditSources:
     raw: str
     scored: str
     stales: tuple[str, ...]  # the stream's and the trainer's (often one topic)
-    dlqs: tuple[str, ...]  # the stream's and the trainer's (often one topic)
+    dlqs: tuple[str, ...]  # the stream's, the trainer's and a gateway's (often one topic)
     filtered: str | None  # what the stream's data operators filtered out
     stream_app_id: str
     trainer_group: str
@@ -611,7 +623,9 @@ class AuditSources:
             raw=config.producers.rollout.topic,
             scored=topics.scored,
             stales=tuple(dict.fromkeys((topics.stale, config.trainer.topics.stale))),
-            dlqs=tuple(dict.fromkeys((topics.dlq, config.trainer.topics.dlq))),
+            dlqs=tuple(
+                dict.fromkeys((topics.dlq, config.trainer.topics.dlq, *config.gateway_dlq_topics()))
+            ),
             filtered=topics.filtered,
             stream_app_id=config.streams.app_id,
             trainer_group=config.trainer.topics.group_id,

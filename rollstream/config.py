@@ -183,6 +183,11 @@ class RollstreamConfig(SharedConfig):
             raise ConfigurationError(f"no policy {policy!r} to serve as a peer (known: {known})")
         return self._siblings[policy]
 
+    def gateway_dlq_topics(self) -> list[str]:
+        """The gateway's dead-letter topic, where a gateway runs."""
+        gateway = self.producers.rollout.gateway
+        return [gateway.dead_letter_topic] if gateway.enabled else []
+
     def topic_specs(self) -> list[TopicSpec]:
         """Every topic of this run under the names its sections give (tests and shared
         clusters rename them), with the partitions and configs of ``schemas.topics``."""
@@ -190,7 +195,10 @@ class RollstreamConfig(SharedConfig):
             (ROLLOUTS_RAW, {self.producers.rollout.topic, self.streams.topics.raw}),
             (ROLLOUTS_SCORED, {self.streams.topics.scored, self.trainer.topics.scored}),
             (ROLLOUTS_STALE, {self.streams.topics.stale}),
-            (ROLLOUTS_DLQ, {self.streams.topics.dlq, self.trainer.topics.dlq}),
+            (
+                ROLLOUTS_DLQ,
+                {self.streams.topics.dlq, self.trainer.topics.dlq, *self.gateway_dlq_topics()},
+            ),
             (ROLLOUTS_FILTERED, {self.streams.topics.filtered}),
             (
                 PROMPTS_STATS,

@@ -96,6 +96,9 @@ def policy_namespace(values: dict[str, Any], policy: str) -> dict[str, Any]:
             "rollout": {
                 "topic": topic(producers["rollout"]["topic"]),
                 "curriculum": {"topic": topic(producers["rollout"]["curriculum"]["topic"])},
+                "gateway": {
+                    "dead_letter_topic": topic(producers["rollout"]["gateway"]["dead_letter_topic"])
+                },
             },
             "eval": evaluation,
         },

@@ -1,6 +1,7 @@
 """The OpenAI-compatible gateway against the real broker and an in-process engine, driven by
 the real ``openai`` client: multi-turn episodes recorded token for token, rewards, history
-edits split or refused, abandoned episodes in the ledger, and garbage of every kind.
+edits split or refused, abandoned episodes in the ledger, closed episodes a stop cut short
+published or dead-lettered (and counted by the audit), and garbage of every kind.
 
 The model is the tiny chat model (``support.chat_model``); the agent's "tool" is the test's
 own: it answers the model's turn with a user message the chat template renders.
@@ -25,7 +26,7 @@ import openai
 import pytest
 import torch
 from support.chat_model import VOCAB, save_chat_model
-from support.streams import wait_until
+from support.streams import create_stream_topics, wait_until
 from test_producers_worker import make_topic, read_topic, recompute, rs_config
 
 from core.models import BOS_ID, SEP_ID
@@ -33,7 +34,9 @@ from core.process import free_port
 from producers.app import run_producer
 from producers.config import EngineConfig, GatewayConfig, ProducersConfig, RolloutConfig
 from producers.ledger import ledger_dir, read_ledger
+from rollstream.audit import AuditSources, audit
 from schemas.codec import decode
+from schemas.control import DeadLetter
 from schemas.trajectory import Trajectory, TurnKind
 
 torch.set_num_threads(1)
@@ -92,10 +95,12 @@ def gateway_run(
     *,
     groups: int,
     group_size: int = 2,
+    inflight: int = 1,
     task: dict[str, Any] | None = None,
     **gateway: Any,
 ) -> Iterator[GatewayRun]:
-    """A gateway producer that delivers ``groups`` groups (or is stopped on exit); its
+    """A gateway producer that delivers ``groups`` groups, ``inflight`` at a time (or is
+    stopped on exit); its
     task is the chat dataset unless ``task`` gives ``task`` and ``task_options``. Its
     calls may name the model ``policy``."""
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -115,7 +120,7 @@ def gateway_run(
         **task,
         group_size=group_size,
         groups=groups,
-        max_inflight_groups=1,
+        max_inflight_groups=inflight,
         seed=1,
         progress=False,
         producer_id="gateway-a",
@@ -543,3 +548,100 @@ def test_abandoned_episodes_are_never_published_and_the_ledger_says_why(
         idle["episode_id"]: "no call or reward for 10s",
     }
     assert run.report.groups_delivered == 1
+
+
+def test_a_stop_publishes_or_dead_letters_every_closed_episode_and_the_audit_counts_them(
+    kafka_config, unique_name, tmp_path, chat_model
+):
+    dlq, stale = unique_name("rollouts.dlq"), unique_name("rollouts.stale")
+    create_stream_topics(kafka_config.client_config(), {"dlq": dlq, "stale": stale})
+    with gateway_run(
+        kafka_config, unique_name, tmp_path, chat_model, groups=5, group_size=3, inflight=2,
+        dead_letter_topic=dlq,
+    ) as run:  # fmt: skip
+        # group A, whole: each close says its records wait for the group, until it is
+        # acknowledged in the raw topic
+        a = [run.open() for _ in range(3)]
+        assert len({o["group_id"] for o in a}) == 1
+        for opened in a:
+            _play(run, opened, stream=False)
+        answers = [run.close(opened["episode_id"], 1.0).json() for opened in a]
+        assert [(x["published"], x["state"], x["group_open"]) for x in answers] == [
+            (False, "waiting_for_group", 2),
+            (False, "waiting_for_group", 1),
+            (False, "publishing", 0),
+        ]
+        episode_url = f"{run.url}/v1/episodes/{a[0]['episode_id']}"
+        auth = {"Authorization": f"Bearer {KEY}"}
+        wait_until(
+            lambda: httpx.get(episode_url, headers=auth).json()["state"] == "published",
+            30,
+            "group A acknowledged",
+        )
+        assert httpx.get(episode_url, headers=auth).json()["published"] is True
+        # groups B and C: two of B's episodes closed, one of C's, then the producer stops
+        b, c = [run.open() for _ in range(3)], run.open()
+        assert len({o["group_id"] for o in b}) == 1 and c["group_id"] != b[0]["group_id"]
+        for opened in (*b[:2], c):
+            _play(run, opened, stream=False)
+        told = {o["episode_id"]: run.close(o["episode_id"], 0.5).json() for o in (*b[:2], c)}
+        assert [(x["published"], x["state"]) for x in told.values()] == [
+            (False, "waiting_for_group")
+        ] * 3
+        assert [x["group_open"] for x in told.values()] == [2, 1, 2]
+        c_url = f"{run.url}/v1/episodes/{c['episode_id']}"
+        assert httpx.get(c_url, headers=auth).json()["state"] == "waiting_for_group"
+        run.worker["w"].request_stop_threadsafe()
+    # B is published as a group of its two closed episodes' records (an episode whose
+    # history split makes two); C's go to the DLQ
+    by_group: dict[str, list[Trajectory]] = {}
+    for record in run.records(kafka_config):
+        by_group.setdefault(record.group_id, []).append(record)
+    episodes = {
+        g: {r.reward_details["gateway"]["episode_id"] for r in records}
+        for g, records in by_group.items()
+    }
+    assert episodes == {
+        a[0]["group_id"]: {o["episode_id"] for o in a},
+        b[0]["group_id"]: {o["episode_id"] for o in b[:2]},
+    }
+    assert {r.group_size for r in by_group[b[0]["group_id"]]} == {len(by_group[b[0]["group_id"]])}
+    letters = read_topic(kafka_config, dlq)
+    dead = [decode(letter.value()) for letter in letters]
+    assert {(d.group_id, d.reward, d.reward_details["gateway"]["episode_id"]) for d in dead} == {
+        (c["group_id"], 0.5, c["episode_id"])
+    }
+    for letter in letters:
+        reason = DeadLetter.from_headers(letter.headers())
+        assert reason.reason == "gateway_stopped_incomplete_group"
+        assert "1 of the group's 3 episodes closed" in reason.detail
+    ledger = read_ledger(run.ledger)
+    assert ledger.dead_lettered == {c["group_id"]: sorted(d.trajectory_id for d in dead)}
+    assert ledger.abandoned[b[0]["group_id"]] == {b[2]["episode_id"]: "the producer stopped"}
+    # the audit expects every closed episode somewhere: A and B delivered (no stream ran,
+    # so not trained: missing), C dead-lettered by the producer and found in the DLQ
+    report = audit(
+        AuditSources(
+            run_id=run.run_id,
+            client_config=kafka_config.client_config(),
+            producers_dir=run.ledger.parent.parent,
+            trainer_ledger=tmp_path / "no-trainer.jsonl",
+            raw=run.topic,
+            scored=run.topic,
+            stales=(stale,),
+            dlqs=(dlq,),
+            filtered=None,
+            stream_app_id="none",
+            trainer_group="none",
+        ),
+        diagnose=False,
+    )
+    counts = report.counts()
+    published = {r.trajectory_id for records in by_group.values() for r in records}
+    assert (counts["delivered"], counts["dead_lettered_by_producers"], counts["dlq"]) == (
+        len(published),
+        len(dead),
+        len(dead),
+    )
+    assert report.missing == published
+    assert report.unknown_dead_letters == set()
