@@ -123,8 +123,10 @@ class Services(Generic[ConfigT]):
     def running(self, *, kafka: bool = True, s3: bool = True) -> ConfigT:
         """``resolved()`` for a command that needs the embedded broker (``kafka``) or store
         (``s3``) to be running already: a ``ServiceError`` saying what to start when one
-        is not, instead of a client retrying a port where nothing listens. External
-        services are not checked here: their clients retry an outage."""
+        is not, instead of a client retrying a port where nothing listens. A role asks
+        only for what every run of it uses (the broker: a trainer that publishes nothing
+        or a stream with seeded old logits never reads the store). External services are
+        not checked here: their clients retry an outage."""
         missing = [
             name
             for name, needed, service in (("kafka", kafka, self.kafka), ("s3", s3, self.s3))

@@ -745,7 +745,7 @@ def audit_command(
         raise click.UsageError(
             "--ledger and --producers-dir are one policy's files: name it with --policy"
         )
-    resolved = Services(config).running()
+    resolved = Services(config).running(s3=False)
     views = (
         {name: resolved.view(name) for name in sorted(resolved.policies)}
         if resolved.policies and not resolved.policy

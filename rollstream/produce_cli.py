@@ -284,17 +284,18 @@ def _produce(config: RollstreamConfig, overrides: dict[str, Any], region: str | 
     from infra.services import Services
     from producers.app import run_producer
 
-    resolved = Services(shared).running()
-    if region is not None:
+    if region is not None:  # a usage error comes before what is or is not running
         try:
-            store = resolved.weights.region(region, resolved.s3)
+            shared.weights.region(region, shared.s3)
         except KeyError as err:
             raise click.UsageError(str(err.args[0])) from err
-        resolved = resolved.model_copy(update={"s3": store})
+    resolved = Services(shared).running(s3=False)
+    if region is not None:
+        resolved = resolved.model_copy(update={"s3": resolved.weights.region(region, resolved.s3)})
     peers: dict[str, RoleConfig[ProducersConfig]] = {}
     for name in section.rollout.peers:  # each peer policy's own view, from the same sources
         peer_shared, peer_section = role_config(config.peer(name), "producers")
-        peer_shared = Services(peer_shared).running()
+        peer_shared = Services(peer_shared).running(s3=False)
         # this machine's region
         peers[name] = RoleConfig(peer_shared.model_copy(update={"s3": resolved.s3}), peer_section)
     report = asyncio.run(run_producer(resolved, section, peer_configs=peers))
@@ -372,7 +373,8 @@ def evaluate(
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    resolved = Services(shared).running()
+    # measuring stored versions reads only the store; following new ones reads Kafka too
+    resolved = Services(shared).running(kafka=not stored, s3=stored)
     if stored:
         measuring = evaluate_stored(resolved, section, chosen, stop)
     else:

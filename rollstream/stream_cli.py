@@ -60,7 +60,7 @@ def stream(
         return
     from infra.services import Services
 
-    resolved = Services(shared).running()  # before a supervisor restarts a doomed worker
+    resolved = Services(shared).running(s3=False)  # before a supervisor starts a doomed worker
     datadir = datadir or config.state_dir / "streams" / streams.app_id
     datadir.parent.mkdir(parents=True, exist_ok=True)  # Faust creates only the last level
     if in_process:

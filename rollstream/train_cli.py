@@ -24,7 +24,7 @@ def run_trainer(shared: SharedConfig, trainer: TrainerConfig) -> int:
     from consumers.trainer import Trainer
     from infra.services import Services
 
-    runner = Trainer(Services(shared).running(), trainer)
+    runner = Trainer(Services(shared).running(s3=False), trainer)
     runner.install_signal_handlers()
     summary = runner.run()
     click.echo(
