@@ -451,6 +451,28 @@ def test_the_docs_name_commands_and_options_that_exist() -> None:
     assert not wrong, "command lines the CLI rejects:\n" + "\n".join(wrong)
 
 
+def test_first_try_blocks_hold_only_commands_that_run_as_written() -> None:
+    """A ```` ```bash first-try ```` block (run by tests/test_first_try.py) holds
+    ``rollstream`` lines the CLI accepts, with no placeholder a reader must fill in."""
+    wrong = []
+    for path in DOCS:
+        tagged = False
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if line.startswith("```"):
+                tagged = line.strip() == "```bash first-try"
+                continue
+            command = line.split("#", 1)[0].strip()
+            if not tagged or not command:
+                continue
+            where = f"{path.relative_to(REPO)}:{number}"
+            words = shlex.split(command)
+            if words[0] != "rollstream" or re.search(r"[<>…]|\.\.\.|\$", command):
+                wrong.append(f"{where}: `{command}` is not a rollstream line as written")
+            elif problem := check_command_line(words[1:]):
+                wrong.append(f"{where}: `{command}`: {problem}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_role_shims_pass_on_every_root_option() -> None:
     """docs/configuration.md: `python -m producers|streams|consumers` run the same commands."""
     from core.process import ROOT_OPTIONS
