@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from core.process import ServiceError
+
 if TYPE_CHECKING:
     from confluent_kafka import Consumer, Message, TopicPartition
 
@@ -89,7 +91,8 @@ def end_offsets(
 ) -> dict[int, int]:
     """High watermark of every partition of ``topic``, with a consumer of its own
     (transient errors such as a leader election on a fresh topic are retried until
-    ``timeout``; a missing topic is a ``RuntimeError`` that says how to create it)."""
+    ``timeout``; a missing topic is a ``ServiceError`` that says how to create it: a
+    command shows it as one line)."""
     from confluent_kafka import Consumer, KafkaException
 
     consumer = Consumer(reader_config(client_config, "end-offsets"))
@@ -101,7 +104,7 @@ def end_offsets(
                 info = metadata.topics.get(topic)
                 if info is None or info.error is not None:
                     error = info.error if info is not None else "missing"
-                    raise RuntimeError(
+                    raise ServiceError(
                         f"topic {topic!r} not found ({error}): create it first "
                         "(rollstream infra up / rollstream topics ensure)"
                     )

@@ -283,6 +283,7 @@ def _produce(config: RollstreamConfig, overrides: dict[str, Any], region: str | 
     _logging()
     from infra.services import Services
     from producers.app import run_producer
+    from producers.client import EngineUnavailable
 
     if region is not None:  # a usage error comes before what is or is not running
         try:
@@ -298,7 +299,13 @@ def _produce(config: RollstreamConfig, overrides: dict[str, Any], region: str | 
         peer_shared = Services(peer_shared).running(s3=False)
         # this machine's region
         peers[name] = RoleConfig(peer_shared.model_copy(update={"s3": resolved.s3}), peer_section)
-    report = asyncio.run(run_producer(resolved, section, peer_configs=peers))
+    try:
+        report = asyncio.run(run_producer(resolved, section, peer_configs=peers))
+    except EngineUnavailable as err:  # one line saying what to start, not a traceback
+        raise click.ClickException(
+            f"{err}: start the engine first (`rollstream serve`), or point "
+            "producers.rollout.engine_url (--engine-url) at one"
+        ) from err
     click.echo(
         f"delivered {report.groups_delivered} group(s), {report.trajectories_delivered} "
         f"record(s), {report.tokens} tokens in {report.seconds:.1f}s "
