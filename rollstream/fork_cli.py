@@ -55,7 +55,7 @@ def compare_versions(config: RollstreamConfig, run: str, fork: str) -> list[tupl
     from weights.manifest import Manifest
     from weights.store import WeightStore
 
-    s3 = Services(config).resolved().s3
+    s3 = Services(config).running(kafka=False).s3
     theirs = WeightStore.from_config(s3, run, config.policy)
     ours = WeightStore.from_config(s3, fork, config.policy)
     both = sorted(set(theirs.versions()) & set(ours.versions()))
@@ -123,13 +123,10 @@ def traces_of(config: RollstreamConfig, run: str) -> list[str]:
     run directory, its trainer's home under the state dir and, when ``config`` is that
     run's own, the ledger and checkpoints it names. Empty: no run of that name."""
     from consumers.config import checkpoint_dir, ledger_path, trainer_home
-    from infra.services import Services
     from rollstream.up_plan import default_run_dir
-    from weights.store import WeightStore
 
     found = []
-    s3 = Services(config).resolved().s3
-    versions = WeightStore.from_config(s3, run, config.policy).versions()
+    versions = stored_versions(config, run)
     if versions:
         found.append(f"versions {versions[0]}..{versions[-1]} in the weight store")
     places = [
@@ -159,7 +156,7 @@ def recorded_ledger(config: RollstreamConfig, recorded: RollstreamConfig, follow
     no fork, whose files are where ``recorded`` says (a config names its own run's), with a
     ledger (unless ``following``: a run still training may have none yet)."""
     from consumers.config import ledger_path, trainer_home
-    from rollstream.up_plan import default_run_dir
+    from rollstream.up_plan import RUN_CONFIG, default_run_dir
 
     run = recorded.run_id
     forked = read_fork(trainer_home(config.state_dir, run, config.policy))
@@ -173,9 +170,9 @@ def recorded_ledger(config: RollstreamConfig, recorded: RollstreamConfig, follow
             f"no run {run!r}: no weight lineage, run directory, ledger or checkpoints of that name"
         )
     named = recorded.trainer.ledger_file is not None or recorded.trainer.checkpoint.dir is not None
-    own = default_run_dir(config.state_dir, run) / "rollstream.toml"  # an `up` run's
+    own = default_run_dir(config.state_dir, run) / RUN_CONFIG  # an `up` run's
     if config.run_id != run and (named or own.is_file()):
-        where = own if own.is_file() else "<run_dir>/rollstream.toml, as `up` writes it"
+        where = own if own.is_file() else f"<run_dir>/{RUN_CONFIG}, as `up` writes it"
         raise click.ClickException(
             f"this config is run {config.run_id}'s, not {run}'s (it names where that run "
             f"keeps its ledger and checkpoints): fork {run} with --config {where}"
@@ -439,7 +436,7 @@ def stored_versions(config: RollstreamConfig, run: str) -> list[int]:
     from infra.services import Services
     from weights.store import WeightStore
 
-    s3 = Services(config).resolved().s3
+    s3 = Services(config).running(kafka=False).s3  # a stopped embedded store: one line
     return WeightStore.from_config(s3, run, config.policy).versions()
 
 
@@ -486,7 +483,7 @@ class ForkJob:
             TrainingLedger(home / "ledger.jsonl").append(
                 [s for s in TrainingLedger.read_steps(self.run_ledger) if s.step <= start]
             )
-        services = Services(shared).resolved()
+        services = Services(shared).running()
         if self.restream:
             client = services.kafka.client_config()
             restream_once(recorded, self.forked, client, home, timeout_s)

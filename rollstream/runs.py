@@ -9,9 +9,7 @@ A command given the user's own file and a run id reads that file's paths instead
 from __future__ import annotations
 
 from rollstream.config import RollstreamConfig, load_config
-from rollstream.up_plan import default_run_dir
-
-RUN_CONFIG = "rollstream.toml"
+from rollstream.up_plan import RUN_CONFIG, default_run_dir
 
 
 def run_config(config: RollstreamConfig, run: str) -> RollstreamConfig:

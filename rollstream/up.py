@@ -44,6 +44,7 @@ from core.config import ConfigurationError
 from rollstream.config import RollstreamConfig, UpConfig
 from rollstream.up_display import Dashboard, RewardWatch, eval_logs, fmt, trainer_logs
 from rollstream.up_plan import (
+    RUN_CONFIG,
     Ports,
     build_config,
     check_models,
@@ -114,7 +115,7 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
             # The run's file keeps embedded services embedded (no address, no embedded
             # credentials): every role resolves them from the state dir, and
             # `rollstream --config <run_dir>/rollstream.toml infra up` starts them again.
-            config_path = run_dir / "rollstream.toml"
+            config_path = run_dir / RUN_CONFIG
             write_config(config, config_path)
             config = services.resolved()
             plan = plan_policies(config, ports)

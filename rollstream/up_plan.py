@@ -89,6 +89,10 @@ class Ports:
         return cls(*(int(port) for port in found))  # type: ignore[arg-type]
 
 
+RUN_CONFIG = "rollstream.toml"
+"""The file in a run directory holding the config ``up`` ran the run with."""
+
+
 def default_run_dir(state_dir: Path, run_id: str) -> Path:
     """``<state_dir>/runs/<run_id>``: where ``up`` keeps a run's config, logs, ledger and
     checkpoints unless ``--run-dir`` says otherwise."""

@@ -47,6 +47,14 @@ MAX_STALENESS = 1_000_000
 MAX_PRODUCERS = 100_000
 
 
+def most_producers(groups_per_step: int | None, max_staleness: int | None) -> int:
+    """The most producers an announcement may count: a trainer counts those whose groups
+    it trained over its last window + 1 steps, at most ``groups_per_step`` a step."""
+    if groups_per_step is None:
+        return MAX_PRODUCERS
+    return min(MAX_PRODUCERS, groups_per_step * ((max_staleness or 0) + 1))
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class VersionAnnouncement:
     """A published policy version; ``parent is None`` means a full base, not a delta."""
@@ -94,16 +102,13 @@ class VersionAnnouncement:
                 raise ValueError("VersionAnnouncement.signature must be base64")
 
     def _check_pace(self) -> None:
-        """A trainer counts the producers whose groups it trained over its last window + 1
-        steps, at most ``groups_per_step`` a step: more than that is no trainer's pace."""
+        """Each pace field within its bound (``most_producers``): more is no trainer's."""
         if self.groups_per_step is not None:
             _check_int(self, "groups_per_step", minimum=1, maximum=MAX_GROUPS_PER_STEP)
         if self.max_staleness is not None:
             _check_int(self, "max_staleness", minimum=0, maximum=MAX_STALENESS)
         if self.producers is not None:
-            most = MAX_PRODUCERS
-            if self.groups_per_step is not None:
-                most = min(most, self.groups_per_step * ((self.max_staleness or 0) + 1))
+            most = most_producers(self.groups_per_step, self.max_staleness)
             _check_int(self, "producers", minimum=1, maximum=most)
 
     @property

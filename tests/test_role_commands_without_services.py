@@ -32,6 +32,7 @@ COMMANDS = [
     ["topics", "ensure"],
     ["export", "-o", "{tmp}/model"],
     ["weights", "ls"],
+    ["fork", "demo", "--as", "demo-x"],
 ]
 
 

@@ -34,7 +34,7 @@ from confluent_kafka import (
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from core.topic_reader import reader_config, whole_topic
-from schemas.control import MAX_PRODUCERS, VersionAnnouncement
+from schemas.control import VersionAnnouncement, most_producers
 from schemas.topics import POLICY_VERSIONS, producer_limits
 
 log = logging.getLogger(__name__)
@@ -116,10 +116,9 @@ class Announcer:
     def _producers(self) -> int | None:
         """``producers`` within what the announcement may say: no more than the groups of
         the last window + 1 steps (each counted producer had one trained in them)."""
-        if self.producers is None or self.groups_per_step is None:
-            return self.producers
-        window = (self.max_staleness or 0) + 1
-        return min(self.producers, self.groups_per_step * window, MAX_PRODUCERS)
+        if self.producers is None:
+            return None
+        return min(self.producers, most_producers(self.groups_per_step, self.max_staleness))
 
     def close(self) -> None:
         self._producer.flush(self.timeout_s)
