@@ -9,6 +9,8 @@ file task of three-digit chat prompts: the user says three digits, the assistant
 first one twice; the "tool" checks the answer and asks again; the reward scores both answers.
 
     python examples/gateway_agent.py --gateway http://127.0.0.1:8100 --api-key KEY --episodes 50
+
+``--episodes 0`` plays until the gateway goes away (its run ended) once it has played one.
 """
 
 from __future__ import annotations
@@ -21,13 +23,22 @@ import httpx
 import openai
 
 RETRYABLE = (429, 503)
+GONE = (httpx.TransportError, openai.APIConnectionError)
+"""What a call to a gateway that has stopped listening raises."""
+ENDED = (409, 503)
+"""A call's answer when the gateway ended the episode: its limits, or the run stopping."""
 
 
 def open_episode(
-    http: httpx.Client, gateway: str, api_key: str, timeout_s: float = 600.0
+    http: httpx.Client,
+    gateway: str,
+    api_key: str,
+    timeout_s: float = 600.0,
+    wait_for_start: bool = True,
 ) -> dict[str, Any]:
     """Claim a slot of a group (``POST /v1/episodes``), waiting while generation is held
-    back (429/503 with ``Retry-After``) or the gateway is not up yet."""
+    back (429/503 with ``Retry-After``) or, with ``wait_for_start``, while the gateway is
+    not up yet; without it, a gateway not listening raises ``httpx.TransportError``."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -41,7 +52,9 @@ def open_episode(
             if answer.status_code not in RETRYABLE:
                 answer.raise_for_status()
             wait = float(answer.headers.get("Retry-After", "1"))
-        except httpx.TransportError:  # not listening yet, or restarting
+        except httpx.TransportError:  # not listening yet, restarting, or gone
+            if not wait_for_start:
+                raise
             wait = 1.0
         if time.monotonic() > deadline:
             raise TimeoutError(f"no episode from {gateway} within {timeout_s:g}s")
@@ -83,11 +96,12 @@ def play_episode(
     api_key: str,
     system_prompt: str,
     open_timeout_s: float = 600.0,
+    wait_for_start: bool = True,
 ) -> float:
     """One episode from opening to reward; returns the reward. ``http`` is the agent's one
     connection pool, shared by its episodes' clients: a client of its own per episode
     would set up a new TLS context each time (about 30 ms of CPU)."""
-    episode = open_episode(http, gateway, api_key, open_timeout_s)  # rollstream
+    episode = open_episode(http, gateway, api_key, open_timeout_s, wait_for_start)  # rollstream
     client = openai.OpenAI(
         base_url=gateway + episode["base_url_path"],  # rollstream
         api_key=api_key,
@@ -117,13 +131,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gateway", default="http://127.0.0.1:8100")
     parser.add_argument("--api-key", default="")
-    parser.add_argument("--episodes", type=int, default=20)
+    parser.add_argument("--episodes", type=int, default=20, help="0: until the run ends")
     parser.add_argument("--system-prompt", default="copy the first digit twice")
     args = parser.parse_args()
+    played = 0
     with httpx.Client(timeout=60) as http:
-        for number in range(args.episodes):
-            reward = play_episode(http, args.gateway, args.api_key, args.system_prompt)
-            print(f"episode {number + 1}: reward {reward:.2f}")
+        while args.episodes == 0 or played < args.episodes:
+            try:
+                reward = play_episode(
+                    http, args.gateway, args.api_key, args.system_prompt,
+                    wait_for_start=played == 0,
+                )  # fmt: skip
+            except openai.APIStatusError as exc:
+                if exc.status_code not in ENDED:
+                    raise
+                played += 1
+                print(f"episode {played}: ended by the gateway ({exc.message})")
+                continue
+            except GONE:
+                if args.episodes or not played:
+                    raise
+                print(f"the gateway went away after {played} episodes: its run ended")
+                return
+            played += 1
+            print(f"episode {played}: reward {reward:.2f}")
 
 
 if __name__ == "__main__":

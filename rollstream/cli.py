@@ -203,6 +203,7 @@ def _register_role_commands() -> None:
     from rollstream.replay import replay
     from rollstream.report import report
     from rollstream.roles import roles_command
+    from rollstream.starter import init
     from rollstream.stream_cli import stream
     from rollstream.train_cli import train
     from rollstream.up import up
@@ -219,6 +220,7 @@ def _register_role_commands() -> None:
         export,
         export_dataset,
         fork,
+        init,
     ):
         main.add_command(command)
 

@@ -20,6 +20,7 @@ import orjson
 from pydantic import ValidationError
 
 from rollstream.config import CONFIG_SOURCES, ConfigSources, RollstreamConfig, parse_assignments
+from rollstream.runs import run_sources
 
 if TYPE_CHECKING:
     from consumers.fork import ForkPlan, ForkTrainer
@@ -249,10 +250,10 @@ def fork(
     ([trainer.model]) or, with --from-step N, from RUN's checkpoint of step N (optimiser
     state included); with --restream the groups are made again first.
 
-    RUN must be the run this config file is for (or one with the default file locations),
-    not a fork; NEW must name no run yet (no weight lineage, run directory, ledger or
-    checkpoints). A fork that cannot be made, or fails before it publishes a version,
-    writes nothing.
+    RUN must be a run `up` made (its config is found by its id under the state dir), the
+    run this config file is for, or one with the default file locations, not a fork; NEW
+    must name no run yet (no weight lineage, run directory, ledger or checkpoints). A fork
+    that cannot be made, or fails before it publishes a version, writes nothing.
 
     Everything the fork writes is its own: under <state_dir>/trainer/NEW/, fork.json (what
     it forks, with which settings), checkpoints/, ledger.jsonl and metrics.jsonl (where
@@ -296,7 +297,9 @@ def fork(
             "a fork trains RUN's scored groups: stream settings change them only with --restream",
             param_hint="--set",
         )
-    sources: ConfigSources = ctx.meta[CONFIG_SOURCES]
+    sources = run_sources(ctx.meta[CONFIG_SOURCES], config, run)
+    if sources is not ctx.meta[CONFIG_SOURCES]:  # a run `up` made: its own file
+        config = sources.resolve()
     recorded = sources.resolve(run_id=run)
     try:
         forked = forked_config(sources, recorded, overrides, new)

@@ -27,6 +27,7 @@ import os
 import signal
 import subprocess
 import sys
+import tomllib
 import uuid
 from pathlib import Path
 
@@ -369,7 +370,8 @@ GHOST = ["--set", "run_id=ghost", "--set", "trainer.ledger_file={tmp}/ghost.json
         (["fork", "nosuchrun", "--as", "x10"], "no run 'nosuchrun'"),
         (["fork", "taken", "--as", "x11"], "taken is a fork of fork-source: fork fork-source"),
         (["fork", "lineage", "--as", "x12"], "this config is run fork-source's, not lineage's"),
-        (["fork", "up-run", "--as", "x15"], "--config {tmp}/state/runs/up-run/rollstream.toml"),
+        # a run `up` made is found by its id, its own file read
+        (["fork", "up-run", "--as", "x15"], "run up-run has no ledger at {tmp}/state/runs/up-run"),
         (
             of_run("--as", "x13", "--set", "trainer.engine.grad_accum_steps=1"),
             "grad_accum_steps is 1",
@@ -392,7 +394,11 @@ def test_a_fork_that_cannot_be_made_says_why_and_writes_nothing(
         for version in (0, 1):
             writer.publish({"w": torch.full((4,), float(version))}, version)
     (recorded.state / "runs" / "up-run").mkdir(parents=True, exist_ok=True)
-    (recorded.state / "runs" / "up-run" / "rollstream.toml").write_text('run_id = "up-run"\n')
+    up_run = tomllib.loads(recorded.config.read_text())  # as `up` writes it: files in its dir
+    up_run["run_id"] = "up-run"
+    for key in ("ledger_file", "metrics_file"):
+        up_run["trainer"][key] = str(recorded.state / "runs" / "up-run" / f"{key[:-5]}.jsonl")
+    write_toml(recorded.state / "runs" / "up-run" / "rollstream.toml", up_run)
     ghost = TrainingLedger(recorded.tmp / "ghost.jsonl")  # steps of samples never recorded
     if not ghost.path.exists():
         ghost.append([LedgerStep(1, ["g1", "g2"], [["g1"], ["g2"]], [])])

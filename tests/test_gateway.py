@@ -3,8 +3,9 @@ the real ``openai`` client: multi-turn episodes recorded token for token, reward
 edits split or refused, abandoned episodes in the ledger, closed episodes a stop cut short
 published or dead-lettered (and counted by the audit), and garbage of every kind.
 
-The model is the tiny chat model (``support.chat_model``); the agent's "tool" is the test's
-own: it answers the model's turn with a user message the chat template renders.
+The model is the tiny chat model (``rollstream.starter.save_chat_model``); the agent's
+"tool" is the test's own: it answers the model's turn with a user message the chat
+template renders.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import httpx
 import openai
 import pytest
 import torch
-from support.chat_model import VOCAB, save_chat_model
 from support.streams import create_stream_topics, wait_until
 from test_producers_worker import make_topic, read_topic, recompute, rs_config
 
@@ -35,6 +35,8 @@ from producers.app import run_producer
 from producers.config import EngineConfig, GatewayConfig, ProducersConfig, RolloutConfig
 from producers.ledger import ledger_dir, read_ledger
 from rollstream.audit import AuditSources, audit
+from rollstream.starter import CHAT_VOCAB as VOCAB
+from rollstream.starter import save_chat_model
 from schemas.codec import decode
 from schemas.control import DeadLetter
 from schemas.trajectory import Trajectory, TurnKind

@@ -20,11 +20,11 @@ from types import ModuleType
 import httpx
 import openai
 import pytest
-from support.chat_model import save_chat_model
 from support.up_runs import assert_reconciles, finish, mean, metric_rows, start_up, write_config
 
 from core.config import KafkaConfig, S3Config
 from core.process import free_port
+from rollstream.starter import save_chat_model
 
 pytestmark = pytest.mark.system
 

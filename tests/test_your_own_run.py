@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 import torch
-from support.chat_model import VOCAB, save_chat_model
 from support.tracking import tensorboard_scalars
 from support.up_runs import (
     UpRun,
@@ -39,6 +38,8 @@ from support.up_runs import (
 from core.config import KafkaConfig, S3Config
 from producers.rewards import RewardSet
 from rollstream.config import load_config
+from rollstream.starter import CHAT_VOCAB as VOCAB
+from rollstream.starter import save_chat_model
 
 pytestmark = pytest.mark.system
 
