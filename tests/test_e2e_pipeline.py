@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 from support.up_runs import (
+    TINY_MIN_ACCURACY,
+    TINY_MIN_GAIN,
     UpRun,
     assert_learned,
     assert_reconciles,
@@ -42,8 +44,6 @@ pytestmark = pytest.mark.system
 # digits right in three runs (an async run is not reproducible by its seeds): the bar
 # asks for a policy that clearly reads its prompt, not for a fast learner.
 STEPS = 130
-MIN_GAIN = 0.15
-MIN_ACCURACY = 0.15
 WINDOW = 2  # the tiny profile's staleness window
 
 
@@ -63,7 +63,7 @@ def tiny_run(
 
 
 def test_the_tiny_task_is_learned_not_just_its_format(tiny_run: UpRun) -> None:
-    assert_learned(tiny_run, STEPS, MIN_GAIN, MIN_ACCURACY)
+    assert_learned(tiny_run, STEPS, TINY_MIN_GAIN, TINY_MIN_ACCURACY)
 
 
 def test_every_step_is_trained_by_both_ranks(tiny_run: UpRun) -> None:
@@ -82,6 +82,49 @@ def test_old_logits_are_exact_and_the_engine_mismatch_is_corrected(tiny_run: UpR
     assert sum(row["mis/masked_frac"] for row in rows) / len(rows) < 1e-3
     assert max(row["mis/masked_frac"] for row in rows) < 1e-2
     assert any(abs(row["mis/weight_mean"] - 1.0) > 1e-7 for row in rows)
+
+
+def test_the_correction_engages_on_the_runs_own_mismatch_and_reaches_the_weights(
+    tiny_run: UpRun, module_s3_config: S3Config
+) -> None:
+    """The run's MIS interval keeps every token of its bf16/fp32 mismatch (it guards
+    against broken numerics, above). Forks of its first steps, on its own recorded tokens:
+    with the geometric level and an interval as narrow as the mismatch (exp(+-2e-4)) MIS
+    masks some sequences and keeps others; TIS capped there truncates some tokens' weights;
+    and the masking fork's weights part from those of the same fork with the default
+    geometric interval, which keeps every sequence: the correction reaches the gradient."""
+    from consumers.config import trainer_home
+    from rollstream.config import load_config
+    from weights.manifest import Manifest
+    from weights.store import WeightStore
+
+    steps, geometric = 3, "trainer.loss.level=geometric"
+    config = load_config(tiny_run.run_dir / "rollstream.toml")
+    forks = {
+        "geo-keep": [geometric],
+        "geo-narrow": [geometric, "trainer.loss.geometric_bounds=[0.9998, 1.0002]"],
+        "tis-narrow": ["trainer.loss.correction=tis", "trainer.loss.token_bounds=[0.5, 1.0002]"],
+    }
+    rows: dict[str, list[dict[str, float]]] = {}
+    for name, settings in forks.items():
+        sets = [arg for setting in settings for arg in ("--set", setting)]
+        run_command(tiny_run.run_dir, "fork", "e2e", "--as", name, "--to-step", str(steps), *sets)
+        home = trainer_home(config.state_dir, name, config.policy)
+        rows[name] = [json.loads(line) for line in (home / "metrics.jsonl").read_text().split()]
+        assert [r["step"] for r in rows[name]] == list(range(1, steps + 1))
+    masked = [r["mis/masked_frac"] for r in rows["geo-narrow"]]
+    truncated = [r["tis/truncated_frac"] for r in rows["tis-narrow"]]
+    print(f"narrow MIS masked {masked}; narrow TIS truncated {truncated}")
+    assert all(r["mis/masked_frac"] == 0.0 for r in rows["geo-keep"])
+    assert 0.0 < sum(masked) / steps < 1.0 and max(masked) < 1.0
+    assert 0.0 < sum(truncated) / steps < 1.0 and max(truncated) < 1.0
+
+    def state(run: str, version: int) -> str:
+        store = WeightStore.from_config(module_s3_config, run)
+        return Manifest.from_bytes(store.read_manifest(version)).state_sha256
+
+    assert state("geo-keep", 0) == state("geo-narrow", 0)  # the same start
+    assert state("geo-keep", steps) != state("geo-narrow", steps)
 
 
 def test_trained_staleness_stays_within_the_window(tiny_run: UpRun) -> None:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support.up_runs import assert_reconciles, run_command, run_up, write_config
+from support.up_runs import assert_reconciles, run_command, run_up, scored_samples, write_config
 
 from core.config import KafkaConfig, S3Config
 
@@ -24,16 +24,16 @@ _SMOLLM2_SHORT_RUN = {
 
 
 @pytest.mark.timeout(900)  # up's own 600 s, then its stop, come first
-def test_smollm2_trains_calculator_episodes_and_reconciles(
+def test_smollm2_calculator_episodes_are_scored_trained_and_reconciled(
     kafka_config: KafkaConfig, s3_config: S3Config, tmp_path: Path
 ) -> None:
     """A real model under the language-model profile (``--model smollm2-135m``), one
     step of its agentic task: the step trains whole groups of scored episodes with
-    exact old logits over policy tokens, and the audit reconciles. What the untrained
-    model answers is luck (a group of 4 episodes may hold no ``Answer:`` line at all), so
-    what is asserted of the scoring is that every episode was scored: its flags reach the
-    step's metrics. How scoring reads answers is tested in test_producers_tasks; what the model
-    learns over a longer run is measured in the docs."""
+    exact old logits over policy tokens, its reward flags are those of the scored
+    records it trained, and the audit reconciles. No learning is claimed: what the
+    untrained model answers is luck (a group of 4 episodes may hold no ``Answer:`` line
+    at all, and then no advantage and no weight moves); what SmolLM2 learns over a run is
+    ``bench.real_model``'s measure. How scoring reads answers: test_producers_tasks."""
     config = write_config(tmp_path, kafka_config, s3_config, "smol", _SMOLLM2_SHORT_RUN)
     args = ("--model", "smollm2-135m", "--task", "arithmetic-calculator",
             "--max-steps", "1", "--groups-per-step", "1")  # fmt: skip
@@ -43,7 +43,14 @@ def test_smollm2_trains_calculator_episodes_and_reconciles(
         assert row["data/trajectories"] == 4 and row["data/exact_old_frac"] == 1.0
         assert "reward/correct_frac" in row and "episode/tool_calls_total" in row
         assert sum(v for k, v in row.items() if k.startswith("episode/end/")) == 4
-        assert 0.0 <= row["reward/format_ok_frac"] <= 1.0
+    from consumers.checkpoint import TrainingLedger
+
+    (step,) = TrainingLedger.read_steps(run.run_dir / "ledger.jsonl")
+    trained = [s for s in scored_samples(run.run_dir) if s.trajectory_id in step.trajectory_ids]
+    assert len(trained) == 4  # the step's group, as the ledger names it
+    for flag in ("format_ok", "correct"):
+        flags = [bool(s.reward_details[flag]) for s in trained]
+        assert run.rows[0][f"reward/{flag}_frac"] == pytest.approx(sum(flags) / len(flags))
     assert_reconciles(run.run_dir, run.rows)
     # versions ship in bf16 whatever the trainer's precision: after v0, a small delta
     v0, *later = (json.loads(run_command(run.run_dir, "weights", "show", str(v))) for v in range(2))

@@ -1,6 +1,9 @@
 """An agent written against the OpenAI API (``examples/gateway_agent.py``, unchanged) trains
 through ``rollstream up`` with the gateway on: its episodes go through the real broker and
-the stream to the trainer, and the reward it reports rises.
+the stream to the trainer, and the reward it reports rises. That rise is the answer's
+format (two digits: half the agent's score, which a policy blind to its prompt earns), so
+this is a test of the gateway's plumbing, not of learning content: that the policy reads
+its prompt is the tiny run's claim (test_e2e_pipeline).
 
 The task is the tiny chat one of test_your_own_run.py in two turns: the user says three
 digits, the assistant answers, the agent's tool asks again (the digits again), the assistant
@@ -54,7 +57,7 @@ def _agents(agent: ModuleType, gateway: str, stop: threading.Event, rewards: lis
                     return
 
 
-def test_an_openai_agent_trains_through_the_gateway(
+def test_an_openai_agents_episodes_train_its_answer_format_through_the_gateway(
     kafka_config: KafkaConfig, module_s3_config: S3Config, tmp_path: Path
 ) -> None:
     model = save_chat_model(tmp_path / "my-model", seed=3)

