@@ -301,7 +301,8 @@ class StalenessConfig(StrictModel):
         ge=0,
         description=(
             "Most versions a trained group may lag the version being trained (the same "
-            "concept and default as [streams.staleness] max_staleness; keep them equal). "
+            "concept and default as [streams.staleness] max_staleness; [profile] "
+            "staleness_window sets both). "
             "Empty: no check at training time. With the stream's staged mode set it to the "
             "oldest lag a stage admits (stage_versions x (stages_admitted + 1) - 1), or empty."
         ),

@@ -2,7 +2,8 @@
 
 Modules, in reading order:
 
-- ``config``: ``ProducersConfig`` (``[engine]``, ``[rollout]``), pydantic only.
+- ``config``: ``ProducersConfig`` (``[engine]``, ``[rollout]`` with its gateway, curriculum
+  and episode tables, ``[eval]``), pydantic only.
 - ``inference_engine``: the CPU inference engine (torch + transformers): batched, abortable,
   hot-swappable weights, SGLang's log-prob numerics. Its parts: ``engine_requests`` (sampling
   parameters, results, request errors), ``engine_sampling`` (the sampling math),

@@ -1,1 +1,2 @@
-"""rollstream: asynchronous RL for LLMs over Apache Kafka (shared config, CLI and model code)."""
+"""rollstream: asynchronous RL for LLMs over Apache Kafka; this package is the application:
+the CLI, its configuration and its commands (up, fork, export, audit, replay, report)."""

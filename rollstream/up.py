@@ -23,9 +23,9 @@ live progress). A run without ``[policies]`` is a run of one policy: the same pl
 and display serve both.
 
 Sync and async differ only in config (``[profile] sync``): sync sets the producers'
-staleness window and the streams' ``max_staleness`` to 0, and the producers' admission
-credit (``groups_per_version``) lets generation start one step's groups per published
-version.
+staleness window, the streams' and the trainer's ``max_staleness`` to 0, and the trainer
+waits for every group of a step; the producers' admission credit is the trainer's
+announced pace in both.
 """
 
 from __future__ import annotations
