@@ -276,13 +276,13 @@ def test_rollback_lines_are_written_once_and_name_the_steps_they_discard(tmp_pat
 # --- the pause on the announcement path ---------------------------------------------------
 
 
-def announcement(**extra: object) -> VersionAnnouncement:
+def announcement(version: int = 3, **extra: object) -> VersionAnnouncement:
     return VersionAnnouncement(
         run="r",
-        version=3,
-        uri="s3://b/weights/r/v3/",
+        version=version,
+        uri=f"s3://b/weights/r/v{version}/",
         parent=None,
-        base=3,
+        base=version,
         sha256="0" * 64,
         bytes=1,
         published_at_ms=1,
@@ -310,3 +310,18 @@ def test_an_unsigned_pause_is_ignored_where_versions_are_signed() -> None:
 
     trust = Trust(Ed25519PrivateKey.generate().public_key())
     assert trust.vouched(announcement(paused="forged")).paused is None
+
+
+def test_producers_start_no_group_while_the_trainer_announces_a_pause() -> None:
+    from support.fake_engine import FakeBackend
+    from test_producers_worker_logic import _worker
+
+    worker = _worker(FakeBackend())
+    worker.trainer.announcement = lambda: announcement(0, paused="guard 'entropy' tripped")
+    why = worker.admission.pause_reason()
+    assert why is not None and "the trainer paused generation at v0: guard 'entropy'" in why
+    worker.trainer.announcement = lambda: announcement(0)
+    assert worker.admission.pause_reason() is None
+    ignoring = _worker(FakeBackend(), ignore_trainer_pause=True)  # a person resumes
+    ignoring.trainer.announcement = lambda: announcement(0, paused="guard 'entropy' tripped")
+    assert ignoring.admission.pause_reason() is None
