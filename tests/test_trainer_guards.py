@@ -10,6 +10,7 @@ the trainer: every advantage zero), then healthy groups generated after the roll
   steps are named by a rollback line, the audit reconciles with them counted as trained
   then rolled back, the version published at the rollback holds the restored weights, and
   the final weights equal those of a trainer that trained only the surviving steps.
+- a kill right after the rollback's checkpoint: the restart writes its ledger lines once.
 - stop and pause: the same data under a stop action: the trainer checkpoints, writes the
   ledger of every step it trained and raises ``GuardStop`` naming the guard; a pause
   guard's reason rides on every version announced while it holds.
@@ -18,6 +19,7 @@ the trainer: every advantage zero), then healthy groups generated after the roll
 from __future__ import annotations
 
 import dataclasses
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,11 +35,14 @@ from test_trainer_kafka import (
     produce,
     read_all,
     restored_weights,
+    s3_table,
     shared_for,
+    spawn,
     trainer_config,
+    write_toml,
 )
 
-from consumers.checkpoint import TrainingLedger
+from consumers.checkpoint import CheckpointManager, TrainingLedger
 from consumers.config import TrainerConfig
 from consumers.guards import GuardStop
 from consumers.trainer import Trainer
@@ -225,3 +230,57 @@ def test_a_stop_guard_checkpoints_every_trained_step_and_names_itself_and_a_paus
     assert [a.version for a in announced] == list(range(9))
     assert announced[0].paused is None
     assert all(a.paused and "guard 'entropy'" in a.paused for a in announced[1:])
+
+
+@pytest.mark.system
+def test_a_kill_right_after_the_rollback_checkpoint_writes_its_ledger_lines_on_restart(
+    kafka_config: KafkaConfig,
+    s3_config: S3Config,
+    unique_name: Callable[[str], str],
+    tmp_path: Path,
+) -> None:
+    """The trainer SIGKILLs itself once the rollback's checkpoint is durable, before its
+    ledger lines (steps 7-9 and the rollback) are written; the second life writes them from
+    the checkpoint, once, and ends on the weights of the surviving steps."""
+    topics = make_topics(kafka_config, unique_name)
+    groups = collapse_data(12)
+    produce(kafka_config, topics["scored"], group_records(groups), partition=0)
+    guards = {
+        "flat_rewards": {"steps": 2, "action": "rollback"},
+        "rollback": {"lr_factor": 0.5, "max": 1},
+    }
+    trainer = trainer_config(tmp_path, topics, max_steps=12, guards=guards)
+    config = TrainerConfig.model_validate(trainer)
+    config_path = tmp_path / "rollstream.toml"
+    write_toml(
+        config_path,
+        {
+            "run_id": RUN,
+            "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
+            "s3": s3_table(s3_config),
+            "trainer": trainer,
+            "weights": {"max_delta_fraction": 1.0, "allow_unsigned": True},
+        },
+    )
+    log_path, ledger_path = tmp_path / "trainer.log", tmp_path / "ledger.jsonl"
+    life = spawn(config_path, log_path, failpoint="after_checkpoint:9")
+    assert life.wait(240) == -signal.SIGKILL, log_path.read_text()[-4000:]
+    assert "rollback 1: weights of step 6" in log_path.read_text()
+    assert CheckpointManager(config.checkpoint).latest() == ("step000000009", 9)
+    assert [s for s, _ in TrainingLedger.read(ledger_path)] == [1, 2, 3, 4, 5, 6]
+    assert TrainingLedger.read_rollbacks(ledger_path) == []
+
+    second = spawn(config_path, log_path)
+    try:
+        assert second.wait(240) == 0, log_path.read_text()[-4000:]
+    finally:
+        if second.poll() is None:
+            second.kill()
+    ledger = TrainingLedger.read(ledger_path)
+    assert [s for s, _ in ledger] == list(range(1, 13))
+    assert sorted(i for _, ids in ledger for i in ids) == sorted(ids_of(groups))
+    (rollback,) = TrainingLedger.read_rollbacks(ledger_path)
+    assert (rollback.at_step, rollback.to_step) == (9, 6)
+    assert_same_weights(
+        restored_weights(config), surviving_weights(kafka_config, config, ledger_path, groups)
+    )
