@@ -161,6 +161,7 @@ class Trainer:
         self.beacon: Any = None  # core.presence.Beacon of rank 0
         self.guards = Guards(trainer.guards)
         self.pending_rollbacks: list[Rollback] = []  # since the previous checkpoint
+        self.guard_stop: str | None = None  # why a guard stopped the run
         self.presence: Any = None  # core.presence.Poller of the run's heartbeats
 
     @property
@@ -363,7 +364,8 @@ class Trainer:
     # --- the loop -----------------------------------------------------------------------
 
     def run(self) -> TrainSummary:
-        """Train until ``max_steps`` or a stop request; always ends on a checkpoint."""
+        """Train until ``max_steps`` or a stop request; always ends on a checkpoint. Raises
+        ``GuardStop`` after it when a guard stopped the run (``consumers.guards``)."""
         self._build()
         finished = False
         try:
@@ -388,6 +390,8 @@ class Trainer:
 
                 shutdown_distributed(together=finished)
         self.summary.step = self.step
+        if self.guard_stop is not None:
+            raise GuardStop(self.guard_stop)
         return self.summary
 
     def _one_step(self) -> bool:
@@ -472,9 +476,9 @@ class Trainer:
             self.checkpoint_s = self._checkpoint()
         self.summary.steps_this_run += 1
         self.summary.trained += len(result.trained)
-        if stop_reason is not None:
-            self._checkpoint_if_behind()  # every step trained is in the ledger first
-            raise GuardStop(stop_reason)
+        if stop_reason is not None:  # `run` checkpoints, stops the ranks, then raises
+            self.guard_stop = stop_reason
+            return False
         return True
 
     # --- guards -------------------------------------------------------------------------
