@@ -410,7 +410,7 @@ def latencies(run_dir: Path, config_path: Path, run_id: str) -> list[float]:
     trained: dict[str, float] = {}
     for line in (run_dir / "ledger.jsonl").read_text().splitlines():
         entry = json.loads(line)
-        for tid in entry["trajectory_ids"]:
+        for tid in entry.get("trajectory_ids", ()):  # a guard's rollback line has none
             trained[tid] = step_end[int(entry["step"])]
     from infra.services import Services
 

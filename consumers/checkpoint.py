@@ -38,6 +38,15 @@ travel inside the checkpoint itself, so after a crash between the checkpoint and
 ``reconcile`` writes the missing lines from the loaded checkpoint. The ledger therefore
 lists exactly the trajectories whose gradient is in the latest checkpoint's weights,
 each once per time it was trained: the audit of exactly-once training.
+
+A guard's rollback (``consumers.guards``) adds a line without ``step``:
+``{"rollback": n, "at_step": s, "to_step": c, "to_tag": ..., "guard": ..., "reason": ...}``:
+the weights after step ``s`` are those of the checkpoint of step ``c``, so the gradient of
+every trajectory of the ledger's steps ``c < step <= s`` was discarded. Steps go on from
+``s`` (no step number is reused and no offset rewinds): those trajectories are trained
+once and rolled back, never trained again. The rollback travels in the checkpoint saved
+right after it, like ledger entries, so a crash before its line is written writes it on
+restart.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import logging
 import os
 import re
 import shutil
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +89,38 @@ def tag_order(tag: str) -> tuple[int, int] | None:
     if match is None:
         return None
     return int(match.group(1)), int(match.group(2) or 0)
+
+
+class Rollback(NamedTuple):
+    """A guard's rollback as the ledger keeps it (see the module doc)."""
+
+    number: int  # 1, 2, ... in the run
+    at_step: int
+    to_step: int
+    to_tag: str
+    guard: str
+    reason: str
+
+    def to_row(self) -> dict[str, Any]:
+        return {
+            "rollback": self.number,
+            "at_step": self.at_step,
+            "to_step": self.to_step,
+            "to_tag": self.to_tag,
+            "guard": self.guard,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> Rollback:
+        return cls(
+            int(row["rollback"]),
+            int(row["at_step"]),
+            int(row["to_step"]),
+            str(row["to_tag"]),
+            str(row["guard"]),
+            str(row["reason"]),
+        )
 
 
 class LedgerStep(NamedTuple):
@@ -120,6 +162,8 @@ class TrainerState:
     # ids of groups refused as already trained, per step, since the previous checkpoint
     recent_groups: list[str] = field(default_factory=list)
     refused: list[tuple[int, list[str]]] = field(default_factory=list)
+    guards: dict[str, Any] = field(default_factory=dict)  # consumers.guards.GuardState
+    rollbacks: list[Rollback] = field(default_factory=list)  # since the previous checkpoint
 
     def to_client_state(self) -> dict[str, Any]:
         return {
@@ -132,6 +176,8 @@ class TrainerState:
                 "stale": [g.to_state() for g in self.stale],
                 "recent_groups": list(self.recent_groups),
                 "refused": [[s, list(ids)] for s, ids in self.refused],
+                "guards": self.guards,
+                "rollbacks": [r.to_row() for r in self.rollbacks],
             }
         }
 
@@ -149,6 +195,8 @@ class TrainerState:
             stale=[StaleGroup.from_state(g) for g in raw.get("stale") or []],
             recent_groups=[str(g) for g in raw.get("recent_groups") or []],
             refused=[(int(s), [str(i) for i in ids]) for s, ids in raw.get("refused") or []],
+            guards=dict(raw.get("guards") or {}),
+            rollbacks=[Rollback.from_row(r) for r in raw.get("rollbacks") or []],
         )
 
 
@@ -270,6 +318,26 @@ class CheckpointManager:
         )
         return tag
 
+    def kept(self) -> dict[str, int]:
+        """``tag -> step`` of the complete checkpoints up to LATEST (the rollback targets)."""
+        found = self.latest()
+        newest = tag_order(found[0]) if found is not None else None
+        return {
+            p.name: order[0]
+            for p in self.dir.iterdir()
+            if p.is_dir()
+            and (order := tag_order(p.name)) is not None
+            and newest is not None
+            and order <= newest
+        }
+
+    def load_tag(self, engine: TrainEngine, tag: str) -> TrainerState:
+        """Restore the kept checkpoint ``tag`` into ``engine``, its step counters kept (a
+        guard's rollback); LATEST is not touched: the caller saves a new checkpoint next."""
+        if tag not in self.kept():
+            raise FileNotFoundError(f"no kept checkpoint {tag!r} in {self.dir}")
+        return TrainerState.from_client_state(engine.rewind(self.dir, tag))
+
     def load(self, engine: TrainEngine) -> TrainerState | None:
         """Restore the LATEST checkpoint into ``engine``; None when there is none."""
         found = self.latest()
@@ -308,6 +376,7 @@ class TrainingLedger:
         self.path = Path(path)
         self.fsync = fsync
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._last_rollback = 0  # the highest rollback number with a line
         self._last_step = self._repair()
 
     @property
@@ -332,7 +401,11 @@ class TrainingLedger:
         last = 0
         for line in data[:end].splitlines():
             if line.strip():
-                last = max(last, int(orjson.loads(line)["step"]))
+                row = orjson.loads(line)
+                if "step" in row:
+                    last = max(last, int(row["step"]))
+                elif "rollback" in row:
+                    self._last_rollback = max(self._last_rollback, int(row["rollback"]))
         return last
 
     def append(
@@ -375,13 +448,57 @@ class TrainingLedger:
         self._last_step = max(e.step for e in fresh)
         return len(fresh)
 
+    def append_rollbacks(self, rollbacks: Sequence[Rollback]) -> int:
+        """Append the rollbacks the ledger lacks (by number); returns how many."""
+        fresh = [r for r in rollbacks if r.number > self._last_rollback]
+        if not fresh:
+            return 0
+        with self.path.open("ab") as fh:
+            fh.write(b"".join(orjson.dumps(r.to_row()) + b"\n" for r in fresh))
+            fh.flush()
+            if self.fsync:
+                os.fsync(fh.fileno())
+        self._last_rollback = max(r.number for r in fresh)
+        return len(fresh)
+
     @staticmethod
-    def _rows(path: Path) -> Iterator[dict[str, Any]]:
+    def _all_rows(path: Path) -> Iterator[dict[str, Any]]:
         """Every complete line of a ledger (a torn last line is ignored; none if missing)."""
         with contextlib.suppress(FileNotFoundError):
             for line in Path(path).read_bytes().splitlines(keepends=True):
                 if line.endswith(b"\n") and line.strip():
                     yield orjson.loads(line)
+
+    @staticmethod
+    def _rows(path: Path) -> Iterator[dict[str, Any]]:
+        """Every complete step line (rollback lines left out)."""
+        return (row for row in TrainingLedger._all_rows(path) if "step" in row)
+
+    @staticmethod
+    def read_rollbacks(path: Path) -> list[Rollback]:
+        """Every rollback line, in order."""
+        return [Rollback.from_row(r) for r in TrainingLedger._all_rows(path) if "rollback" in r]
+
+    @staticmethod
+    def rolled_back_steps(path: Path) -> set[int]:
+        """The ledger steps whose gradient a rollback discarded."""
+        return rolled_back_steps(TrainingLedger.read_rollbacks(path))
+
+    @staticmethod
+    def rolled_back_ids(path: Path) -> tuple[Counter[str], list[str]]:
+        """Ids trained into steps a rollback discarded (once per such training), and what
+        is wrong with the rollback lines (a rollback of a step the ledger lacks)."""
+        rollbacks = TrainingLedger.read_rollbacks(path)
+        steps = rolled_back_steps(rollbacks)
+        ledger = TrainingLedger.read(path)
+        known = {step for step, _ in ledger}
+        wrong = [
+            f"rollback {r.number} of steps {r.to_step + 1}..{r.at_step}: the ledger lacks "
+            f"step {r.at_step}"
+            for r in rollbacks
+            if r.at_step not in known or r.to_step >= r.at_step
+        ]
+        return Counter(t for step, ids in ledger if step in steps for t in ids), wrong
 
     @staticmethod
     def read_stale(path: Path) -> list[tuple[int, list[str]]]:
@@ -419,3 +536,9 @@ class TrainingLedger:
         return [
             (int(row["step"]), list(row["trajectory_ids"])) for row in TrainingLedger._rows(path)
         ]
+
+
+def rolled_back_steps(rollbacks: Sequence[Rollback]) -> set[int]:
+    """Steps ``to_step < step <= at_step`` of every rollback (a step rolled back twice,
+    once in the set)."""
+    return {s for r in rollbacks for s in range(r.to_step + 1, r.at_step + 1)}

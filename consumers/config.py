@@ -14,6 +14,7 @@ is immutable; each field's description is its help text. Nested tables::
     [trainer.checkpoint]      where and how often checkpoints (with Kafka offsets) are saved
     [trainer.topics]          topic names and the consumer group
     [trainer.retry]           back-off for S3 and Kafka outages
+    [trainer.guards]          stability guards: collapse signals and actions (consumers.guards)
 
 One trainer step (a scored batch) = ``engine.grad_accum_steps`` micro-batches, trained in
 ``[trainer.ppo] epochs x minibatches`` optimiser steps (one by default); one micro-batch = what
@@ -28,6 +29,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from consumers.guard_config import GuardsConfig
 from consumers.loss_config import GrpoLossConfig, LossConfig, PpoEwmaLossConfig
 from core.config import RetryConfig, SharedConfig, StrictModel, TopicName
 from core.models import MODEL_SPEC_HELP, parse_model_spec
@@ -470,6 +472,10 @@ class TrainerConfig(StrictModel):
     topics: TopicsConfig = Field(default_factory=TopicsConfig, description="[trainer.topics]")
     retry: RetryConfig = Field(default_factory=RetryConfig, description="[trainer.retry]")
     publish: PublishConfig = Field(default_factory=PublishConfig, description="[trainer.publish]")
+    guards: GuardsConfig = Field(
+        default_factory=GuardsConfig,
+        description="[trainer.guards]: entropy, mismatch, flat_rewards, non_finite, rollback.",
+    )
     max_steps: int | None = Field(
         default=None,
         ge=1,

@@ -46,6 +46,13 @@ adds ``step``, ``version``, ``time/*`` (step, wait for data, publish, checkpoint
 ``weights/forged_claims_total`` (manifests that did not verify, deleted off the slots of
 its versions since it started: nonzero means someone else writes the bucket).
 
+Stability guards (``consumers.guards``), every step whether a guard is on or not:
+``guards/entropy`` (``policy/entropy``), ``guards/mismatch`` (k3 or mean |log d| of exact
+records, as ``[trainer.guards.mismatch] metric`` says), ``guards/flat_frac`` (share of the
+step's groups with zero reward variance), ``guards/flat_streak`` (consecutive batches with
+all of them flat), ``guards/non_finite``, ``guards/paused``, ``guards/rollbacks``, and per
+enabled guard ``guards/<name>/tripped`` (1 on a step it trips).
+
 Backlog (``ScoredSource.lag``): ``lag/partition/<p>`` is the records of
 ``rollouts.scored[p]`` not trained yet (the consumer's last high watermark minus the
 trained offset), ``lag/total`` their sum: a partition whose lag grows while the others'

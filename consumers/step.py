@@ -77,6 +77,7 @@ class StepRunner:
         self.ref_model = engine.frozen_copy() if config.loss.kl_coef > 0 else None
         self.prox_model = engine.frozen_copy() if self.route == "ewma" else None
         self.ewma: EwmaProximal | None = None
+        self.seed_shift = 0  # moved by a guard's rollback (consumers.guards), per rollback
         self.shipped = (
             ShippedRounding.for_module(engine.module, torch.bfloat16)
             if config.trains_on_shipped_copy()
@@ -140,7 +141,7 @@ class StepRunner:
                 ppo.minibatches,
                 accum,
                 ppo.shuffle,
-                seed=self.config.engine.seed * 1_000_003 + step,
+                seed=(self.config.engine.seed + self.seed_shift) * 1_000_003 + step,
             )
         parts: list[dict[str, float]] = []
         grad_norms: list[float] = []

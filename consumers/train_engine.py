@@ -312,6 +312,16 @@ class TrainEngine:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {directory}")
         return dict(client_state or {})
 
+    def rewind(self, directory: Path, tag: str) -> dict[str, Any]:
+        """Restore weights, optimiser and schedule from ``tag`` but keep the step counters
+        (a guard's rollback: the run's steps go on, ``consumers.guards``); returns the
+        client state."""
+        engine = self.engine
+        counters = (engine.global_steps, engine.global_samples, engine.micro_steps)
+        client_state = self.load_checkpoint(directory, tag)
+        engine.global_steps, engine.global_samples, engine.micro_steps = counters
+        return client_state
+
 
 def shutdown_distributed(together: bool) -> None:
     """Tear the process group down before the interpreter exits.

@@ -15,6 +15,8 @@ Reads like pseudocode on purpose (``Trainer.run``)::
             route the stale groups to rollouts.stale, append the ledger,
             commit the offsets to Kafka
         metrics: JSONL, Prometheus, progress line
+        guards: judge each step's signals; warn, pause producers, stop, or roll back
+            to the last healthy checkpoint (consumers.guards)
     on stop (SIGTERM/SIGINT, max_steps): finish the step, checkpoint, close
 
 With several data-parallel ranks (a launcher's ``WORLD_SIZE`` > 1) rank 0 runs the loop
@@ -40,10 +42,17 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from consumers.batching import StaleGroup, TopicPartition, merge_offsets
-from consumers.checkpoint import CheckpointManager, LedgerStep, TrainerState, TrainingLedger
+from consumers.checkpoint import (
+    CheckpointManager,
+    LedgerStep,
+    Rollback,
+    TrainerState,
+    TrainingLedger,
+)
 from consumers.config import CheckpointConfig, TrainerConfig, checkpoint_dir, ledger_path
 from consumers.failpoint import FAILPOINT_ENV as FAILPOINT_ENV  # the crash tests set it
 from consumers.failpoint import failpoint
+from consumers.guards import Decision, Guards, GuardState, GuardStop, Trip, measure
 from consumers.metrics import MetricsSink, data_metrics
 from consumers.ranks import (
     CheckpointOrder,
@@ -150,6 +159,9 @@ class Trainer:
         self.restored: TrainerState | None = None
         self.summary = TrainSummary(0, 0, 0, 0, 0, 0, [])
         self.beacon: Any = None  # core.presence.Beacon of rank 0
+        self.guards = Guards(trainer.guards)
+        self.pending_rollbacks: list[Rollback] = []  # since the previous checkpoint
+        self.guard_stop: str | None = None  # why a guard stopped the run
         self.presence: Any = None  # core.presence.Poller of the run's heartbeats
 
     @property
@@ -192,6 +204,11 @@ class Trainer:
                 "[trainer.ppo] minibatches > 1 needs a world of one rank: the ranks' "
                 "shares could split into different numbers of optimiser steps"
             )
+        if self.world > 1 and cfg.guards.rolls_back():
+            raise ValueError(
+                "[trainer.guards] action = 'rollback' needs a world of one rank (the other "
+                "ranks would have to rewind too); use stop or pause"
+            )
         self.channel = RankChannel(self.rank, self.world) if self.world > 1 else None
         self.runner = StepRunner(self.engine, cfg, pad_id=int(pad))
         self.checkpoints = CheckpointManager(checkpoint_config(self.shared, self.config))
@@ -220,6 +237,7 @@ class Trainer:
         self.offsets = dict(state.offsets)
         self.recent = RecentGroups(state.recent_groups)
         self.runner.load_state_dict(state.runner)
+        self._restore_guards(state)
         if self.engine.global_steps != state.step:
             raise RuntimeError(
                 f"checkpoint step {state.step} != DeepSpeed global_steps {self.engine.global_steps}"
@@ -247,6 +265,9 @@ class Trainer:
             written = self.ledger.append(state.ledger, state.stale, state.refused)
             if written:
                 log.warning("ledger: wrote %d step(s) the checkpoint had and it lacked", written)
+            if self.ledger.append_rollbacks(state.rollbacks):
+                log.warning("ledger: wrote the rollback(s) the checkpoint had and it lacked")
+        self._announce_pause()  # a pause kept in the checkpoint holds on
         self.restored = None
 
     def _connect(self) -> None:
@@ -343,7 +364,8 @@ class Trainer:
     # --- the loop -----------------------------------------------------------------------
 
     def run(self) -> TrainSummary:
-        """Train until ``max_steps`` or a stop request; always ends on a checkpoint."""
+        """Train until ``max_steps`` or a stop request; always ends on a checkpoint. Raises
+        ``GuardStop`` after it when a guard stopped the run (``consumers.guards``)."""
         self._build()
         finished = False
         try:
@@ -368,6 +390,8 @@ class Trainer:
 
                 shutdown_distributed(together=finished)
         self.summary.step = self.step
+        if self.guard_stop is not None:
+            raise GuardStop(self.guard_stop)
         return self.summary
 
     def _one_step(self) -> bool:
@@ -403,10 +427,18 @@ class Trainer:
             self.summary.refused_groups += len(refused)
         self.pending_stale.extend(stale)
         self.summary.stale_groups += len(stale)
+        decision, guard_metrics = self._judge(result)
+        stop_reason = None
+        if decision.action == "stop" and decision.main is not None:
+            stop_reason = decision.main.reason()
+        elif decision.action == "rollback" and decision.main is not None:
+            stop_reason = self._rollback(decision.main)  # the weights published next: healthy
+            guard_metrics["guards/rollbacks"] = float(self.guards.state.rollbacks)
 
         metrics: dict[str, float] = {"step": float(self.step), "version": float(version)}
         metrics.update(data_metrics(result.trained, version))
         metrics.update(result.metrics)
+        metrics.update(guard_metrics)
         tokens = sum(t.num_prompt_tokens + t.num_response_tokens for t in result.trained)
         compute_s = trained_at - computed
         metrics["time/unix_s"] = time.time()  # wall clock, for reports over time
@@ -428,7 +460,7 @@ class Trainer:
         if lag:
             metrics["lag/total"] = float(sum(lag.values()))
 
-        if self.publisher is not None and self.publisher.due(self.step):
+        if stop_reason is None and self.publisher is not None and self.publisher.due(self.step):
             published = self.publisher.publish(self.step, self._full_weights())
             metrics["time/publish_s"] = published.seconds
             self.summary.published.append(self.step)
@@ -440,11 +472,88 @@ class Trainer:
         # written before the checkpoint: a crash after it trains the step again and writes
         # its row again (the last row of a step wins), never leaves a step without one
         self.sink.emit(metrics, result.trained)
-        if self.step % cfg.checkpoint.every == 0:
+        if self.step % cfg.checkpoint.every == 0 and self.last_checkpoint_step != self.step:
             self.checkpoint_s = self._checkpoint()
         self.summary.steps_this_run += 1
         self.summary.trained += len(result.trained)
+        if stop_reason is not None:  # `run` checkpoints, stops the ranks, then raises
+            self.guard_stop = stop_reason
+            return False
         return True
+
+    # --- guards -------------------------------------------------------------------------
+
+    def _judge(self, result: StepResult) -> tuple[Decision, dict[str, float]]:
+        """The guards' signals of the step just trained, their decision and metrics; the
+        pause (or its end) goes out with the next announced version."""
+        guards = self.guards
+        signals = measure(
+            result.trained,
+            result.metrics,
+            mismatch_metric=self.config.guards.mismatch.metric,
+            since_version=guards.state.since_version,
+        )
+        decision = guards.observe(self.step, signals)
+        for trip in decision.trips:
+            log.warning("%s", trip.reason())
+        self._announce_pause()
+        return decision, guards.metrics(signals, decision)
+
+    def _announce_pause(self) -> None:
+        announcer = self.publisher.announcer if self.publisher is not None else None
+        if announcer is not None:
+            announcer.paused = self.guards.pause_reason()
+
+    def _rollback(self, trip: Trip) -> str | None:
+        """Rewind the weights, optimiser and EWMA to the newest healthy checkpoint older
+        than the trip's onset, with the rollback's learning rate and seed, and checkpoint
+        at once (the rollback in it, then in the ledger); the step count and the offsets go
+        on. Returns why the run must stop instead, or None."""
+        import torch
+
+        kept = self.checkpoints.kept()
+        target = self.guards.rollback_target(trip, kept)
+        if target is None:
+            return (
+                f"{trip.reason()}; no healthy checkpoint older than version "
+                f"{trip.onset_version} is kept to roll back to ([trainer.checkpoint] keep)"
+            )
+        state = self.checkpoints.load_tag(self.engine, target)
+        self.runner.load_state_dict(state.runner)
+        self.guards.rolled_back(self.step, kept, state.step)
+        self.engine.set_peak_lr(self.config.engine.lr * self.guards.lr_factor())
+        self.runner.seed_shift = self.guards.seed_shift()
+        torch.manual_seed(self.config.engine.seed + self.runner.seed_shift)
+        number = self.guards.state.rollbacks
+        self.pending_rollbacks.append(
+            Rollback(number, self.step, state.step, target, trip.guard, trip.reason())
+        )
+        log.warning(
+            "rollback %d: weights of step %d (%s) resume after step %d, lr x%g, seed +%d",
+            number,
+            state.step,
+            target,
+            self.step,
+            self.guards.lr_factor(),
+            self.runner.seed_shift,
+        )
+        self._announce_pause()
+        self.checkpoint_s = self._checkpoint()
+        return None
+
+    def _restore_guards(self, state: TrainerState) -> None:
+        """The guards' memory from the checkpoint; the checkpoint itself is a rollback
+        target if it was saved while every signal was normal."""
+        import torch
+
+        guard_state = GuardState.from_state(state.guards)
+        latest = self.checkpoints.latest()
+        if latest is not None and guard_state.healthy():
+            guard_state.healthy_tags.append(latest[0])
+        self.guards = Guards(self.config.guards, guard_state)
+        self.runner.seed_shift = self.guards.seed_shift()
+        if self.runner.seed_shift:
+            torch.manual_seed(self.config.engine.seed + self.runner.seed_shift)
 
     # --- ranks --------------------------------------------------------------------------
 
@@ -593,19 +702,24 @@ class Trainer:
             stale=list(self.pending_stale),
             recent_groups=self.recent.to_state(),
             refused=list(self.pending_refused),
+            guards=self.guards.state.to_state(),
+            rollbacks=list(self.pending_rollbacks),
         )
         if self.channel is not None:
             self.channel.scatter([CheckpointOrder(state)] * self.world)
         tag = self.checkpoints.save(self.engine, state)
+        self.guards.mark_checkpoint(tag, list(self.checkpoints.kept()))
         failpoint("after_checkpoint", self.step)
         if self.pending_stale:  # their offsets are durable now: never trained after a restart
             self.source.route_stale(self.pending_stale)
             failpoint("after_route_stale", self.step)
         if self.ledger is not None:
             self.ledger.append(self.pending_ledger, self.pending_stale, self.pending_refused)
+            self.ledger.append_rollbacks(self.pending_rollbacks)
             failpoint("after_ledger", self.step)
         self.pending_ledger = []
         self.pending_refused = []
+        self.pending_rollbacks = []
         self.pending_stale = []
         self.set_aside = False
         self.last_checkpoint_step = self.step

@@ -112,6 +112,12 @@ class Admission:
             window = min(window, trainer.max_staleness)
         if version == NO_VERSION:
             return "waiting for the first policy version from the weight follower"
+        if trainer is not None and trainer.paused and not self.config.ignore_trainer_pause:
+            return (
+                f"the trainer paused generation at v{trainer.version}: {trainer.paused} "
+                "(a later version clears it; [producers.rollout] ignore_trainer_pause "
+                "overrides it)"
+            )
         hook = self.trainer.announced_version
         announced = hook() if hook is not None else None
         if trainer is not None:

@@ -326,6 +326,11 @@ class RolloutConfig(StrictModel):
         "engine lags the announced version by more. The trainer's announced window wins "
         "when smaller.",
     )
+    ignore_trainer_pause: bool = Field(
+        default=False,
+        description="Start groups even while the trainer's latest version announcement says "
+        "paused (a [trainer.guards] pause): how a person resumes a paused run by hand.",
+    )
     groups_per_version: int | None = Field(
         default=None,
         ge=1,

@@ -14,7 +14,9 @@ trained that no producer produced. Each role keeps its own record of its side:
   on other machines: the same sets are told by ``rollouts.raw`` itself
   (``produced_from_raw``, ``--delivery topic``);
 - the trainer's ledger (``trainer.ledger_file``): trajectory ids per trainer step whose
-  gradient is in the latest durable checkpoint, each once per time it was trained;
+  gradient is in the latest durable checkpoint, each once per time it was trained, and a
+  stability guard's rollbacks (``consumers.guards``): the ids of the steps a rollback
+  discarded are *trained, then rolled back*: trained once (their outcome), never again;
 - the topics: ``rollouts.stale`` (``rs-stale`` header), ``rollouts.dlq`` (the stream's and
   the trainer's dead letters, ``rs-dead-letter`` header; a dead-lettered scored group is
   decoded for its sample ids), ``rollouts.scored`` and ``rollouts.raw`` for diagnosis.
@@ -150,6 +152,14 @@ def read_trainer_ledger(path: Path) -> Counter[str]:
     from consumers.checkpoint import TrainingLedger
 
     return Counter(tid for _, ids in TrainingLedger.read(path) for tid in ids)
+
+
+def read_trainer_rolled_back(path: Path) -> tuple[Counter[str], list[str]]:
+    """Ids trained into steps a guard's rollback discarded, and malformed rollback lines
+    (``TrainingLedger.rolled_back_ids``)."""
+    from consumers.checkpoint import TrainingLedger
+
+    return TrainingLedger.rolled_back_ids(path)
 
 
 def read_trainer_refused(path: Path) -> Counter[str]:
@@ -375,6 +385,10 @@ class AuditReport:
     delivery: str = "ledgers"  # where ``produced`` came from: ledgers | topic
     # sample ids of groups the trainer read again after training them, and refused
     refused: Counter[str] = field(default_factory=Counter)
+    # ids trained into steps a guard rolled back (still trained: their gradient was
+    # discarded and they are not trained again), and malformed rollback lines
+    rolled_back: Counter[str] = field(default_factory=Counter)
+    rollback_problems: list[str] = field(default_factory=list)
 
     @property
     def delivered(self) -> set[str]:
@@ -525,7 +539,7 @@ class AuditReport:
                 out.append(f"{len(ids)} {name}: {_sample(ids)}")
         if self.produced.pending:
             out.append(f"{len(self.produced.pending)} producer group(s) still pending")
-        return out
+        return out + self.rollback_problems
 
     def counts(self) -> dict[str, Any]:
         """Figures for a log line or ``--json``."""
@@ -559,6 +573,7 @@ class AuditReport:
             "dead_lettered_and_set_aside": len(self.dead_lettered_and_set_aside),
             "dlq_twice": len(self.dlq_twice),
             "refused_by_trainer": len(self.refused),
+            "trained_then_rolled_back": len(self.rolled_back),
         }
         if self.scored is not None:
             data["scored"] = len(self.scored.ids)
@@ -669,11 +684,14 @@ def audit(
     else:
         produced = read_producer_ledgers(sources.producers_dir)
     trained = read_trainer_ledger(sources.trainer_ledger)
+    rolled_back, rollback_problems = read_trainer_rolled_back(sources.trainer_ledger)
     report = AuditReport(
         run_id=run,
         produced=produced,
         trained=trained,
         refused=read_trainer_refused(sources.trainer_ledger),
+        rolled_back=rolled_back,
+        rollback_problems=rollback_problems,
         stale=read_sinks(client, sources.stales, run, timeout_s),
         dlq=read_sinks(client, sources.dlqs, run, timeout_s),
         delivery=delivery,

@@ -21,12 +21,17 @@ from rollstream.config import RollstreamConfig, role_config
 
 def run_trainer(shared: SharedConfig, trainer: TrainerConfig) -> int:
     """Resolve embedded services, build the trainer, run it to the end."""
+    from consumers.guards import GUARD_EXIT, GuardStop
     from consumers.trainer import Trainer
     from infra.services import Services
 
     runner = Trainer(Services(shared).running(s3=False), trainer)
     runner.install_signal_handlers()
-    summary = runner.run()
+    try:
+        summary = runner.run()
+    except GuardStop as stop:  # one line naming the guard; `rollstream up` shows it
+        click.echo(f"GuardExit: {stop}", err=True)
+        return GUARD_EXIT
     click.echo(
         f"stopped at step {summary.step}: {summary.steps_this_run} steps this run, "
         f"{summary.trained} trajectories, {summary.dead_letters} dead letters, "

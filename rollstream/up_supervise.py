@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import click
 
+from consumers.guard_config import GUARD_EXIT
 from core.process import Launcher, last_error
 
 STOP_ORDER = ("eval", "producer", "engine", "streams", "trainer")
@@ -148,7 +149,8 @@ def supervise(
                 return ("max_steps reached", True)
         for role in launcher.exited():
             cause = last_error(role.log_file) or killed_by(role.returncode())
-            if restarts_left[role.name] > 0:
+            guarded = role.name in trainers and role.returncode() == GUARD_EXIT
+            if restarts_left[role.name] > 0 and not guarded:  # a guard's stop is final
                 restarts_left[role.name] -= 1
                 console.log(f"{role.name} exited ({role.returncode()}): {cause}; restarting")
                 role.start()

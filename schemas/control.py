@@ -45,6 +45,7 @@ _BASE64 = re.compile(r"[A-Za-z0-9+/]{1,256}={0,2}")
 MAX_GROUPS_PER_STEP = 1_000_000
 MAX_STALENESS = 1_000_000
 MAX_PRODUCERS = 100_000
+MAX_PAUSE_REASON = 500  # a guard's one-line reason, not a payload
 
 
 def most_producers(groups_per_step: int | None, max_staleness: int | None) -> int:
@@ -75,6 +76,9 @@ class VersionAnnouncement:
     # How many producers' groups the trainer trained over its last window + 1 steps: they
     # share its pace (each starts about groups_per_step / producers groups per step).
     producers: int | None = None
+    # Set by a stability guard of the trainer (``consumers.guards``, action ``pause``): why
+    # producers should start no new group until a later version clears it.
+    paused: str | None = None
     # base64 ed25519 signature, by the run's key, over ``signed_bytes`` (None: unsigned);
     # a listener with the key believes the pace only when it verifies.
     signature: str | None = None
@@ -110,10 +114,17 @@ class VersionAnnouncement:
         if self.producers is not None:
             most = most_producers(self.groups_per_step, self.max_staleness)
             _check_int(self, "producers", minimum=1, maximum=most)
+        if self.paused is not None:
+            _check_str(self, "paused")
+            if len(self.paused) > MAX_PAUSE_REASON:
+                raise ValueError(
+                    f"VersionAnnouncement.paused is longer than {MAX_PAUSE_REASON} characters"
+                )
 
     @property
     def has_pace(self) -> bool:
-        return (self.groups_per_step, self.max_staleness, self.producers) != (None, None, None)
+        pace = (self.groups_per_step, self.max_staleness, self.producers, self.paused)
+        return pace != (None, None, None, None)
 
     @property
     def is_base(self) -> bool:
@@ -133,7 +144,7 @@ class VersionAnnouncement:
         obj = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if not signed:
             del obj["signature"]
-        for name in ("groups_per_step", "max_staleness", "producers", "signature"):
+        for name in ("groups_per_step", "max_staleness", "producers", "paused", "signature"):
             if obj.get(name, 0) is None:
                 del obj[name]
         return obj

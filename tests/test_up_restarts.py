@@ -126,6 +126,48 @@ def test_without_restarts_a_killed_trainer_ends_the_run(tmp_path: Path) -> None:
     assert launcher.roles["trainer"].starts == 1
 
 
+def test_a_trainer_a_guard_stopped_is_not_restarted_and_its_line_ends_the_run(
+    tmp_path: Path,
+) -> None:
+    """The real ``run_trainer`` turns a guard's stop into exit status 3 and one line; `up`
+    shows that line and does not restart the trainer (it would trip again)."""
+    trainer = f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        import consumers.trainer, infra.services
+        from consumers.guards import GuardStop
+        from rollstream.train_cli import run_trainer
+
+        class Stopped:
+            def __init__(self, *args):
+                pass
+            def install_signal_handlers(self):
+                pass
+            def run(self):
+                raise GuardStop("guard 'flat_rewards' tripped at step 9 (stop): flat")
+
+        class Services:
+            def __init__(self, shared):
+                pass
+            def running(self, s3):
+                return None
+
+        consumers.trainer.Trainer = Stopped
+        infra.services.Services = Services
+        sys.exit(run_trainer(None, None))
+        """
+    launcher = Launcher(tmp_path / "logs")
+    launcher.add(RoleSpec("trainer", _script(tmp_path / "trainer.py", trainer)))
+    idle = _script(tmp_path / "producer.py", "import time\ntime.sleep(120)\n")
+    launcher.add(RoleSpec("producer", idle))
+    assert _supervise(tmp_path, launcher, restarts=2) == (
+        "trainer exited with code 3: GuardExit: guard 'flat_rewards' tripped at step 9 "
+        "(stop): flat",
+        False,
+    )
+    assert launcher.roles["trainer"].starts == 1
+
+
 def _failing_rows(path: Path, steps: int, share: float) -> None:
     rows = [
         {"step": s, "reward/mean": 0.0, "reward/fn_failed/accuracy": share,

@@ -71,6 +71,7 @@ class Announcer:
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
         self.producers: int | None = None  # the trainer updates it as it trains
+        self.paused: str | None = None  # a guard's reason to hold generation (consumers.guards)
         self._producer = Producer(
             {
                 **client_config,
@@ -91,6 +92,7 @@ class Announcer:
                 groups_per_step=self.groups_per_step,
                 max_staleness=self.max_staleness,
                 producers=self._producers(),
+                paused=self.paused,
             )
         if self.signing_key is not None:
             signature = self.signing_key.sign(announcement.signed_bytes())

@@ -140,16 +140,17 @@ class Trust:
                 pass
         log.warning(
             "ignoring the pace announced with v%d of run %s (groups per step %s, staleness "
-            "%s, producers %s): the announcement is %s",
+            "%s, producers %s, paused %s): the announcement is %s",
             announcement.version,
             announcement.run,
             announcement.groups_per_step,
             announcement.max_staleness,
             announcement.producers,
+            announcement.paused,
             "not signed" if announcement.signature is None else "signed with another key",
         )
         return dataclasses.replace(
-            announcement, groups_per_step=None, max_staleness=None, producers=None
+            announcement, groups_per_step=None, max_staleness=None, producers=None, paused=None
         )
 
     def confirms(self, store: WeightStore, announcement: VersionAnnouncement) -> bool | None:
