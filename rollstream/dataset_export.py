@@ -204,7 +204,7 @@ def read_scored_groups(
 ) -> Iterator[ScoredGroup]:
     """The run's scored groups on its scored topic, committed records only."""
     from infra.services import Services
-    from rollstream.audit import read_topic
+    from rollstream.audit_reads import read_topic
     from schemas.group import decode_group
 
     client = Services(config).running(s3=False).kafka.client_config()

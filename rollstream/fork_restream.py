@@ -147,7 +147,7 @@ def restream(
     """Restream RUN's raw topic with the fork's stream settings (see the module doc);
     the scored groups are committed to the fork's topic, or nothing is."""
     from core.topic_reader import read_whole_topic
-    from rollstream.audit import RUN_HEADER
+    from rollstream.audit_reads import RUN_HEADER
     from rollstream.rerun import StreamReplay
     from streams.processor import Message
     from streams.staleness import VersionTracker

@@ -44,7 +44,8 @@ from weights_support import forge, forged_announcement
 
 from core.process import Launcher, RoleProcess
 from infra.services import Services
-from rollstream.audit import AuditReport, AuditSources, audit
+from rollstream.audit import AuditReport, audit
+from rollstream.audit_reads import AuditSources
 from rollstream.config import RollstreamConfig, UpConfig, load_config
 from rollstream.up_display import Dashboard, TrainerLog
 from rollstream.up_plan import Ports, build_config, plan_policies, role_specs, write_config

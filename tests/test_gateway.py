@@ -34,7 +34,8 @@ from core.process import free_port
 from producers.app import run_producer
 from producers.config import EngineConfig, GatewayConfig, ProducersConfig, RolloutConfig
 from producers.ledger import ledger_dir, read_ledger
-from rollstream.audit import AuditSources, audit
+from rollstream.audit import audit
+from rollstream.audit_reads import AuditSources
 from rollstream.starter import CHAT_VOCAB as VOCAB
 from rollstream.starter import save_chat_model
 from schemas.codec import decode
