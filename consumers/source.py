@@ -54,7 +54,7 @@ from consumers.batching import TopicPartition as TP
 from consumers.config import BatchConfig, TopicsConfig
 from core.config import RetryConfig
 from core.retry import retrying
-from schemas.codec import DecodeError
+from schemas.codec import MIN_VERSION_HEADER, DecodeError
 from schemas.control import DeadLetter, StaleRecord
 from schemas.group import decode_group
 from schemas.topics import ROLLOUTS_DLQ, ROLLOUTS_STALE, TopicSpec, producer_limits
@@ -175,7 +175,7 @@ def min_version(msg: Message) -> int | None:
     """The oldest policy version of a scored group, from its ``rs-min-version`` header
     (None without one, or when it is not an integer)."""
     for key, value in msg.headers() or ():
-        if key == "rs-min-version" and value is not None:
+        if key == MIN_VERSION_HEADER and value is not None:
             try:
                 return int(value)
             except ValueError:

@@ -52,6 +52,7 @@ from typing import Any
 import orjson
 
 from core.topic_reader import end_offsets
+from schemas.codec import TRAJECTORY_ID_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -403,7 +404,7 @@ def scan_for(
                     continue
                 raise RuntimeError(f"ledger recovery: {message.error()}")
             for key, value in message.headers() or ():
-                if key == "rs-trajectory-id" and value is not None:
+                if key == TRAJECTORY_ID_HEADER and value is not None:
                     tid = value.decode()
                     if tid in wanted:
                         found[tid] = (message.partition(), message.offset())

@@ -14,12 +14,10 @@ from typing import TYPE_CHECKING, Literal
 
 from core.topic_reader import read_whole_topic, reader_config
 from rollstream.config import RollstreamConfig
+from schemas.codec import RUN_ID_HEADER, TRAJECTORY_ID_HEADER
 
 if TYPE_CHECKING:
     from confluent_kafka import Message
-
-TRAJECTORY_HEADER = "rs-trajectory-id"
-RUN_HEADER = "rs-run-id"
 
 
 # --- the producers' side -----------------------------------------------------------------
@@ -152,11 +150,11 @@ def _record_ids(msg: Message, run_id: str) -> list[str] | None:
     from schemas.group import decode_group
 
     headers = _headers(msg)
-    run = headers.get(RUN_HEADER)
-    if TRAJECTORY_HEADER in headers:
+    run = headers.get(RUN_ID_HEADER)
+    if TRAJECTORY_ID_HEADER in headers:
         if run is not None and run.decode(errors="replace") != run_id:
             return []
-        return [headers[TRAJECTORY_HEADER].decode(errors="replace")]
+        return [headers[TRAJECTORY_ID_HEADER].decode(errors="replace")]
     value = msg.value() or b""
     with contextlib.suppress(DecodeError):
         group = decode_group(value)

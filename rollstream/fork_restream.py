@@ -147,8 +147,8 @@ def restream(
     """Restream RUN's raw topic with the fork's stream settings (see the module doc);
     the scored groups are committed to the fork's topic, or nothing is."""
     from core.topic_reader import read_whole_topic
-    from rollstream.audit_reads import RUN_HEADER
     from rollstream.rerun import StreamReplay
+    from schemas.codec import RUN_ID_HEADER
     from streams.processor import Message
     from streams.staleness import VersionTracker
 
@@ -159,7 +159,7 @@ def restream(
     raw: list[tuple[int, Message]] = []
     for msg in read_whole_topic(client_config, recorded.streams.topics.raw, "fork-raw", timeout_s):
         headers = tuple((k, v or b"") for k, v in msg.headers() or [])
-        if dict(headers).get(RUN_HEADER, run.encode()) != run.encode():
+        if dict(headers).get(RUN_ID_HEADER, run.encode()) != run.encode():
             continue  # another run's record (one without the header goes to the stream)
         raw.append(
             (

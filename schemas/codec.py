@@ -575,12 +575,19 @@ class RoutingHeaders:
     policy: str = ""
 
 
+RUN_ID_HEADER = "rs-run-id"
+GROUP_ID_HEADER = "rs-group-id"
+TRAJECTORY_ID_HEADER = "rs-trajectory-id"
+MIN_VERSION_HEADER = "rs-min-version"
+COMPLETE_HEADER = "rs-complete"
+"""A scored group's header: ``1`` when it holds all G samples, ``0`` for a partial one."""
+
 _HEADER_KEYS = {
     "schema_version": "rs-schema-version",
-    "run_id": "rs-run-id",
-    "group_id": "rs-group-id",
-    "trajectory_id": "rs-trajectory-id",
-    "min_version": "rs-min-version",
+    "run_id": RUN_ID_HEADER,
+    "group_id": GROUP_ID_HEADER,
+    "trajectory_id": TRAJECTORY_ID_HEADER,
+    "min_version": MIN_VERSION_HEADER,
     "max_version": "rs-max-version",
     "producer_id": "rs-producer-id",
     "region": "rs-region",

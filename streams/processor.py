@@ -69,6 +69,10 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from schemas.codec import (
+    COMPLETE_HEADER,
+    GROUP_ID_HEADER,
+    MIN_VERSION_HEADER,
+    RUN_ID_HEADER,
     DecodeError,
     decode,
     header_disagreements,
@@ -600,11 +604,11 @@ class Processor:
                 eps=self.config.groups.eps,
             )
             headers = (
-                ("rs-run-id", self.run_id.encode()),
-                ("rs-group-id", state.group_id.encode()),
-                ("rs-complete", b"1" if group.complete else b"0"),
+                (RUN_ID_HEADER, self.run_id.encode()),
+                (GROUP_ID_HEADER, state.group_id.encode()),
+                (COMPLETE_HEADER, b"1" if group.complete else b"0"),
                 # the trainer orders by it without decoding (earliest deadline first)
-                ("rs-min-version", str(min(t.min_version for t in group.samples)).encode()),
+                (MIN_VERSION_HEADER, str(min(t.min_version for t in group.samples)).encode()),
             )
             key = state.group_id.encode()
             room = value_room(ROLLOUTS_SCORED, key, headers)
