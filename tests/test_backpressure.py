@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from test_producers_worker import check_records, make_topic, read_topic, rollout, rs_config
+from support.producer_runs import check_records, make_topic, read_topic, rollout, rs_config
 
 from consumers.config import TrainerConfig
 from consumers.trainer import trainer_announcer

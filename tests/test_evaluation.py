@@ -444,7 +444,7 @@ def test_the_versions_a_store_holds_are_measured_once_and_the_command_ends(
 
     # `eval --stored` with no every_versions in the config: every stored version (1 is left)
     from click.testing import CliRunner
-    from test_trainer_kafka import s3_table
+    from support.trainer_runs import s3_table
 
     from core.config import to_toml
     from rollstream.cli import main

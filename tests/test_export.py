@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from test_weights_cli import s3_table
+from support.trainer_runs import s3_toml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from weights_support import store_for
 
@@ -48,7 +48,7 @@ def logits(model: torch.nn.Module) -> torch.Tensor:
 def write_config(tmp_path: Path, s3: S3Config, run: str) -> Path:
     path = tmp_path / "rollstream.toml"
     path.write_text(
-        f'run_id = "{run}"\nstate_dir = "{tmp_path / "state"}"\n\n[s3]\n{s3_table(s3)}\n'
+        f'run_id = "{run}"\nstate_dir = "{tmp_path / "state"}"\n\n[s3]\n{s3_toml(s3)}\n'
         "[weights]\nallow_unsigned = true\n"
     )
     return path

@@ -37,7 +37,7 @@ import torch
 from click.testing import CliRunner
 from confluent_kafka import Consumer, TopicPartition
 from support.synthetic import synthetic_groups
-from test_trainer_kafka import (
+from support.trainer_runs import (
     group_records,
     make_topics,
     produce,

@@ -26,8 +26,8 @@ import httpx
 import openai
 import pytest
 import torch
+from support.producer_runs import make_topic, read_topic, recompute, rs_config
 from support.streams import create_stream_topics, wait_until
-from test_producers_worker import make_topic, read_topic, recompute, rs_config
 
 from core.models import BOS_ID, SEP_ID
 from core.process import free_port

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import torch
 from aiohttp import web
+from support.producer_runs import recompute
 
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
 from producers.client import (
@@ -42,12 +43,6 @@ def server():
 
 def run(coro):
     return asyncio.run(coro)
-
-
-def recompute(model, prompt, response):
-    with torch.inference_mode():
-        logp = torch.log_softmax(model(torch.tensor([prompt + response])).logits[0].float(), -1)
-    return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(response)]
 
 
 def test_generate_speaks_sglang(server):

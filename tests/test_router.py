@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 from click.testing import CliRunner
-from test_producers_server import recompute
+from support.producer_runs import recompute
 
 from core.config import LoraConfig
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, add_lora, build_tiny_llama

@@ -27,7 +27,7 @@ import orjson
 import pytest
 import torch
 from support.synthetic import synthetic_groups
-from test_trainer_kafka import (
+from support.trainer_runs import (
     assert_same_weights,
     group_records,
     ids_of,

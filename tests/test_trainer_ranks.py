@@ -16,7 +16,7 @@ import pytest
 import torch
 from support.streams import wait_until
 from support.synthetic import synthetic_groups
-from test_trainer_kafka import (
+from support.trainer_runs import (
     REPO,
     RUN,
     end_and_committed,

@@ -13,8 +13,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from support.synthetic import synthetic_groups
-from test_trainer_kafka import end_and_committed, group_records, ids_of, make_topics, produce
-from test_trainer_staleness import metrics_lines, settings_for
+from support.trainer_runs import (
+    end_and_committed,
+    group_records,
+    ids_of,
+    make_topics,
+    metrics_lines,
+    produce,
+    settings_for,
+)
 
 from consumers.checkpoint import TrainingLedger
 from consumers.trainer import Trainer

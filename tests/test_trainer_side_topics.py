@@ -18,7 +18,7 @@ import pytest
 from confluent_kafka import KafkaException, Producer
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 from support.synthetic import scored_group, synthetic_groups
-from test_trainer_kafka import produce, read_all
+from support.trainer_runs import produce, read_all
 
 from consumers.batching import StaleGroup
 from consumers.config import BatchConfig, TopicsConfig

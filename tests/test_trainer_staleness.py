@@ -15,20 +15,23 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import orjson
 import pytest
 from support.synthetic import synthetic_groups
-from test_trainer_kafka import (
+from support.trainer_runs import (
+    NO_PUBLISHING,
+    STALENESS_WINDOW,
     assert_same_weights,
     end_and_committed,
     group_records,
     ids_of,
     make_topics,
+    metrics_lines,
     produce,
     read_all,
     reference_weights,
     restored_weights,
     s3_table,
+    settings_for,
     shared_for,
     spawn,
     trainer_config,
@@ -45,19 +48,6 @@ from schemas.group import decode_group
 from schemas.topics import ROLLOUTS_STALE
 
 RUN = "trainer-test"
-WINDOW = 2
-NO_PUBLISHING = {"every": 0, "initial": False}  # these trainers have no S3 store
-
-
-def settings_for(
-    tmp: Path, topics: dict[str, str], kafka: KafkaConfig, **extra: object
-) -> tuple[SharedConfig, TrainerConfig]:
-    config = TrainerConfig.model_validate(
-        trainer_config(
-            tmp, topics, staleness={"max_staleness": WINDOW}, publish=NO_PUBLISHING, **extra
-        )
-    )
-    return shared_for(kafka), config
 
 
 def topics_with_stale(kafka: KafkaConfig, unique_name: Callable[[str], str]) -> dict[str, str]:
@@ -68,10 +58,6 @@ def topics_with_stale(kafka: KafkaConfig, unique_name: Callable[[str], str]) -> 
         kafka.client_config(), [dataclasses.replace(ROLLOUTS_STALE, name=topics["stale"])]
     )
     return topics
-
-
-def metrics_lines(tmp: Path) -> list[dict]:
-    return [orjson.loads(x) for x in (tmp / "metrics.jsonl").read_bytes().splitlines()]
 
 
 @pytest.mark.system
@@ -108,7 +94,7 @@ def test_groups_too_stale_by_training_time_are_routed_not_trained(
 
     # never trained past the window: asserted from the trainer's own metrics
     lines = metrics_lines(tmp_path)
-    assert lines and all(m["staleness/max"] <= WINDOW for m in lines), [
+    assert lines and all(m["staleness/max"] <= STALENESS_WINDOW for m in lines), [
         (m["step"], m.get("staleness/max")) for m in lines
     ]
     assert sum(m["data/stale_groups"] for m in lines) == 3
@@ -129,8 +115,8 @@ def test_groups_too_stale_by_training_time_are_routed_not_trained(
         group = decode_group(msg.value())  # the scored record, unchanged
         assert info.stage == "trainer" and info.trajectory_id == group.group_id
         # judged at the version being trained (3, or 4 once a fresh group trained first)
-        assert info.staleness == info.trainer_version > WINDOW
-        assert info.max_staleness == WINDOW
+        assert info.staleness == info.trainer_version > STALENESS_WINDOW
+        assert info.max_staleness == STALENESS_WINDOW
         routed += [s.trajectory_id for s in group.samples]
     assert sorted(routed) == sorted(stale_ids)
 
@@ -210,7 +196,9 @@ def test_stale_groups_of_a_checkpoint_cut_short_by_kill_9_are_routed_once_after_
 
     # life 2 (a process): sets the late groups aside while gathering step 4, trains a
     # fresh one, and dies right after checkpoint 4 is durable: before routing them
-    trainer = trainer_config(tmp_path, topics, staleness={"max_staleness": WINDOW}, **one_a_step)
+    trainer = trainer_config(
+        tmp_path, topics, staleness={"max_staleness": STALENESS_WINDOW}, **one_a_step
+    )
     config_path = tmp_path / "rollstream.toml"
     write_toml(
         config_path,
@@ -256,7 +244,7 @@ def test_stale_groups_of_a_checkpoint_cut_short_by_kill_9_are_routed_once_after_
     routed = [s.trajectory_id for m in records for s in decode_group(m.value()).samples]
     assert sorted(routed) == sorted(ids_of(late))  # each once: none lost, none twice
     lines = metrics_lines(tmp_path)
-    assert all(m["staleness/max"] <= WINDOW for m in lines)
+    assert all(m["staleness/max"] <= STALENESS_WINDOW for m in lines)
     # the weights are the proof: the same steps trained without a crash end identical
     config = third.config
     reference = reference_weights(kafka_config, config, ledger_path, first + fresh)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import safetensors.torch
 from click.testing import CliRunner
+from support.trainer_runs import s3_toml
 from weights_support import same_bits, step, store_for, tiny_state
 
 from core.config import S3Config
@@ -13,21 +14,12 @@ from rollstream.weights_cli import weights
 from weights.writer import DeltaWriter
 
 
-def s3_table(config: S3Config) -> str:
-    secret = config.secret_access_key.get_secret_value() if config.secret_access_key else ""
-    return (
-        f'name = "{config.name}"\nendpoint_url = "{config.endpoint_url}"\n'
-        f'bucket = "{config.bucket}"\nembedded = false\n'
-        f'access_key_id = "{config.access_key_id}"\nsecret_access_key = "{secret}"\n'
-    )
-
-
 def write_config(tmp_path: Path, home: S3Config, other: S3Config, run: str) -> Path:
     path = tmp_path / "rollstream.toml"
     path.write_text(
-        f'run_id = "{run}"\n\n[s3]\n{s3_table(home)}\n'
+        f'run_id = "{run}"\n\n[s3]\n{s3_toml(home)}\n'
         f"[weights]\nkeep_versions = 2\norphan_grace_s = 0\nallow_unsigned = true\n\n"
-        f"[weights.regions.{other.name}]\n{s3_table(other)}"
+        f"[weights.regions.{other.name}]\n{s3_toml(other)}"
     )
     return path
 
