@@ -15,6 +15,7 @@ import pytest
 from pydantic import ValidationError
 from support.fake_engine import FakeBackend, FakePublisher
 from support.streams import (
+    Harness,
     WorkerProcess,
     create_stream_topics,
     keyed,
@@ -23,7 +24,6 @@ from support.streams import (
     synthetic_group,
     worker_config,
 )
-from test_streams_logic import Harness
 
 from core.config import KafkaConfig
 from producers.catalog import make_task

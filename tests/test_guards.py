@@ -313,15 +313,14 @@ def test_an_unsigned_pause_is_ignored_where_versions_are_signed() -> None:
 
 
 def test_producers_start_no_group_while_the_trainer_announces_a_pause() -> None:
-    from support.fake_engine import FakeBackend
-    from test_producers_worker_logic import _worker
+    from support.fake_engine import FakeBackend, fake_worker
 
-    worker = _worker(FakeBackend())
+    worker = fake_worker(FakeBackend())
     worker.trainer.announcement = lambda: announcement(0, paused="guard 'entropy' tripped")
     why = worker.admission.pause_reason()
     assert why is not None and "the trainer paused generation at v0: guard 'entropy'" in why
     worker.trainer.announcement = lambda: announcement(0)
     assert worker.admission.pause_reason() is None
-    ignoring = _worker(FakeBackend(), ignore_trainer_pause=True)  # a person resumes
+    ignoring = fake_worker(FakeBackend(), ignore_trainer_pause=True)  # a person resumes
     ignoring.trainer.announcement = lambda: announcement(0, paused="guard 'entropy' tripped")
     assert ignoring.admission.pause_reason() is None

@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
+from support.synthetic import episode
 
 from consumers.batching import pack
 from consumers.loss_config import (
@@ -25,7 +25,7 @@ from consumers.loss_config import (
 from consumers.losses import LossInputs, compute_loss
 from consumers.metrics import data_metrics, episode_metrics
 from consumers.step import step_metrics
-from schemas.trajectory import Trajectory, TurnKind
+from schemas.trajectory import TurnKind
 
 F64 = torch.float64
 
@@ -166,44 +166,6 @@ def test_anything_at_env_positions_changes_nothing(config: Any) -> None:
 
 
 # --- from records: pack, step metrics, data metrics --------------------------------------
-
-
-def episode(
-    turns: list[tuple[int, int]], *, index: int = 0, end: str = "done", tools: int = 1
-) -> Trajectory:
-    n = sum(length for _, length in turns)
-    kinds = np.array([kind for kind, _ in turns], np.uint8)
-    lengths = np.array([length for _, length in turns], np.int32)
-    policy = np.repeat(kinds == TurnKind.POLICY, lengths)
-    logp = np.where(policy, -0.7, 0.0).astype(np.float32)
-    multi = len(turns) > 1
-    return Trajectory.create(
-        run_id="run",
-        trajectory_id=f"t{index}",
-        group_id="g",
-        group_size=4,
-        sample_index=index,
-        producer_id="p",
-        region="r",
-        task="tools",
-        prompt_ids=[1, 2, 3],
-        response_ids=np.arange(n) % 7,
-        logp_infer=logp,
-        segment_versions=[5],
-        segment_lengths=[n],
-        reward=1.0,
-        reward_details={},
-        finish_reason="stop",
-        created_at_ms=0,
-        finished_at_ms=1,
-        logp_old=logp,
-        old_logits_status="exact",
-        advantage=0.5,
-        turn_lengths=lengths,
-        turn_kinds=kinds,
-        tool_calls=tools if multi else 0,
-        episode_end=end if multi else "",
-    )
 
 
 def test_pack_masks_env_tokens_out_of_the_loss() -> None:

@@ -6,47 +6,14 @@ test wants it, so every scenario is deterministic."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
-from support.fake_engine import TOKEN, FakeBackend, FakePublisher
-
-from producers.catalog import make_task
-from producers.config import RolloutConfig, SamplingConfig
-from producers.publishing import Outbox, ProducerIdentity
-from producers.tasks import TaskContext
-from producers.worker import RolloutWorker
-
-TOKENS = 6  # per sample
-
-
-def _worker(
-    backend: FakeBackend, publisher: FakePublisher | None = None, **rollout: object
-) -> RolloutWorker:
-    config = RolloutConfig.model_validate(
-        {
-            "group_size": 2,
-            "seed": 0,
-            "progress": False,
-            "follow_weights": False,
-            "ledger_fsync": False,
-            "sampling": SamplingConfig(max_new_tokens=TOKENS, ignore_eos=True, stop_token_ids=[]),
-            **rollout,
-        }
-    )
-    task = make_task("copy-first-digit-twice", None, TaskContext(cache_dir=Path("/nonexistent")))
-    return RolloutWorker(
-        config,
-        backend,
-        task,
-        Outbox(publisher or FakePublisher()),  # type: ignore[arg-type]
-        ProducerIdentity(run_id="run", producer_id="p0", region="local"),
-    )
+from support.fake_engine import TOKEN, TOKENS, FakeBackend, FakePublisher, fake_worker
 
 
 async def _change_version_mid_generation(policy: str) -> tuple[FakeBackend, FakePublisher]:
     backend, publisher = FakeBackend(), FakePublisher()
-    worker = _worker(backend, publisher, version_policy=policy, max_inflight_groups=1)
+    worker = fake_worker(backend, publisher, version_policy=policy, max_inflight_groups=1)
     backend.hold_after(3)  # the first group is parked mid-generation
     run = asyncio.create_task(worker.run(groups=2))
     await backend.wait_generated(3)
@@ -81,7 +48,7 @@ def test_a_version_change_mid_generation_follows_the_policy(
 def test_admission_credit_pauses_until_the_next_version() -> None:
     async def scenario() -> tuple[list[str | None], FakePublisher]:
         backend, publisher = FakeBackend(), FakePublisher()
-        worker = _worker(backend, publisher, groups_per_version=2, staleness_window=0)
+        worker = fake_worker(backend, publisher, groups_per_version=2, staleness_window=0)
         run = asyncio.create_task(worker.run(groups=4))
         while len(publisher.groups) < 2:
             await asyncio.sleep(0)
@@ -104,7 +71,7 @@ def test_admission_credit_pauses_until_the_next_version() -> None:
 def test_pause_reasons_name_what_the_worker_waits_for() -> None:
     backend = FakeBackend()
     ahead = {"v": 5}
-    worker = _worker(backend, staleness_window=2)
+    worker = fake_worker(backend, staleness_window=2)
     worker.trainer.announced_version = lambda: ahead["v"]
     assert "more than the staleness window (2) behind" in (worker.admission.pause_reason() or "")
     ahead["v"] = 2
@@ -131,7 +98,7 @@ def test_producers_share_the_trainers_announced_pace(producers: int | None, star
 
     async def scenario() -> tuple[int, str | None]:
         publisher = FakePublisher()
-        worker = _worker(FakeBackend(), publisher, staleness_window=0)
+        worker = fake_worker(FakeBackend(), publisher, staleness_window=0)
         worker.trainer.announcement = lambda: announced
         run = asyncio.create_task(worker.run(groups=10))
         for _ in range(200):
@@ -177,7 +144,7 @@ def test_a_share_that_shrinks_does_not_strand_the_groups_already_started() -> No
 
     async def scenario() -> list[tuple[int, str | None]]:
         publisher = FakePublisher()
-        worker = _worker(FakeBackend(), publisher, staleness_window=0)
+        worker = fake_worker(FakeBackend(), publisher, staleness_window=0)
         current = {"a": announced(0, None)}
         worker.trainer.announcement = lambda: current["a"]
         run = asyncio.create_task(worker.run(groups=20))

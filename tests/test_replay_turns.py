@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from rich.console import Console
-from test_losses_multi_turn import episode
+from support.synthetic import episode
 
 from consumers.batching import pack, response_logprobs
 from consumers.config import TrainerConfig

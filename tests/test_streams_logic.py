@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from support.streams import synthetic
+from support.streams import RAW, RUN, Harness, synthetic
 
 from schemas.codec import MAGIC, encode, routing_headers
 from schemas.control import DeadLetter, StaleRecord
@@ -15,76 +15,8 @@ from schemas.group import decode_group
 from schemas.trajectory import NO_VERSION
 from streams.config import StalenessConfig, StreamsConfig
 from streams.groups import GROUP_PREFIX, SAMPLE_PREFIX, GroupState, group_key
-from streams.oldlogits import OldLogitEngine
-from streams.processor import Message, Processor, Step
+from streams.processor import Message
 from streams.staleness import StalenessPolicy, VersionTracker
-
-RUN = "run"
-RAW = "rollouts.raw"
-
-
-class Harness:
-    """A processor over a dict table, applying each step the way ``streams.txn`` does."""
-
-    def __init__(self, *, model: tuple[int, int] | None = None, **config) -> None:
-        """``model``: the (vocab size, context) of the old-logit model."""
-        self.config = StreamsConfig.model_validate({"old_logits": {"mode": "off"}, **config})
-        self.table: dict[bytes, bytes] = {}
-        self.tracker = VersionTracker()
-        vocab, context = model if model is not None else (None, None)
-        self.processor = Processor(
-            self.config,
-            RUN,
-            self.tracker,
-            self.table,
-            model_vocab_size=vocab,
-            model_context=context,
-        )
-        self.engine = OldLogitEngine(self.config.old_logits, None)
-        self.sent: list = []
-        self.offsets: dict[tuple[str, int], int] = {}
-        self.now = 1_000_000
-
-    def feed(
-        self, value: bytes | None, key: bytes | None = None, partition: int = 0, topic: str = RAW
-    ) -> Step:
-        offset = self.offsets.get((topic, partition), -1) + 1
-        self.offsets[(topic, partition)] = offset
-        return self.deliver(Message(topic, partition, offset, key, value, (("x-h", b"1"),)))
-
-    def deliver(self, msg: Message) -> Step:
-        """As the worker's agent does: old logits per emitted group, a failure failing
-        that group alone."""
-        step = self.processor.handle(msg, self.now)
-        attached, failed = {}, {}
-        for closing in step.closings:
-            if closing.emit:
-                try:
-                    attached[closing.state.group_id] = self.engine.attach(closing.samples)
-                except Exception as err:
-                    failed[closing.state.group_id] = repr(err)
-        self.processor.finish(step, attached, self.now, failed)
-        for send in step.sends:
-            self.sent.append(send)
-        for key, value in step.writes:
-            if value is None:
-                self.table.pop(key, None)
-            else:
-                self.table[key] = value
-        return step
-
-    def sample(self, **kw) -> Step:
-        traj = synthetic(run_id=RUN, **kw)
-        return self.feed(encode(traj), traj.group_id.encode())
-
-    def tick(self, partition: int = 0) -> Step:
-        return self.feed(b"", None, partition, topic=self.config.ticks_topic)
-
-    def on(self, topic: str) -> list:
-        return [s for s in self.sent if s.topic == topic]
-
-    def dead_letters(self) -> list[DeadLetter]:
-        return [DeadLetter.from_headers(s.headers) for s in self.on("rollouts.dlq")]
 
 
 def test_complete_group_is_emitted_once_with_advantages() -> None:

@@ -16,10 +16,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from producers.catalog import make_task
 from producers.client import GenerateOutput
+from producers.config import RolloutConfig, SamplingConfig
 from producers.metrics import ProducerMetrics
+from producers.publishing import Outbox, ProducerIdentity
+from producers.tasks import TaskContext
+from producers.worker import RolloutWorker
 from schemas.trajectory import Trajectory
 
 TOKEN = 7  # every generated token (inside the tiny vocabulary)
@@ -149,3 +155,32 @@ class FakePublisher:
     def flush(self, timeout: float = 30) -> int:
         self.acknowledge()
         return 0
+
+
+TOKENS = 6  # per sample
+
+
+def fake_worker(
+    backend: FakeBackend, publisher: FakePublisher | None = None, **rollout: object
+) -> RolloutWorker:
+    """A rollout worker of the tiny digit task over ``backend``, its groups to
+    ``publisher``; ``rollout``: ``[producers.rollout]`` settings over the defaults."""
+    config = RolloutConfig.model_validate(
+        {
+            "group_size": 2,
+            "seed": 0,
+            "progress": False,
+            "follow_weights": False,
+            "ledger_fsync": False,
+            "sampling": SamplingConfig(max_new_tokens=TOKENS, ignore_eos=True, stop_token_ids=[]),
+            **rollout,
+        }
+    )
+    task = make_task("copy-first-digit-twice", None, TaskContext(cache_dir=Path("/nonexistent")))
+    return RolloutWorker(
+        config,
+        backend,
+        task,
+        Outbox(publisher or FakePublisher()),  # type: ignore[arg-type]
+        ProducerIdentity(run_id="run", producer_id="p0", region="local"),
+    )

@@ -17,7 +17,7 @@ import numpy as np
 
 from core.advantages import group_advantages
 from schemas.group import SampleDiagnostics, ScoredGroup
-from schemas.trajectory import OldLogitsStatus, Trajectory
+from schemas.trajectory import OldLogitsStatus, Trajectory, TurnKind
 
 
 def synthetic_groups(
@@ -106,4 +106,44 @@ def scored_group(samples: list[Trajectory], *, trainer_version_seen: int = 0) ->
         reward_std=float(rewards.std()),
         complete=len(samples) == first.group_size,
         emitted_at_ms=0,
+    )
+
+
+def episode(
+    turns: list[tuple[int, int]], *, index: int = 0, end: str = "done", tools: int = 1
+) -> Trajectory:
+    """A scored multi-turn episode: ``turns`` as ``(TurnKind, length)`` pairs (policy
+    tokens at log-prob -0.7, exact old logits), ``tools`` calls, ended by ``end``."""
+    n = sum(length for _, length in turns)
+    kinds = np.array([kind for kind, _ in turns], np.uint8)
+    lengths = np.array([length for _, length in turns], np.int32)
+    policy = np.repeat(kinds == TurnKind.POLICY, lengths)
+    logp = np.where(policy, -0.7, 0.0).astype(np.float32)
+    multi = len(turns) > 1
+    return Trajectory.create(
+        run_id="run",
+        trajectory_id=f"t{index}",
+        group_id="g",
+        group_size=4,
+        sample_index=index,
+        producer_id="p",
+        region="r",
+        task="tools",
+        prompt_ids=[1, 2, 3],
+        response_ids=np.arange(n) % 7,
+        logp_infer=logp,
+        segment_versions=[5],
+        segment_lengths=[n],
+        reward=1.0,
+        reward_details={},
+        finish_reason="stop",
+        created_at_ms=0,
+        finished_at_ms=1,
+        logp_old=logp,
+        old_logits_status="exact",
+        advantage=0.5,
+        turn_lengths=lengths,
+        turn_kinds=kinds,
+        tool_calls=tools if multi else 0,
+        episode_end=end if multi else "",
     )
