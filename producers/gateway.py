@@ -25,13 +25,19 @@ reward at the end. Endpoints (JSON; errors use OpenAI's ``{"error": {...}}`` bod
 - ``GET /v1/episodes/{id}``: what became of it (``EPISODE_STATES``): ``published``
   only once Kafka acknowledged its group.
 - ``POST /v1/episodes/{id}/abort``: the agent gives the episode up (never published).
+- ``POST /v1/messages`` (or ``/episodes/{id}/v1/messages``): the same call in the
+  Anthropic Messages API, for agents written against the ``anthropic`` client, whose
+  ``base_url`` is the gateway or ``/episodes/{id}`` and whose ``x-api-key`` is the
+  gateway's key (``producers.gateway_anthropic``: what it serves and refuses; its errors
+  use that API's ``{"type": "error", ...}`` body).
 - ``GET /v1/models`` (the names a call's ``model`` may give), ``GET /health``.
 
 A client that is gone before its answer is written (a timeout, a stream closed during
 generation) leaves an episode whose agent never saw the policy's turn: it is abandoned,
-not trained. Opening the stream first is what makes a streaming client's leaving visible. With an
-``api_key`` every endpoint but ``/health`` needs ``Authorization: Bearer <key>``; without
-one the gateway binds only loopback.
+not trained. Opening the stream first is what makes a streaming client's leaving visible.
+With an ``api_key`` every endpoint but ``/health`` needs ``Authorization: Bearer <key>``
+(or ``x-api-key: <key>``, as the ``anthropic`` client sends it); without one the gateway
+binds only loopback.
 
 Answers (``producers.gateway_answers``) carry the sampled tokens' log-probs when asked
 (``logprobs``; no top alternatives) and, with a ``tool_call_parser``, structured
@@ -43,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from aiohttp import web
@@ -52,6 +58,14 @@ from producers.client import EngineError, EngineUnavailable
 from producers.config import GatewayConfig
 from producers.engine_auth import AccessRefused, check_bind, check_key
 from producers.gateway_answers import Answer, Envelope
+from producers.gateway_anthropic import (
+    MessageAnswer,
+    block_start,
+    messages_request,
+    new_message_id,
+    opening,
+)
+from producers.gateway_anthropic import error_body as anthropic_error_body
 from producers.gateway_episodes import (
     EpisodeDesk,
     EpisodeRefused,
@@ -91,6 +105,12 @@ EXPOSURE = (
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+CallApi = Literal["chat", "completion", "messages"]
+CALL_PARSERS: dict[str, Callable[[dict[str, Any], int], CallRequest]] = {
+    "chat": chat_request,
+    "completion": completion_request,
+    "messages": messages_request,
+}
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -106,9 +126,18 @@ def _error_body(message: str, status: int, code: str | None = None) -> dict[str,
 
 
 def _error(
-    message: str, status: int, retry_after_s: int | None = None, code: str | None = None
+    message: str,
+    status: int,
+    retry_after_s: int | None = None,
+    code: str | None = None,
+    *,
+    anthropic: bool = False,
 ) -> web.Response:
-    response = _json(_error_body(message, status, code), status)
+    """The error in OpenAI's shape, or the Messages API's (``anthropic``)."""
+    body = (
+        anthropic_error_body(message, status) if anthropic else _error_body(message, status, code)
+    )
+    response = _json(body, status)
     if retry_after_s is not None:
         response.headers["Retry-After"] = str(retry_after_s)
     if status == 401:
@@ -116,19 +145,34 @@ def _error(
     return response
 
 
-def _event(data: Any) -> bytes:
-    return b"data: " + orjson.dumps(data) + b"\n\n"
+def _event(data: Any, name: str | None = None) -> bytes:
+    """A server-sent event; ``name``: its ``event:`` line (the Messages API's)."""
+    head = f"event: {name}\n".encode() if name else b""
+    return head + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def _messages_path(request: web.Request) -> bool:
+    """Whether ``request`` is a Messages API call (its errors in that API's shape)."""
+    return request.path.endswith("/v1/messages")
 
 
 async def _fail(
-    stream: web.StreamResponse | None, message: str, status: int, retry_after_s: int | None = None
+    stream: web.StreamResponse | None,
+    message: str,
+    status: int,
+    retry_after_s: int | None = None,
+    *,
+    anthropic: bool = False,
 ) -> web.StreamResponse:
     """The error as a response or, on a stream already open (its status sent), as the
-    stream's last event (the ``openai`` client raises it as an ``APIError``)."""
+    stream's last event (the ``openai`` and ``anthropic`` clients raise it)."""
     if stream is None:
-        return _error(message, status, retry_after_s)
+        return _error(message, status, retry_after_s, anthropic=anthropic)
     with contextlib.suppress(ConnectionError):
-        await stream.write(_event(_error_body(message, status)))
+        if anthropic:
+            await stream.write(_event(anthropic_error_body(message, status), "error"))
+        else:
+            await stream.write(_event(_error_body(message, status)))
         await stream.write_eof()
     return stream
 
@@ -181,6 +225,7 @@ class Gateway:
         for prefix in ("/v1", "/episodes/{episode}/v1"):
             app.router.add_post(prefix + "/chat/completions", self.chat_completions)
             app.router.add_post(prefix + "/completions", self.completions)
+            app.router.add_post(prefix + "/messages", self.messages)
             app.router.add_get(prefix + "/models", self.models)
         app.router.add_get("/health", self.health)
         return app
@@ -206,10 +251,13 @@ class Gateway:
     @web.middleware
     async def _require_key(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         key = self.config.api_key.get_secret_value() if self.config.api_key else None
+        authorization = request.headers.get("Authorization")
+        if authorization is None and "x-api-key" in request.headers:  # the anthropic client's
+            authorization = "Bearer " + request.headers["x-api-key"]
         try:
-            check_key(request.path, request.headers.get("Authorization"), key, KEY_SETTING)
+            check_key(request.path, authorization, key, KEY_SETTING)
         except AccessRefused as exc:
-            return _error(str(exc), exc.status)
+            return _error(str(exc), exc.status, anthropic=_messages_path(request))
         return await handler(request)
 
     @web.middleware
@@ -315,12 +363,18 @@ class Gateway:
     # --- calls ---------------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._call(request, chat=True)
+        return await self._call(request, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._call(request, chat=False)
+        return await self._call(request, "completion")
 
-    async def _call(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._call(request, "messages")
+
+    async def _call(self, request: web.Request, api: CallApi) -> web.StreamResponse:
+        """One model call of an episode, in any of the three APIs: checked, rendered,
+        placed in the episode, generated, answered in the API's shape."""
+        anthropic, chat = api == "messages", api != "completion"
         try:
             body = await _body(request)
             model = body.get("model")
@@ -331,8 +385,9 @@ class Gateway:
                     "served_model_names adds names)",
                     404,
                     code="model_not_found",
+                    anthropic=anthropic,
                 )
-            call = (chat_request if chat else completion_request)(body, self.max_call_tokens)
+            call = CALL_PARSERS[api](body, self.max_call_tokens)
             episode = self.desk.episode(_episode_id(request))
             if episode.busy:
                 raise EpisodeRefused("a call of this episode is still in flight")
@@ -342,7 +397,7 @@ class Gateway:
         except (EpisodeRefused, BadRequest) as exc:
             if isinstance(exc, HistoryRefused):
                 self.metrics.gateway_mismatches.labels(action="refuse").inc()
-            return _error(str(exc), getattr(exc, "status", 400))
+            return _error(str(exc), getattr(exc, "status", 400), anthropic=anthropic)
         if episode.mismatches > mismatches:
             self.metrics.gateway_mismatches.labels(action="split").inc()
         if call.messages is not None:
@@ -350,22 +405,31 @@ class Gateway:
             episode.tool_messages = max(episode.tool_messages, tools)
         max_new = min(call.max_tokens or self.max_call_tokens, room)
         envelope = Envelope(model=self.model_name, chat=chat)
-        stream = await self._open_stream(request, envelope) if call.stream else None
+        message_id = new_message_id()
+        stream = None
+        if call.stream:
+            first = [opening(message_id, self.model_name, len(history)), block_start()]
+            stream = await self._open_stream(request, envelope, first if anthropic else None)
         episode.busy = True
         try:
             turn = await self.generator.turn(
                 history, max_new, f"{episode.episode_id}-c{episode.calls}", call.stop or None
             )
         except EngineUnavailable as exc:
-            return await _fail(stream, f"the engine is unavailable: {exc}", 503, retry_after_s=2)
+            return await _fail(
+                stream, f"the engine is unavailable: {exc}", 503, 2, anthropic=anthropic
+            )
         except EngineError as exc:
-            return await _fail(stream, f"the engine refused the call: {exc}", 502)
+            return await _fail(
+                stream, f"the engine refused the call: {exc}", 502, anthropic=anthropic
+            )
         except Stopped:
-            return await _fail(stream, "the producer is stopping", 503, retry_after_s=5)
+            return await _fail(stream, "the producer is stopping", 503, 5, anthropic=anthropic)
         finally:
             episode.busy = False
         if episode.state != "active":
-            return await _fail(stream, f"episode {episode.episode_id} ended during the call", 409)
+            ended = f"episode {episode.episode_id} ended during the call"
+            return await _fail(stream, ended, 409, anthropic=anthropic)
         if _client_gone(request):
             where = "during the stream" if stream is not None else "before its answer"
             self.desk.abandon(episode, "client_left", f"the client left {where}")
@@ -380,20 +444,36 @@ class Gateway:
             logprobs=call.logprobs,
             parse_tools=call.parse_tools and self.config.tool_call_parser == "hermes",
         )
+        if anthropic:
+            message = MessageAnswer(answer, self.model_name, call.stop, message_id)
+            if stream is None:
+                return _json(message.whole())
+            events = [_event(data, name) for name, data in message.events()]
+            return await self._finish_stream(request, stream, episode, events)
         if stream is None:
             return _json(answer.whole())
-        return await self._finish_stream(request, stream, episode, answer, call.include_usage)
+        events = [_event(chunk) for chunk in answer.chunks(call.include_usage)]
+        return await self._finish_stream(request, stream, episode, [*events, b"data: [DONE]\n\n"])
 
-    async def _open_stream(self, request: web.Request, envelope: Envelope) -> web.StreamResponse:
-        """Send the stream's headers and opening chunk (a comment for completions) before
-        the turn is generated."""
+    async def _open_stream(
+        self,
+        request: web.Request,
+        envelope: Envelope,
+        messages_opening: list[dict[str, Any]] | None = None,
+    ) -> web.StreamResponse:
+        """Send the stream's headers and opening (the chat role chunk, a comment for
+        completions, the Messages API's ``message_start`` and ``content_block_start``)
+        before the turn is generated."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        opening = envelope.opening()
+        first = envelope.opening()
         with contextlib.suppress(ConnectionError):
-            await response.write(_event(opening) if opening else b": generating\n\n")
+            if messages_opening is not None:
+                await response.write(b"".join(_event(e, e["type"]) for e in messages_opening))
+            else:
+                await response.write(_event(first) if first else b": generating\n\n")
         return response
 
     async def _finish_stream(
@@ -401,15 +481,14 @@ class Gateway:
         request: web.Request,
         response: web.StreamResponse,
         episode: GatewayEpisode,
-        answer: Answer,
-        usage: bool,
+        events: list[bytes],
     ) -> web.StreamResponse:
+        """Write the answer's events; a client that left is the episode's end."""
         try:
-            for chunk in answer.chunks(usage):
+            for event in events:
                 if _client_gone(request):
                     raise ConnectionResetError("client gone")
-                await response.write(_event(chunk))
-            await response.write(b"data: [DONE]\n\n")
+                await response.write(event)
             await response.write_eof()
         except ConnectionError:
             self.desk.abandon(episode, "client_left", "the client left during the stream")

@@ -44,34 +44,48 @@ class CallRequest:
     parse_tools: bool = False
 
 
+def checked_max_tokens(max_tokens: Any, max_call_tokens: int) -> int:
+    """A call's ``max_tokens``: a positive integer within the gateway's per-call limit."""
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise BadRequest(f"'max_tokens' must be a positive integer, got {max_tokens!r:.40}")
+    if max_tokens > max_call_tokens:
+        raise BadRequest(
+            f"'max_tokens' {max_tokens} exceeds this gateway's per-call limit "
+            f"{max_call_tokens}: [producers.rollout.gateway] max_call_tokens raises it "
+            "(unset, it is the task's max_new_tokens)"
+        )
+    return max_tokens
+
+
+def checked_stop(stop: Any, name: str, shape: str = "") -> list[str]:
+    """A call's stop strings (field ``name``, which may also take ``shape``): up to
+    ``MAX_STOP_STRINGS`` non-empty ones."""
+    if (
+        not isinstance(stop, list)
+        or len(stop) > MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and s for s in stop)
+    ):
+        raise BadRequest(f"'{name}' must be {shape}up to {MAX_STOP_STRINGS} non-empty strings")
+    return stop
+
+
+def checked_stream(body: dict[str, Any]) -> bool:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean")
+    return stream
+
+
 def _options(body: dict[str, Any], max_call_tokens: int) -> dict[str, Any]:
     """What chat and completion requests share."""
     if body.get("n", 1) != 1:
         raise BadRequest("'n' must be 1: an episode is one sequence of calls")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise BadRequest(f"'max_tokens' must be a positive integer, got {max_tokens!r:.40}")
-        if max_tokens > max_call_tokens:
-            raise BadRequest(
-                f"'max_tokens' {max_tokens} exceeds this gateway's per-call limit "
-                f"{max_call_tokens}: [producers.rollout.gateway] max_call_tokens raises it "
-                "(unset, it is the task's max_new_tokens)"
-            )
+        max_tokens = checked_max_tokens(max_tokens, max_call_tokens)
     stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if (
-        not isinstance(stop, list)
-        or len(stop) > MAX_STOP_STRINGS
-        or not all(isinstance(s, str) and s for s in stop)
-    ):
-        raise BadRequest(f"'stop' must be a string or up to {MAX_STOP_STRINGS} non-empty strings")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean")
+    stop = checked_stop([stop] if isinstance(stop, str) else stop or [], "stop", "a string or ")
+    stream = checked_stream(body)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise BadRequest("'stream_options' must be an object")

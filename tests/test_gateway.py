@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -290,6 +291,91 @@ def test_openai_agents_play_a_group_recorded_token_for_token(
     }
     state = read_ledger(run.ledger)
     assert list(state.delivered) == [first["group_id"]] and state.abandoned == {}
+
+
+def _play_anthropic(
+    run: GatewayRun, opened: dict[str, Any], *, stream: bool, served: str
+) -> list[str]:
+    """The two-call agent of ``_play``, written against the ``anthropic`` client;
+    ``served``: the model name the gateway answers with."""
+    client = anthropic.Anthropic(
+        base_url=run.url + f"/episodes/{opened['episode_id']}", api_key=KEY, max_retries=0
+    )
+    messages: list[dict[str, Any]] = [
+        {"role": m["role"], "content": m["content"]} for m in _messages(opened)[1:]
+    ]
+    answers = []
+    for turn in range(2):
+        asks = {"model": "policy", "max_tokens": 2, "system": SYSTEM, "messages": messages}
+        if stream:
+            with client.messages.stream(**asks) as events:
+                text = "".join(events.text_stream)
+                message = events.get_final_message()
+            assert message.content[0].text == text
+        else:
+            message = client.messages.create(**asks)
+            text = message.content[0].text
+        assert message.type == "message" and message.role == "assistant"
+        assert (message.id.startswith("msg_") and message.model == "policy") or "tiny"
+        assert message.stop_reason in ("end_turn", "max_tokens")
+        assert 1 <= message.usage.output_tokens <= 2 and message.usage.input_tokens > 5
+        answers.append(text)
+        messages = [*messages, {"role": "assistant", "content": [{"type": "text", "text": text}]}]
+        if turn == 0:  # the tool's answer, as the user's next message
+            messages.append({"role": "user", "content": messages[0]["content"]})
+    return answers
+
+
+def test_anthropic_agents_play_a_group_recorded_as_openai_agents_are(
+    kafka_config, unique_name, tmp_path, chat_model
+):
+    """The Messages API beside the OpenAI one: the real ``anthropic`` client, whole and
+    streamed, through the episode path with its ``x-api-key``; the records hold what the
+    agent was told, token for token, as for an OpenAI agent; what the API has and the
+    gateway does not serve, and garbage, are refused in that API's error shape."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    with gateway_run(kafka_config, unique_name, tmp_path, chat_model, groups=1) as run:
+        first, second = run.open(), run.open()
+        served = run.client(first["episode_id"]).models.list().data[0].id
+        answers = {
+            opened["episode_id"]: _play_anthropic(run, opened, stream=stream, served=served)
+            for opened, stream in ((first, False), (second, True))
+        }
+        refused = anthropic.Anthropic(
+            base_url=run.url + f"/episodes/{first['episode_id']}", api_key=KEY, max_retries=0
+        )
+        user = [{"role": "user", "content": "123"}]
+        for asks, why in (
+            ({"tools": [{"name": "calc", "input_schema": {"type": "object"}}]}, "tools"),
+            ({"max_tokens": 999}, "per-call limit"),
+            ({"messages": [{"role": "robot", "content": "1"}]}, "'user' or 'assistant'"),
+            ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "'image'"),
+            ({"messages": [*user, {"role": "assistant", "content": "1"}]}, "last message"),
+        ):
+            call = {"model": "policy", "max_tokens": 2, "messages": user, **asks}
+            with pytest.raises(anthropic.BadRequestError, match=why) as error:
+                refused.messages.create(**call)
+            assert error.value.body["type"] == "error"
+        with pytest.raises(anthropic.NotFoundError, match="served_model_names"):
+            refused.messages.create(model="claude-x", max_tokens=2, messages=user)
+        wrong_key = anthropic.Anthropic(base_url=run.url, api_key="wrong", max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError):
+            wrong_key.messages.create(model="policy", max_tokens=2, messages=user)
+        assert run.close(first["episode_id"], 1.0).status_code == 200
+        assert run.close(second["episode_id"], 0.5).status_code == 200
+    records = {t.reward_details["gateway"]["episode_id"]: t for t in run.records(kafka_config)}
+    assert set(records) == set(answers)
+    for episode_id, traj in records.items():
+        opened = first if episode_id == first["episode_id"] else second
+        rendered = tokenizer.apply_chat_template(_messages(opened), add_generation_prompt=True)
+        assert list(traj.prompt_ids) == list(rendered.get("input_ids", rendered))
+        assert list(traj.turn_kinds) == [TurnKind.POLICY, TurnKind.ENV, TurnKind.POLICY]
+        turns = _split_turns(traj)
+        told = [tokenizer.decode(turns[i], skip_special_tokens=True) for i in (0, 2)]
+        assert told == answers[episode_id]
+    assert {t.reward for t in records.values()} == {1.0, 0.5}
 
 
 def _example() -> Any:
