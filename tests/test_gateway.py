@@ -332,7 +332,8 @@ def test_anthropic_agents_play_a_group_recorded_as_openai_agents_are(
     """The Messages API beside the OpenAI one: the real ``anthropic`` client, whole and
     streamed, through the episode path with its ``x-api-key``; the records hold what the
     agent was told, token for token, as for an OpenAI agent; what the API has and the
-    gateway does not serve, and garbage, are refused in that API's error shape."""
+    gateway does not serve, and garbage, are refused in that API's error shape (every
+    refusal: tests/test_gateway_anthropic.py)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(chat_model)
@@ -348,7 +349,13 @@ def test_anthropic_agents_play_a_group_recorded_as_openai_agents_are(
         )
         user = [{"role": "user", "content": "123"}]
         for asks, why in (
-            ({"tools": [{"name": "calc", "input_schema": {"type": "object"}}]}, "tools"),
+            (
+                {
+                    "tools": [{"name": "calc", "input_schema": {"type": "object"}}],
+                    "tool_choice": {"type": "any"},
+                },
+                "a forced call",
+            ),
             ({"max_tokens": 999}, "per-call limit"),
             ({"messages": [{"role": "robot", "content": "1"}]}, "'user' or 'assistant'"),
             ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "'image'"),
