@@ -131,6 +131,23 @@ def _wait(what: str, ready: Callable[[], bool], timeout_s: float, poll_s: float 
         time.sleep(poll_s)
 
 
+def _served_url(log: Path, process: subprocess.Popen[bytes], timeout_s: float) -> str:
+    """The URL ``rollstream serve`` says it serves at (its ``... API at URL`` line)."""
+    found: list[str] = []
+
+    def said() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"the engine exited with {process.returncode}: {log}")
+        for line in log.read_text(errors="replace").splitlines():
+            if "'s API at http://" in line:
+                found.append(line.rsplit(" at ", 1)[1].strip())
+                return True
+        return False
+
+    _wait("the engine's address", said, timeout_s, poll_s=0.2)
+    return found[0]
+
+
 def _healthy(url: str, process: subprocess.Popen[bytes]) -> bool:
     import urllib.request
 
@@ -248,10 +265,14 @@ def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> E
 
         # --- join: one more engine + producer, one more stream worker ---------------------
         report.version_at_join = int(_trainer_rows(run_dir)[-1]["version"])
-        engine_port, producer_id = free_port(), f"{run_id}-producer-joined"
+        producer_id = f"{run_id}-producer-joined"
+        # port 0: the engine binds a free port itself and says which (a port picked here
+        # could be taken by another process before the engine binds it)
         joined["engine"] = _rollstream(
-            config_path, "serve", "--port", str(engine_port), log=logs / "engine-joined.log"
+            config_path, "serve", "--port", "0", log=logs / "engine-joined.log"
         )
+        engine_url = _served_url(logs / "engine-joined.log", joined["engine"], timeout_s)
+        engine_port = int(engine_url.rsplit(":", 1)[1])
         _wait(
             "the joined engine",
             lambda: _healthy(f"http://127.0.0.1:{engine_port}/health", joined["engine"]),
