@@ -237,7 +237,7 @@ ONE_SHOT_EXAMPLE = (
 #: the example teaches the form of the answer and not the arithmetic of any question.
 TWO_STEP_EXAMPLE = (
     "Mia has 6 apples. Mia gets 5 more, then gives away 3. How many apples does Mia have now?",
-    "6 + 5 - 3 = 8\nAnswer: 8",
+    "6 + 5 = 11, 11 - 3 = 8\nAnswer: 8",
 )
 #: The arithmetic eval split's seed: fixed, apart from any run's seed.
 ARITHMETIC_EVAL_SEED = 20261128

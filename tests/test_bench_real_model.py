@@ -55,9 +55,9 @@ def test_cell_names_round_trip_and_garbage_is_refused() -> None:
             rm.Cell.parse(bad)
 
 
-def test_settings_pin_a_bf16_engine_against_an_fp32_trainer() -> None:
+def test_settings_pin_the_precision_window_seed_and_route() -> None:
     exact = rm.Cell.parse("exact-w4-seed1").settings()
-    assert "profile.precision=fp32" in exact and "producers.engine.dtype=bfloat16" in exact
+    assert "profile.precision=bf16" in exact and "trainer.engine.grad_accum_steps=4" in exact
     assert "profile.staleness_window=4" in exact and "producers.rollout.seed=1" in exact
     lost = rm.Cell.parse("lost-w2-seed0").settings()
     assert "trainer.approx.route=current" in lost and "streams.old_logits.mode=off" in lost
