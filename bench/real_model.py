@@ -1,6 +1,6 @@
 """A real-model ablation: exact, lost and uncorrected old logits, and sync, on SmolLM2-135M.
 
-Run from the repository root: ``python -m bench.real_model [--cells a,b] [--steps 40]``.
+Run from the repository root: ``python -m bench.real_model [--cells a,b] [--steps 22]``.
 Every cell is one ``rollstream up --model smollm2-135m`` run (each role its own process,
 embedded Kafka and S3, a DeepSpeed trainer), every role in bf16 (``PRECISION_NOTE``):
 the engine's incremental decoding and the stream's and trainer's full forward passes round
@@ -52,7 +52,7 @@ RUNS = CACHE / "real-model-runs"
 BEGIN, END = "<!-- bench.real_model: begin -->", "<!-- bench.real_model: end -->"
 MODEL = "smollm2-135m"
 TASK_OPTIONS: dict[str, Any] = {"level": "two-step", "format_reward": 0.1, "eval_size": 64}
-EVAL_EVERY = 10
+EVAL_EVERY = 5
 #: Why the trainer is not in fp32: measured on this 2-core machine, an fp32 trainer step
 #: (4 groups x 8 samples) took 122 s against about 10 s in bf16, so a 40-step cell would
 #: take well over an hour. In bf16 the engine (incremental decoding with a KV cache) and
@@ -533,7 +533,7 @@ def main() -> None:
     parser.add_argument(
         "--cells", help="comma-separated cell names (default: the grid in priority order)"
     )
-    parser.add_argument("--steps", type=int, default=40, help="trainer steps per cell")
+    parser.add_argument("--steps", type=int, default=22, help="trainer steps per cell")
     parser.add_argument("--target", type=float, default=0.3, help="training answers-right target")
     parser.add_argument("--report-only", action="store_true", help="rewrite the doc block only")
     parser.add_argument("--measure-task", action="store_true", help="measure the untrained model")
