@@ -58,7 +58,8 @@ EVAL_EVERY = 5
 #: take well over an hour. In bf16 the engine (incremental decoding with a KV cache) and
 #: the trainer and stream (one full forward pass) still round differently, so d != 1.
 PRECISION_NOTE = "bf16 engine, stream and trainer (an fp32 trainer step took 122 s here)"
-WINDOW = 10  # steps of the moving means and of the final mean
+WINDOW = 10  # steps of the final mean and of the target's moving mean
+PLOT_WINDOW = 5  # steps of the plotted moving mean (a cell is about 20 steps)
 SEEDS = (0, 1, 2)
 
 
@@ -229,7 +230,7 @@ def cell_record(
     series: dict[str, list[float]] = {"step": [_num(r, "step") for r in rows], "elapsed_s": elapsed}
     for name, key in SERIES.items():
         series[name] = [round(_num(r, key), 5) for r in rows]
-    at_version = dict(zip(series["step"], elapsed, strict=True))
+    at_version = {0.0: 0.0, **dict(zip(series["step"], elapsed, strict=True))}  # v0: launch
     held_out = {
         "version": [int(e["version"]) for e in evals],
         "correct": [_num(e, "eval/reward/correct_frac") for e in evals],
@@ -382,16 +383,20 @@ def plot(cells: dict[str, Any], directory: Path = PLOTS) -> list[Path]:
                 axes[0][0].plot(
                     e["version"], e["correct"], "o-", color=color, alpha=alpha, label=seed_label
                 )
-                axes[0][1].plot(e["elapsed_s"], e["correct"], "o-", color=color, alpha=alpha)
-                smooth = moving_mean([v if math.isfinite(v) else 0.0 for v in s["reward"]], WINDOW)
+                at = [
+                    0.0 if v == 0 else t for v, t in zip(e["version"], e["elapsed_s"], strict=True)
+                ]
+                axes[0][1].plot(at, e["correct"], "o-", color=color, alpha=alpha)
+                values = [v if math.isfinite(v) else 0.0 for v in s["reward"]]
+                smooth = moving_mean(values, PLOT_WINDOW)
                 axes[1][0].plot(s["step"], smooth, color=color, alpha=alpha)
                 axes[1][1].plot(s["elapsed_s"], smooth, color=color, alpha=alpha)
         for ax, (xlabel, ylabel) in zip(
             [a for row in axes for a in row],
             [("version (trainer step)", "held-out answers right (greedy)"),
              ("wall-clock s since launch", "held-out answers right (greedy)"),
-             ("trainer step", f"training reward, {WINDOW}-step mean"),
-             ("wall-clock s since launch", f"training reward, {WINDOW}-step mean")],
+             ("trainer step", f"training reward, {PLOT_WINDOW}-step mean"),
+             ("wall-clock s since launch", f"training reward, {PLOT_WINDOW}-step mean")],
             strict=True,
         ):  # fmt: skip
             ax.set_xlabel(xlabel)
