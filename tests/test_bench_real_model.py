@@ -84,14 +84,15 @@ def test_the_store_keeps_each_cell_and_a_resumed_grid_skips_them(tmp_path) -> No
 
 
 def test_summary_maths() -> None:
-    assert rm.first_reaching([0.0] * 5 + [1.0] * 10, 0.5, window=4) == 6
+    assert rm.first_reaching([0.0, math.nan, 0.4, 0.6, 0.2], 0.5) == 3
     assert rm.first_reaching([0.1] * 20, 0.5) is None
     assert rm.final_mean([0.0] * 10 + [1.0] * 10) == 1.0
     assert math.isnan(rm.final_mean([math.nan]))
     correct = [0.0] * 10 + [1.0] * 10
-    summary = rm.summary(record(rm.Cell.parse("exact-w4-seed0"), correct), target=0.5)
-    # the 10-step moving mean reaches 0.5 at step 15, 60 + 150 s after launch
-    assert summary["steps_to"] == 15 and summary["seconds_to"] == 210
+    summary = rm.summary(record(rm.Cell.parse("exact-w4-seed0"), correct), target=0.3)
+    # held-out accuracy reaches 0.3 at version 10, published 60 + 100 s after launch
+    assert summary["steps_to"] == 10 and summary["seconds_to"] == 160
+    assert rm.summary(record(rm.Cell.parse("exact-w4-seed0"), correct), 0.01)["seconds_to"] == 0
     assert summary["correct"] == 1.0 and summary["reward"] == pytest.approx(1.0)
     assert (summary["eval_first"], summary["eval_last"]) == (0.05, 0.4)
     assert summary["abs_log_d_mean"] == pytest.approx(0.03)
@@ -106,11 +107,13 @@ def test_the_table_gives_mean_and_sd_over_the_seeds_present_and_the_missing_cell
         cells[cell.name] = record(cell, [level] * 20)
     lost = rm.Cell("lost", 4, 0)
     cells[lost.name] = record(lost, [0.1] * 20)
-    lines = rm.table(cells, target=0.5)
+    lines = rm.table(cells, target=0.3)
     exact_row = next(line for line in lines if line.startswith("| exact | 4 | 2 |"))
-    assert "0.70 ± 0.14" in exact_row and "1 (2/2)" in exact_row
+    assert "0.70 ± 0.14" in exact_row and "10 (2/2) | 160 |" in exact_row
+    assert "0.05 ± 0.00 → 0.40 ± 0.00 (10)" in exact_row
+    lines = rm.table(cells, target=0.5)
     lost_row = next(line for line in lines if line.startswith("| lost | 4 | 1 |"))
-    assert "- (0/1)" in lost_row
+    assert "- (0/1) | - |" in lost_row
     missing = rm.missing_cells(cells)
     assert missing[0] == "uncorrected-w4-seed0" and "exact-w4-seed1" not in missing
     hist = rm.staleness_lines(cells)
