@@ -404,7 +404,7 @@ def plot(cells: dict[str, Any], directory: Path = PLOTS) -> list[Path]:
         ):  # fmt: skip
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
-            ax.set_ylim(0, 1.0)
+            ax.set_ylim(bottom=0)
         axes[0][0].legend(fontsize=8)
         fig.suptitle(
             f"SmolLM2-135M, arithmetic two-step, window {window} (+ sync), one line per seed"
