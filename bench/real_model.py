@@ -340,7 +340,7 @@ def table(cells: dict[str, Any], target: float) -> list[str]:
             f"({'/'.join(map(str, versions)) or '-'}) | {col('correct')} | {col('reward')} | "
             f"{steps_to} ({len(reached)}/{len(rows)}) | {seconds_to} | "
             f"{col('abs_log_d_mean', 4)} / {col('abs_log_d_max', 2)} | {col('clip', 3)} | "
-            f"{col('masked', 3)} | {col('truncated', 3)} | {col('entropy', 2)} | "
+            f"{col('masked', 4)} | {col('truncated', 3)} | {col('entropy', 2)} | "
             f"{col('staleness', 2)} | {col('wall_s', 0)} |"
         )
     return lines
