@@ -432,6 +432,15 @@ def machine() -> str:
     return f"{name}, {os.cpu_count()} cores"
 
 
+def untrained_eval(cells: dict[str, Any]) -> tuple[float, float] | None:
+    """Held-out accuracy and reward at version 0 (the same checkpoint in every cell)."""
+    for record in cells.values():
+        held_out = record["eval"]
+        if held_out["version"] and held_out["version"][0] == 0:
+            return held_out["correct"][0], held_out["reward"][0]
+    return None
+
+
 def report(cells: dict[str, Any], target: float, task: dict[str, Any] | None) -> str:
     """The generated block of ``docs/learning.md``."""
     plots = plot(cells) if cells else []
@@ -453,6 +462,17 @@ def report(cells: dict[str, Any], target: float, task: dict[str, Any] | None) ->
             f"(T = 1, {task['samples']} samples); a correct format alone earns "
             f"{100 * task['format_only_share']:.0f} % of the maximum reward, and "
             f"{100 * task['format_share_untrained']:.0f} % of what the untrained model earns.",
+            "",
+        ]
+    elif untrained := untrained_eval(cells):
+        correct, reward = untrained
+        fmt = TASK_OPTIONS["format_reward"]
+        format_part = (reward - (1 - fmt) * correct) / reward if reward else 1.0
+        head += [
+            f"Untrained model (version 0 of every cell, greedy, the eval role): held-out "
+            f"accuracy {correct:.3f}, reward {reward:.3f}; a correct format alone earns "
+            f"{100 * fmt:.0f} % of the maximum reward (and {100 * format_part:.0f} % of "
+            "what the untrained model earns: it almost always writes the answer line).",
             "",
         ]
     body = table(cells, target) if cells else ["(no cell measured yet)"]

@@ -116,6 +116,8 @@ def test_the_table_gives_mean_and_sd_over_the_seeds_present_and_the_missing_cell
     assert "- (0/1) | - |" in lost_row
     missing = rm.missing_cells(cells)
     assert missing[0] == "uncorrected-w4-seed0" and "exact-w4-seed1" not in missing
+    assert rm.untrained_eval(cells) == (0.05, 0.15)
+    assert rm.untrained_eval({}) is None
     hist = rm.staleness_lines(cells)
     assert "exact, window 4: 0: 25%, 2: 75%" in hist[0]
 
