@@ -24,3 +24,16 @@ def spread(values: Sequence[float], digits: int = 2) -> str:
     if len(values) < 2:
         return f"{values[0]:.{digits}f}" if values else "-"
     return f"{statistics.fmean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def replace_block(doc: Path, begin: str, end: str, text: str) -> None:
+    """Put ``text`` between the ``begin`` and ``end`` markers of ``doc`` (appended with
+    its markers when they are not there yet): the generated part of a hand-written page."""
+    block = f"{begin}\n{text}\n{end}"
+    page = doc.read_text() if doc.exists() else ""
+    if begin in page and end in page:
+        head, rest = page.split(begin, 1)
+        page = head + block + rest.split(end, 1)[1]
+    else:
+        page = page.rstrip("\n") + "\n\n" + block + "\n"
+    doc.write_text(page)

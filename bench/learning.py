@@ -48,7 +48,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.figures import moving_mean, spread
+from bench.figures import moving_mean, replace_block, spread
 
 if TYPE_CHECKING:
     from core.config import LoraConfig
@@ -486,14 +486,7 @@ def plot(cells: list[CellResult], directory: Path) -> list[Path]:
 
 def write_doc(text: str) -> None:
     """Replace the generated block of ``docs/learning.md`` (or append it)."""
-    block = f"{BEGIN}\n{text}\n{END}"
-    doc = DOC.read_text() if DOC.exists() else "# Learning under staleness\n\n"
-    if BEGIN in doc and END in doc:
-        head, rest = doc.split(BEGIN, 1)
-        doc = head + block + rest.split(END, 1)[1]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
-    DOC.write_text(doc)
+    replace_block(DOC, BEGIN, END, text)
 
 
 def _rounded(cell: dict[str, Any]) -> dict[str, Any]:

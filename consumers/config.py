@@ -254,12 +254,14 @@ class ApproxConfig(StrictModel):
     of the trainer's past weights (``consumers.ewma``), computed by a forward pass of a
     proximal copy of the model in the same batch layout. Exact records keep ``logp_old``.
     route = infer: the anchor is ``logp_infer`` (d = 1: the whole ratio is treated as
-    staleness). route = drop: those records are skipped (counted, not trained; their
-    offsets still advance).
+    staleness). route = current: the anchor is the detached log-probs of the weights being
+    trained (s = 1, d = pi_theta / pi_infer): what a pipeline that loses the old logits and
+    recomputes them at training time does, kept as a baseline for ablations. route = drop:
+    those records are skipped (counted, not trained; their offsets still advance).
     The ``ppo_ewma`` loss always anchors on the EWMA (its own beta and reset settings win).
     """
 
-    route: Literal["ewma", "infer", "drop"] = Field(
+    route: Literal["ewma", "infer", "current", "drop"] = Field(
         default="ewma", description="How the loss is anchored for records without exact logp_old."
     )
     beta: float = Field(

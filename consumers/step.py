@@ -9,7 +9,8 @@ record              anchor
 exact ``logp_old``  ``logp_old`` from the stream (training-side numerics at its version)
 otherwise, route    ``ewma``: ``logp_prox``, a no-grad forward pass of the proximal model
                     (EWMA of the trainer's past weights, ``consumers.ewma``) in the same
-                    batch layout; ``infer``: ``logp_infer`` (d = 1); ``drop``: not trained
+                    batch layout; ``infer``: ``logp_infer`` (d = 1); ``current``: the
+                    detached ``logp_new`` (s = 1, a baseline); ``drop``: not trained
 ==================  =========================================================================
 
 The ``ppo_ewma`` loss anchors on ``logp_prox`` by definition; exact records use their
@@ -316,6 +317,10 @@ def anchored_inputs(
     is_ppo_ewma = config.loss.type == "ppo_ewma"
     exact = batch.old_exact[:, None]
     fallback = logp_prox if logp_prox is not None else batch.logp_infer
+    if route == "current" and not is_ppo_ewma:
+        # the weights being trained, before this step's update when a batch is one
+        # optimiser step: the anchor of a pipeline that recomputes lost old logits
+        fallback = logp_new.detach()
     logp_old = None
     anchored_on_prox = None
     if is_ppo_ewma:
@@ -343,7 +348,8 @@ def step_metrics(
     anchored_on_prox: torch.Tensor | None,
     logp_new: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """The loss's metrics with ``mismatch/k3_kl`` over exact records only, plus the
+    """The loss's metrics with ``mismatch/k3_kl`` and ``mismatch/abs_log_d/{mean,max}``
+    (|log d| = |logp_old − logp_infer| per policy token) over exact records only, plus the
     fractions of exact and proximal-anchored tokens (policy tokens, like the loss) and the
     number of environment tokens left out of the loss. With ``logp_new``: how far the
     weights being trained are from the policy that generated the data
@@ -362,6 +368,8 @@ def step_metrics(
         if n_exact:
             log_d = torch.where(exact_mask, batch.logp_old - batch.logp_infer, 0.0)
             metrics["mismatch/k3_kl"] = float(k3(log_d).sum()) / n_exact
+            metrics["mismatch/abs_log_d/mean"] = float(log_d.abs().sum()) / n_exact
+            metrics["mismatch/abs_log_d/max"] = float(log_d.abs().max())
         metrics["data/exact_old_frac"] = n_exact / n_trained
         if logp_new is not None:
             generating = torch.where(exact, batch.logp_old, batch.logp_infer)

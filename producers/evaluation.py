@@ -127,6 +127,17 @@ def summarize(
                 per_function.setdefault(str(name), []).append(float(value))
     for name, values in sorted(per_function.items()):
         row[f"eval/fn/{name}"] = sum(values) / len(values)
+    flags: dict[str, list[bool]] = {}
+    for score in scores:  # what the reward is made of, as the trainer's reward/<key>_frac
+        for name, value in score.details.items():
+            if (
+                isinstance(value, bool)
+                and name != "reward_failed"
+                and (name in flags or len(flags) < 16)
+            ):
+                flags.setdefault(str(name), []).append(value)
+    for name, values in sorted(flags.items()):
+        row[f"eval/reward/{name}_frac"] = sum(values) / len(values)
     failed = sum(bool(s.details.get("reward_failed")) for s in scores)
     if failed:
         row["eval/reward_failed_frac"] = failed / len(scores)

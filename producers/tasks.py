@@ -224,7 +224,7 @@ _ANSWER = re.compile(r"answer\s*[:=]\s*\$?\s*(-?\d[\d,]*)", re.I)
 _NUMBER = re.compile(r"-?\d[\d,]*")
 
 
-ARITHMETIC_LEVELS = ("easy", "mixed")
+ARITHMETIC_LEVELS = ("easy", "mixed", "two-step")
 
 #: One worked example shown before the question (``one_shot``): a 135M model rarely meets
 #: the ``Answer: N`` format from the instruction alone (measured: ~0 of 32 responses),
@@ -233,6 +233,15 @@ ONE_SHOT_EXAMPLE = (
     "Mia has 3 apples and gets 4 more. How many apples does Mia have now?",
     "3 + 4 = 7\nAnswer: 7",
 )
+#: The worked example of the ``two-step`` level: the same format, with both operations, so
+#: the example teaches the form of the answer and not the arithmetic of any question.
+TWO_STEP_EXAMPLE = (
+    "Mia has 6 apples. Mia gets 5 more, then gives away 3. How many apples does Mia have now?",
+    "6 + 5 = 11, 11 - 3 = 8\nAnswer: 8",
+)
+#: The arithmetic eval split's seed: fixed, apart from any run's seed.
+ARITHMETIC_EVAL_SEED = 20261128
+_QUESTION_NUMBERS = re.compile(r"\d+")
 
 
 def check_level(level: str) -> None:
@@ -244,9 +253,25 @@ def check_level(level: str) -> None:
 def make_word_problem(rng: random.Random, level: str = "mixed") -> tuple[str, int]:
     """A word problem with an integer answer, from a seeded ``rng``. ``easy``: one
     addition or subtraction of small numbers; ``mixed``: the four operations, numbers up
-    to 90."""
+    to 90; ``two-step``: an addition and a subtraction in one question (numbers up to 15,
+    answers 1 to 24), so no answer is one operation on the numbers shown."""
     check_level(level)
     name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    if level == "two-step":
+        a, b = rng.randint(4, 15), rng.randint(2, 9)
+        c = rng.randint(2, min(9, a + b - 1))
+        if rng.random() < 0.5:
+            return (
+                f"{name} has {a} {item}. {name} gets {b} more, then gives away {c}. "
+                f"How many {item} does {name} have now?",
+                a + b - c,
+            )
+        a += c  # gives away first: never below zero
+        return (
+            f"{name} has {a} {item}. {name} gives away {c}, then gets {b} more. "
+            f"How many {item} does {name} have now?",
+            a - c + b,
+        )
     if level == "easy":
         a, b = rng.randint(2, 12), rng.randint(1, 9)
         if rng.random() < 0.5:
@@ -322,7 +347,11 @@ class ArithmeticTask:
     """Word problems for a small instruction-tuned model. The defaults are the ones a
     135M model learns from on 2 cores (``easy`` problems, one worked example, a format
     reward, 32 new tokens); ``level="mixed"``, ``one_shot=False``, ``format_reward=0``
-    and ``max_new_tokens=96`` ask for more."""
+    and ``max_new_tokens=96`` ask for more.
+
+    ``eval_size`` > 0 gives the task a held-out split (``eval_prompts``): that many
+    problems from a fixed seed, whose numbers training never samples (a training problem
+    with the same numbers is drawn again), so the eval measures arithmetic, not recall."""
 
     tokenizer: Any
     name: str = "arithmetic"
@@ -331,21 +360,57 @@ class ArithmeticTask:
     format_reward: float = 0.2
     max_new_tokens: int = 32
     stop_token_ids: list[int] = field(default_factory=list)
+    eval_size: int = 0
 
     def __post_init__(self) -> None:
         check_level(self.level)  # at construction, not at the first sample
+        if isinstance(self.format_reward, bool) or not isinstance(self.format_reward, int | float):
+            raise ValueError(f"format_reward must be a number, got {self.format_reward!r}")
         if not 0.0 <= self.format_reward <= 1.0:
             raise ValueError(f"format_reward must be within [0, 1], got {self.format_reward}")
+        if isinstance(self.eval_size, bool) or not isinstance(self.eval_size, int):
+            raise ValueError(f"eval_size must be an integer, got {self.eval_size!r}")
+        if not 0 <= self.eval_size <= 1000:
+            raise ValueError(f"eval_size must be within [0, 1000], got {self.eval_size}")
         if not self.stop_token_ids:
             self.stop_token_ids = chat_stop_ids(self.tokenizer)
+        self._held_out: set[tuple[str, ...]] = set()
+        if self.eval_size:
+            rng = random.Random(ARITHMETIC_EVAL_SEED)
+            self._eval = [self._prompt(rng) for _ in range(self.eval_size)]
+            self._held_out = {numbers_of(p.text) for p in self._eval}
+
+    @property
+    def example(self) -> tuple[str, str] | None:
+        """The worked example shown before each question (none without ``one_shot``)."""
+        if not self.one_shot:
+            return None
+        return TWO_STEP_EXAMPLE if self.level == "two-step" else ONE_SHOT_EXAMPLE
+
+    def _prompt(self, rng: random.Random) -> Prompt:
+        return word_problem_prompt(self.tokenizer, SYSTEM_PROMPT, rng, self.level, self.example)
 
     def sample(self, rng: random.Random) -> Prompt:
-        example = ONE_SHOT_EXAMPLE if self.one_shot else None
-        return word_problem_prompt(self.tokenizer, SYSTEM_PROMPT, rng, self.level, example)
+        for _ in range(1000):
+            prompt = self._prompt(rng)
+            if numbers_of(prompt.text) not in self._held_out:
+                return prompt
+        raise RuntimeError(f"level {self.level!r}: every problem drawn is held out for eval")
+
+    def eval_prompts(self) -> list[Prompt]:
+        """The held-out split: ``eval_size`` problems, the same in every process."""
+        if not self.eval_size:
+            raise ValueError("the arithmetic task has no eval split: set its option eval_size")
+        return list(self._eval)
 
     def reward(self, prompt: Prompt, response_ids: Sequence[int]) -> tuple[float, dict]:
         text = self.tokenizer.decode(list(response_ids), skip_special_tokens=True)
         return score_arithmetic(text, prompt.meta["answer"], self.format_reward)
+
+
+def numbers_of(question: str) -> tuple[str, ...]:
+    """The numbers of a question, in order: what makes two word problems the same sum."""
+    return tuple(_QUESTION_NUMBERS.findall(question))
 
 
 def chat_ids(tokenizer: Any, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
@@ -378,9 +443,9 @@ def hf_tokenizer(context: TaskContext, tokenizer: str | None) -> Any:
 @register_task("arithmetic", forwards=ArithmeticTask)
 def arithmetic(context: TaskContext, tokenizer: str | None = None, **kw: Any) -> ArithmeticTask:
     """Options: ``tokenizer`` (a model spec whose tokenizer to use, see ``core.models``;
-    default: the engine's, else SmolLM2-135M-Instruct's), ``level`` (``easy`` or
-    ``mixed``), ``one_shot``, ``format_reward`` (0 to 1), ``max_new_tokens``,
-    ``stop_token_ids``."""
+    default: the engine's, else SmolLM2-135M-Instruct's), ``level`` (``easy``, ``mixed``
+    or ``two-step``), ``one_shot``, ``format_reward`` (0 to 1), ``max_new_tokens``,
+    ``stop_token_ids``, ``eval_size`` (held-out problems, 0: no eval split)."""
     return ArithmeticTask(hf_tokenizer(context, tokenizer), **kw)
 
 

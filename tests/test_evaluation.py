@@ -149,6 +149,20 @@ def test_a_version_row_says_what_each_reward_function_gave():
     assert row["eval/fn/a"] == 1.5 and row["eval/fn/b"] == 0.5  # over the values present
     assert row["eval/response_length/mean"] == 3.0 and row["eval/truncated_frac"] == 0.5
     assert row["eval/reward_failed_frac"] == 0.5
+    assert "eval/reward/reward_failed_frac" not in row
+
+
+@pytest.mark.unit
+def test_a_version_row_gives_the_share_of_each_reward_flag():
+    from producers.client import GenerateOutput
+
+    outs = [GenerateOutput("r", [3], None, "stop", {}, 2, "4", "")] * 4
+    flags = [(True, True), (False, True), (False, False), (False, True)]
+    scores = [Score(float(c), {"correct": c, "format_ok": f, "parsed": 3}) for c, f in flags]
+    row = summarize(4, scores, outs, prompts=4)
+    assert row["eval/reward/correct_frac"] == 0.25
+    assert row["eval/reward/format_ok_frac"] == 0.75
+    assert "eval/reward/parsed_frac" not in row
 
 
 @pytest.mark.unit

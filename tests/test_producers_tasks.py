@@ -87,7 +87,7 @@ def test_copy_and_reverse_tasks(context):
     assert copy.sample(random.Random(9)) == copy.sample(random.Random(9))
 
 
-@pytest.mark.parametrize("level", ["easy", "mixed"])
+@pytest.mark.parametrize("level", ["easy", "mixed", "two-step"])
 def test_word_problems_are_seeded_and_integer(level):
     first = [make_word_problem(random.Random(11), level) for _ in range(3)]
     assert first[0] == first[1] == first[2]
@@ -106,6 +106,37 @@ def test_easy_word_problems_are_one_small_addition_or_subtraction():
         a, b = (int(n) for n in re.findall(r"\d+", question))
         assert answer == (a + b if "more" in question else a - b)
         assert 0 < answer <= 21 and b <= 9
+
+
+def test_two_step_word_problems_add_and_subtract():
+    rng = random.Random(4)
+    for _ in range(300):
+        question, answer = make_word_problem(rng, "two-step")
+        a, first, second = (int(n) for n in re.findall(r"\d+", question))
+        if "gets" in question.split(",")[0]:  # gets first, then gives away
+            assert answer == a + first - second
+        else:
+            assert answer == a - first + second and a - first >= 0
+        assert 0 < answer <= 24 and max(a, first, second) <= 24
+
+
+def test_the_eval_split_is_fixed_and_held_out_of_training(context):
+    options = {"level": "two-step", "eval_size": 40}
+    task = make_task("arithmetic", options, TaskContext(context.cache_dir, _ChatTokenizer()))
+    again = make_task("arithmetic", options, TaskContext(context.cache_dir, _ChatTokenizer()))
+    held_out = task.eval_prompts()
+    assert len(held_out) == 40 and [p.text for p in held_out] == [
+        p.text for p in again.eval_prompts()
+    ]
+    numbers = {tuple(re.findall(r"\d+", p.text)) for p in held_out}
+    rng = random.Random(0)
+    trained = [task.sample(rng) for _ in range(2000)]
+    assert not numbers & {tuple(re.findall(r"\d+", p.text)) for p in trained}
+    # the two-step level shows a worked example with both operations
+    assert len(trained[0].ids) == 6
+    without = make_task("arithmetic", {}, TaskContext(context.cache_dir, _ChatTokenizer()))
+    with pytest.raises(ValueError, match="no eval split"):
+        without.eval_prompts()
 
 
 @pytest.mark.parametrize(
@@ -129,6 +160,13 @@ def test_the_format_reward_is_a_share_of_the_reward(text, reward):
         ({"level": None}, "unknown arithmetic level"),
         ({"format_reward": 1.5}, "format_reward must be within"),
         ({"format_reward": -0.1}, "format_reward must be within"),
+        ({"format_reward": "0.1"}, "format_reward must be a number"),
+        ({"level": "two_step"}, "unknown arithmetic level"),
+        ({"eval_size": -1}, "eval_size must be within"),
+        ({"eval_size": 10**6}, "eval_size must be within"),
+        ({"eval_size": "64"}, "eval_size must be an integer"),
+        ({"eval_size": 6.5}, "eval_size must be an integer"),
+        ({"eval_size": True}, "eval_size must be an integer"),
         ({"difficulty": "easy"}, "difficulty"),
     ],
 )

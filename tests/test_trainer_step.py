@@ -18,7 +18,7 @@ from support.synthetic import synthetic_groups
 from consumers.batching import BatchAssembler, ConsumedGroup, pack, response_logprobs
 from consumers.config import TrainerConfig
 from consumers.metrics import MetricsSink, data_metrics, staleness_bucket
-from consumers.step import StepRunner
+from consumers.step import StepRunner, anchored_inputs, step_metrics
 from consumers.train_engine import TrainEngine, deepspeed_config
 from core.logprobs import response_logprobs as shared_logprobs
 from core.models import build_tiny_llama, load_model
@@ -261,6 +261,45 @@ def test_route_drop_skips_records_without_exact_old_logits() -> None:
     result = runner.train_step([exact + approx])
     assert result.dropped == len(approx)
     assert [t.trajectory_id for t in result.trained] == [t.trajectory_id for t in exact]
+
+
+def test_route_current_anchors_lost_old_logits_on_the_weights_being_trained() -> None:
+    """The lost-old-logits baseline: records without exact logp_old are anchored on the
+    detached log-probs of the policy being trained (s = 1); exact records keep logp_old."""
+    config = make_config(loss={"type": "decoupled"}, approx={"route": "current"})
+    model = build_tiny_llama(seed=3)
+    exact = flat(synthetic_groups(1, model=model, seed=10))
+    lost = flat(synthetic_groups(1, model=model, seed=11, status=OldLogitsStatus.OFF.value))
+    batch = pack(exact + lost)
+    logp_new = response_logprobs(build_tiny_llama(seed=4), batch)
+    inputs, on_prox = anchored_inputs(config, batch, logp_new)
+    assert on_prox is None and inputs.logp_old is not None
+    assert not inputs.logp_old.requires_grad
+    n = len(exact)
+    assert torch.equal(inputs.logp_old[:n], batch.logp_old[:n])
+    assert torch.equal(inputs.logp_old[n:], logp_new.detach()[n:])
+    # a step trains them: s = 1 on the lost records, d = pi_theta / pi_infer masks or not
+    _engine, runner = make_runner(config)
+    result = runner.train_step([exact + lost])
+    assert len(result.trained) == len(exact + lost) and result.dropped == 0
+    assert result.metrics["data/exact_old_frac"] < 1.0
+
+
+def test_mismatch_abs_log_d_is_reported_over_exact_records() -> None:
+    records = flat(synthetic_groups(2, seed=12))  # random logp_infer beside exact logp_old
+    batch = pack(records)
+    metrics = step_metrics({}, batch, None)
+    log_d = (batch.logp_old - batch.logp_infer).abs()[batch.loss_mask]
+    assert metrics["mismatch/abs_log_d/mean"] == pytest.approx(float(log_d.mean()), rel=1e-5)
+    assert metrics["mismatch/abs_log_d/max"] == pytest.approx(float(log_d.max()), rel=1e-5)
+    lost = flat(synthetic_groups(1, seed=13, status=OldLogitsStatus.OFF.value))
+    assert "mismatch/abs_log_d/mean" not in step_metrics({}, pack(lost), None)
+
+
+def test_approx_route_garbage_is_refused() -> None:
+    for route in ("currnet", "", 3, None):
+        with pytest.raises(ValidationError, match="route"):
+            TrainerConfig.model_validate({"approx": {"route": route}})
 
 
 def test_kl_reference_and_mu_grpo() -> None:
