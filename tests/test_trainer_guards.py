@@ -35,11 +35,11 @@ from support.trainer_runs import (
     produce,
     read_all,
     restored_weights,
-    s3_table,
+    run_to_the_end,
     shared_for,
     spawn,
     trainer_config,
-    write_toml,
+    write_trainer_file,
 )
 
 from consumers.checkpoint import CheckpointManager, TrainingLedger
@@ -251,16 +251,9 @@ def test_a_kill_right_after_the_rollback_checkpoint_writes_its_ledger_lines_on_r
     }
     trainer = trainer_config(tmp_path, topics, max_steps=12, guards=guards)
     config = TrainerConfig.model_validate(trainer)
-    config_path = tmp_path / "rollstream.toml"
-    write_toml(
-        config_path,
-        {
-            "run_id": RUN,
-            "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
-            "s3": s3_table(s3_config),
-            "trainer": trainer,
-            "weights": {"max_delta_fraction": 1.0, "allow_unsigned": True},
-        },
+    weights = {"max_delta_fraction": 1.0, "allow_unsigned": True}
+    config_path = write_trainer_file(
+        tmp_path / "rollstream.toml", kafka_config, s3_config, trainer, weights=weights
     )
     log_path, ledger_path = tmp_path / "trainer.log", tmp_path / "ledger.jsonl"
     life = spawn(config_path, log_path, failpoint="after_checkpoint:9")
@@ -270,12 +263,7 @@ def test_a_kill_right_after_the_rollback_checkpoint_writes_its_ledger_lines_on_r
     assert [s for s, _ in TrainingLedger.read(ledger_path)] == [1, 2, 3, 4, 5, 6]
     assert TrainingLedger.read_rollbacks(ledger_path) == []
 
-    second = spawn(config_path, log_path)
-    try:
-        assert second.wait(240) == 0, log_path.read_text()[-4000:]
-    finally:
-        if second.poll() is None:
-            second.kill()
+    run_to_the_end(config_path, log_path, 240)
     ledger = TrainingLedger.read(ledger_path)
     assert [s for s, _ in ledger] == list(range(1, 13))
     assert sorted(i for _, ids in ledger for i in ids) == sorted(ids_of(groups))

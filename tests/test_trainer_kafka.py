@@ -39,12 +39,13 @@ from support.trainer_runs import (
     read_all,
     reference_weights,
     restored_weights,
-    s3_table,
+    run_to_the_end,
     shared_for,
     spawn,
     trainer_config,
     wait_for_step,
     write_toml,
+    write_trainer_file,
 )
 
 from consumers.checkpoint import CheckpointManager, TrainingLedger
@@ -322,12 +323,7 @@ def test_kill_9_between_checkpoints_then_restart_trains_each_trajectory_once(
 
     # Life 3: the rest of the data; it resumes at step 6's offsets and stops at 14.
     produce(kafka_config, topics["scored"], group_records(groups[14:]))
-    third = spawn(config_path, log_path)
-    try:
-        assert third.wait(180) == 0, log_path.read_text()[-4000:]
-    finally:
-        if third.poll() is None:
-            third.kill()
+    run_to_the_end(config_path, log_path, 180)
 
     ledger = TrainingLedger.read(tmp_path / "ledger.jsonl")
     assert [s for s, _ in ledger] == list(range(1, 15))
@@ -484,17 +480,13 @@ def test_a_kill_at_each_failpoint_loses_nothing_trains_nothing_twice_and_ends_on
         checkpoint={"dir": str(tmp_path / "ckpt"), "every": 2},
     )
     config = TrainerConfig.model_validate(trainer)
-    config_path = tmp_path / "rollstream.toml"
-    write_toml(
-        config_path,
-        {
-            "run_id": RUN,
-            "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
-            "s3": s3_table(s3_config),
-            "trainer": trainer,
-            "weights": {"max_delta_fraction": 1.0, "allow_unsigned": True},
-            **({"lora": lora.model_dump()} if lora else {}),
-        },
+    config_path = write_trainer_file(
+        tmp_path / "rollstream.toml",
+        kafka_config,
+        s3_config,
+        trainer,
+        weights={"max_delta_fraction": 1.0, "allow_unsigned": True},
+        **({"lora": lora.model_dump()} if lora else {}),
     )
     log_path = tmp_path / "trainer.log"
     ledger_path = tmp_path / "ledger.jsonl"
@@ -519,12 +511,7 @@ def test_a_kill_at_each_failpoint_loses_nothing_trains_nothing_twice_and_ends_on
     if point == "mid_publish":
         assert store.versions() == [0, 1, 2, 3]  # v4's file is up, its manifest is not
 
-    second = spawn(config_path, log_path)
-    try:
-        assert second.wait(180) == 0, log_path.read_text()[-4000:]
-    finally:
-        if second.poll() is None:
-            second.kill()
+    run_to_the_end(config_path, log_path, 180)
 
     ledger = TrainingLedger.read(ledger_path)
     assert [s for s, _ in ledger] == [1, 2, 3, 4, 5]

@@ -30,12 +30,11 @@ from support.trainer_runs import (
     read_all,
     reference_weights,
     restored_weights,
-    s3_table,
     settings_for,
     shared_for,
     spawn,
     trainer_config,
-    write_toml,
+    write_trainer_file,
 )
 
 from consumers.checkpoint import CheckpointManager, TrainingLedger
@@ -199,17 +198,7 @@ def test_stale_groups_of_a_checkpoint_cut_short_by_kill_9_are_routed_once_after_
     trainer = trainer_config(
         tmp_path, topics, staleness={"max_staleness": STALENESS_WINDOW}, **one_a_step
     )
-    config_path = tmp_path / "rollstream.toml"
-    write_toml(
-        config_path,
-        {
-            "run_id": RUN,
-            "kafka": {"bootstrap_servers": kafka_config.bootstrap_servers},
-            "s3": s3_table(s3_config),
-            "trainer": trainer,
-            "weights": {"allow_unsigned": True},
-        },
-    )
+    config_path = write_trainer_file(tmp_path / "rollstream.toml", kafka_config, s3_config, trainer)
     log_path = tmp_path / "trainer.log"
     second = spawn(config_path, log_path, failpoint="after_checkpoint:4")
     assert second.wait(180) == -signal.SIGKILL, log_path.read_text()[-4000:]

@@ -263,6 +263,33 @@ def spawn(config_path: Path, log_path: Path, failpoint: str | None = None) -> su
     )
 
 
+def write_trainer_file(
+    path: Path, kafka: KafkaConfig, s3: S3Config, trainer: dict, **sections: object
+) -> Path:
+    """``path``: the config file of a trainer subprocess (``spawn``) on these services,
+    its versions unsigned (read back by unkeyed followers); ``sections`` replace the
+    defaults' tables (``weights``) or add others."""
+    data = {
+        "run_id": RUN,
+        "kafka": {"bootstrap_servers": kafka.bootstrap_servers},
+        "s3": s3_table(s3),
+        "trainer": trainer,
+        "weights": {"allow_unsigned": True},
+    }
+    write_toml(path, {**data, **sections})
+    return path
+
+
+def run_to_the_end(config_path: Path, log_path: Path, timeout_s: float) -> None:
+    """A trainer life (``spawn``) that must end with status 0 within ``timeout_s``."""
+    life = spawn(config_path, log_path)
+    try:
+        assert life.wait(timeout_s) == 0, log_path.read_text()[-4000:]
+    finally:
+        if life.poll() is None:
+            life.kill()
+
+
 def wait_for_step(path: Path, step: int, proc: subprocess.Popen, timeout_s: float = 240) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
