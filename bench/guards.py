@@ -37,7 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.figures import moving_mean
+from bench.figures import moving_mean, replace_block
 from bench.learning import ROUTES, Settings, _generate_groups, build_rig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -221,18 +221,6 @@ def table(runs: list[GuardedRun], target: float) -> str:
     return "\n".join(lines)
 
 
-def write_doc(text: str) -> None:
-    """Replace the generated guards block of ``docs/learning.md`` (or append it)."""
-    block = f"{BEGIN}\n{text}\n{END}"
-    doc = DOC.read_text()
-    if BEGIN in doc and END in doc:
-        head, rest = doc.split(BEGIN, 1)
-        doc = head + block + rest.split(END, 1)[1]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + block + "\n"
-    DOC.write_text(doc)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="2", help="comma-separated tiny-model seeds")
@@ -281,7 +269,7 @@ def main() -> None:
     RAW.parent.mkdir(parents=True, exist_ok=True)
     RAW.write_text(json.dumps([asdict(r) for r in runs]))
     if args.doc:
-        write_doc(report)
+        replace_block(DOC, BEGIN, END, report)
 
 
 if __name__ == "__main__":

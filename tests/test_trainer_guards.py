@@ -94,6 +94,17 @@ def run_trainer(
     return Trainer(shared, config), config
 
 
+def collapse_on_topics(
+    kafka: KafkaConfig, unique_name: Callable[[str], str]
+) -> tuple[dict[str, str], list[list[Trajectory]]]:
+    """The trainer's topics, 12 steps of ``collapse_data`` on the scored one (one
+    partition: trained in the order produced)."""
+    topics = make_topics(kafka, unique_name)
+    groups = collapse_data(12)
+    produce(kafka, topics["scored"], group_records(groups), partition=0)
+    return topics, groups
+
+
 @pytest.mark.system
 def test_a_flat_reward_collapse_is_rolled_back_and_every_trajectory_stays_accounted(
     kafka_config: KafkaConfig,
@@ -101,9 +112,7 @@ def test_a_flat_reward_collapse_is_rolled_back_and_every_trajectory_stays_accoun
     unique_name: Callable[[str], str],
     tmp_path: Path,
 ) -> None:
-    topics = make_topics(kafka_config, unique_name)
-    groups = collapse_data(12)
-    produce(kafka_config, topics["scored"], group_records(groups), partition=0)
+    topics, groups = collapse_on_topics(kafka_config, unique_name)
     guards = {
         "flat_rewards": {"steps": 2, "action": "rollback"},
         "rollback": {"lr_factor": 0.5, "max": 1},
@@ -207,9 +216,7 @@ def test_a_stop_guard_checkpoints_every_trained_step_and_names_itself_and_a_paus
     unique_name: Callable[[str], str],
     tmp_path: Path,
 ) -> None:
-    topics = make_topics(kafka_config, unique_name)
-    groups = collapse_data(12)
-    produce(kafka_config, topics["scored"], group_records(groups), partition=0)
+    topics, _groups = collapse_on_topics(kafka_config, unique_name)
     guards = {
         "flat_rewards": {"steps": 2, "action": "stop"},
         # an entropy no policy reaches: the pause holds from the first step on
@@ -242,9 +249,7 @@ def test_a_kill_right_after_the_rollback_checkpoint_writes_its_ledger_lines_on_r
     """The trainer SIGKILLs itself once the rollback's checkpoint is durable, before its
     ledger lines (steps 7-9 and the rollback) are written; the second life writes them from
     the checkpoint, once, and ends on the weights of the surviving steps."""
-    topics = make_topics(kafka_config, unique_name)
-    groups = collapse_data(12)
-    produce(kafka_config, topics["scored"], group_records(groups), partition=0)
+    topics, groups = collapse_on_topics(kafka_config, unique_name)
     guards = {
         "flat_rewards": {"steps": 2, "action": "rollback"},
         "rollback": {"lr_factor": 0.5, "max": 1},
