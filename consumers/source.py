@@ -23,7 +23,10 @@ of groups while another's offset stood still. So records go first into a small b
 per partition, and the batch assembler is fed **oldest first across partitions** (the
 buffered head with the smallest timestamp). A partition whose buffer is full is paused
 (librdkafka drops what it prefetched for it and fetches again from the next offset once
-it is resumed), so the records of the other partitions come through. ``lag`` reports
+it is resumed), so the records of the other partitions come through. A new assignment
+first waits (``SETTLE_S`` at most) until every partition has had a fetch answer: librdkafka
+may resolve one partition's start offset before the others', and oldest-first cannot rank
+records not yet fetched, so without the wait that partition was drained alone. ``lag`` reports
 each partition's backlog (high watermark minus the trainer's position) for the metrics.
 """
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 
@@ -58,6 +62,8 @@ from schemas.codec import MIN_VERSION_HEADER, DecodeError
 from schemas.control import DeadLetter, StaleRecord
 from schemas.group import decode_group
 from schemas.topics import ROLLOUTS_DLQ, ROLLOUTS_STALE, TopicSpec, producer_limits
+
+SETTLE_S = 1.0  # the longest a new assignment waits for every partition's first fetch answer
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +222,7 @@ class ScoredSource:
         self.buffers: dict[TP, deque[Message]] = {}
         self.buffer_limit = max(4 * batch.max_groups, 32)
         self.paused: set[TP] = set()
+        self.settle_until = 0.0  # set by an assignment; see "Fairness" in the module doc
         self.assembler = BatchAssembler(batch.max_groups, batch.max_tokens, batch.max_wait_s)
         self.dlq = DeadLetterProducer(client_config, ROLLOUTS_DLQ, topics.dlq)
         self.stale = StaleRouter(client_config, ROLLOUTS_STALE, topics.stale)
@@ -243,6 +250,7 @@ class ScoredSource:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self.paused.clear()  # an assignment starts unpaused
+        self.settle_until = time.monotonic() + SETTLE_S
         for tp in partitions:
             known = self.positions.get((tp.topic, tp.partition))
             if known is not None:
@@ -275,7 +283,8 @@ class ScoredSource:
             ready = self.assembler.take()
             if ready is not None:
                 return ready
-            if self._fetch(0.0) or any(self.buffers.values()):
+            arrived = self._fetch(0.0)
+            if (arrived or any(self.buffers.values())) and self._settled():
                 self._handle(self._oldest())
                 continue
             left = self.assembler.seconds_left()
@@ -314,6 +323,23 @@ class ScoredSource:
                 self._consumer.pause([TopicPartition(*key)])
                 self.paused.add(key)
         return arrived
+
+    def _settled(self) -> bool:
+        """Every assigned partition has had a fetch answer (a buffered record, or a high
+        watermark librdkafka learnt from a fetch), or the assignment's settle time is over."""
+        if time.monotonic() >= self.settle_until:
+            return True
+        for key in self.assigned:
+            if self.buffers.get(key):
+                continue
+            try:
+                _low, high = self._consumer.get_watermark_offsets(TopicPartition(*key), cached=True)
+            except KafkaException:
+                return False
+            if high is None or high < 0:
+                return False
+        self.settle_until = 0.0
+        return True
 
     def _oldest(self) -> Message:
         """Take the next buffered partition head: with ``batch.order = "deadline"`` the one
