@@ -163,6 +163,14 @@ class KafkaConfig(StrictModel):
         "verification off; every client built with them logs a warning.",
     )
     # Embedded broker only.
+    brokers: int = Field(
+        default=1,
+        ge=1,
+        le=9,
+        description="Brokers of the embedded cluster: 1, or a cluster of combined KRaft "
+        "nodes on loopback whose topics are replicated. Not used with bootstrap_servers "
+        "set: an external cluster's size is read from its metadata.",
+    )
     port: Port = Field(default=0, description="Embedded broker port; 0 picks a free one.")
     controller_port: Port = Field(default=0, description="Embedded controller port; 0 = free.")
     heap: str = Field(
@@ -246,6 +254,16 @@ class KafkaConfig(StrictModel):
             for key, value in self.client_overrides.items()
             if INSECURE_OVERRIDES.get(key) == value.strip().lower()
         ]
+
+    @model_validator(mode="after")
+    def _cluster_settings_fit(self) -> KafkaConfig:
+        """A cluster's nodes choose their ports."""
+        if self.brokers > 1 and (self.port or self.controller_port):
+            raise ValueError(
+                "kafka.port and kafka.controller_port fix the single embedded broker's "
+                f"ports; a cluster of {self.brokers} chooses free ones: leave them 0"
+            )
+        return self
 
     @model_validator(mode="after")
     def _insync_within_replicas(self) -> KafkaConfig:

@@ -1,4 +1,4 @@
-"""The embedded Apache Kafka broker: jars from Maven Central, one KRaft node on loopback.
+"""The embedded Apache Kafka broker: jars from Maven Central, KRaft nodes on loopback.
 
 Lifecycle: ``resolve_kafka_jars`` copies the broker and its runtime dependencies (by
 ``infra/pom.xml``) into a cache under the user's home, once per Kafka version.
@@ -8,6 +8,14 @@ Lifecycle: ``resolve_kafka_jars`` copies the broker and its runtime dependencies
 and kept in the data directory, because a KRaft controller's address is part of its
 stored voter set: the same data directory always comes back on the same ports.
 
+``EmbeddedKafkaCluster`` (``kafka.brokers`` > 1) runs several such nodes, each a combined
+broker+controller under ``<data_dir>/node-<id>``, formatted with one cluster id and a static
+voter set (``controller.quorum.voters``): the quorum survives any one node down. Kafka's
+docs advise separate controllers in production; a cluster on one machine for tests and
+local runs is the combined mode's use. The internal topics (``__consumer_offsets``,
+``__transaction_state``) get the replication ``KafkaConfig.replication`` resolves for the
+cluster's size, as every topic rollstream creates does.
+
 Every tool run here has a time limit (``MAVEN_TIMEOUT_S``, ``STORAGE_TOOL_TIMEOUT_S``): a
 Maven Central that stops answering or a JVM that hangs is a ``ServiceError`` that says
 so, never a command that waits forever.
@@ -16,16 +24,19 @@ so, never a command that waits forever.
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import orjson
 from confluent_kafka.admin import AdminClient
 
-from core.config import KafkaConfig
+from core.config import KafkaConfig, Replication
 from core.process import ServiceError, ServiceProcess, free_port, port_open, service_env, tail
 
 INFRA_DIR = Path(__file__).resolve().parent
@@ -126,14 +137,64 @@ class KafkaPorts:
     controller: int
 
 
-class EmbeddedKafka:
-    """A single-node KRaft broker+controller whose data lives in ``data_dir``."""
+def node_ports(data_dir: Path, broker: int = 0, controller: int = 0) -> KafkaPorts:
+    """The ports of the node whose data lives in ``data_dir``: chosen on first use (0: a
+    free one), then kept in ``ports.json``."""
+    ports_file = data_dir / "ports.json"
+    if ports_file.exists():
+        return KafkaPorts(**orjson.loads(ports_file.read_bytes()))
+    ports = KafkaPorts(broker=broker or free_port(), controller=controller or free_port())
+    data_dir.mkdir(parents=True, exist_ok=True)
+    ports_file.write_bytes(orjson.dumps(ports.__dict__))
+    return ports
 
-    def __init__(self, config: KafkaConfig, data_dir: Path, cache_dir: Path) -> None:
+
+@dataclass(frozen=True)
+class Quorum:
+    """A node's place in a cluster: its id, the cluster's static voter set and id, and
+    how many brokers it has (which sets the internal topics' replication)."""
+
+    node_id: int
+    voters: str  # controller.quorum.voters: "1@127.0.0.1:port,2@..."
+    cluster_id: str
+    brokers: int
+
+
+class KafkaService(Protocol):
+    """What ``infra.services`` needs of an embedded broker or cluster."""
+
+    @property
+    def bootstrap_servers(self) -> str: ...
+
+    def running(self) -> bool: ...
+
+    def launch(self) -> None: ...
+
+    def wait_ready(self, timeout: float = 90.0) -> str: ...
+
+    def start(self, timeout: float = 90.0) -> str: ...
+
+    def stop(self) -> bool: ...
+
+    def kill(self) -> bool: ...
+
+
+class EmbeddedKafka:
+    """A KRaft broker+controller whose data lives in ``data_dir``: alone (its own
+    single-voter quorum), or one node of an ``EmbeddedKafkaCluster`` (``quorum``)."""
+
+    def __init__(
+        self, config: KafkaConfig, data_dir: Path, cache_dir: Path, quorum: Quorum | None = None
+    ) -> None:
         self.config = config
         self.data_dir = data_dir
         self.cache_dir = cache_dir
+        self.quorum = quorum
         self.process = ServiceProcess("kafka", data_dir)
+
+    @property
+    def node_id(self) -> int:
+        return self.quorum.node_id if self.quorum else 1
 
     # -- files -------------------------------------------------------------------------
     @property
@@ -146,16 +207,9 @@ class EmbeddedKafka:
 
     def ports(self) -> KafkaPorts:
         """Ports of this data directory: chosen on first use, then fixed."""
-        ports_file = self.data_dir / "ports.json"
-        if ports_file.exists():
-            return KafkaPorts(**orjson.loads(ports_file.read_bytes()))
-        ports = KafkaPorts(
-            broker=self.config.port or free_port(),
-            controller=self.config.controller_port or free_port(),
-        )
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        ports_file.write_bytes(orjson.dumps(ports.__dict__))
-        return ports
+        if self.quorum is not None:  # a cluster chose every node's ports before its voters
+            return node_ports(self.data_dir)
+        return node_ports(self.data_dir, self.config.port, self.config.controller_port)
 
     @property
     def bootstrap_servers(self) -> str:
@@ -164,10 +218,17 @@ class EmbeddedKafka:
     def properties(self) -> dict[str, str]:
         """The broker's ``server.properties``: one KRaft node on 127.0.0.1."""
         ports = self.ports()
+        if self.quorum is None:
+            voters = {"controller.quorum.bootstrap.servers": f"127.0.0.1:{ports.controller}"}
+            internal = Replication(1, 1)
+        else:
+            voters = {"controller.quorum.voters": self.quorum.voters}
+            internal = self.config.replication(self.quorum.brokers)
+        factor, min_insync = str(internal.factor), str(internal.min_insync or 1)
         return {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "controller.quorum.bootstrap.servers": f"127.0.0.1:{ports.controller}",
+            "node.id": str(self.node_id),
+            **voters,
             "listeners": (
                 f"PLAINTEXT://127.0.0.1:{ports.broker},CONTROLLER://127.0.0.1:{ports.controller}"
             ),
@@ -177,13 +238,13 @@ class EmbeddedKafka:
             "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
             "log.dirs": str(self.log_dir),
             "num.partitions": "1",
-            "offsets.topic.replication.factor": "1",
+            "offsets.topic.replication.factor": factor,
             "offsets.topic.num.partitions": "8",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
+            "transaction.state.log.replication.factor": factor,
+            "transaction.state.log.min.isr": min_insync,
             "transaction.state.log.num.partitions": "8",
-            "share.coordinator.state.topic.replication.factor": "1",
-            "share.coordinator.state.topic.min.isr": "1",
+            "share.coordinator.state.topic.replication.factor": factor,
+            "share.coordinator.state.topic.min.isr": min_insync,
             "group.initial.rebalance.delay.ms": "0",
             # Trajectories of long responses and scored groups are larger than 1 MB.
             "message.max.bytes": str(16 * 1024 * 1024),
@@ -222,20 +283,22 @@ class EmbeddedKafka:
         return (self.log_dir / "meta.properties").exists()
 
     def format(self) -> None:
-        """Format the log directory once with a fresh cluster id (idempotent)."""
+        """Format the log directory once (idempotent): alone with a fresh cluster id as
+        its own single voter; in a cluster with the cluster's id and static voters."""
         self._write_properties()
         if self.formatted():
             return
-        uuid = cluster_id()
+        if self.quorum is None:
+            identity = ["-t", cluster_id(), "--standalone"]
+        else:
+            identity = ["-t", self.quorum.cluster_id]
         result = _run_tool(
             self._java(
                 "kafka.tools.StorageTool",
                 "format",
-                "-t",
-                uuid,
+                *identity,
                 "-c",
                 str(self.properties_file),
-                "--standalone",
                 "-g",
                 *self.format_args(),
             ),
@@ -245,6 +308,9 @@ class EmbeddedKafka:
         )
         if result.returncode != 0 or not self.formatted():
             raise ServiceError(f"formatting {self.log_dir} failed:\n{result.stdout}{result.stderr}")
+
+    def running(self) -> bool:
+        return self.process.running()
 
     def launch(self) -> None:
         """Start the broker process unless it runs already; does not wait."""
@@ -263,14 +329,16 @@ class EmbeddedKafka:
         return self.wait_ready(timeout)
 
     def healthy(self) -> bool:
-        """True when the broker answers a metadata request and lists itself."""
+        """True when the broker answers a metadata request that lists it (a cluster's
+        node: and every other broker of the cluster)."""
         if not port_open(self.ports().broker):  # quiet pre-check: librdkafka logs refusals
             return False
         admin = AdminClient(
             {"bootstrap.servers": self.bootstrap_servers, "socket.timeout.ms": 2000}
         )
         metadata = admin.list_topics(timeout=2)
-        return len(metadata.brokers) >= 1
+        wanted = self.quorum.brokers if self.quorum else 1
+        return self.node_id in metadata.brokers and len(metadata.brokers) >= wanted
 
     def stop(self) -> bool:
         """Controlled shutdown (SIGTERM); True if a broker was running."""
@@ -283,3 +351,83 @@ class EmbeddedKafka:
 
     def describe_failure(self) -> str:
         return tail(self.process.log_file)
+
+
+class EmbeddedKafkaCluster:
+    """``config.brokers`` combined KRaft nodes on loopback, under ``data_dir/node-<id>``
+    (see the module doc). Ports and the cluster id are chosen once and kept."""
+
+    def __init__(self, config: KafkaConfig, data_dir: Path, cache_dir: Path) -> None:
+        self.config = config
+        self.data_dir = data_dir
+        ids = range(1, config.brokers + 1)
+        ports = {i: node_ports(data_dir / f"node-{i}") for i in ids}
+        voters = ",".join(f"{i}@127.0.0.1:{ports[i].controller}" for i in ids)
+        self.nodes = [
+            EmbeddedKafka(
+                config,
+                data_dir / f"node-{i}",
+                cache_dir,
+                Quorum(i, voters, self._cluster_id(), config.brokers),
+            )
+            for i in ids
+        ]
+
+    def _cluster_id(self) -> str:
+        """The cluster's id, chosen when its first node is formatted, then kept."""
+        path = self.data_dir / "cluster-id"
+        if not path.exists():
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(cluster_id())
+        return path.read_text().strip()
+
+    def node(self, node_id: int) -> EmbeddedKafka:
+        """The node whose ``node.id`` (a broker id in the cluster's metadata) is ``node_id``."""
+        return self.nodes[node_id - 1]
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return ",".join(node.bootstrap_servers for node in self.nodes)
+
+    def running(self) -> bool:
+        """Whether any node runs (the cluster is stopped only when none does)."""
+        return any(node.running() for node in self.nodes)
+
+    def launch(self) -> None:
+        """Start every node that is not running; does not wait (a quorum needs a majority
+        of the voters, so the nodes must start together)."""
+        for node in self.nodes:
+            node.launch()
+
+    def wait_ready(self, timeout: float = 90.0) -> str:
+        """Wait until every node answers and sees all the cluster's brokers."""
+        for node in self.nodes:
+            node.wait_ready(timeout)
+        return self.bootstrap_servers
+
+    def start(self, timeout: float = 90.0) -> str:
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def stop(self) -> bool:
+        """Controlled shutdown of every node, all at once (one by one, the last nodes
+        would wait for a quorum that is gone); True if any was running."""
+        for pid in [node.process.pid() for node in self.nodes]:
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGTERM)
+        return any([node.stop() for node in self.nodes])
+
+    def kill(self) -> bool:
+        """SIGKILL every node; True if any was running."""
+        return any([node.kill() for node in self.nodes])
+
+    def describe_failure(self) -> str:
+        return "\n".join(f"node {n.node_id}: {n.describe_failure()}" for n in self.nodes)
+
+
+def embedded_kafka(config: KafkaConfig, data_dir: Path, cache_dir: Path) -> KafkaService:
+    """The embedded broker ``config`` asks for: one node, or a cluster of ``brokers``."""
+    if config.brokers > 1:
+        return EmbeddedKafkaCluster(config, data_dir, cache_dir)
+    return EmbeddedKafka(config, data_dir, cache_dir)

@@ -138,9 +138,12 @@ class SeaweedServer:
             secret_access_key=self.secret(),  # type: ignore[arg-type]
         )
 
+    def running(self) -> bool:
+        return self.process.running()
+
     def launch(self) -> None:
         """Start ``weed mini`` unless it runs already; does not wait."""
-        if not self.process.running():
+        if not self.running():
             store = self.data_dir / "store"
             store.mkdir(parents=True, exist_ok=True)
             self._write_security()

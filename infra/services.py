@@ -22,7 +22,7 @@ from typing import Generic, TypeVar
 
 from core.config import SharedConfig
 from core.process import ServiceError
-from infra.kafka import EmbeddedKafka
+from infra.kafka import KafkaService, embedded_kafka
 from infra.s3 import SeaweedServer, ensure_bucket
 from infra.topics import TopicReport, ensure_topics
 from schemas.topics import ALL_TOPICS, TopicSpec
@@ -62,8 +62,8 @@ class Services(Generic[ConfigT]):
     def __init__(self, config: ConfigT, s3_only: bool = False) -> None:
         self.config = config
         self.s3_only = s3_only  # a region's store: no broker, no topics
-        self.kafka = (
-            EmbeddedKafka(config.kafka, config.state_dir / "kafka", config.cache_dir)
+        self.kafka: KafkaService | None = (
+            embedded_kafka(config.kafka, config.state_dir / "kafka", config.cache_dir)
             if config.kafka.embedded and not s3_only
             else None
         )
@@ -130,7 +130,7 @@ class Services(Generic[ConfigT]):
         missing = [
             name
             for name, needed, service in (("kafka", kafka, self.kafka), ("s3", s3, self.s3))
-            if needed and service is not None and not service.process.running()
+            if needed and service is not None and not service.running()
         ]
         if missing:
             raise ServiceError(
@@ -196,7 +196,7 @@ class Services(Generic[ConfigT]):
 
     def _kafka_status(self, config: SharedConfig) -> ServiceStatus:
         address = config.kafka.bootstrap_servers or ""
-        if self.kafka is not None and not self.kafka.process.running():
+        if self.kafka is not None and not self.kafka.running():
             return ServiceStatus("kafka", "embedded", address, False, "not running")
         try:
             from confluent_kafka.admin import AdminClient
@@ -215,7 +215,7 @@ class Services(Generic[ConfigT]):
 
     def _s3_status(self, config: SharedConfig) -> ServiceStatus:
         address = f"{config.s3.endpoint_url or 'AWS'} bucket={config.s3.bucket}"
-        if self.s3 is not None and not self.s3.process.running():
+        if self.s3 is not None and not self.s3.running():
             return ServiceStatus("s3", "embedded", address, False, "not running")
         try:
             make_s3_client(config.s3).head_bucket(Bucket=config.s3.bucket)

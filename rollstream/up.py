@@ -92,7 +92,7 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
         ours = [
             s
             for s in (services.kafka, services.s3)
-            if s is not None and not s.process.running()  # started here, so stopped here
+            if s is not None and not s.running()  # started here, so stopped here
         ]
         launcher = Launcher(run_dir / "logs")
         logs = trainer_logs(config)

@@ -1,8 +1,9 @@
-"""Chaos: kill -9 every role in turn and the broker during one run, then reconcile.
+"""Chaos: kill -9 every role in turn and two brokers during one run, then reconcile.
 
 One run of the whole pipeline (tiny model, ``copy-first-digit-twice``), with its own
-embedded Kafka broker and SeaweedFS store in the test's temporary directory (the broker
-must be restarted, so the session's shared one cannot be used). The roles are the
+embedded Kafka cluster of three brokers (replication factor 3, ``min.insync.replicas`` 2,
+the internal topics too) and SeaweedFS store in the test's temporary directory (brokers
+must be killed, so the session's shared one cannot be used). The roles are the
 commands ``rollstream up`` starts (``rollstream.up_plan.role_specs``), supervised with
 ``core.process``, under ``up``'s own supervision loop with ``--restarts 2``
 (``rollstream.up_supervise.supervise``). While data flows, an attacker who can write the
@@ -11,8 +12,11 @@ above the trainer's newest version (the next slots the trainer will claim among 
 replay of the newest announcement with a larger pace and an announcement of a far
 version; retention runs every 2 versions with a window of 4. Then SIGKILL the producer,
 the engine, the stream worker and the trainer (between two of its checkpoints), each
-started again by the supervision loop, then SIGKILL the broker and start it again on the
-same data directory. Then drain: stop the producer (SIGTERM),
+started again by the supervision loop; then, one at a time, SIGKILL the broker that leads
+most of the scored topic's partitions and the one that coordinates the stream's
+transactions (found from the cluster's metadata and ``__transaction_state``), wait for a
+trainer step on the two left, and start it again on its data directory until every
+replica is back in sync. Then drain: stop the producer (SIGTERM),
 start it once more to deliver ``GROUPS`` groups and stop by itself (``--groups``), wait
 until the stream has an outcome for every raw record and the trainer has trained
 everything scored, and stop the trainer (it checkpoints).
@@ -39,10 +43,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient
 from support.streams import read_topic
 from weights_support import forge, forged_announcement
 
 from core.process import Launcher, RoleProcess
+from infra.kafka import EmbeddedKafkaCluster
 from infra.services import Services
 from rollstream.audit import AuditReport, audit
 from rollstream.audit_reads import AuditSources
@@ -69,6 +76,8 @@ READY_S = 180.0
 RESTARTS = 2  # ``up --restarts 2``
 FORGED = 16  # forged manifests above the trainer's newest version
 KEEP_VERSIONS = 4
+BROKERS = 3  # replication factor 3, min.insync.replicas 2: one broker down at a time
+TXN_PARTITIONS = 8  # transaction.state.log.num.partitions of the embedded brokers
 
 
 def _config(tmp_path: Path) -> tuple[RollstreamConfig, Ports]:
@@ -96,6 +105,7 @@ def _config(tmp_path: Path) -> tuple[RollstreamConfig, Ports]:
             "publish": {"gc_every": 2},
         },
         weights={"keep_versions": KEEP_VERSIONS},
+        kafka={"brokers": BROKERS},
     )
     up = UpConfig(max_steps=100_000)
     ports = Ports.free()
@@ -282,13 +292,21 @@ def test_kill_every_role_and_restart_broker_then_reconcile(
         run.crash("trainer")
         run.wait_steps(1)
 
-        assert services.kafka is not None
-        assert services.kafka.kill()  # a crash, not a controlled shutdown
-        run.events.append(f"broker killed (SIGKILL) at trainer step {run.last_step()}")
-        time.sleep(3.0)
-        services.kafka.start()
-        run.events.append("broker started")
-        run.wait_steps(1, timeout_s=180)
+        assert isinstance(services.kafka, EmbeddedKafkaCluster)
+        for what, find in (
+            ("the leader of most rollouts.scored partitions", _scored_leader),
+            ("the coordinator of the stream's transactions", _transaction_coordinator),
+        ):
+            broker = find(config)
+            node = services.kafka.node(broker)
+            assert node.kill()  # a crash, not a controlled shutdown
+            run.events.append(
+                f"broker {broker}, {what}, killed (SIGKILL) at step {run.last_step()}"
+            )
+            run.wait_steps(1, timeout_s=180)  # the run goes on on two brokers
+            node.start()
+            _wait("every replica back in sync", lambda: _all_in_sync(config), 120, run.started())
+            run.events.append(f"broker {broker} started, every partition's replicas in sync")
 
         # drain: the supervision loop ends (as up's does at a signal), a clean stop of the
         # producer (SIGTERM), then a last incarnation that delivers a fixed number of groups
@@ -350,6 +368,49 @@ def test_kill_every_role_and_restart_broker_then_reconcile(
             run.released.set()
             assert not run.launcher.leftovers()
         services.down()
+
+
+def _scored_leader(config: RollstreamConfig) -> int:
+    """The broker that leads most partitions of the scored topic."""
+    admin = AdminClient(config.kafka.client_config())
+    topic = admin.list_topics(config.trainer.topics.scored, timeout=30).topics
+    leaders = Counter(p.leader for p in topic[config.trainer.topics.scored].partitions.values())
+    return leaders.most_common(1)[0][0]
+
+
+def _transaction_coordinator(config: RollstreamConfig) -> int:
+    """The broker coordinating the stream's transactions: the leader of the
+    ``__transaction_state`` partition holding most of the stream's transaction records
+    (found by reading that topic: an id's records are keyed by it)."""
+    prefix = config.streams.app_id.encode()
+    consumer = Consumer(
+        {**config.kafka.client_config(), "group.id": "chaos-probe", "enable.auto.commit": False}
+    )
+    holders: Counter[int] = Counter()
+    try:
+        for partition in range(TXN_PARTITIONS):
+            tp = TopicPartition("__transaction_state", partition)
+            low, high = consumer.get_watermark_offsets(tp, timeout=30)
+            if high <= low:
+                continue
+            consumer.assign([TopicPartition("__transaction_state", partition, low)])
+            for msg in consumer.consume(num_messages=high - low, timeout=10):
+                if msg.error() is None and prefix in (msg.key() or b""):
+                    holders[partition] += 1
+    finally:
+        consumer.close()
+    assert holders, "no transactional id of the stream in __transaction_state"
+    partition = holders.most_common(1)[0][0]
+    admin = AdminClient(config.kafka.client_config())
+    state = admin.list_topics("__transaction_state", timeout=30).topics["__transaction_state"]
+    return state.partitions[partition].leader
+
+
+def _all_in_sync(config: RollstreamConfig) -> bool:
+    """Every partition of the cluster has all its replicas in sync."""
+    admin = AdminClient(config.kafka.client_config())
+    topics = admin.list_topics(timeout=10).topics.values()
+    return all(len(p.isrs) == len(p.replicas) for t in topics for p in t.partitions.values())
 
 
 def _check_weights(config: RollstreamConfig, steps: list[int]) -> None:

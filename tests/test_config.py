@@ -117,6 +117,47 @@ def test_embedded_kafka_has_no_client_config_until_resolved() -> None:
         KafkaConfig().client_config()
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"brokers": 0}, "greater than or equal to 1"),
+        ({"brokers": 10}, "less than or equal to 9"),
+        ({"brokers": "three"}, "valid integer"),
+        ({"brokers": 3, "port": 9092}, "chooses free ones"),
+        ({"brokers": 3, "controller_port": 9093}, "chooses free ones"),
+    ],
+)
+def test_a_bad_embedded_cluster_size_is_refused(settings: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        KafkaConfig.model_validate(settings)
+
+
+def test_an_embedded_cluster_lays_out_its_nodes_with_one_quorum(tmp_path: Path) -> None:
+    """Three nodes, each its own data directory, ports and node id, one cluster id and
+    one voter set naming every node's controller port; the internal topics replicated
+    as the resolver says (3, two in sync)."""
+    from infra.kafka import EmbeddedKafka, EmbeddedKafkaCluster, embedded_kafka
+
+    assert isinstance(embedded_kafka(KafkaConfig(), tmp_path / "one", tmp_path), EmbeddedKafka)
+    cluster = embedded_kafka(KafkaConfig(brokers=3), tmp_path / "three", tmp_path)
+    assert isinstance(cluster, EmbeddedKafkaCluster)
+    props = [node.properties() for node in cluster.nodes]
+    assert [p["node.id"] for p in props] == ["1", "2", "3"]
+    assert len({p["listeners"] for p in props}) == 3
+    voters = props[0]["controller.quorum.voters"]
+    assert all(p["controller.quorum.voters"] == voters for p in props)
+    assert voters == ",".join(
+        f"{n.node_id}@127.0.0.1:{n.ports().controller}" for n in cluster.nodes
+    )
+    assert len({n.quorum.cluster_id for n in cluster.nodes if n.quorum}) == 1
+    assert props[0]["transaction.state.log.replication.factor"] == "3"
+    assert props[0]["transaction.state.log.min.isr"] == "2"
+    assert props[0]["offsets.topic.replication.factor"] == "3"
+    assert len(cluster.bootstrap_servers.split(",")) == 3
+    again = EmbeddedKafkaCluster(KafkaConfig(brokers=3), tmp_path / "three", tmp_path)
+    assert [n.properties() for n in again.nodes] == props  # ports and id are kept
+
+
 def test_topic_specs_use_the_names_the_sections_give() -> None:
     """``infra up`` and ``topics ensure`` declare the run's topics by their configured
     names, with the partitions and configs of ``schemas.topics``."""
