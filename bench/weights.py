@@ -47,7 +47,8 @@ import torch
 
 from core.config import default_cache_dir
 from core.models import SMOLLM2, load_model, load_tokenizer, smollm2_checkpoint
-from infra.s3 import SeaweedServer, ensure_bucket
+from infra.netns import Link, namespace_host
+from infra.s3 import Host, SeaweedServer, ensure_bucket
 from weights import format as fmt
 from weights.follower import WeightFollower
 from weights.mirror import mirror_once
@@ -89,8 +90,10 @@ def one_adamw_step(cache_dir: Path, lr: float) -> tuple[fmt.StateDict, fmt.State
     return before, after
 
 
-def start_region(root: Path, name: str) -> tuple[SeaweedServer, WeightStore]:
-    server = SeaweedServer(root / name)
+def start_region(
+    root: Path, name: str, host: Host | None = None
+) -> tuple[SeaweedServer, WeightStore]:
+    server = SeaweedServer(root / name, host=host or Host())
     server.start()
     config = server.config(bucket="bench-weights", name=name)
     ensure_bucket(make_s3_client(config), config.bucket)
@@ -228,27 +231,30 @@ def across_regions(
     after: fmt.StateDict,
     repeats: int,
     adapter_tensors: list[str] | None = None,
+    link: Link | None = None,
 ) -> RegionTrip:
-    """The full base's upload+download against versions publish -> applied in B: deltas,
-    or with ``adapter_tensors`` adapters on the first version."""
+    """The full base's upload to region B and download there against versions publish
+    -> applied in B: deltas, or with ``adapter_tensors`` adapters on the first version.
+    With ``link``, region B's store runs in that namespace, behind its rate limit."""
+    host_b = Host(link.ns_address, link.netns) if link else None
     (server_a, store_a), (server_b, store_b) = (
         start_region(root, "region-a"),
-        start_region(root, "region-b"),
+        start_region(root, "region-b", host_b),
     )
     try:
         base_file = root / "base.safetensors"
         unique, _ = fmt.split_aliases(after)
         safetensors.torch.save_file(fmt.base_payload(unique), base_file)
         size = base_file.stat().st_size
-        key = store_a.key(999_999, "reference.base.safetensors")
+        key = store_b.key(999_999, "reference.base.safetensors")
 
         def full_base_round_trip() -> None:
-            store_a.upload(key, base_file)
-            store_a.download(key, root / "back.safetensors")
+            store_b.upload(key, base_file)
+            store_b.download(key, root / "back.safetensors")
             (root / "back.safetensors").unlink()
 
         t_base = median_time(full_base_round_trip, repeats)
-        store_a.delete([key])
+        store_b.delete([key])
         base_file.unlink()
 
         writer = DeltaWriter(
@@ -300,10 +306,11 @@ def across_regions(
     )
 
 
-def print_trip(name: str, trip: RegionTrip, repeats: int) -> None:
+def print_trip(name: str, trip: RegionTrip, repeats: int, link: Link | None = None) -> None:
     med = trip.stages
     speedup = trip.base_round_trip_s / trip.total_s
-    print(f"\n{name}: across regions (loopback, two SeaweedFS servers), median of {repeats}")
+    where = f"a {link.mbit:g} Mbit/s link" if link else "loopback"
+    print(f"\n{name}: across regions ({where}, two SeaweedFS servers), median of {repeats}")
     print(
         f"  full bf16 base upload+download ({trip.base_bytes / 1e6:.0f} MB): "
         f"{trip.base_round_trip_s * 1e3:7.0f} ms"
@@ -323,7 +330,8 @@ def print_trip(name: str, trip: RegionTrip, repeats: int) -> None:
     verdict = "ok" if speedup >= 10 else "MISSED"
     print(
         f"  ratio: version path {speedup:.1f}x faster than shipping the base "
-        f"(target >= 10x: {verdict})"
+        f"(target >= 10x: {verdict}); {trip.total_s / (trip.dense_bytes / 1e9):.2f} s per GB "
+        f"of model, {trip.total_s / (trip.delta_bytes / 1e9):.1f} s per GB shipped"
     )
 
 
@@ -432,6 +440,43 @@ def refused_fp32(before: fmt.StateDict, repeats: int) -> None:
     )
 
 
+def across_links(cache_dir: Path, rates: list[float], params: float, repeats: int) -> None:
+    """Part 3 across a rate-limited link for each rate: the SmolLM2 step (lr 1e-5), the
+    synthetic state (unless ``params`` is 0) and a rank-16 adapter; a table at the end."""
+    before, after = one_adamw_step(cache_dir, 1e-5)
+    prev, curr = fmt.split_aliases(before)[0], fmt.split_aliases(after)[0]
+    density = fmt.encode_delta(prev, curr).changed_elements / sum(t.numel() for t in curr.values())
+    states: dict[str, tuple[fmt.StateDict, fmt.StateDict, list[str] | None]] = {
+        "SmolLM2-135M delta": (before, after, None)
+    }
+    lora_before, lora_after, names = lora_state(cache_dir, 16)
+    states["SmolLM2-135M LoRA r16"] = (lora_before, lora_after, names)
+    if params > 0:
+        synthetic = synthetic_pair(params, density)
+        size = sum(t.numel() for t in synthetic[0].values()) / 1e9
+        states[f"synthetic {size:.2f}B delta"] = (*synthetic, None)
+    rows = []
+    for index, rate in enumerate(rates, start=1):
+        with namespace_host("region-b", index, rate) as link:
+            for name, (first, second, adapter) in states.items():
+                with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
+                    trip = across_regions(Path(tmp), first, second, repeats, adapter, link)
+                print_trip(name, trip, repeats, link)
+                rows.append((rate, name, trip))
+    print(f"\nacross a tbf-limited veth, median of {repeats} (seconds)")
+    print(
+        "| link Mbit/s | state | dense GB | shipped MB | base s | version s | ratio | s/GB model |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for rate, name, trip in rows:
+        print(
+            f"| {rate:g} | {name} | {trip.dense_bytes / 1e9:.2f} | {trip.delta_bytes / 1e6:.1f} "
+            f"| {trip.base_round_trip_s:.2f} | {trip.total_s:.2f} "
+            f"| {trip.base_round_trip_s / trip.total_s:.1f}x "
+            f"| {trip.total_s / (trip.dense_bytes / 1e9):.2f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -439,8 +484,22 @@ def main() -> None:
     parser.add_argument(
         "--synthetic-params", type=float, default=1.1e9, help="size of the synthetic state"
     )
+    parser.add_argument(
+        "--link-mbit",
+        help="comma-separated link rates in Mbit/s: run only the trips across regions, region "
+        "B's store in a network namespace behind a tbf-limited veth (needs root)",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.link_mbit:
+        try:
+            rates = [float(r) for r in args.link_mbit.split(",")]
+        except ValueError:
+            parser.error(f"--link-mbit takes numbers separated by commas, got {args.link_mbit!r}")
+        if not rates or min(rates) <= 0:
+            parser.error("--link-mbit rates must be positive")
+        across_links(args.cache_dir, rates, args.synthetic_params, args.repeats)
+        return
 
     checkpoint = smollm2_checkpoint(args.cache_dir)
     print(

@@ -24,6 +24,7 @@ import shutil
 import ssl
 import sys
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,13 +78,26 @@ def weed_binary() -> str:
     return found
 
 
+@dataclass(frozen=True)
+class Host:
+    """Where a store listens: loopback by default; another address only inside a network
+    namespace (``ip netns exec``), as a host of its own that the benchmarks and tests make.
+    The S3 gateway still demands the store's key, and every other port mutual TLS."""
+
+    address: str = "127.0.0.1"
+    netns: str | None = None
+
+
 class SeaweedServer:
     """One ``weed mini`` instance whose data (and chosen ports) live in ``data_dir``."""
 
-    def __init__(self, data_dir: Path, port: int = 0, memory_limit: str = "512MiB") -> None:
+    def __init__(
+        self, data_dir: Path, port: int = 0, memory_limit: str = "512MiB", host: Host = Host()
+    ) -> None:
         self.data_dir = data_dir
         self.requested_port = port
         self.memory_limit = memory_limit
+        self.host = host
         self.process = ServiceProcess("seaweedfs", data_dir)
 
     def secret(self) -> str:
@@ -101,7 +115,7 @@ class SeaweedServer:
         signed the one certificate) closes every gRPC port and the master's HTTP API
         (``/col/delete`` drops a bucket) to a client without that certificate.
         """
-        tls = write_tls_files(self.data_dir, TLS_NAME)
+        tls = write_tls_files(self.data_dir, TLS_NAME, ("127.0.0.1", self.host.address))
         server = {"cert": tls.cert, "key": tls.key, "allowed_commonNames": TLS_NAME}
         sections: dict[str, dict[str, str | bool]] = {
             **{name: {"key": secrets.token_hex(32)} for name in _JWT_SECTIONS},
@@ -126,7 +140,7 @@ class SeaweedServer:
 
     @property
     def endpoint_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports()['s3.port']}"
+        return f"http://{self.host.address}:{self.ports()['s3.port']}"
 
     def config(self, bucket: str = "rollstream", name: str = "local") -> S3Config:
         """An ``S3Config`` that reaches this server with its credentials."""
@@ -147,12 +161,14 @@ class SeaweedServer:
             store = self.data_dir / "store"
             store.mkdir(parents=True, exist_ok=True)
             self._write_security()
+            netns = ["ip", "netns", "exec", self.host.netns] if self.host.netns else []
             argv = [
+                *netns,
                 weed_binary(),
                 "mini",
                 f"-dir={store}",
-                "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1",
+                f"-ip={self.host.address}",
+                f"-ip.bind={self.host.address}",
                 "-master.telemetry=false",
                 "-webdav=false",
                 "-admin.ui=false",
@@ -181,7 +197,7 @@ class SeaweedServer:
         """
         client = make_s3_client(self.config())
         on_disk = len(list((self.data_dir / "store").glob("*.dat")))
-        master = f"https://127.0.0.1:{self.ports()['master.port']}/dir/status"
+        master = f"https://{self.host.address}:{self.ports()['master.port']}/dir/status"
         tls = TlsFiles.in_dir(self.data_dir).client_context()
         self.process.wait_until(
             lambda: _answers(client) and _registered_volumes(master, tls) >= on_disk,

@@ -48,8 +48,11 @@ def _name(common: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
 
 
-def write_tls_files(directory: Path, common_name: str) -> TlsFiles:
-    """A new CA and one certificate ``common_name`` in ``directory`` (replacing any)."""
+def write_tls_files(
+    directory: Path, common_name: str, addresses: tuple[str, ...] = ("127.0.0.1",)
+) -> TlsFiles:
+    """A new CA and one certificate ``common_name`` in ``directory`` (replacing any),
+    valid for ``localhost`` and the IP ``addresses`` the service listens on."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     leaf_key = ec.generate_private_key(ec.SECP256R1())
@@ -82,7 +85,10 @@ def write_tls_files(directory: Path, common_name: str) -> TlsFiles:
         )
         .add_extension(
             x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+                [
+                    *(x509.IPAddress(ipaddress.ip_address(a)) for a in dict.fromkeys(addresses)),
+                    x509.DNSName("localhost"),
+                ]
             ),
             critical=False,
         )
