@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -141,3 +146,55 @@ def test_follower_in_second_region_follows_kafka_and_mirror(
             thread.join(10)
         listener.close()
         announcer.close()
+
+
+def _crash(what: str, configs: Path, run: str, version: int) -> None:
+    """Run ``support/weights_crash.py``, which must die by SIGKILL where it was told."""
+    script = Path(__file__).parent / "support" / "weights_crash.py"
+    done = subprocess.run(
+        [sys.executable, str(script), what, str(configs), run, str(version)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+
+
+def _configs_file(path: Path, a: S3Config, b: S3Config) -> Path:
+    def plain(config: S3Config) -> dict[str, object]:
+        secret = config.secret_access_key
+        return {
+            **config.model_dump(mode="json"),
+            "secret_access_key": secret and secret.get_secret_value(),
+        }
+
+    path.write_text(json.dumps({"a": plain(a), "b": plain(b)}))
+    return path
+
+
+def test_a_mirror_or_follower_killed_mid_version_never_serves_half_of_it(
+    s3_config: S3Config, second_s3_config: S3Config, tmp_path: Path
+) -> None:
+    """kill -9 of the mirror once every file of v2 is in region B but before its manifest:
+    B lists v0 and v1 only, a reader there gets v1 whole, and the next mirror copies v2
+    and v3 over the files left behind. kill -9 of a follower as it hands v3 over leaves
+    nothing behind either: a fresh one rebuilds v3 bit for bit."""
+    run = f"crash-{uuid.uuid4().hex[:6]}"
+    src, dst = store_for(s3_config, run), store_for(second_s3_config, run)
+    writer = DeltaWriter(src, base_every=10)
+    states = [tiny_state()]
+    for i in range(4):  # v0 the base, v1..v3 deltas
+        if i:
+            states.append(step(states[-1], seed=i))
+        writer.publish(states[-1])
+    configs = _configs_file(tmp_path / "configs.json", s3_config, second_s3_config)
+
+    _crash("mirror", configs, run, 2)
+    assert dst.versions() == [0, 1]
+    left_behind = {o.name for o in dst.objects() if o.version == 2}
+    assert left_behind and MANIFEST_NAME not in left_behind  # files, no manifest
+    assert same_bits(WeightFollower(dst).sync().state, states[1])
+
+    assert mirror_once(src, dst, trust=UNSIGNED).copied == [2, 3]
+    _crash("follow", configs, run, 3)
+    assert same_bits(WeightFollower(dst).sync().state, states[3])
