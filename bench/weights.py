@@ -93,10 +93,15 @@ def one_adamw_step(cache_dir: Path, lr: float) -> tuple[fmt.StateDict, fmt.State
 def start_region(
     root: Path, name: str, host: Host | None = None
 ) -> tuple[SeaweedServer, WeightStore]:
+    """A store for ``name`` (on ``host``), stopped again if it does not come up."""
     server = SeaweedServer(root / name, host=host or Host())
-    server.start()
-    config = server.config(bucket="bench-weights", name=name)
-    ensure_bucket(make_s3_client(config), config.bucket)
+    try:
+        server.start()
+        config = server.config(bucket="bench-weights", name=name)
+        ensure_bucket(make_s3_client(config), config.bucket)
+    except BaseException:
+        server.stop()
+        raise
     return server, WeightStore.from_config(config, f"bench-{os.getpid()}")
 
 
@@ -237,11 +242,10 @@ def across_regions(
     -> applied in B: deltas, or with ``adapter_tensors`` adapters on the first version.
     With ``link``, region B's store runs in that namespace, behind its rate limit."""
     host_b = Host(link.ns_address, link.netns) if link else None
-    (server_a, store_a), (server_b, store_b) = (
-        start_region(root, "region-a"),
-        start_region(root, "region-b", host_b),
-    )
+    server_a, store_a = start_region(root, "region-a")
+    server_b: SeaweedServer | None = None
     try:
+        server_b, store_b = start_region(root, "region-b", host_b)
         base_file = root / "base.safetensors"
         unique, _ = fmt.split_aliases(after)
         safetensors.torch.save_file(fmt.base_payload(unique), base_file)
@@ -294,7 +298,8 @@ def across_regions(
         assert all(torch.equal(fmt.bits(held[k]), fmt.bits(last[k])) for k in last)
     finally:
         server_a.stop()
-        server_b.stop()
+        if server_b is not None:
+            server_b.stop()
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     return RegionTrip(
         dense_bytes=fmt.dense_bytes(after),
