@@ -499,6 +499,36 @@ def main() -> None:
 def report(
     runs: dict[int, dict[str, Run]], lat_by_mode: dict[str, list[float]], cores: int, pin: bool
 ) -> None:
+    speedups, rates = _report_reward(runs)
+    print("\n2. busy seconds per trained step (median over seeds; warm-up steps left out)")
+    measured = {
+        mode: [p for pair in runs.values() if (p := pair[mode].phases()) is not None]
+        for mode in MODES
+    }
+    if not all(measured.values()):
+        print("  not measured: too few samples of the roles' counters")
+        return
+    phases = {mode: Phases.median(found) for mode, found in measured.items()}
+    wall = _report_phase_table(runs, phases)
+    speedup, rate = _median_value(speedups), _median_value(rates)
+    _report_bounds(phases, cores, pin, speedup, rate)
+    neck = phases["async"].bottleneck()
+    print(
+        f"  bottleneck: {neck} ({phases['async'].values()[neck]:.3f}s of async's "
+        f"{wall['async']:.3f}s wall per step)"
+    )
+    _report_cpu(runs, phases, wall, cores, rate)
+    if pin and cores < len(PHASES) + 1:
+        print(
+            f"  note: {cores} cores cannot give each of the 4 roles its own core; --pin-cores "
+            "puts engine and producer on the first, stream worker and trainer on the last"
+        )
+    _report_latency(runs, lat_by_mode)
+
+
+def _report_reward(runs: dict[int, dict[str, Run]]) -> tuple[list[float], list[float]]:
+    """Section 1: time to reward per seed; returns async's speed-ups to the target and in
+    steps/s, one per seed (a seed where a mode missed the target has no speed-up)."""
     print("\n1. time to reward (per seed: 10-step mean >= 90% of the lower best of the pair)")
     speedups: list[float] = []
     rates: list[float] = []
@@ -530,16 +560,14 @@ def report(
         print(f"  final 10-step reward {mode:5s}: {final} (mean ± sd over seeds)")
     lower = statistics.fmean(finals["async"]) < statistics.fmean(finals["sync"])
     print(f"  target, async's final reward no lower than sync's: {'missed' if lower else 'met'}")
+    return speedups, rates
 
-    print("\n2. busy seconds per trained step (median over seeds; warm-up steps left out)")
-    measured = {
-        mode: [p for pair in runs.values() if (p := pair[mode].phases()) is not None]
-        for mode in MODES
-    }
-    if not all(measured.values()):
-        print("  not measured: too few samples of the roles' counters")
-        return
-    phases = {mode: Phases.median(found) for mode, found in measured.items()}
+
+def _report_phase_table(
+    runs: dict[int, dict[str, Run]], phases: dict[str, Phases]
+) -> dict[str, float]:
+    """Section 2's table of busy seconds per phase and mode; returns each mode's median
+    wall seconds per step."""
     print(f"  {'phase':12s} " + " ".join(f"{mode:>8s}" for mode in MODES))
     for name in PHASES:
         print(f"  {name:12s} " + " ".join(f"{phases[m].values()[name]:7.3f}s" for m in MODES))
@@ -548,6 +576,13 @@ def report(
             for m in MODES}  # fmt: skip
     print(f"  {'wall/step':12s} " + " ".join(f"{wall[m]:7.3f}s" for m in MODES))
     print(f"  {'wall - sum':12s} " + " ".join(f"{wall[m] - phases[m].total:7.3f}s" for m in MODES))
+    return wall
+
+
+def _report_bounds(
+    phases: dict[str, Phases], cores: int, pin: bool, speedup: float | None, rate: float | None
+) -> None:
+    """The speed-up bounds of the sync run's phases, and how much of each async achieved."""
     sync = phases["sync"]
     bounds = {
         "overlap bound, sum / max (a core per phase)": sync.overlap_bound(),
@@ -556,7 +591,6 @@ def report(
     if pin:
         groups = pin_groups(cores)
         bounds[f"pinned {groups}, sum / busiest core"] = sync.bound_pinned(groups)
-    speedup, rate = _median_value(speedups), _median_value(rates)
     print("  bounds from the sync run's phases (async's phases give "
           f"{phases['async'].overlap_bound():.2f}x):")  # fmt: skip
     for name, bound in bounds.items():
@@ -571,11 +605,16 @@ def report(
             f"  target, >= 0.90 of the tightest bound ({tightest:.2f}x) to the same reward: "
             f"{share:.2f}, {'met' if share >= 0.9 else 'missed'}"
         )
-    neck = phases["async"].bottleneck()
-    print(
-        f"  bottleneck: {neck} ({phases['async'].values()[neck]:.3f}s of async's "
-        f"{wall['async']:.3f}s wall per step)"
-    )
+
+
+def _report_cpu(
+    runs: dict[int, dict[str, Run]],
+    phases: dict[str, Phases],
+    wall: dict[str, float],
+    cores: int,
+    rate: float | None,
+) -> None:
+    """CPU seconds, engine tokens and records per trained step, from the roles' counters."""
     cpu = {m: [c for pair in runs.values() if (c := pair[m].cpu())] for m in MODES}
     names = sorted(
         {n for m in MODES for c in cpu[m] for n in c} - {"tokens", "records", "interrupted"}
@@ -613,12 +652,10 @@ def report(
         + "; samples cut by a version change per step: "
         + ", ".join(f"{m} {_median_of(cpu[m], 'interrupted'):.1f}" for m in MODES)
     )
-    if pin and cores < len(PHASES) + 1:
-        print(
-            f"  note: {cores} cores cannot give each of the 4 roles its own core; --pin-cores "
-            "puts engine and producer on the first, stream worker and trainer on the last"
-        )
 
+
+def _report_latency(runs: dict[int, dict[str, Run]], lat_by_mode: dict[str, list[float]]) -> None:
+    """Sections 3 and 4: record latency and version propagation, p50 and p99 per mode."""
     print("\n3. record latency, created_at_ms -> end of the trainer step that trained it")
     for mode in MODES:
         lat = lat_by_mode.get(mode, [])

@@ -148,9 +148,7 @@ def run(
         for step in range(settings.steps):
             version = max(0, step - staleness)
             rig.generate_at(version)
-            groups = _generate_groups(
-                rig.generator, rig.task, rig.rng, rig.params, settings, version, f"{step}"
-            )
+            groups = _generate_groups(rig, settings, version, f"{step}")
             records = [t for g in groups for t in g if t.num_response_tokens > 0]
             records = rig.old_logits.attach(records)
             metrics = rig.runner.train_step([records], step=step).metrics

@@ -245,10 +245,8 @@ def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> Cel
     from streams.operators import Keep, apply_chain, build_chain
 
     rig = build_rig(route, seed, settings)
-    trainer, runner, generator = rig.trainer, rig.runner, rig.generator
-    old_logits, current_model, task, params, rng = (
-        rig.old_logits, rig.current_model, rig.task, rig.params, rig.rng
-    )  # fmt: skip
+    trainer, runner = rig.trainer, rig.runner
+    old_logits, current_model = rig.old_logits, rig.current_model
     chain = build_chain(list(settings.operators))
     stats = curriculum = None
     if settings.curriculum:
@@ -268,10 +266,7 @@ def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> Cel
         train = True
         while len(groups) < settings.prompts_per_step and generated < 4 * settings.prompts_per_step:
             batch = _generate_groups(
-                generator,
-                task,
-                rng,
-                params,
+                rig,
                 settings,
                 version,
                 f"{step}-{generated}",
@@ -323,20 +318,20 @@ def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> Cel
 
 
 def _generate_groups(
-    generator: Any,
-    task: Any,
-    rng: random.Random,
-    params: Any,
+    rig: Rig,
     settings: Settings,
     version: int,
     prefix: str,
     curriculum: Any = None,
     count: int | None = None,
 ) -> list[list[Any]]:
-    """``prompts_per_step`` GRPO groups sampled at ``version``, with advantages (prompts
-    drawn through ``curriculum``, a ``producers.curriculum.Curriculum``, if given)."""
+    """``prompts_per_step`` GRPO groups sampled at ``version`` by ``rig``'s generator from
+    its task, with advantages (prompts drawn through ``curriculum``, a
+    ``producers.curriculum.Curriculum``, if given)."""
     from core.advantages import group_advantages
     from schemas.trajectory import Trajectory
+
+    generator, task, rng, params = rig.generator, rig.task, rig.rng, rig.params
 
     def draw() -> Any:
         return task.sample(rng)

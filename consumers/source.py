@@ -37,6 +37,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from confluent_kafka import (
     Consumer,
@@ -189,6 +190,19 @@ def min_version(msg: Message) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class TrainableRecords:
+    """Which scored records a trainer takes: its run's, its policy's (a multi-policy run's
+    trainer trains its own policy only), and those its model can hold (token ids below
+    ``vocab_size``, at most ``max_length`` tokens). Another run's groups are skipped; the
+    rest that do not fit go to the DLQ."""
+
+    run_id: str
+    vocab_size: int
+    max_length: int
+    policy: str = ""
+
+
 class ScoredSource:
     """Micro-batches of scored groups from one topic (see the module doc)."""
 
@@ -199,20 +213,14 @@ class ScoredSource:
         batch: BatchConfig,
         retry: RetryConfig,
         *,
-        run_id: str,
-        vocab_size: int,
-        max_length: int,
+        accepts: TrainableRecords,
         start_offsets: Mapping[TP, int] | None = None,
         on_dead_letter: DlqHook | None = None,
-        policy: str = "",
     ) -> None:
         self.topics = topics
-        self.policy = policy  # a multi-policy run's trainer trains its own policy only
+        self.accepts = accepts
         self.batch_config = batch
         self.retry = retry
-        self.run_id = run_id
-        self.vocab_size = vocab_size
-        self.max_length = max_length
         self._on_dead_letter = on_dead_letter
         self.positions: dict[TP, int] = {
             k: v for k, v in (start_offsets or {}).items() if k[0] == topics.scored
@@ -391,28 +399,29 @@ class ScoredSource:
         except DecodeError as exc:
             self._dead_letter(msg, str(exc.reason), exc.message)
             return
-        if group.run_id != self.run_id:
+        accepts = self.accepts
+        if group.run_id != accepts.run_id:
             self.foreign += 1
             if self.foreign == 1 or self.foreign % 1000 == 0:
                 log.warning(
                     "skipping group %s of run %r (training run %r); %d such records so far",
                     group.group_id,
                     group.run_id,
-                    self.run_id,
+                    accepts.run_id,
                     self.foreign,
                 )
             self.assembler.add_skipped(topic, partition, offset)
             return
         for traj in group.samples:
-            if traj.policy != self.policy:  # never another policy's tokens in this batch
+            if traj.policy != accepts.policy:  # never another policy's tokens in this batch
                 self._dead_letter(
                     msg,
                     "foreign_policy",
                     f"trajectory {traj.trajectory_id} is policy {traj.policy!r}, "
-                    f"this trainer trains {self.policy!r}",
+                    f"this trainer trains {accepts.policy!r}",
                 )
                 return
-            problem = check_trainable(traj, self.vocab_size, self.max_length)
+            problem = check_trainable(traj, accepts.vocab_size, accepts.max_length)
             if problem is not None:
                 reason, _, detail = problem.partition(": ")
                 self._dead_letter(msg, reason, f"trajectory {traj.trajectory_id}: {detail}")

@@ -271,7 +271,7 @@ class Trainer:
         self.restored = None
 
     def _connect(self) -> None:
-        from consumers.source import ScoredSource
+        from consumers.source import ScoredSource, TrainableRecords
 
         cfg = self.config
         self._ensure_topics()
@@ -299,12 +299,14 @@ class Trainer:
             cfg.topics,
             cfg.batch,
             cfg.retry,
-            run_id=self.shared.run_id,
-            vocab_size=self.vocab_size,
-            max_length=self.max_length,
+            accepts=TrainableRecords(
+                run_id=self.shared.run_id,
+                vocab_size=self.vocab_size,
+                max_length=self.max_length,
+                policy=self.shared.policy,
+            ),
             start_offsets=self.offsets,
             on_dead_letter=self.sink.record_dlq,
-            policy=self.shared.policy,
         )
         self._start_publisher()
 

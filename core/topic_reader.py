@@ -140,6 +140,60 @@ def committed_offsets(
             time.sleep(0.5)
 
 
+class _Remaining:
+    """The planned end offset of each partition not read to its end yet; a partition
+    that is done is paused, so the consumer fetches nothing more for it."""
+
+    def __init__(self, consumer: Consumer, topic: str, ends: Mapping[int, int]) -> None:
+        self.consumer = consumer
+        self.topic = topic
+        self.ends = dict(ends)
+
+    def finish(self, partition: int) -> None:
+        from confluent_kafka import TopicPartition
+
+        if self.ends.pop(partition, None) is not None:
+            self.consumer.pause([TopicPartition(self.topic, partition)])
+
+    def wanted(self, msg: Message) -> bool:
+        """Whether ``msg`` is a record to hand out; an end-of-partition or a record at or
+        past its partition's end finishes the partition instead."""
+        partition, offset = msg.partition(), msg.offset()
+        assert partition is not None and offset is not None
+        err = msg.error()
+        if err is not None:
+            from confluent_kafka import KafkaError, KafkaException
+
+            if err.code() != KafkaError._PARTITION_EOF:
+                raise KafkaException(err)
+            if offset >= self.ends.get(partition, 0):  # not short of the end: done
+                self.finish(partition)
+            return False
+        if partition not in self.ends:
+            return False
+        if offset >= self.ends[partition]:
+            self.finish(partition)
+            return False
+        return True
+
+    def handed_out(self, msg: Message) -> None:
+        """``msg`` was handed out: its partition is done if it was the last one planned."""
+        partition, offset = msg.partition(), msg.offset()
+        assert partition is not None and offset is not None
+        if offset + 1 >= self.ends.get(partition, 0):
+            self.finish(partition)
+
+    def finish_passed(self) -> None:
+        """Finish the partitions whose position passed their end without a record (the
+        last offsets were transaction markers)."""
+        from confluent_kafka import TopicPartition
+
+        positions = self.consumer.position([TopicPartition(self.topic, p) for p in self.ends])
+        for tp in positions:
+            if tp.offset >= 0 and tp.offset >= self.ends[tp.partition]:
+                self.finish(tp.partition)
+
+
 def read_range(
     consumer: Consumer,
     topic: str,
@@ -149,46 +203,27 @@ def read_range(
     """The records of ``topic`` with ``start <= offset < end`` per planned partition
     (``end`` exclusive), each partition in offset order, partitions interleaved. The
     caller owns (and closes) ``consumer``; raises ``ReadStalled`` (see the module doc)."""
-    from confluent_kafka import KafkaError, KafkaException, TopicPartition
+    from confluent_kafka import TopicPartition
 
-    pending = {p: end for p, (start, end) in plan.items() if start < end}
-    if not pending:
+    remaining = _Remaining(
+        consumer, topic, {p: end for p, (start, end) in plan.items() if start < end}
+    )
+    if not remaining.ends:
         return
-
-    def finish(partition: int) -> None:
-        if pending.pop(partition, None) is not None:
-            consumer.pause([TopicPartition(topic, partition)])
-
-    consumer.assign([TopicPartition(topic, p, plan[p][0]) for p in sorted(pending)])
+    consumer.assign([TopicPartition(topic, p, plan[p][0]) for p in sorted(remaining.ends)])
     last_progress = time.monotonic()
-    while pending:
+    while remaining.ends:
         messages = consumer.consume(num_messages=500, timeout=0.1)  # waits this long if < 500 come
         for msg in messages:
-            partition, offset = msg.partition(), msg.offset()
-            assert partition is not None and offset is not None
-            err = msg.error()
-            if err is not None:
-                if err.code() != KafkaError._PARTITION_EOF:
-                    raise KafkaException(err)
-                if offset >= pending.get(partition, 0):  # not short of the end: done
-                    finish(partition)
-                continue
-            if partition not in pending:
-                continue
-            if offset >= pending[partition]:
-                finish(partition)
+            if not remaining.wanted(msg):
                 continue
             last_progress = time.monotonic()
             yield msg
-            if offset + 1 >= pending.get(partition, 0):
-                finish(partition)
-        if not messages and pending:
-            positions = consumer.position([TopicPartition(topic, p) for p in pending])
-            for tp in positions:
-                if tp.offset >= 0 and tp.offset >= pending[tp.partition]:
-                    finish(tp.partition)
-            if pending and time.monotonic() - last_progress > idle_timeout_s:
-                raise ReadStalled(topic, pending, idle_timeout_s)
+            remaining.handed_out(msg)
+        if not messages and remaining.ends:
+            remaining.finish_passed()
+            if remaining.ends and time.monotonic() - last_progress > idle_timeout_s:
+                raise ReadStalled(topic, remaining.ends, idle_timeout_s)
 
 
 def read_whole_topic(

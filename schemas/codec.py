@@ -50,7 +50,7 @@ alive); ``.copy()`` one to modify it.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import NoReturn
@@ -150,19 +150,19 @@ _STRING_FIELDS = (
 _MAX_STRING_BYTES = 0xFFFF
 
 
-def _record_size(
-    n_prompt: int,
-    n_response: int,
-    n_logp_infer: int,
-    n_logp_old: int,
-    n_versions: int,
-    n_lengths: int,
-    n_turn_lengths: int,
-    n_turn_kinds: int,
-    text_bytes: int,
-    header_size: int = HEADER_SIZE,
-) -> int:
-    """Bytes of a whole record: the one place that does the layout's arithmetic."""
+def _record_size(counts: Sequence[int], text_bytes: int, header_size: int = HEADER_SIZE) -> int:
+    """Bytes of a whole record with the header's eight element ``counts`` (in header order)
+    and ``text_bytes`` of strings and JSON: the one place that does the layout's arithmetic."""
+    (
+        n_prompt,
+        n_response,
+        n_logp_infer,
+        n_logp_old,
+        n_versions,
+        n_lengths,
+        n_turn_lengths,
+        n_turn_kinds,
+    ) = counts
     four_byte_values = (
         n_prompt + n_response + n_logp_infer + n_logp_old + n_lengths + n_turn_lengths
     )
@@ -271,7 +271,7 @@ def _encode_parts(traj: Trajectory) -> tuple[int, list[bytes | np.ndarray]]:
         0 if turn_kinds is None else len(turn_kinds),
     )
     string_lengths = list(map(len, strings))
-    total = _record_size(*counts, sum(string_lengths) + len(details) + len(owners))
+    total = _record_size(counts, sum(string_lengths) + len(details) + len(owners))
     try:
         header = _HEADER.pack(
             _PREFIX,
@@ -326,66 +326,47 @@ def decode(
     """
     if not isinstance(data, bytes):
         data = bytes(data)
+    header, header_size = _parse_header(data, max_bytes)
+    return _parse_body(data, header, header_size)
+
+
+# Positions in a header tuple shaped as version 3's (what ``_parse_header`` returns).
+_FLAGS = 1
+_TOTAL = 2
+_COUNTS = slice(5, 13)
+_STRING_LENGTHS = slice(17, 27)
+_N_DETAILS = 27
+_N_OWNERS = 29
+
+
+def _parse_header(data: bytes, max_bytes: int) -> tuple[tuple, int]:
+    """The header fields in version 3's order (an older version's missing fields filled
+    in as it decodes) and the header's size in bytes, once the record's framing, size,
+    checksum and layout arithmetic are checked."""
     size = len(data)
     if data.startswith(_PREFIX) and _MIN_SIZE <= size <= max_bytes:
-        (
-            _preamble,
-            flags,
-            total,
-            group_size,
-            sample_index,
-            *counts,
-            created_at_ms,
-            finished_at_ms,
-            reward,
-            advantage,
-            run_id_n,
-            trajectory_id_n,
-            group_id_n,
-            producer_id_n,
-            region_n,
-            task_n,
-            finish_n,
-            status_n,
-            episode_end_n,
-            policy_n,
-            n_details,
-            tool_calls,
-            n_owners,
-        ) = _HEADER.unpack_from(data)
-        string_lengths = [
-            run_id_n,
-            trajectory_id_n,
-            group_id_n,
-            producer_id_n,
-            region_n,
-            task_n,
-            finish_n,
-            status_n,
-            episode_end_n,
-            policy_n,
-        ]
+        header = _HEADER.unpack_from(data)
         header_size, known_flags = HEADER_SIZE, _KNOWN_FLAGS
     elif data.startswith(_PREFIX_V2) and _MIN_SIZES[2] <= size <= max_bytes:
         fields = _HEADER_V2.unpack_from(data)
-        _preamble, flags, total, group_size, sample_index = fields[:5]
-        counts = list(fields[5:13])
-        created_at_ms, finished_at_ms, reward, advantage = fields[13:17]
-        string_lengths = [*fields[17:26], 0]  # no policy: ""
-        n_details, tool_calls = fields[26:28]
-        n_owners = 0  # no turn_policies: None
+        # no policy (""), no turn_policies (None)
+        header = (*fields[:26], 0, *fields[26:28], 0)
         header_size, known_flags = _HEADER_V2.size, _KNOWN_FLAGS
     elif data.startswith(_PREFIX_V1) and _MIN_SIZES[1] <= size <= max_bytes:
         fields = _HEADER_V1.unpack_from(data)
-        _preamble, flags, total, group_size, sample_index = fields[:5]
-        counts = [*fields[5:11], 0, 0]  # no turns
-        created_at_ms, finished_at_ms, reward, advantage = fields[11:15]
-        string_lengths = [*fields[15:23], 0, 0]  # no episode_end, no policy
-        n_details = fields[23]
-        tool_calls = n_owners = 0
+        # no turns; no episode_end, no policy; no tool_calls, no turn_policies
+        header = (*fields[:11], 0, 0, *fields[11:23], 0, 0, fields[23], 0, 0)
         header_size, known_flags = _HEADER_V1.size, _KNOWN_FLAGS_V1
     else:
         _reject_framing(data, max_bytes)
+    _check_frame(data, header[_TOTAL])
+    _check_layout(header, header_size, known_flags)
+    return header, header_size
+
+
+def _check_frame(data: bytes, total: int) -> None:
+    """``data`` is exactly the ``total`` bytes the header announces, checksum intact."""
+    size = len(data)
     if size < total:
         raise DecodeError(DecodeReason.TRUNCATED, f"expected {total} bytes, have {size}")
     if size > total:
@@ -400,19 +381,51 @@ def decode(
             f"stored checksum {stored_crc:#010x}, computed {crc:#010x} over {size - 4} bytes",
         )
 
-    # The checksum only proves the writer wrote this; check the writer's arithmetic too.
-    n_prompt, n_response, n_logp_infer, n_logp_old, n_versions, n_lengths, n_tl, n_tk = counts
+
+def _check_layout(header: tuple, header_size: int, known_flags: int) -> None:
+    """The header's flags and counts agree with each other and with its total size: the
+    checksum only proves the writer wrote this, not that its arithmetic was right."""
+    flags, total, counts = header[_FLAGS], header[_TOTAL], header[_COUNTS]
+    n_logp_old, n_tl, n_tk = counts[3], counts[6], counts[7]
     if flags & ~known_flags:
         raise DecodeError(DecodeReason.BAD_LAYOUT, f"unknown flag bits {flags & ~known_flags:#x}")
     if not flags & FLAG_LOGP_OLD and n_logp_old:
         raise DecodeError(DecodeReason.BAD_LAYOUT, f"{n_logp_old} logp_old values but no flag")
     if not flags & FLAG_TURNS and (n_tl or n_tk):
         raise DecodeError(DecodeReason.BAD_LAYOUT, f"{n_tl} + {n_tk} turn values but no flag")
-    expected = _record_size(*counts, sum(string_lengths) + n_details + n_owners, header_size)
+    text_bytes = sum(header[_STRING_LENGTHS]) + header[_N_DETAILS] + header[_N_OWNERS]
+    expected = _record_size(counts, text_bytes, header_size)
     if expected != total:
         raise DecodeError(
             DecodeReason.BAD_LAYOUT, f"header counts imply {expected} bytes, record has {total}"
         )
+
+
+def _parse_body(data: bytes, header: tuple, header_size: int) -> Trajectory:
+    """The record after its checked ``header``: arrays, strings and JSON, in wire order."""
+    (
+        _preamble,
+        flags,
+        _total,
+        group_size,
+        sample_index,
+        n_prompt,
+        n_response,
+        n_logp_infer,
+        n_logp_old,
+        n_versions,
+        n_lengths,
+        n_tl,
+        n_tk,
+        created_at_ms,
+        finished_at_ms,
+        reward,
+        advantage,
+        *string_lengths,
+        n_details,
+        tool_calls,
+        n_owners,
+    ) = header
 
     # Zero-copy views; read-only because ``data`` is immutable bytes.
     offset = header_size

@@ -420,34 +420,12 @@ def _check_segments(
 def _check_turns(traj: Trajectory, arrays: dict[str, np.ndarray], defects: list[Defect]) -> None:
     """The multi-turn layout: alternating turns from a policy turn, covering the response,
     with segment boundaries only at policy tokens and 0.0 log-probs at env tokens."""
-    tool_calls, end = traj.tool_calls, traj.episode_end
-    if not _is_int(tool_calls) or not 0 <= tool_calls <= _INT32_MAX:
-        _add(
-            defects,
-            Reason.BAD_TOOL_CALLS,
-            "tool_calls",
-            f"tool_calls must be in [0, {_INT32_MAX}], got {tool_calls!r}",
-        )
-    if not isinstance(end, str) or end not in _EPISODE_ENDS:
-        _add(
-            defects,
-            Reason.UNKNOWN_EPISODE_END,
-            "episode_end",
-            f"episode_end {end!r} is not one of {sorted(_EPISODE_ENDS)}",
-        )
-    if (traj.turn_lengths is None) != (traj.turn_kinds is None):
-        _add(
-            defects,
-            Reason.TURN_MISMATCH,
-            "turn_kinds",
-            "turn_lengths and turn_kinds must both be arrays or both None",
-        )
+    _check_tool_calls(traj, defects)
+    _check_episode_end(traj, defects)
+    turns = _turn_arrays(traj, arrays, defects)
+    if turns is None:
         return
-    if traj.turn_lengths is None:  # the canonical single policy turn
-        return  # tool_calls may count a call whose observation ended the episode
-    lengths_array, kinds_array = arrays.get("turn_lengths"), arrays.get("turn_kinds")
-    if lengths_array is None or kinds_array is None:
-        return  # a wrong dtype, reported by _check_arrays
+    lengths_array, kinds_array = turns
     lengths, kinds = lengths_array.tolist(), kinds_array.tolist()
     if len(lengths) != len(kinds):
         _add(
@@ -458,6 +436,66 @@ def _check_turns(traj: Trajectory, arrays: dict[str, np.ndarray], defects: list[
         )
         return
     response = arrays.get("response_ids")
+    _check_turn_coverage(lengths, response, defects)
+    _check_turn_lengths(lengths, defects)
+    if not _check_turn_kinds(kinds, defects):
+        return
+    _check_turn_alternation(kinds, traj.episode_end, defects)
+    covered = response is not None and sum(lengths) == len(response)
+    if not covered or any(length <= 0 for length in lengths):
+        return  # positions are meaningless without a layout that covers the response
+    env = np.repeat(kinds_array != TurnKind.POLICY, lengths_array)
+    if env.any():
+        _check_env_logprobs(arrays, env, defects)
+        _check_env_segment_starts(arrays, env, defects)
+
+
+def _check_tool_calls(traj: Trajectory, defects: list[Defect]) -> None:
+    tool_calls = traj.tool_calls
+    if not _is_int(tool_calls) or not 0 <= tool_calls <= _INT32_MAX:
+        _add(
+            defects,
+            Reason.BAD_TOOL_CALLS,
+            "tool_calls",
+            f"tool_calls must be in [0, {_INT32_MAX}], got {tool_calls!r}",
+        )
+
+
+def _check_episode_end(traj: Trajectory, defects: list[Defect]) -> None:
+    end = traj.episode_end
+    if not isinstance(end, str) or end not in _EPISODE_ENDS:
+        _add(
+            defects,
+            Reason.UNKNOWN_EPISODE_END,
+            "episode_end",
+            f"episode_end {end!r} is not one of {sorted(_EPISODE_ENDS)}",
+        )
+
+
+def _turn_arrays(
+    traj: Trajectory, arrays: dict[str, np.ndarray], defects: list[Defect]
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(turn_lengths, turn_kinds)`` to check further, or None: a single policy turn,
+    only one of the two present (a defect), or an array of the wrong dtype."""
+    if (traj.turn_lengths is None) != (traj.turn_kinds is None):
+        _add(
+            defects,
+            Reason.TURN_MISMATCH,
+            "turn_kinds",
+            "turn_lengths and turn_kinds must both be arrays or both None",
+        )
+        return None
+    if traj.turn_lengths is None:  # the canonical single policy turn
+        return None  # tool_calls may count a call whose observation ended the episode
+    lengths, kinds = arrays.get("turn_lengths"), arrays.get("turn_kinds")
+    if lengths is None or kinds is None:
+        return None  # a wrong dtype, reported by _check_arrays
+    return lengths, kinds
+
+
+def _check_turn_coverage(
+    lengths: list[int], response: np.ndarray | None, defects: list[Defect]
+) -> None:
     if response is not None and sum(lengths) != len(response):
         _add(
             defects,
@@ -465,6 +503,9 @@ def _check_turns(traj: Trajectory, arrays: dict[str, np.ndarray], defects: list[
             "turn_lengths",
             f"turn_lengths sum to {sum(lengths)}, response_ids has {len(response)} tokens",
         )
+
+
+def _check_turn_lengths(lengths: list[int], defects: list[Defect]) -> None:
     short = [i for i, length in enumerate(lengths) if length <= 0]
     if short:
         _add(
@@ -473,6 +514,10 @@ def _check_turns(traj: Trajectory, arrays: dict[str, np.ndarray], defects: list[
             "turn_lengths",
             f"turn_lengths[{short[0]}] = {lengths[short[0]]}, turns must be at least 1 token",
         )
+
+
+def _check_turn_kinds(kinds: list[int], defects: list[Defect]) -> bool:
+    """Whether every turn kind is known (the order checks need known kinds)."""
     known = {int(kind) for kind in TurnKind}
     unknown = [i for i, kind in enumerate(kinds) if kind not in known]
     if unknown:
@@ -483,7 +528,11 @@ def _check_turns(traj: Trajectory, arrays: dict[str, np.ndarray], defects: list[
             f"turn_kinds[{unknown[0]}] = {kinds[unknown[0]]}, expected one of "
             f"{sorted(known)} (POLICY, ENV)",
         )
-        return
+    return not unknown
+
+
+def _check_turn_alternation(kinds: list[int], end: object, defects: list[Defect]) -> None:
+    """An episode starts with a policy turn, alternates, and says why it ended."""
     if kinds and kinds[0] != TurnKind.POLICY:
         _add(
             defects,
@@ -508,11 +557,13 @@ def _check_turns(traj: Trajectory, arrays: dict[str, np.ndarray], defects: list[
             "episode_end",
             f"a record of {len(kinds)} turns needs an episode_end",
         )
-    if short or response is None or sum(lengths) != len(response):
-        return  # positions are meaningless without a layout that covers the response
-    env = np.repeat(kinds_array != TurnKind.POLICY, lengths_array)
-    if not env.any():
-        return
+
+
+def _check_env_logprobs(
+    arrays: dict[str, np.ndarray], env: np.ndarray, defects: list[Defect]
+) -> None:
+    """Log-probs are exactly 0.0 at environment tokens (``env``: one flag per response
+    token)."""
     for name in ("logp_infer", "logp_old"):
         values = arrays.get(name)
         if values is None or len(values) != len(env):
@@ -527,6 +578,13 @@ def _check_turns(traj: Trajectory, arrays: dict[str, np.ndarray], defects: list[
                 f"{name}[{bad[0]}] = {values[bad[0]]} at an environment token, expected 0.0 "
                 f"({bad.size} such tokens)",
             )
+
+
+def _check_env_segment_starts(
+    arrays: dict[str, np.ndarray], env: np.ndarray, defects: list[Defect]
+) -> None:
+    """No segment starts inside an environment turn (``env``: one flag per response
+    token)."""
     seg_lengths = arrays.get("segment_lengths")
     if seg_lengths is not None and len(seg_lengths) > 1 and (seg_lengths > 0).all():
         starts = np.cumsum(seg_lengths)[:-1]

@@ -13,7 +13,7 @@ from support.streams import read_topic
 from support.synthetic import scored_group, synthetic_groups
 
 from consumers.config import BatchConfig, TopicsConfig
-from consumers.source import ScoredSource
+from consumers.source import ScoredSource, TrainableRecords
 from core.config import KafkaConfig, RetryConfig
 from infra.topics import ensure_topics
 from schemas.control import DeadLetter
@@ -58,10 +58,7 @@ def test_a_trainer_dead_letters_a_group_holding_another_policys_record(
         TopicsConfig(scored=scored, dlq=dlq, group_id=f"trainer-{scored}", group_instance_id=None),
         BatchConfig(max_groups=2, max_wait_s=5.0),
         RetryConfig(),
-        run_id=RUN,
-        vocab_size=16,
-        max_length=10_000,
-        policy="solver",
+        accepts=TrainableRecords(run_id=RUN, vocab_size=16, max_length=10_000, policy="solver"),
     )
     try:
         micro = source.next_micro_batch(threading.Event())

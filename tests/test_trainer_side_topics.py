@@ -22,7 +22,7 @@ from support.trainer_runs import produce, read_all
 
 from consumers.batching import StaleGroup
 from consumers.config import BatchConfig, TopicsConfig
-from consumers.source import ScoredSource
+from consumers.source import ScoredSource, TrainableRecords
 from core.config import KafkaConfig, RetryConfig
 from infra.topics import ensure_topics
 from schemas.control import DeadLetter, StaleRecord
@@ -56,9 +56,7 @@ def source_for(kafka: dict[str, str], topics: TopicsConfig, **batch: object) -> 
         topics,
         BatchConfig(max_groups=1, max_wait_s=0.5, **batch),  # type: ignore[arg-type]
         RetryConfig(initial_s=0.2, max_s=1.0),
-        run_id=RUN,
-        vocab_size=16,
-        max_length=1_000_000,
+        accepts=TrainableRecords(run_id=RUN, vocab_size=16, max_length=1_000_000),
     )
 
 

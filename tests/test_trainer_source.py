@@ -13,7 +13,7 @@ from confluent_kafka import Producer
 from support.synthetic import scored_group, synthetic_groups
 
 from consumers.config import BatchConfig, TopicsConfig
-from consumers.source import ScoredSource
+from consumers.source import ScoredSource, TrainableRecords
 from core.config import KafkaConfig, RetryConfig
 from infra.topics import ensure_topics
 from schemas.group import encode_group
@@ -55,9 +55,7 @@ def source_for(kafka: KafkaConfig, unique_name: Callable[[str], str]) -> ScoredS
         TopicsConfig(scored=scored, dlq=dlq, group_id=f"trainer-{scored}", group_instance_id=None),
         BatchConfig(max_groups=16, max_wait_s=30.0),
         RetryConfig(),
-        run_id=RUN,
-        vocab_size=16,
-        max_length=10_000,
+        accepts=TrainableRecords(run_id=RUN, vocab_size=16, max_length=10_000),
     )
 
 

@@ -65,9 +65,7 @@ def run(order: str, over_window: str, seed: int, steps: int, window: int, per_ve
     queue: list[tuple[int, int, list[Any]]] = []  # (ready at step, version, group)
     for step in range(steps):
         rig.generate_at(step)
-        for group in _generate_groups(
-            rig.generator, rig.task, rig.rng, rig.params, settings, step, f"{step}"
-        ):
+        for group in _generate_groups(rig, settings, step, f"{step}"):
             longest = max(t.num_response_tokens for t in group)
             queue.append((step + longest // per_version, step, group))
         ready = [q for q in queue if q[0] <= step]

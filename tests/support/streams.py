@@ -18,6 +18,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,30 +35,75 @@ from streams.processor import Message, Processor, Step
 from streams.staleness import VersionTracker
 
 
+@dataclass(frozen=True)
+class RecordLabels:
+    """The ids and reward a test record carries (``group_id`` None: a fresh one; ``reward``
+    None: a random one from the record's seed)."""
+
+    run_id: str = "run"
+    group_id: str | None = None
+    group_size: int = 1
+    sample_index: int = 0
+    reward: float | None = None
+
+
 def rollout(
     model: Any,
     states: Mapping[int, Mapping[str, Any]],
     prompt: Sequence[int],
     segments: Sequence[tuple[int, int]],
     *,
-    run_id: str = "run",
-    group_id: str | None = None,
-    group_size: int = 1,
-    sample_index: int = 0,
     seed: int = 0,
     temperature: float = 1.0,
     infer_noise: float = 0.0,
-    reward: float | None = None,
+    labels: RecordLabels = RecordLabels(),
 ) -> Trajectory:
     """A trajectory whose segment ``k`` has ``segments[k] = (version, length)`` tokens
     sampled under ``states[version]``."""
+    rng = np.random.default_rng(seed)
+    response, logps = _sample_segments(model, states, prompt, segments, seed, temperature)
+    logp_infer = np.asarray(logps, np.float32)
+    if infer_noise:
+        logp_infer = np.minimum(logp_infer + rng.normal(0, infer_noise, len(logps)), 0.0)
+    group_id = labels.group_id or uuid.uuid4().hex
+    return Trajectory.create(
+        run_id=labels.run_id,
+        trajectory_id=f"{group_id}-{labels.sample_index}",
+        group_id=group_id,
+        group_size=labels.group_size,
+        sample_index=labels.sample_index,
+        producer_id="test-producer",
+        region="local",
+        task="test",
+        prompt_ids=list(prompt),
+        response_ids=response,
+        logp_infer=logp_infer,
+        segment_versions=[v for v, _ in segments],
+        segment_lengths=[n for _, n in segments],
+        reward=float(rng.random() if labels.reward is None else labels.reward),
+        reward_details={},
+        finish_reason="length",
+        created_at_ms=1_000,
+        finished_at_ms=2_000,
+    )
+
+
+def _sample_segments(
+    model: Any,
+    states: Mapping[int, Mapping[str, Any]],
+    prompt: Sequence[int],
+    segments: Sequence[tuple[int, int]],
+    seed: int,
+    temperature: float,
+) -> tuple[list[int], list[float]]:
+    """The response tokens sampled segment by segment under each segment's weights, and
+    the sampler's log-prob of each."""
     import torch
 
     from core.logprobs import params_for
 
     dtype = next(model.parameters()).dtype
     gen = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
     ids = [int(t) for t in prompt]
     response: list[int] = []
     logps: list[float] = []
@@ -73,73 +119,57 @@ def rollout(
             ids.append(token)
             response.append(token)
             logps.append(float(logp[token]))
-    logp_infer = np.asarray(logps, np.float32)
-    if infer_noise:
-        logp_infer = np.minimum(logp_infer + rng.normal(0, infer_noise, len(logps)), 0.0)
-    group_id = group_id or uuid.uuid4().hex
-    return Trajectory.create(
-        run_id=run_id,
-        trajectory_id=f"{group_id}-{sample_index}",
-        group_id=group_id,
-        group_size=group_size,
-        sample_index=sample_index,
-        producer_id="test-producer",
-        region="local",
-        task="test",
-        prompt_ids=list(prompt),
-        response_ids=response,
-        logp_infer=logp_infer,
-        segment_versions=[v for v, _ in segments],
-        segment_lengths=[n for _, n in segments],
-        reward=float(rng.random() if reward is None else reward),
-        reward_details={},
-        finish_reason="length",
-        created_at_ms=1_000,
-        finished_at_ms=2_000,
-    )
+    return response, logps
 
 
-def synthetic(
-    *,
-    run_id: str = "run",
-    group_id: str = "g",
-    group_size: int = 4,
-    sample_index: int = 0,
-    versions: Sequence[int] = (0,),
-    prompt_len: int = 4,
-    response_len: int = 6,
-    reward: float | None = None,
-    seed: int | None = None,
-    vocab: int = 16,
-) -> Trajectory:
+@dataclass(frozen=True)
+class SyntheticRecord:
     """A valid record with random tokens (no model): for routing and assembly tests.
 
-    The response is split evenly over ``versions`` (the last segment takes the rest).
-    """
-    rng = np.random.default_rng(seed if seed is not None else sample_index)
-    n = len(versions)
-    lengths = [response_len // n] * (n - 1)
-    lengths.append(response_len - sum(lengths))
-    return Trajectory.create(
-        run_id=run_id,
-        trajectory_id=f"{group_id}-{sample_index}",
-        group_id=group_id,
-        group_size=group_size,
-        sample_index=sample_index,
-        producer_id="test-producer",
-        region="local",
-        task="test",
-        prompt_ids=rng.integers(0, vocab, prompt_len),
-        response_ids=rng.integers(0, vocab, response_len),
-        logp_infer=-rng.exponential(1.0, response_len),
-        segment_versions=list(versions),
-        segment_lengths=lengths,
-        reward=float(rng.random() if reward is None else reward),
-        reward_details={"seed": int(sample_index)},
-        finish_reason="stop",
-        created_at_ms=1_000,
-        finished_at_ms=2_000,
-    )
+    The response is split evenly over ``versions`` (the last segment takes the rest);
+    tokens are drawn below ``vocab`` from ``seed`` (default: the sample index)."""
+
+    run_id: str = "run"
+    group_id: str = "g"
+    group_size: int = 4
+    sample_index: int = 0
+    versions: Sequence[int] = (0,)
+    prompt_len: int = 4
+    response_len: int = 6
+    reward: float | None = None
+    seed: int | None = None
+    vocab: int = 16
+
+    def trajectory(self) -> Trajectory:
+        rng = np.random.default_rng(self.seed if self.seed is not None else self.sample_index)
+        n = len(self.versions)
+        lengths = [self.response_len // n] * (n - 1)
+        lengths.append(self.response_len - sum(lengths))
+        return Trajectory.create(
+            run_id=self.run_id,
+            trajectory_id=f"{self.group_id}-{self.sample_index}",
+            group_id=self.group_id,
+            group_size=self.group_size,
+            sample_index=self.sample_index,
+            producer_id="test-producer",
+            region="local",
+            task="test",
+            prompt_ids=rng.integers(0, self.vocab, self.prompt_len),
+            response_ids=rng.integers(0, self.vocab, self.response_len),
+            logp_infer=-rng.exponential(1.0, self.response_len),
+            segment_versions=list(self.versions),
+            segment_lengths=lengths,
+            reward=float(rng.random() if self.reward is None else self.reward),
+            reward_details={"seed": int(self.sample_index)},
+            finish_reason="stop",
+            created_at_ms=1_000,
+            finished_at_ms=2_000,
+        )
+
+
+def synthetic(**fields: Any) -> Trajectory:
+    """``SyntheticRecord(**fields).trajectory()``: the keyword arguments are its fields."""
+    return SyntheticRecord(**fields).trajectory()
 
 
 # --- running workers and reading topics (tests and benchmarks) --------------------------
@@ -249,7 +279,7 @@ def read_topic(
 
     Raises ``TimeoutError`` when ``timeout`` passes first: a test that waits for an
     output (or a kill point) never goes on without it."""
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
+    from confluent_kafka import Consumer
 
     consumer = Consumer(
         {
@@ -261,12 +291,7 @@ def read_topic(
             "isolation.level": "read_committed",
         }
     )
-    short: dict[tuple[str, int], int] = {}  # partitions not read to their end yet
-    for topic in topics:
-        for p in consumer.list_topics(topic, timeout=30).topics[topic].partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
-            if high > low:
-                short[(topic, p)] = high
+    short = _end_offsets(consumer, topics)  # partitions not read to their end yet
     consumer.subscribe(list(topics))
     found: list[Any] = []
     deadline = time.monotonic() + timeout
@@ -274,23 +299,11 @@ def read_topic(
         while time.monotonic() < deadline:
             if check is not None:
                 check()
-            for msg in consumer.consume(num_messages=500, timeout=0.5):
-                key, offset = (msg.topic(), msg.partition()), msg.offset()
-                err = msg.error()
-                if err is None:
-                    found.append(msg)
-                    offset += 1
-                elif err.code() != KafkaError._PARTITION_EOF:
-                    continue
-                if key in short and offset >= short[key]:
-                    del short[key]
+            _take(consumer.consume(num_messages=500, timeout=0.5), found, short)
             if until is not None and until(found):
                 return found
             if until is None:
-                positions = consumer.position([TopicPartition(t, p) for t, p in short])
-                for tp in positions:  # past trailing transaction markers without a record
-                    if tp.offset >= short[(tp.topic, tp.partition)]:
-                        del short[(tp.topic, tp.partition)]
+                _drop_passed(consumer, short)
                 if not short:
                     return found
     finally:
@@ -301,6 +314,47 @@ def read_topic(
         f"{list(topics)}: partitions {sorted(short)} not read to their end offsets "
         f"{[short[k] for k in sorted(short)]} in {timeout}s ({len(found)} read)"
     )
+
+
+def _end_offsets(consumer: Any, topics: Sequence[str]) -> dict[tuple[str, int], int]:
+    """The high watermark of every partition of ``topics`` that holds records now."""
+    from confluent_kafka import TopicPartition
+
+    ends: dict[tuple[str, int], int] = {}
+    for topic in topics:
+        for p in consumer.list_topics(topic, timeout=30).topics[topic].partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
+            if high > low:
+                ends[(topic, p)] = high
+    return ends
+
+
+def _take(messages: list[Any], found: list[Any], short: dict[tuple[str, int], int]) -> None:
+    """Keep the records of ``messages`` in ``found``; a partition whose record or
+    end-of-partition reaches its end offset leaves ``short``."""
+    from confluent_kafka import KafkaError
+
+    for msg in messages:
+        key, offset = (msg.topic(), msg.partition()), msg.offset()
+        err = msg.error()
+        if err is None:
+            found.append(msg)
+            offset += 1
+        elif err.code() != KafkaError._PARTITION_EOF:
+            continue
+        if key in short and offset >= short[key]:
+            del short[key]
+
+
+def _drop_passed(consumer: Any, short: dict[tuple[str, int], int]) -> None:
+    """Partitions whose position passed their end offset leave ``short``: past trailing
+    transaction markers without a record."""
+    from confluent_kafka import TopicPartition
+
+    positions = consumer.position([TopicPartition(t, p) for t, p in short])
+    for tp in positions:
+        if tp.offset >= short[(tp.topic, tp.partition)]:
+            del short[(tp.topic, tp.partition)]
 
 
 def committed_offsets(client_config: Mapping[str, str], group: str, topic: str) -> dict[int, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,73 +21,83 @@ from schemas.group import SampleDiagnostics, ScoredGroup
 from schemas.trajectory import OldLogitsStatus, Trajectory, TurnKind
 
 
-def synthetic_groups(
-    num_groups: int,
-    *,
-    group_size: int = 4,
-    prompt_len: int = 4,
-    response_len: int = 6,
-    vocab_size: int = 16,
-    version: int = 0,
-    model: Any = None,
-    seed: int = 0,
-    target_token: int = 5,
-    status: str = OldLogitsStatus.EXACT.value,
-    run_id: str = "test",
-    region: str = "local",
-    vary_lengths: bool = True,
-) -> list[list[Trajectory]]:
-    """``num_groups`` groups of ``group_size`` scored trajectories each."""
-    rng = np.random.default_rng(seed)
-    groups: list[list[Trajectory]] = []
-    for g in range(num_groups):
-        group_id = f"g{seed}-{g}-{uuid.UUID(int=int(rng.integers(2**63))).hex[:8]}"
-        prompt = rng.integers(1, vocab_size, size=prompt_len, dtype=np.int32)
-        responses = []
-        for _ in range(group_size):
-            length = int(rng.integers(1, response_len + 1)) if vary_lengths else response_len
-            responses.append(rng.integers(0, vocab_size, size=length, dtype=np.int32))
-        if model is not None:
-            from core.logprobs import response_logprobs
+@dataclass(frozen=True)
+class GroupRecipe:
+    """How ``synthetic_groups`` makes each group: ``group_size`` samples of one prompt of
+    ``prompt_len`` tokens, responses of up to ``response_len`` tokens (exactly that many
+    without ``vary_lengths``) below ``vocab_size``, sampled at ``version``; log-probs
+    from ``model`` (uniform draws without one), old logits of ``status``."""
 
-            logps = response_logprobs(model, [(prompt, r) for r in responses])
-        else:
-            logps = [
-                np.log(rng.uniform(0.05, 0.95, size=len(r))).astype(np.float32) for r in responses
-            ]
-        rewards = [float(np.mean(r == target_token)) for r in responses]
-        if len(set(rewards)) == 1:  # keep a learning signal in every group
-            rewards[0] += 1.0
-        adv = group_advantages(rewards).advantages
-        group = []
-        for i, (resp, logp) in enumerate(zip(responses, logps, strict=True)):
-            traj = Trajectory.create(
-                run_id=run_id,
-                trajectory_id=f"{group_id}-{i}",
-                group_id=group_id,
-                group_size=group_size,
-                sample_index=i,
-                producer_id="synthetic",
-                region=region,
-                task="synthetic",
-                prompt_ids=prompt,
-                response_ids=resp,
-                logp_infer=logp,
-                segment_versions=[version],
-                segment_lengths=[len(resp)],
-                reward=rewards[i],
-                reward_details={},
-                finish_reason="stop",
-                created_at_ms=0,
-                finished_at_ms=0,
-            )
-            if status in (OldLogitsStatus.EXACT, OldLogitsStatus.APPROX):
-                traj = traj.with_old_logits(logp, status)
-            elif status != OldLogitsStatus.MISSING:
-                traj = dataclasses.replace(traj, old_logits_status=status)
-            group.append(traj.with_advantage(float(adv[i])))
-        groups.append(group)
-    return groups
+    group_size: int = 4
+    prompt_len: int = 4
+    response_len: int = 6
+    vocab_size: int = 16
+    version: int = 0
+    model: Any = None
+    seed: int = 0
+    target_token: int = 5
+    status: str = OldLogitsStatus.EXACT.value
+    run_id: str = "test"
+    region: str = "local"
+    vary_lengths: bool = True
+
+
+def synthetic_groups(num_groups: int, **recipe: Any) -> list[list[Trajectory]]:
+    """``num_groups`` groups of ``group_size`` scored trajectories each; the keyword
+    arguments are ``GroupRecipe``'s fields."""
+    spec = GroupRecipe(**recipe)
+    rng = np.random.default_rng(spec.seed)
+    return [_synthetic_group(spec, rng, g) for g in range(num_groups)]
+
+
+def _synthetic_group(spec: GroupRecipe, rng: np.random.Generator, g: int) -> list[Trajectory]:
+    """Group number ``g``, drawn from ``rng``."""
+    group_id = f"g{spec.seed}-{g}-{uuid.UUID(int=int(rng.integers(2**63))).hex[:8]}"
+    prompt = rng.integers(1, spec.vocab_size, size=spec.prompt_len, dtype=np.int32)
+    responses = []
+    for _ in range(spec.group_size):
+        length = (
+            int(rng.integers(1, spec.response_len + 1)) if spec.vary_lengths else spec.response_len
+        )
+        responses.append(rng.integers(0, spec.vocab_size, size=length, dtype=np.int32))
+    if spec.model is not None:
+        from core.logprobs import response_logprobs
+
+        logps = response_logprobs(spec.model, [(prompt, r) for r in responses])
+    else:
+        logps = [np.log(rng.uniform(0.05, 0.95, size=len(r))).astype(np.float32) for r in responses]
+    rewards = [float(np.mean(r == spec.target_token)) for r in responses]
+    if len(set(rewards)) == 1:  # keep a learning signal in every group
+        rewards[0] += 1.0
+    adv = group_advantages(rewards).advantages
+    group = []
+    for i, (resp, logp) in enumerate(zip(responses, logps, strict=True)):
+        traj = Trajectory.create(
+            run_id=spec.run_id,
+            trajectory_id=f"{group_id}-{i}",
+            group_id=group_id,
+            group_size=spec.group_size,
+            sample_index=i,
+            producer_id="synthetic",
+            region=spec.region,
+            task="synthetic",
+            prompt_ids=prompt,
+            response_ids=resp,
+            logp_infer=logp,
+            segment_versions=[spec.version],
+            segment_lengths=[len(resp)],
+            reward=rewards[i],
+            reward_details={},
+            finish_reason="stop",
+            created_at_ms=0,
+            finished_at_ms=0,
+        )
+        if spec.status in (OldLogitsStatus.EXACT, OldLogitsStatus.APPROX):
+            traj = traj.with_old_logits(logp, spec.status)
+        elif spec.status != OldLogitsStatus.MISSING:
+            traj = dataclasses.replace(traj, old_logits_status=spec.status)
+        group.append(traj.with_advantage(float(adv[i])))
+    return group
 
 
 def scored_group(samples: list[Trajectory], *, trainer_version_seen: int = 0) -> ScoredGroup:
