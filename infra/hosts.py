@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -113,17 +114,21 @@ def _kept_secret(path: Path) -> str:
 
 @dataclass(frozen=True)
 class Services:
-    """What the hosts serve before any role starts: the broker and the two regions' stores."""
+    """What the hosts serve before any role starts: the broker and the two regions'
+    stores, whose addresses and keys are known as soon as they are launched;
+    ``wait_ready`` returns once all three answer (and both buckets exist)."""
 
     kafka: KafkaConfig
     home: S3Config
     other: S3Config
+    wait_ready: Callable[[], None]
 
 
 @contextmanager
 def services(net: Lan, directory: Path, cache_dir: Path | None = None) -> Iterator[Services]:
     """The broker on ``kafka``, region A's store on ``trainer`` and region B's on
-    ``region-b``, started together and stopped on exit."""
+    ``region-b``, launched together (not waited for: the engines, which need none of
+    them, load their model meanwhile) and stopped on exit."""
     broker = ScramKafka(
         directory / "kafka",
         cache_dir or default_cache_dir(),
@@ -138,13 +143,15 @@ def services(net: Lan, directory: Path, cache_dir: Path | None = None) -> Iterat
         for service in (*stores, broker):  # the broker's format takes a JVM's start: last
             stack.callback(service.stop)
             service.launch()
-        broker.wait_ready(120)
-        for store in stores:
-            store.wait_ready(60)
         home, other = (s.config(name=n) for s, n in zip(stores, ("home", "eu"), strict=True))
-        for store in (home, other):  # the mirror writes into region B's: it must exist
-            ensure_bucket(make_s3_client(store), store.bucket)
-        yield Services(broker.client_config(), home, other)
+
+        def wait_ready() -> None:
+            broker.wait_ready(120)
+            for store, config in zip(stores, (home, other), strict=True):
+                store.wait_ready(60)  # the mirror writes into region B's bucket: make both
+                ensure_bucket(make_s3_client(config), config.bucket)
+
+        yield Services(broker.client_config(), home, other, wait_ready)
 
 
 def store_table(config: S3Config) -> dict[str, object]:
@@ -228,8 +235,23 @@ def role_specs(net: Lan, config: Path, python: str = sys.executable) -> list[Rol
     ]  # fmt: skip
 
 
-#: The order roles stop in: generation first, the trainer's inputs last.
-STOP_ORDER = ["producer", "producer-eu", "engine", "engine-eu", "mirror", "streams"]
+#: The order roles stop in, a tier at a time: generation first, the trainer's inputs last.
+STOP_TIERS = (("producer", "producer-eu"), ("engine", "engine-eu", "mirror"), ("streams",))
+
+
+def stop_in_tiers(launcher: Launcher, timeout_s: float = 30.0) -> None:
+    """Stop every role: each tier's roles at once (SIGTERM to all, then wait for each),
+    tier after tier; the roles in no tier (the trainer) last."""
+    tiers = [[n for n in tier if n in launcher.roles] for tier in STOP_TIERS]
+    named = {n for tier in tiers for n in tier}
+    tiers.append([n for n in launcher.roles if n not in named])
+    for tier in tiers:
+        roles = [launcher.roles[n] for n in tier]
+        for role in roles:
+            if role.running():
+                role.signal(signal.SIGTERM)
+        for role in roles:
+            role.stop(timeout_s)
 
 
 def rollstream(
@@ -277,7 +299,7 @@ def run_until_trained(
         if trainer.returncode() != 0:
             raise RuntimeError(f"trainer ended with {trainer.returncode()}:\n{_tail(trainer)}")
     finally:
-        launcher.stop_all(STOP_ORDER)
+        stop_in_tiers(launcher)
 
 
 def _tail(role: object) -> str:
@@ -307,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         config.write_text(to_toml(merge_tables(example, tables)))
 
         def infra_up() -> None:  # declares the topics (and signing keys) the roles need
+            found.wait_ready()
             up = rollstream(config, "infra", "up")
             if up.returncode != 0:
                 raise RuntimeError(f"rollstream infra up failed:\n{up.stdout}{up.stderr}")

@@ -157,10 +157,13 @@ def test_roles_started_by_hand_from_the_example_config_span_two_regions_and_reco
             tables = hosts_tables(found, secrets.token_urlsafe(24))
             config = _config(tmp_path, tables, unique_name, lora)
             specs = role_specs(net, config)
+            services_ready = found.wait_ready  # the engines load their model meanwhile
         else:
             config, specs = _loopback(request, tmp_path, unique_name, lora)
+            services_ready = _nothing
 
         def infra_up() -> None:  # external services: declares topics, bucket
+            services_ready()
             infra = rollstream(config, "infra", "up")
             assert infra.returncode == 0, infra.stdout + infra.stderr
 
@@ -175,6 +178,10 @@ def test_roles_started_by_hand_from_the_example_config_span_two_regions_and_reco
         _check(config, tmp_path, lora)
     if across_hosts:
         assert not set(lan_namespaces(HOSTS)) & set(_netns()), _netns()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _netns() -> list[str]:
