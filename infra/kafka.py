@@ -184,12 +184,18 @@ class EmbeddedKafka:
     single-voter quorum), or one node of an ``EmbeddedKafkaCluster`` (``quorum``)."""
 
     def __init__(
-        self, config: KafkaConfig, data_dir: Path, cache_dir: Path, quorum: Quorum | None = None
+        self,
+        config: KafkaConfig,
+        data_dir: Path,
+        cache_dir: Path,
+        quorum: Quorum | None = None,
+        netns: str | None = None,
     ) -> None:
         self.config = config
         self.data_dir = data_dir
         self.cache_dir = cache_dir
         self.quorum = quorum
+        self.netns = netns  # run the broker in this network namespace (a host of its own)
         self.process = ServiceProcess("kafka", data_dir)
 
     @property
@@ -317,6 +323,8 @@ class EmbeddedKafka:
         if not self.process.running():
             self.format()
             argv = self._java("kafka.Kafka", str(self.properties_file), heap=self.config.heap)
+            if self.netns is not None:
+                argv = ["ip", "netns", "exec", self.netns, *argv]
             self.process.start(argv, service_env(*JVM_ENV), marker=str(self.properties_file))
 
     def wait_ready(self, timeout: float = 90.0) -> str:

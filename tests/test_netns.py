@@ -10,7 +10,7 @@ import pytest
 from botocore.exceptions import ClientError
 from pydantic import SecretStr
 
-from infra.netns import namespace_host, refusal
+from infra.netns import lan, namespace_host, refusal
 from infra.s3 import Host, SeaweedServer, ensure_bucket
 from weights.store import make_s3_client
 
@@ -59,3 +59,14 @@ def test_a_namespace_host_is_limited_reachable_and_removed(tmp_path: Path) -> No
             store.stop()
     assert link.netns not in _ip("netns", "list")
     assert link.host_dev not in _ip("link", "show")
+
+
+@pytest.mark.parametrize(
+    ("hosts", "mbit"),
+    [([], None), (["a", "a"], None), (["a"], {"b": 5.0}), (["a"], {"a": 0.0})],
+)
+def test_a_lan_out_of_range_is_refused_before_anything_is_made(
+    hosts: list[str], mbit: dict[str, float] | None
+) -> None:
+    with pytest.raises(ValueError), lan(hosts, mbit):
+        pass
