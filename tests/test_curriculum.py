@@ -26,12 +26,12 @@ from support.streams import (
 )
 
 from core.config import KafkaConfig
-from producers.catalog import make_task
 from producers.config import CurriculumConfig, RolloutConfig, SamplingConfig
-from producers.curriculum import Curriculum, PromptStatsReader, PromptStatsView
-from producers.publishing import Outbox, ProducerIdentity
-from producers.tasks import Prompt, TaskContext
-from producers.worker import RolloutWorker
+from producers.rollout.curriculum import Curriculum, PromptStatsReader, PromptStatsView
+from producers.rollout.publishing import Outbox, ProducerIdentity
+from producers.rollout.worker import RolloutWorker
+from producers.tasks.base import Prompt, TaskContext
+from producers.tasks.catalog import make_task
 from schemas.codec import encode
 from schemas.control import PromptStats, prompt_key
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from core.models import BOS_ID, SEP_ID, build_tiny_llama
-from producers.engine_requests import SamplingParams
-from producers.inference_engine import Engine
-from producers.prefix_cache import PrefixCache
+from producers.engine.engine import Engine
+from producers.engine.prefix_cache import PrefixCache
+from producers.engine.requests import SamplingParams
 
 pytestmark = pytest.mark.unit
 
