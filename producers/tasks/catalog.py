@@ -1,4 +1,4 @@
-"""Every task a producer can run, by name: the single-turn tasks (``producers.tasks``) and
+"""Every task a producer can run, by name: the single-turn tasks (``producers.tasks.base``) and
 the multi-turn environments (``producers.tasks.environments``), both registered with
 ``register_task``, or a user's factory named by dotted path (``package.module:factory``).
 

@@ -1,6 +1,6 @@
 """Environments: multi-turn, tool-using episodes (agentic RL).
 
-An environment is a task (``producers.tasks``: a prompt source, registered by name or
+An environment is a task (``producers.tasks.base``: a prompt source, registered by name or
 dotted path the same way) that also starts episodes. An episode alternates turns: the
 policy generates (one ``/generate`` with the whole history, so any SGLang server works),
 the environment answers with an **observation** (token ids or text: a tool's result, a

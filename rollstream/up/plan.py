@@ -440,7 +440,7 @@ def start_groups_at_end(config: RollstreamConfig) -> dict[str, int]:
     (the stream worker would dead-letter them as ``foreign_run``). With
     ``streams.first_start = "committed"`` (``up``'s default) the stream worker's gap guard
     starts from the offsets recorded in the compacted control topic ``<app_id>-start``
-    (``streams.start``), which only this function writes, and only when it holds none
+    (``streams.faust.start``), which only this function writes, and only when it holds none
     for the raw topic yet; it runs before any producer of the run starts, so nothing of
     the run is skipped. No marker consumer group is left behind to show as lagging.
     Returns partitions committed (or recorded) per group (or control topic).

@@ -2,10 +2,10 @@
 (``rollstream stream``).
 
 The decisions live in plain modules (``streams.processor``, ``.oldlogits``,
-``.snapshots``, ``.staleness``); ``streams.faust.worker.StreamWorker`` wires them to Kafka, its
-parts in ``streams.topics`` (what topics exist) and ``streams.faust.agent`` (the agent's work per
-message). Configuration is passed in: the ``[streams]`` section and the shared sections
-(Kafka, S3, weights).
+``.snapshots``, ``.staleness``); ``streams.faust.worker.StreamWorker`` wires them to
+Kafka, its parts in ``streams.faust.topics`` (what topics exist) and
+``streams.faust.agent`` (the agent's work per message). Configuration is passed in: the
+``[streams]`` section and the shared sections (Kafka, S3, weights).
 
 Per message on ``rollouts.raw`` (keyed by group id): decode, validate, staleness check,
 add to the group's table entry; when the group is complete (or every sample is

@@ -82,7 +82,7 @@ class GapGuard:
     ) -> None:
         """``start_topic``: the control topic whose recorded offset, when there is one, is
         where a partition without a watermark starts (``first_start = "committed"``,
-        ``streams.start``). ``restore``: rebuilds a partition's table state from the
+        ``streams.faust.start``). ``restore``: rebuilds a partition's table state from the
         changelog (``streams.faust.restore``); asked once per assignment, before the partition's
         first record or tick."""
         self.table = table

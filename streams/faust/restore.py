@@ -7,7 +7,7 @@ the state: it read nothing for a partition that came back to a worker (its highw
 the last stable offset of the *previous fetch*), and for a partition a worker kept through
 a rebalance it replayed the committed changelog over memory that held the steps of a
 still-open transaction. So Faust's table is declared with a changelog nothing writes
-(``streams.topics.MEMORY_TABLE_NAME``), a rebalance aborts the open transactions
+(``streams.faust.topics.MEMORY_TABLE_NAME``), a rebalance aborts the open transactions
 (``streams.faust.txn.EffectWriter.abort_open_transactions``), and this rebuild decides.
 
 ``read_changelog_partition`` reads the partition's committed changelog records in order

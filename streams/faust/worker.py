@@ -1,9 +1,9 @@
 """``StreamWorker``: one stream worker's Faust app and the services its agent uses.
 
-Constructing it declares missing topics (``streams.topics``), creates the app, its source
+Constructing it declares missing topics (``streams.faust.topics``), creates the app, its source
 topic and table, the services, and registers the agent, the timers and the start-up task
 on the app, in that order. Faust fixes at build time what a worker is: its table (the
-worker's memory of the group table, ``streams.topics.MEMORY_TABLE_NAME``), the group
+worker's memory of the group table, ``streams.faust.topics.MEMORY_TABLE_NAME``), the group
 table's changelog the steps write (``<app_id>-groups-changelog``, what each partition is
 rebuilt from), and the order timers and tasks start in; ``tests/test_streams_worker``
 pins them. Each part is a method or a small collaborator: ``OldLogitPass`` (where old
@@ -237,7 +237,7 @@ class StreamWorker:
 
     @property
     def changelog(self) -> TopicSpec:
-        """The group table's changelog, as ``streams.topics`` declares it."""
+        """The group table's changelog, as ``streams.faust.topics`` declares it."""
         name = changelog_name(self.config)
         return next(spec for spec in self.topic_specs if spec.name == name)
 
@@ -247,7 +247,7 @@ class StreamWorker:
             partitions=self.raw_partitions,
             key_type=bytes,  # raw bytes in and out of the changelog (streams.groups)
             value_type=bytes,
-            # what Faust declares, should it create the changelog (streams.topics did)
+            # what Faust declares, should it create the changelog (streams.faust.topics did)
             extra_topic_configs={"max.message.bytes": str(self.changelog.max_message_bytes)},
             help="Group assembly state, samples and source watermarks (streams.groups).",
         )
@@ -267,7 +267,7 @@ class StreamWorker:
 
     def _make_gap_guard(self) -> GapGuard:
         """The gap guard, with where a partition without a watermark starts: the offset
-        recorded on the start topic when ``first_start = "committed"`` (``streams.start``),
+        recorded on the start topic when ``first_start = "committed"`` (``streams.faust.start``),
         else raw's beginning."""
         config = self.config
         return GapGuard(
