@@ -35,7 +35,7 @@ import torch
 
 from core.logprobs import response_logprobs
 from core.models import load_model, parse_model_spec
-from producers.engine.engine import Engine
+from producers.engine.engine import Engine, Scheduling
 from producers.engine.requests import SamplingParams
 
 
@@ -45,8 +45,7 @@ def _engine(model: str, prefix_cache_tokens: int) -> Engine:
         load_model(spec, "float32"),
         model_path=spec.name,
         seed=0,
-        prefix_cache_tokens=prefix_cache_tokens,
-        max_batch_size=64,
+        scheduling=Scheduling(prefix_cache_tokens=prefix_cache_tokens, max_batch_size=64),
     )
 
 

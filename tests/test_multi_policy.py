@@ -24,7 +24,7 @@ from producers.rollout.credit import AdmissionCredit
 from producers.rollout.episodes import EpisodeRunner
 from producers.rollout.peers import PeerEngine, Peers
 from producers.rollout.publishing import Outbox, ProducerIdentity
-from producers.rollout.worker import RolloutWorker
+from producers.rollout.worker import RolloutWorker, WorkerLinks
 from producers.tasks.base import Prompt, TaskContext
 from producers.tasks.catalog import make_task
 from producers.tasks.environments import EpisodeLimits, Observation
@@ -354,7 +354,7 @@ def _worker(
         task or ProposeSolve(solver=solver),
         Outbox(publisher, {"solver": peer_publisher}),
         ProducerIdentity(run_id="run", producer_id="p0", region="local", policy="proposer"),
-        peers=Peers({"solver": solver}),
+        links=WorkerLinks(peers=Peers({"solver": solver})),
     )
 
 

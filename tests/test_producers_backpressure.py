@@ -14,7 +14,7 @@ import torch
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
 from producers.config import EngineConfig
 from producers.engine.client import EngineClient, retry_after_seconds
-from producers.engine.engine import Engine
+from producers.engine.engine import Engine, Scheduling
 from producers.engine.requests import EngineBusy, SamplingParams
 from producers.engine.server import ServerThread
 
@@ -32,9 +32,9 @@ def busy_server(limit: int, retry_after_s: float) -> ServerThread:
         model_path="tiny",
         tokenizer=TinyTokenizer(),
         seed=0,
-        step_delay_s=0.5,
-        max_pending=limit,
-        busy_retry_after_s=retry_after_s,
+        scheduling=Scheduling(
+            step_delay_s=0.5, max_pending=limit, busy_retry_after_s=retry_after_s
+        ),
     )
     return ServerThread(engine)
 

@@ -33,7 +33,7 @@ from core.topic_reader import end_offsets
 from infra.topics import ensure_topics
 from producers.app import run_producer
 from producers.config import EngineConfig, ProducersConfig, SamplingConfig
-from producers.engine.engine import Engine
+from producers.engine.engine import Engine, Scheduling
 from producers.engine.server import ServerThread
 from producers.rollout.ledger import Ledger, ledger_dir, read_ledger, recover
 from producers.tasks.base import TaskContext
@@ -426,7 +426,7 @@ def test_admission_waits_while_weights_lag_the_announced_version(
     from producers.rollout.admission import TrainerSignals
     from producers.rollout.group_publisher import GroupPublisher
     from producers.rollout.publishing import Outbox, ProducerIdentity
-    from producers.rollout.worker import RolloutWorker
+    from producers.rollout.worker import RolloutWorker, WorkerLinks
 
     topic = make_topic(kafka_config, unique_name)
     announced = [3]  # the weight store is down: v3 announced, the worker still at v0
@@ -442,7 +442,7 @@ def test_admission_waits_while_weights_lag_the_announced_version(
                 make_task("copy-first-digit-twice", {}, TaskContext(tmp_path)),
                 Outbox(publisher),
                 ProducerIdentity(run_id="r", producer_id="p", region="local"),
-                trainer=TrainerSignals(announced_version=lambda: announced[0]),
+                links=WorkerLinks(trainer=TrainerSignals(announced_version=lambda: announced[0])),
             )
             run = asyncio.create_task(worker.run(1))
             while not worker.metrics.get("admission_paused"):
@@ -470,7 +470,12 @@ def test_worker_rides_out_an_engine_outage(kafka_config, unique_name, tmp_path):
     config = rs_config(kafka_config, tmp_path)
     # paced, so that groups are still being generated when the engine goes away (a fast
     # machine could otherwise finish all of them while the server is being stopped)
-    engine = Engine(build_tiny_llama(seed=0), model_path="tiny", seed=0, step_delay_s=0.05)
+    engine = Engine(
+        build_tiny_llama(seed=0),
+        model_path="tiny",
+        seed=0,
+        scheduling=Scheduling(step_delay_s=0.05),
+    )
     servers = [ServerThread(engine).start()]
     port = servers[0].port
     settings = ProducersConfig(

@@ -79,6 +79,21 @@ class _Control:
     future: Future = field(default_factory=Future)
 
 
+@dataclass(frozen=True)
+class Scheduling:
+    """How the scheduler batches requests and how many it holds: ``[producers.engine]``'s
+    batching and back-pressure settings, in seconds."""
+
+    max_batch_size: int = 64
+    batch_wait_s: float = 0.0005
+    max_batch_wait_s: float = 0.005
+    max_pending: int = 1024
+    busy_retry_after_s: float = 1.0
+    prefix_cache_tokens: int = 0
+    num_threads: int | None = None
+    step_delay_s: float = 0.0  # pause per decode step: a pacing knob for tests, no setting
+
+
 class Engine(BatchRunner):
     """A batched, abortable generator around one ``PreTrainedModel`` on the CPU.
 
@@ -95,33 +110,27 @@ class Engine(BatchRunner):
         tokenizer: Any = None,
         tokenizer_path: str | None = None,
         weight_version: str = "0",
-        max_batch_size: int = 64,
-        batch_wait_s: float = 0.0005,
-        max_batch_wait_s: float = 0.005,
         seed: int | None = None,
-        step_delay_s: float = 0.0,  # pause per decode step: a pacing knob for tests, no setting
         eos_token_ids: Iterable[int] | None = None,
-        num_threads: int | None = None,
-        max_pending: int = 1024,
-        busy_retry_after_s: float = 1.0,
-        prefix_cache_tokens: int = 0,
+        scheduling: Scheduling | None = None,
     ) -> None:
-        if max_pending < 1:
-            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        scheduling = scheduling or Scheduling()
+        if scheduling.max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {scheduling.max_pending}")
         self.model = model.eval()
-        self.max_pending = max_pending
-        self.busy_retry_after_s = busy_retry_after_s
+        self.max_pending = scheduling.max_pending
+        self.busy_retry_after_s = scheduling.busy_retry_after_s
         self.model_path = model_path
         self.tokenizer = tokenizer
         self.tokenizer_path = tokenizer_path
         self.weight_version = weight_version
         self.applied = AppliedTensors()  # what update_weights loaded last
         self.adapters = NamedAdapters.of(self.model)  # None: no LoRA slot
-        self.max_batch_size = max_batch_size
-        self.batch_wait_s = batch_wait_s
-        self.max_batch_wait_s = max_batch_wait_s
-        self.step_delay_s = step_delay_s
-        self.num_threads = num_threads
+        self.max_batch_size = scheduling.max_batch_size
+        self.batch_wait_s = scheduling.batch_wait_s
+        self.max_batch_wait_s = scheduling.max_batch_wait_s
+        self.step_delay_s = scheduling.step_delay_s
+        self.num_threads = scheduling.num_threads
         config = model.config
         self.vocab_size = int(config.vocab_size)
         self.context_length = int(getattr(config, "max_position_embeddings", 1 << 30))
@@ -135,7 +144,8 @@ class Engine(BatchRunner):
         self.stats = EngineStats()
         self._busy_since: float | None = None  # start of the busy time not yet counted
         self._busy_thread: int | None = None  # the thread that runs the busy block
-        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        cache_tokens = scheduling.prefix_cache_tokens
+        self.prefix_cache = PrefixCache(cache_tokens) if cache_tokens > 0 else None
         self._queue: collections.deque[Request | _Control] = collections.deque()
         self._pending: dict[str, Request] = {}  # queued or running, by rid
         self._cv = threading.Condition()
@@ -579,12 +589,14 @@ def engine_from_config(
         model_path=spec.name,
         tokenizer=load_tokenizer(spec, cache_dir),
         tokenizer_path=None if directory is None else str(directory),
-        max_batch_size=config.max_batch_size,
-        batch_wait_s=config.batch_wait_ms / 1000.0,
-        max_batch_wait_s=config.max_batch_wait_ms / 1000.0,
         seed=config.seed,
-        num_threads=config.torch_threads,
-        max_pending=config.max_pending_requests,
-        busy_retry_after_s=config.busy_retry_after_s,
-        prefix_cache_tokens=config.prefix_cache_tokens,
+        scheduling=Scheduling(
+            max_batch_size=config.max_batch_size,
+            batch_wait_s=config.batch_wait_ms / 1000.0,
+            max_batch_wait_s=config.max_batch_wait_ms / 1000.0,
+            max_pending=config.max_pending_requests,
+            busy_retry_after_s=config.busy_retry_after_s,
+            prefix_cache_tokens=config.prefix_cache_tokens,
+            num_threads=config.torch_threads,
+        ),
     )

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
@@ -177,6 +178,17 @@ async def _fail(
     return stream
 
 
+@dataclass(frozen=True)
+class ServedPolicy:
+    """The policy the gateway serves: its name (``/v1/models``), the tokenizer messages are
+    rendered with, its vocabulary (None: the tokenizer's) and the worker's group size."""
+
+    model_name: str
+    tokenizer: Any
+    group_size: int
+    vocab_size: int | None = None
+
+
 class Gateway:
     """The HTTP side of the gateway; the worker's ``EpisodeDesk`` holds the episodes."""
 
@@ -185,28 +197,25 @@ class Gateway:
         config: GatewayConfig,
         desk: EpisodeDesk,
         generator: GroupGenerator,
-        tokenizer: Any,
         metrics: ProducerMetrics,
+        served: ServedPolicy,
         *,
-        model_name: str,
-        group_size: int,
-        vocab_size: int | None = None,
         settled: Callable[[str], str | None] = lambda group_id: None,
     ) -> None:
         check_bind(
             config.host, config.api_key.get_secret_value() if config.api_key else None, EXPOSURE
         )
-        if tokenizer is None:
+        if served.tokenizer is None:
             raise ValueError("the gateway renders messages with the model's tokenizer: none loaded")
         self.config = config
         self.desk = desk
         self.generator = generator
-        self.tokenizer = tokenizer
+        self.tokenizer = served.tokenizer
         self.metrics = metrics
-        self.model_name = model_name
-        self.model_names = list(dict.fromkeys([model_name, *config.served_model_names]))
-        self.group_size = group_size
-        self.vocab_size = vocab_size or len(tokenizer)
+        self.model_name = served.model_name
+        self.model_names = list(dict.fromkeys([served.model_name, *config.served_model_names]))
+        self.group_size = served.group_size
+        self.vocab_size = served.vocab_size or len(served.tokenizer)
         self.max_call_tokens = config.max_call_tokens or generator.task.max_new_tokens
         self.settled = settled  # a group's acknowledged fate: published, dead_lettered, None
         self._runner: web.AppRunner | None = None
@@ -377,16 +386,9 @@ class Gateway:
         anthropic, chat = api == "messages", api != "completion"
         try:
             body = await _body(request)
-            model = body.get("model")
-            if model is not None and model not in self.model_names:
-                return _error(
-                    f"the model {model!r:.100} is not served here: this gateway serves "
-                    f"{', '.join(map(repr, self.model_names))} ([producers.rollout.gateway] "
-                    "served_model_names adds names)",
-                    404,
-                    code="model_not_found",
-                    anthropic=anthropic,
-                )
+            unserved = self._unserved(body.get("model"), anthropic)
+            if unserved is not None:
+                return unserved
             call = CALL_PARSERS[api](body, self.max_call_tokens)
             episode = self.desk.episode(_episode_id(request))
             if episode.busy:
@@ -400,9 +402,7 @@ class Gateway:
             return _error(str(exc), getattr(exc, "status", 400), anthropic=anthropic)
         if episode.mismatches > mismatches:
             self.metrics.gateway_mismatches.labels(action="split").inc()
-        if call.messages is not None:
-            tools = sum(1 for m in call.messages if m["role"] == "tool")
-            episode.tool_messages = max(episode.tool_messages, tools)
+        episode.tool_messages = max(episode.tool_messages, _tool_messages(call.messages))
         max_new = min(call.max_tokens or self.max_call_tokens, room)
         envelope = Envelope(model=self.model_name, chat=chat)
         message_id = new_message_id()
@@ -454,6 +454,19 @@ class Gateway:
             return _json(answer.whole())
         events = [_event(chunk) for chunk in answer.chunks(call.include_usage)]
         return await self._finish_stream(request, stream, episode, [*events, b"data: [DONE]\n\n"])
+
+    def _unserved(self, model: object, anthropic: bool) -> web.Response | None:
+        """The answer to a call naming a model this gateway does not serve, or None."""
+        if model is None or model in self.model_names:
+            return None
+        return _error(
+            f"the model {model!r:.100} is not served here: this gateway serves "
+            f"{', '.join(map(repr, self.model_names))} ([producers.rollout.gateway] "
+            "served_model_names adds names)",
+            404,
+            code="model_not_found",
+            anthropic=anthropic,
+        )
 
     async def _open_stream(
         self,
@@ -531,6 +544,11 @@ class Gateway:
         if not text.startswith(prefix):
             return None
         return context + self._tokenize(text[len(prefix) :], add_special_tokens=False)
+
+
+def _tool_messages(messages: list[dict[str, Any]] | None) -> int:
+    """How many tool results a call's messages hold (0 for a completion)."""
+    return sum(1 for m in messages or () if m["role"] == "tool")
 
 
 async def _body(request: web.Request) -> dict[str, Any]:

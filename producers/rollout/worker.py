@@ -74,14 +74,26 @@ class WorkerReport:
     inflight_at_stop: list[str] = field(default_factory=list)  # group ids
 
 
+@dataclass(frozen=True)
+class WorkerLinks:
+    """What a worker works with besides its engine and its topic, each optional:
+    ``trainer`` is what it hears of its trainer (announcements, consumed version; none: a
+    bare engine), ``peers`` the other policies its episodes call, ``curriculum`` picks
+    prompts, ``gateway`` (``rollstream gateway``) hands each group to agents over HTTP
+    instead of generating it here."""
+
+    trainer: TrainerSignals | None = None
+    peers: Peers | None = None
+    curriculum: Curriculum | None = None
+    gateway: Desk | None = None
+
+
 class RolloutWorker:
     """Generates and publishes the groups of ``task`` with ``backend``'s engine.
 
-    ``outbox`` holds the publishers (its own policy's and one per peer in ``peers``),
-    ``producer`` names the records, ``trainer`` is what the worker hears of its trainer
-    (announcements, consumed version; none: a bare engine), ``curriculum`` picks prompts,
-    ``vocab_size`` bounds an environment's observations, ``gateway`` (``rollstream
-    gateway``) hands each group to agents over HTTP instead of generating it here."""
+    ``outbox`` holds the publishers (its own policy's and one per peer in ``links.peers``),
+    ``producer`` names the records, ``links`` are the trainer, peers, curriculum and
+    gateway it works with, ``vocab_size`` bounds an environment's observations."""
 
     def __init__(
         self,
@@ -91,22 +103,20 @@ class RolloutWorker:
         outbox: Outbox,
         producer: ProducerIdentity,
         *,
-        trainer: TrainerSignals | None = None,
-        peers: Peers | None = None,
-        curriculum: Curriculum | None = None,
+        links: WorkerLinks | None = None,
         vocab_size: int | None = None,
-        gateway: Desk | None = None,
     ) -> None:
+        links = links or WorkerLinks()
         self.config = config
-        self.gateway = gateway
+        self.gateway = links.gateway
         self.task = task
         self.outbox = outbox
-        self.peers = peers or Peers()
+        self.peers = links.peers or Peers()
         missing = sorted(set(self.peers.engines) - set(outbox.peer_publishers))
         if missing:
             raise ValueError(f"peer policies without a publisher: {', '.join(missing)}")
-        self.trainer = trainer or TrainerSignals()
-        self.curriculum = curriculum
+        self.trainer = links.trainer or TrainerSignals()
+        self.curriculum = links.curriculum
         self.metrics = outbox.metrics
         self.rng = random.Random(config.seed)
         self.report = WorkerReport()

@@ -322,7 +322,23 @@ def check_rows(examples: list[dict[str, Any]], source: str) -> None:
         raise ValueError(f"{source}: {len(problems)} of {len(examples)} rows unusable: {shown}")
 
 
-@register_task("file")
+@dataclass(frozen=True, kw_only=True)
+class PromptOptions:
+    """The file task's options past its data and rewards: the held-out rows, how a row
+    becomes a prompt, the order rows are drawn in, and the sampling limits."""
+
+    eval_path: str | None = None
+    eval_split: str | None = None
+    chat: bool = False
+    system_prompt: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    order: Literal["random", "epochs"] = "random"
+    shuffle_seed: int = 0
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] | None = None
+
+
+@register_task("file", forwards=PromptOptions)
 def file_task(
     context: TaskContext,
     path: str,
@@ -332,26 +348,18 @@ def file_task(
     name: str = "file",
     columns: dict[str, str] | None = None,
     split: str | None = None,
-    eval_path: str | None = None,
-    eval_split: str | None = None,
-    *,
-    chat: bool = False,
-    system_prompt: str | None = None,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    order: Literal["random", "epochs"] = "random",
-    shuffle_seed: int = 0,
-    max_new_tokens: int = 128,
-    stop_token_ids: list[int] | None = None,
+    **options: Any,
 ) -> FileTask:
     """Options: ``path`` (.jsonl, .parquet, .csv or a ``save_to_disk`` directory, with
     ``split`` for a ``DatasetDict``), ``columns`` (our name -> the file's column),
     ``rewards`` (a list of ``{function, weight, name, timeout_s}``) or ``reward`` (a
-    per-sample function), ``eval_split`` and/or ``eval_path`` (the held-out rows: a split
-    of ``eval_path``, default ``path``, or all of ``eval_path``), ``tokenizer`` (a model
-    spec whose tokenizer to use; none: the engine's), ``chat``, ``system_prompt``,
-    ``chat_template_kwargs``, ``order`` (``random`` or ``epochs``), ``shuffle_seed``,
-    ``max_new_tokens``, ``stop_token_ids``, ``name``. Behind the gateway neither reward
-    option is needed: its agents score the episodes."""
+    per-sample function), ``tokenizer`` (a model spec whose tokenizer to use; none: the
+    engine's), ``name``, and ``PromptOptions``: ``eval_split`` and/or ``eval_path`` (the
+    held-out rows: a split of ``eval_path``, default ``path``, or all of ``eval_path``),
+    ``chat``, ``system_prompt``, ``chat_template_kwargs``, ``order`` (``random`` or
+    ``epochs``), ``shuffle_seed``, ``max_new_tokens``, ``stop_token_ids``. Behind the
+    gateway neither reward option is needed: its agents score the episodes."""
+    prompts = PromptOptions(**options)
     if reward is not None and rewards is not None:
         raise ValueError("the file task takes either 'rewards' (a list) or 'reward', not both")
     if reward is None and rewards is None and not context.agents_score:
@@ -364,22 +372,11 @@ def file_task(
         raise ValueError(f"{path} holds no examples")
     examples = mapped_rows(examples, columns or {}, path)
     check_rows(examples, path)
-    held_out: list[dict[str, Any]] = []
-    if eval_path is not None or eval_split is not None:
-        source = eval_path or path
-        if (Path(source), eval_split) == (Path(path), split):
-            raise ValueError(f"the eval split is the training data ({source}, split {split})")
-        held_out = read_examples(Path(source), eval_split)
-        if not held_out:
-            raise ValueError(f"the eval split of {source} holds no examples")
-        held_out = mapped_rows(held_out, columns or {}, source)
-        check_rows(held_out, f"{source} (eval)")
-    tok: Any
-    if tokenizer is None and context.tokenizer is None:
-        tok = None
-    else:
+    held_out = _held_out_rows(path, split, columns, prompts)
+    tok: Any = None
+    if tokenizer is not None or context.tokenizer is not None:
         tok = hf_tokenizer(context, tokenizer)
-    stops = stop_token_ids
+    stops = prompts.stop_token_ids
     if stops is None:
         eos = getattr(tok, "eos_token_id", None)
         stops = [eos] if eos is not None else []
@@ -391,14 +388,32 @@ def file_task(
         name=name,
         stop_token_ids=stops,
         eval_examples=held_out,
-        chat=chat,
-        system_prompt=system_prompt,
-        chat_template_kwargs=chat_template_kwargs or {},
-        order=order,
-        shuffle_seed=shuffle_seed,
-        max_new_tokens=max_new_tokens,
+        chat=prompts.chat,
+        system_prompt=prompts.system_prompt,
+        chat_template_kwargs=prompts.chat_template_kwargs or {},
+        order=prompts.order,
+        shuffle_seed=prompts.shuffle_seed,
+        max_new_tokens=prompts.max_new_tokens,
     )
     task.render(0, examples[0])  # a prompt that cannot be rendered fails here, not later
     if held_out:
         task.render(0, held_out[0])
     return task
+
+
+def _held_out_rows(
+    path: str, split: str | None, columns: dict[str, str] | None, prompts: PromptOptions
+) -> list[dict[str, Any]]:
+    """The eval rows: a split of ``eval_path`` (default ``path``) or all of it; none when
+    neither is given. The training rows themselves are refused."""
+    if prompts.eval_path is None and prompts.eval_split is None:
+        return []
+    source = prompts.eval_path or path
+    if (Path(source), prompts.eval_split) == (Path(path), split):
+        raise ValueError(f"the eval split is the training data ({source}, split {split})")
+    held_out = read_examples(Path(source), prompts.eval_split)
+    if not held_out:
+        raise ValueError(f"the eval split of {source} holds no examples")
+    held_out = mapped_rows(held_out, columns or {}, source)
+    check_rows(held_out, f"{source} (eval)")
+    return held_out

@@ -189,6 +189,26 @@ def recorded_ledger(config: RollstreamConfig, recorded: RollstreamConfig, follow
     return ledger
 
 
+@dataclasses.dataclass(frozen=True)
+class ForkRequest:
+    """What ``rollstream fork`` was asked to do, past RUN and NEW: the settings changed
+    (``--set``), the steps, whether the groups are made again, whether it follows a run
+    still training (and how long an idle ledger is waited for), the topic read timeout."""
+
+    assignments: tuple[str, ...]
+    from_step: int
+    to_step: int | None
+    restream: bool
+    follow: bool
+    follow_idle_s: float
+    timeout_s: float
+
+    @property
+    def following(self) -> float | None:
+        """How long RUN's ledger may stay idle while the fork follows it; None: no follow."""
+        return self.follow_idle_s if self.follow else None
+
+
 @click.command("fork")
 @click.argument("run")
 @click.option("--as", "new", metavar="NEW", help="The fork's run id (required unless --list).")
@@ -236,19 +256,7 @@ def recorded_ledger(config: RollstreamConfig, recorded: RollstreamConfig, follow
     "--timeout", "timeout_s", default=60.0, show_default=True, help="Topic read timeout (s)."
 )
 @click.pass_context
-def fork(
-    ctx: click.Context,
-    run: str,
-    new: str | None,
-    assignments: tuple[str, ...],
-    from_step: int,
-    to_step: int | None,
-    restream: bool,
-    follow: bool,
-    follow_idle_s: float,
-    show_list: bool,
-    timeout_s: float,
-) -> None:
+def fork(ctx: click.Context, run: str, new: str | None, show_list: bool, **options: Any) -> None:
     """Train RUN again from its recorded scored groups, step by step as RUN's trainer
     did, as run NEW, with this command's configuration: RUN's own config file, --set laid
     over it (the one thing changed). It starts from RUN's initial weights
@@ -282,6 +290,8 @@ def fork(
                 f"{f['trained_to']}, {changed}"
             )
         return
+    asked = ForkRequest(**options)
+    assignments, restream = asked.assignments, asked.restream
     if not new:
         raise click.UsageError("--as NEW is required")
     if new == run:
@@ -292,7 +302,7 @@ def fork(
         raise click.BadParameter(str(err), param_hint="--set") from err
     if "run_id" in overrides or "policy" in overrides:
         raise click.BadParameter("run_id and policy are the fork's own", param_hint="--set")
-    if follow and restream:
+    if asked.follow and restream:
         raise click.BadParameter(
             "a restream reads RUN's raw topic once: it cannot follow a running run",
             param_hint="--follow",
@@ -313,20 +323,7 @@ def fork(
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    following = follow_idle_s if follow else None
-    sys.exit(
-        run_fork(
-            config,
-            recorded,
-            forked,
-            assignments,
-            from_step,
-            to_step,
-            restream,
-            following,
-            timeout_s,
-        )
-    )
+    sys.exit(run_fork(config, recorded, forked, asked))
 
 
 def forked_config(
@@ -354,16 +351,13 @@ def run_fork(
     config: RollstreamConfig,
     recorded: RollstreamConfig,
     forked: RollstreamConfig,
-    assignments: tuple[str, ...],
-    from_step: int,
-    to_step: int | None,
-    restream: bool,
-    follow_idle_s: float | None,
-    timeout_s: float,
+    asked: ForkRequest,
 ) -> int:
     """Check RUN, NEW and the plan (RUN's ledger) before writing anything, claim the
     fork's home, then train (``ForkJob``) and compare the versions. A fresh fork that
     fails before publishing a version leaves nothing behind."""
+    assignments, from_step, to_step = asked.assignments, asked.from_step, asked.to_step
+    restream, follow_idle_s, timeout_s = asked.restream, asked.following, asked.timeout_s
     from consumers.checkpoint import TrainingLedger
     from consumers.config import trainer_home
     from consumers.fork import ForkError, ForkPlan

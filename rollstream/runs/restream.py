@@ -138,6 +138,28 @@ def version_timeline(
     return sorted(timeline)
 
 
+def raw_messages(
+    client_config: Mapping[str, str], topic: str, run: str, timeout_s: float
+) -> list[tuple[int, Message]]:
+    """RUN's records of its raw topic as the stream receives them, with their timestamps,
+    in the order the restream feeds them (time, then partition and offset)."""
+    from core.topic_reader import read_whole_topic
+    from schemas.codec import RUN_ID_HEADER
+    from streams.processor import Message
+
+    raw: list[tuple[int, Message]] = []
+    for msg in read_whole_topic(client_config, topic, "fork-raw", timeout_s):
+        headers = tuple((k, v or b"") for k, v in msg.headers() or [])
+        if dict(headers).get(RUN_ID_HEADER, run.encode()) != run.encode():
+            continue  # another run's record (one without the header goes to the stream)
+        message = Message(
+            msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), headers
+        )
+        raw.append((msg.timestamp()[1], message))
+    raw.sort(key=lambda item: (item[0], item[1].partition, item[1].offset))
+    return raw
+
+
 def restream(
     recorded: RollstreamConfig,
     forked: RollstreamConfig,
@@ -146,30 +168,14 @@ def restream(
 ) -> RestreamResult:
     """Restream RUN's raw topic with the fork's stream settings (see the module doc);
     the scored groups are committed to the fork's topic, or nothing is."""
-    from core.topic_reader import read_whole_topic
     from rollstream.debug.rerun import StreamReplay
-    from schemas.codec import RUN_ID_HEADER
-    from streams.processor import Message
     from streams.staleness import VersionTracker
 
     run, streams = recorded.run_id, forked.streams
     result = RestreamResult(restream_topic(recorded.trainer.topics.scored, forked.run_id))
     timeline = version_timeline(client_config, recorded.streams.topics.versions, run, timeout_s)
     newest = max((v for _, v in timeline), default=None)
-    raw: list[tuple[int, Message]] = []
-    for msg in read_whole_topic(client_config, recorded.streams.topics.raw, "fork-raw", timeout_s):
-        headers = tuple((k, v or b"") for k, v in msg.headers() or [])
-        if dict(headers).get(RUN_ID_HEADER, run.encode()) != run.encode():
-            continue  # another run's record (one without the header goes to the stream)
-        raw.append(
-            (
-                msg.timestamp()[1],
-                Message(
-                    msg.topic(), msg.partition(), msg.offset(), msg.key(), msg.value(), headers
-                ),
-            )
-        )
-    raw.sort(key=lambda item: (item[0], item[1].partition, item[1].offset))
+    raw = raw_messages(client_config, recorded.streams.topics.raw, run, timeout_s)
     engine: RecordedOldLogits | None = None
     if forked.streams.old_logits == recorded.streams.old_logits:
         scored_topic = recorded.trainer.topics.scored
