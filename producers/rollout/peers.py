@@ -33,9 +33,10 @@ from functools import partial
 from typing import Any
 
 from core.config import RoleConfig, SharedConfig
-from producers.config import ProducersConfig, SamplingConfig
+from producers.config import ProducersConfig
 from producers.engine.backends import Backend, http_backend, local_backend
 from producers.engine.client import EngineUnavailable, GenerateOutput
+from producers.engine.config import SamplingConfig
 from producers.rollout.credit import AdmissionCredit
 from producers.rollout.group_publisher import GroupPublisher, recovered_publisher
 from producers.rollout.ledger import Ledger, StopRecord, ledger_dir

@@ -68,7 +68,7 @@ class Task(Protocol):
     """A prompt source and a reward function.
 
     A task may score whole groups instead, with ``async score_group(prompt, responses)
-    -> list[producers.rewards.Score]`` (the file task's TRL-style reward functions do);
+    -> list[producers.tasks.rewards.Score]`` (the file task's TRL-style reward functions do);
     the producer uses it where a task has it, and then ``reward`` may be absent.
     """
 
