@@ -4,7 +4,7 @@ Run from the repository root: ``python -m bench.agentic [--model tiny|smollm2-13
 
 1. **Multi-turn overhead.** ``--episodes`` episodes of ``--turns`` policy turns of
    ``--turn-tokens`` tokens each, separated by environment observations of
-   ``--obs-tokens`` tokens, on the CPU engine (``producers.inference_engine``): every
+   ``--obs-tokens`` tokens, on the CPU engine (``producers.engine.engine``): every
    turn is one generate call with the whole history, as the producer sends it. Against
    one-shot generation of the same number of policy tokens (one call of
    ``turns x turn-tokens`` tokens). Measured with the engine's prefix cache (a turn
@@ -35,8 +35,8 @@ import torch
 
 from core.logprobs import response_logprobs
 from core.models import load_model, parse_model_spec
-from producers.engine_requests import SamplingParams
-from producers.inference_engine import Engine
+from producers.engine.engine import Engine, Scheduling
+from producers.engine.requests import SamplingParams
 
 
 def _engine(model: str, prefix_cache_tokens: int) -> Engine:
@@ -45,8 +45,7 @@ def _engine(model: str, prefix_cache_tokens: int) -> Engine:
         load_model(spec, "float32"),
         model_path=spec.name,
         seed=0,
-        prefix_cache_tokens=prefix_cache_tokens,
-        max_batch_size=64,
+        scheduling=Scheduling(prefix_cache_tokens=prefix_cache_tokens, max_batch_size=64),
     )
 
 

@@ -60,7 +60,7 @@ from typing import Any
 
 from bench.figures import moving_mean, spread, trainer_rows
 from core.config import merge_tables, to_toml
-from rollstream.config import load_config
+from rollstream.config.settings import load_config
 
 MODES = ("async", "sync")
 PHASES = ("generate", "old_logits", "train")
@@ -253,7 +253,7 @@ def _role_ports(run_dir: Path) -> tuple[int, int, int] | None:
 
 def sample_roles(run_dir: Path, steps: int) -> Sample | None:
     """One ``Sample`` read from the running roles; None while one does not answer."""
-    from rollstream.up_display import scrape
+    from rollstream.up.display import scrape
 
     ports = _role_ports(run_dir)
     if ports is None:
@@ -335,7 +335,7 @@ class Run:
 
 def run_up(state_dir: Path, tmp: Path, spec: RunSpec, poll_s: float = 1.0) -> Run:
     """One ``rollstream up`` run on the running infra, its roles sampled every ``poll_s``."""
-    from rollstream.up_display import TrainerLog
+    from rollstream.up.display import TrainerLog
 
     run_id = f"bench-{spec.mode}-s{spec.seed}-{int(time.time())}"
     run_dir = state_dir / "runs" / run_id
@@ -454,7 +454,7 @@ def propagation(run_dir: Path) -> list[float]:
 
 
 def pin_groups(cores: int) -> list[list[str]]:
-    """The phases sharing each core under ``--pin-cores`` (``rollstream.up_plan``'s core plan:
+    """The phases sharing each core under ``--pin-cores`` (``rollstream.up.plan``'s core plan:
     engine and producer on the first cores, stream worker and trainer on the last)."""
     return [["generate"], ["old_logits", "train"]] if cores >= 2 else [list(PHASES)]
 

@@ -45,7 +45,7 @@ from typing import Any
 
 from core.config import to_toml
 from core.process import free_port
-from rollstream.config import RollstreamConfig, load_config
+from rollstream.config.settings import RollstreamConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,7 +170,7 @@ def _trainer_rows(run_dir: Path) -> list[dict[str, float]]:
 
 def _delivered_stamps(state_dir: Path, run_id: str) -> list[float]:
     """Seconds (unix) at which any producer of the run had a group acknowledged."""
-    from producers.ledger import LEDGER_NAME
+    from producers.rollout.ledger import LEDGER_NAME
 
     stamps = []
     for ledger in (state_dir / "producers" / run_id).glob(f"*/{LEDGER_NAME}"):
@@ -232,8 +232,8 @@ def _joined_records(config: RollstreamConfig, producer_id: str) -> list[int]:
 def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> ElasticReport:
     """The scenario of the module doc on fresh embedded services under ``tmp``."""
     from infra.services import Services
-    from producers.ledger import LEDGER_NAME, read_ledger
-    from rollstream.roles import run_roles
+    from producers.rollout.ledger import LEDGER_NAME, read_ledger
+    from rollstream.debug.roles import run_roles
 
     state = tmp / "state"
     run_id = f"elastic-{int(time.time())}"
@@ -304,7 +304,7 @@ def run_elastic(tmp: Path, phase_s: float = 60.0, timeout_s: float = 600.0) -> E
         report.roles_joined = _rollstream_json(config_path, "roles")
 
         def partitions_in_metrics() -> bool:
-            from rollstream.up_display import scrape
+            from rollstream.up.display import scrape
 
             found = scrape(streams_metrics_port).get("rollstream_streams_raw_partitions")
             report.joined_raw_partitions = int(found or 0)

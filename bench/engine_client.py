@@ -27,7 +27,7 @@ import httpx
 from aiohttp import web
 
 from core.process import free_port
-from producers.client import EngineClient
+from producers.engine.client import EngineClient
 
 PROMPT = list(range(50))
 NEW_TOKENS = 8

@@ -41,8 +41,8 @@ import orjson
 
 from bench.e2e import RunSpec, run_up
 from bench.learning import ROUTES
-from rollstream.config import load_config
-from rollstream.report import eval_path, load_metrics
+from rollstream.config.settings import load_config
+from rollstream.runs.report import eval_path, load_metrics
 
 SHOWN = ("loss/total", "clip/frac", "mis/masked_frac", "offpolicy/k3_kl")
 

@@ -5,7 +5,7 @@ Run from the repository root: ``python -m bench.gateway [--agents 8] [--rounds 1
 
 The tiny chat model (``tests/support/chat_model.py``, its context raised to
 ``--context`` positions: RoPE, so no weight depends on it; its 64 hold two calls) is
-served by ``producers.server.ServerThread`` in a process of its own (one torch thread,
+served by ``producers.engine.server.ServerThread`` in a process of its own (one torch thread,
 prefix cache off); a producer with the gateway on (``producers.app.run_producer``, the file
 task over prompts of one length, ``rollout.engine_url`` = that engine) runs in another,
 against Kafka (``--bootstrap``, else ``KAFKA_BOOTSTRAP_SERVERS``, else an embedded broker);
@@ -23,7 +23,7 @@ the agents and the direct clients share this process, one event loop.
    episodes, as plain JSON posts with aiohttp (what the direct side's client uses): the
    gateway's own cost without the openai client's.
    *direct*: as many clients, each sending the engine's ``/generate`` (SGLang's native
-   API, ``producers.client.EngineClient``, ``return_logprob``) one call after another: the
+   API, ``producers.engine.client.EngineClient``, ``return_logprob``) one call after another: the
    very token ids the gateway sent the engine for the same agent's calls (the chat
    template's rendering of its messages, checked against each answer's
    ``usage.prompt_tokens``), with the run's sampling (temperature 1, ``ignore_eos``, no
@@ -76,8 +76,8 @@ SETTLE_S = 0.3  # between sides: the ledger lines and the next groups' admission
 def _engine_process(model_dir: str, ready: Any, stop: Any) -> None:
     from core.config import default_cache_dir
     from producers.config import EngineConfig
-    from producers.inference_engine import engine_from_config
-    from producers.server import ServerThread
+    from producers.engine.engine import engine_from_config
+    from producers.engine.server import ServerThread
 
     config = EngineConfig(model=model_dir, seed=0, torch_threads=1, prefix_cache_tokens=0)
     server = ServerThread(engine_from_config(config, default_cache_dir())).start()
@@ -97,7 +97,7 @@ def _gateway_process(spec: dict[str, Any], done: Any) -> None:
         RolloutConfig,
         SamplingConfig,
     )
-    from rollstream.config import RollstreamConfig
+    from rollstream.config.settings import RollstreamConfig
 
     config = RollstreamConfig(
         run_id=spec["run_id"],
@@ -432,8 +432,8 @@ async def measure(
 ) -> tuple[dict[str, list[Side]], dict[str, int]]:
     """Every round: the gateway with the openai client, the same messages with aiohttp,
     then their prompts sent to the engine directly."""
-    from producers.client import EngineClient
-    from rollstream.up_display import scrape
+    from producers.engine.client import EngineClient
+    from rollstream.up.display import scrape
 
     groups_per_round = args.agents * args.episodes // args.group_size
     params = sampling_params(args.max_tokens)

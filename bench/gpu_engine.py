@@ -3,7 +3,7 @@
 
 ``rollstream serve --engine ENGINE`` is started as a user would start it, on a checkpoint
 directory of the chosen shape (random weights, the tiny model's files). Then, through
-``producers.backends.HttpBackend`` (the producer's own path):
+``producers.engine.backends.HttpBackend`` (the producer's own path):
 
 1. generate a batch with log-probs; the engine's log-probs against the old-logit pass
    (``core.logprobs``) over the same tokens on the same weights (SGLang's kernels differ
@@ -29,9 +29,9 @@ from core.logprobs import response_logprobs
 from core.model_files import write_model_files
 from core.models import build_tiny_llama, parse_model_spec
 from core.process import free_port, tail
-from producers.backends import HttpBackend
-from producers.client import EngineClient, GenerateOutput
-from producers.engine_weights import save_weights
+from producers.engine.backends import HttpBackend
+from producers.engine.client import EngineClient, GenerateOutput
+from producers.engine.weights import save_weights
 
 #: engine log-probs against the old-logit pass: a CPU engine runs the same float32 math
 CPU_ENGINE_TOLERANCE = 1e-4

@@ -7,7 +7,7 @@ with one route of the loss family, with every trained batch exactly ``k`` versio
 (fewer during the first ``k`` steps, when no older version exists). The cell runs the
 project's own pieces in one process:
 
-- **generation**: ``producers.inference_engine.Engine`` on a **bf16** copy of the weights
+- **generation**: ``producers.engine.engine.Engine`` on a **bf16** copy of the weights
   of version ``n - k`` (the real train-inference mismatch: the trainer is fp32);
 - **old logits**: ``streams.oldlogits.OldLogitEngine`` over a ``SnapshotStore`` of recent
   versions, in fp32, exactly as the stream worker computes them;
@@ -101,7 +101,7 @@ class Settings:
     #: groups are generated until ``prompts_per_step`` pass (at most 4x), as DAPO does
     operators: tuple[dict[str, Any], ...] = ()
     #: ``[producers.rollout.curriculum]`` keys: prompts are drawn through
-    #: ``producers.curriculum.Curriculum`` fed with every generated group's statistics
+    #: ``producers.rollout.curriculum.Curriculum`` fed with every generated group's statistics
     curriculum: tuple[tuple[str, Any], ...] = ()
     #: train a LoRA adapter instead of every weight: the trainer, the generator and the
     #: old-logit model all carry it, so a version's state dict (base + adapter, PEFT names)
@@ -147,7 +147,7 @@ class Rig:
 
     trainer: Any  # consumers.train_engine.TrainEngine
     runner: Any  # consumers.step.StepRunner
-    generator: Any  # producers.inference_engine.Engine, bf16
+    generator: Any  # producers.engine.engine.Engine, bf16
     history: Any  # streams.snapshots.InMemorySource: fp32 weights by version
     old_logits: Any  # streams.oldlogits.OldLogitEngine over the history
     current_model: Any  # fp32 module for logp under the current weights
@@ -179,10 +179,10 @@ def build_rig(route: Route, seed: int, settings: Settings, **trainer: Any) -> Ri
     from consumers.step import StepRunner
     from consumers.train_engine import TrainEngine
     from core.models import EOS_ID, PAD_ID, load_model
-    from producers.catalog import make_task
-    from producers.engine_requests import SamplingParams
-    from producers.inference_engine import Engine
-    from producers.tasks import TaskContext
+    from producers.engine.engine import Engine
+    from producers.engine.requests import SamplingParams
+    from producers.tasks.base import TaskContext
+    from producers.tasks.catalog import make_task
     from streams.config import OldLogitsConfig
     from streams.oldlogits import OldLogitEngine
     from streams.snapshots import InMemorySource, SnapshotStore
@@ -251,7 +251,7 @@ def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> Cel
     stats = curriculum = None
     if settings.curriculum:
         from producers.config import CurriculumConfig
-        from producers.curriculum import Curriculum
+        from producers.rollout.curriculum import Curriculum
 
         stats = GeneratedStats()
         config = CurriculumConfig(enabled=True, **dict(settings.curriculum))
@@ -327,7 +327,7 @@ def _generate_groups(
 ) -> list[list[Any]]:
     """``prompts_per_step`` GRPO groups sampled at ``version`` by ``rig``'s generator from
     its task, with advantages (prompts drawn through ``curriculum``, a
-    ``producers.curriculum.Curriculum``, if given)."""
+    ``producers.rollout.curriculum.Curriculum``, if given)."""
     from core.advantages import group_advantages
     from schemas.trajectory import Trajectory
 
@@ -384,10 +384,10 @@ def _flat(group: list[Any]) -> bool:
 
 class GeneratedStats:
     """Per-prompt statistics of every generated group, as the stream would publish them
-    (one partition), folded into a ``producers.curriculum.PromptStatsView``."""
+    (one partition), folded into a ``producers.rollout.curriculum.PromptStatsView``."""
 
     def __init__(self, pass_threshold: float = 1.0) -> None:
-        from producers.curriculum import PromptStatsView
+        from producers.rollout.curriculum import PromptStatsView
 
         self.view = PromptStatsView("bench")
         self.pass_threshold = pass_threshold

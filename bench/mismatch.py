@@ -34,10 +34,10 @@ def main() -> None:
 
     from core.logprobs import response_logprobs
     from core.models import EOS_ID, load_model, load_tokenizer, parse_model_spec
-    from producers.catalog import make_task
-    from producers.engine_requests import SamplingParams
-    from producers.inference_engine import Engine
-    from producers.tasks import TaskContext
+    from producers.engine.engine import Engine
+    from producers.engine.requests import SamplingParams
+    from producers.tasks.base import TaskContext
+    from producers.tasks.catalog import make_task
 
     torch.set_num_threads(1)
     tiny = parse_model_spec(args.model).is_tiny

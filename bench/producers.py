@@ -48,9 +48,9 @@ def bench_engine(model: str, repeats: int, new_tokens: int, threads: int) -> Non
     import httpx
 
     from core.config import default_cache_dir
-    from producers.client import EngineClient
-    from producers.engine_requests import SamplingParams
-    from producers.inference_engine import Engine
+    from producers.engine.client import EngineClient
+    from producers.engine.engine import Engine
+    from producers.engine.requests import SamplingParams
 
     spec = parse_model_spec(model)
     loaded = load_model(spec, cache_dir=default_cache_dir())
@@ -132,7 +132,7 @@ async def _sync(value: object) -> object:
 
 
 async def _with_client(url: str, body) -> None:
-    from producers.client import EngineClient
+    from producers.engine.client import EngineClient
 
     async with EngineClient(url) as client:
         await body(client)
@@ -154,7 +154,7 @@ def bench_publish(model: str, groups: int, bootstrap: str | None, threads: int) 
     from infra.kafka import EmbeddedKafka
     from infra.topics import ensure_topics
     from producers.config import EngineConfig
-    from producers.inference_engine import engine_from_config
+    from producers.engine.engine import engine_from_config
     from schemas.topics import TopicSpec
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-producers-"))
@@ -181,15 +181,15 @@ def bench_publish(model: str, groups: int, bootstrap: str | None, threads: int) 
 
 def _publish_run(engine, model, groups, client_config, topic, workdir, fsync: bool) -> None:
     from core.config import default_cache_dir
-    from producers.backends import LocalBackend
-    from producers.catalog import make_task
     from producers.config import RolloutConfig
-    from producers.group_publisher import GroupPublisher
-    from producers.ledger import Ledger
-    from producers.metrics import ProducerMetrics
-    from producers.publishing import Outbox, ProducerIdentity
-    from producers.tasks import TaskContext
-    from producers.worker import RolloutWorker
+    from producers.engine.backends import LocalBackend
+    from producers.rollout.group_publisher import GroupPublisher
+    from producers.rollout.ledger import Ledger
+    from producers.rollout.metrics import ProducerMetrics
+    from producers.rollout.publishing import Outbox, ProducerIdentity
+    from producers.rollout.worker import RolloutWorker
+    from producers.tasks.base import TaskContext
+    from producers.tasks.catalog import make_task
 
     tiny = parse_model_spec(model).is_tiny
     task_name = "copy-first-digit-twice" if tiny else "arithmetic"

@@ -501,10 +501,10 @@ def measure_task(samples_per_prompt: int = 4) -> dict[str, Any]:
     import torch
 
     from core.models import load_model, load_tokenizer
-    from producers.catalog import make_task
-    from producers.engine_requests import SamplingParams
-    from producers.inference_engine import Engine
-    from producers.tasks import TaskContext
+    from producers.engine.engine import Engine
+    from producers.engine.requests import SamplingParams
+    from producers.tasks.base import TaskContext
+    from producers.tasks.catalog import make_task
 
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)

@@ -5,7 +5,7 @@ Run from the repository root: ``python -m bench.streams [--bootstrap host:port]`
 
 1. **Old-logit tokens/s.** Groups of ``--group-size`` samples (prompt ``--prompt``,
    response ``--response`` tokens, one two-segment partial rollout per group) go through a
-   real worker (``python -m streams.app worker``, exact old logits, versions from the
+   real worker (``python -m streams.faust.app worker``, exact old logits, versions from the
    seeded source, ``--model``). Throughput is response tokens per second between the
    first and the last scored group of a round (broker timestamps of the worker's
    outputs), so worker start-up and snapshot building are not counted; every group in

@@ -18,5 +18,5 @@ Modules, in reading order:
 - ``trainer``: the driver loop. ``build_lock`` / ``prebuild``: DeepSpeed's C++ ops, built
   once and safe against a kill -9 while loading them.
 - ``__main__``: ``python -m consumers`` runs ``rollstream train``
-  (``rollstream.train_cli``).
+  (``rollstream.cli.train``).
 """

@@ -162,7 +162,7 @@ def reward_function_metrics(trajectories: Sequence[Trajectory]) -> dict[str, flo
     trajectories it gave a value for, and the share of trajectories it failed on
     (``reward/fn_failed/<name>``: raised, timed out or returned no number), from the
     ``rewards`` and ``reward_errors`` a task's reward functions record per sample
-    (``producers.rewards``)."""
+    (``producers.tasks.rewards``)."""
     seen: dict[str, list[float]] = {}
     failed: dict[str, list[bool]] = {}
     for traj in trajectories:

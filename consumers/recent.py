@@ -1,6 +1,6 @@
 """The trainer's memory of the groups it trained lately, so a group read twice is refused.
 
-Why: the stream emits each group to ``rollouts.scored`` once (``streams.txn``), but a bug or
+Why: the stream emits each group to ``rollouts.scored`` once (``streams.faust.txn``), but a bug or
 a future failure mode there would otherwise train a group twice, silently. The trainer
 keeps the ids of the last ``RECENT_GROUPS`` groups it consumed in its checkpoint state, so
 the memory survives restarts exactly as far as the weights do: a group replayed after a

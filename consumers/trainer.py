@@ -623,7 +623,7 @@ class Trainer:
     def _count_producers(self, trained: list[Trajectory]) -> None:
         """Producers whose groups were trained over the last window + 1 steps and that
         have not left (heartbeats): they share this trainer's pace (announced with each
-        version, ``producers.worker``)."""
+        version, ``producers.rollout.worker``)."""
         self.recent_producers.append({t.producer_id for t in trained})
         announcer = self.publisher.announcer if self.publisher is not None else None
         if announcer is not None:

@@ -3,7 +3,7 @@
 Pydantic only (no torch), so every entry point validates its configuration before it
 imports anything heavy. ``StrictModel`` is the base of every section: unknown keys are
 errors and instances are frozen. The whole file (``RollstreamConfig``) is assembled in
-``rollstream.config`` from these sections and the roles' own.
+``rollstream.config.settings`` from these sections and the roles' own.
 """
 
 from __future__ import annotations
@@ -579,7 +579,7 @@ class TrackingConfig(StrictModel):
 class SharedConfig(BaseSettings):
     """The sections every role reads: the run, where state lives, Kafka, S3 and weights.
 
-    ``rollstream.config.RollstreamConfig`` adds the roles' sections; below the
+    ``rollstream.config.settings.RollstreamConfig`` adds the roles' sections; below the
     application, code is typed against this base so it never depends on a role."""
 
     model_config = SettingsConfigDict(
@@ -630,7 +630,7 @@ class RoleConfig(NamedTuple, Generic[SectionT]):
     role's own (``ProducersConfig``, ``StreamsConfig`` or ``TrainerConfig``).
 
     A pair rather than the whole file, so a role can only depend on what it is given;
-    ``rollstream.config.role_config`` cuts it from the one resolved configuration."""
+    ``rollstream.config.settings.role_config`` cuts it from the one resolved configuration."""
 
     shared: SharedConfig
     section: SectionT

@@ -20,7 +20,7 @@ Batch layout (deterministic, documented because it fixes the numerics):
   not change any value that is kept.
 - ``log_softmax(logits.float() / temperature)``: logits are upcast to float32 before the
   softmax whatever the model dtype, and divided by the sampling temperature the way
-  SGLang's sampler (and ``producers.inference_engine``) does, so that ``logp_infer`` and these
+  SGLang's sampler (and ``producers.engine.engine``) does, so that ``logp_infer`` and these
   values describe the same distribution.
 
 Exactness: a batch of one row equals a direct ``model(input_ids=...)`` forward pass bit

@@ -10,7 +10,7 @@ as declared (a managed cluster's cap on ``max.message.bytes``, say) is a
 
 Every topic is created with the replication ``KafkaConfig.replication`` resolves for the
 cluster's broker count (``replication``); Faust's own topics get the same factor
-(``streams.worker``), so there is one setting and one resolver for all of them. An
+(``streams.faust.worker``), so there is one setting and one resolver for all of them. An
 existing topic's replication is left as it is.
 """
 

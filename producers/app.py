@@ -22,20 +22,20 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from core.config import RoleConfig, SharedConfig
-from producers.admission import TrainerSignals
-from producers.backends import Backend, http_backend, local_backend
 from producers.config import ProducersConfig, RolloutConfig
-from producers.curriculum import Curriculum, PromptStatsReader, PromptStatsView
-from producers.environments import EpisodeLimits
-from producers.gateway import Gateway
-from producers.gateway_episodes import EpisodeDesk
-from producers.group_publisher import recovered_publisher
-from producers.ledger import Ledger, StopRecord, ledger_dir
-from producers.metrics import ProducerMetrics, Progress
-from producers.peers import PeerSide
-from producers.publishing import Outbox, ProducerIdentity
-from producers.versions import WatchedListener, start_follower
-from producers.worker import RolloutWorker, WorkerReport
+from producers.engine.backends import Backend, http_backend, local_backend
+from producers.gateway.desk import EpisodeDesk
+from producers.gateway.server import Gateway, ServedPolicy
+from producers.rollout.admission import TrainerSignals
+from producers.rollout.curriculum import Curriculum, PromptStatsReader, PromptStatsView
+from producers.rollout.group_publisher import recovered_publisher
+from producers.rollout.ledger import Ledger, StopRecord, ledger_dir
+from producers.rollout.metrics import ProducerMetrics, Progress
+from producers.rollout.peers import PeerSide
+from producers.rollout.publishing import Outbox, ProducerIdentity
+from producers.rollout.versions import WatchedListener, start_follower
+from producers.rollout.worker import RolloutWorker, WorkerLinks, WorkerReport
+from producers.tasks.environments import EpisodeLimits
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +70,8 @@ async def run_producer(
     """
     from core.presence import Beacon
     from core.topic_reader import end_offsets
-    from producers.catalog import make_task
-    from producers.tasks import TaskContext
+    from producers.tasks.base import TaskContext
+    from producers.tasks.catalog import make_task
 
     rollout = producers.rollout
     producer_id = rollout.producer_id or default_producer_id()
@@ -146,27 +146,32 @@ async def run_producer(
                 mark=lambda: end_offsets(client_config, rollout.topic),
             ),
             ProducerIdentity(config.run_id, producer_id, config.s3.name, config.policy),
-            trainer=TrainerSignals(
-                announcement=lambda: watcher.latest if watcher is not None else None,
-                announced_version=lambda: watcher.newest if watcher is not None else None,
-                consumed_version=consumed_version,
-                wait_for_first_version=rollout.follow_weights,
+            links=WorkerLinks(
+                trainer=TrainerSignals(
+                    announcement=lambda: watcher.latest if watcher is not None else None,
+                    announced_version=lambda: watcher.newest if watcher is not None else None,
+                    consumed_version=consumed_version,
+                    wait_for_first_version=rollout.follow_weights,
+                ),
+                peers=peer_side.peers,
+                curriculum=curriculum,
+                gateway=desk,
             ),
-            peers=peer_side.peers,
-            curriculum=curriculum,
             vocab_size=vocab_size,
-            gateway=desk,
         )
         if desk is not None:
+            served = ServedPolicy(
+                model_name=rollout.expected_model or producers.engine.model,
+                tokenizer=tokenizer,
+                group_size=rollout.group_size,
+                vocab_size=vocab_size,
+            )
             gateway = Gateway(
                 rollout.gateway,
                 desk,
                 worker.generator,
-                tokenizer,
                 metrics,
-                model_name=rollout.expected_model or producers.engine.model,
-                group_size=rollout.group_size,
-                vocab_size=vocab_size,
+                served,
                 settled=lambda group_id: settled(ledger, group_id),
             )
             await gateway.start()

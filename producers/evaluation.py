@@ -36,11 +36,11 @@ import orjson
 
 from core.config import SharedConfig
 from core.tracking import Tracker
-from producers.backends import Backend
-from producers.client import GenerateOutput
 from producers.config import EvalConfig, ProducersConfig
-from producers.publishing import task_scores
-from producers.tasks import Prompt, Task
+from producers.engine.backends import Backend
+from producers.engine.client import GenerateOutput
+from producers.rollout.publishing import task_scores
+from producers.tasks.base import Prompt, Task
 
 logger = logging.getLogger(__name__)
 
@@ -215,9 +215,9 @@ async def open_session(
     config: SharedConfig, producers: ProducersConfig, stack: contextlib.AsyncExitStack
 ) -> EvalSession:
     """The engine (closed by ``stack``), the task's eval prompts and the metrics file."""
-    from producers.backends import http_backend, local_backend
-    from producers.catalog import make_task
-    from producers.tasks import TaskContext
+    from producers.engine.backends import http_backend, local_backend
+    from producers.tasks.base import TaskContext
+    from producers.tasks.catalog import make_task
 
     settings = producers.eval
     rollout = producers.rollout
@@ -263,7 +263,7 @@ async def run_evaluator(
 ) -> int:
     """Evaluate due versions as the run publishes them until ``stop`` is set (or
     ``max_evaluations`` are done); returns how many were evaluated."""
-    from producers.versions import start_follower
+    from producers.rollout.versions import start_follower
 
     every = producers.eval.every_versions
     if every < 1:

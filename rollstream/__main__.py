@@ -1,5 +1,5 @@
 """``python -m rollstream`` is the ``rollstream`` command."""
 
-from rollstream.cli import main
+from rollstream.cli.main import main
 
 main()

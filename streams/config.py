@@ -3,7 +3,7 @@
 Light on purpose (pydantic only, no torch, no Faust): ``rollstream stream --help`` and
 config validation stay instant. Every field is described; unknown keys are errors.
 
-The whole file is read by ``rollstream.config.load_config``, which holds
+The whole file is read by ``rollstream.config.settings.load_config``, which holds
 ``StreamsConfig`` as its ``streams`` section and hands it to the worker.
 """
 

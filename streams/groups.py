@@ -11,7 +11,7 @@ Table layout (keys and values are bytes; the changelog is co-partitioned with
 - ``s:<group_id>\\0<trajectory_id>`` → the sample's original record bytes, deleted when
   the group closes;
 - ``o:<topic>\\0<partition>`` → the last source offset whose effects are in the table:
-  replaying a message at or below it is a no-op (see ``streams.txn``).
+  replaying a message at or below it is a no-op (see ``streams.faust.txn``).
 
 ``build_scored_group`` turns the samples, once old logits are attached, into the
 ``ScoredGroup`` that goes to ``rollouts.scored``, with GRPO advantages from

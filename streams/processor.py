@@ -5,7 +5,7 @@ the table writes, and the groups to close. Closing a group that will be emitted 
 old logits first; the caller computes them off the event loop (``OldLogitEngine``) and
 hands them to ``Processor.finish``, which adds the scored group (or its dead letters)
 and the source-offset watermark. The caller then applies the whole step atomically
-(``streams.txn``). Reads come from the table as it was before the step; within a step
+(``streams.faust.txn``). Reads come from the table as it was before the step; within a step
 every write goes to a different key, except the group state, which is written once.
 
 A raw record goes through, in order:

@@ -7,9 +7,9 @@ from collections import Counter
 from pathlib import Path
 
 from consumers.checkpoint import TrainingLedger
-from producers.ledger import Ledger
-from rollstream.audit import AuditReport
-from rollstream.audit_reads import (
+from producers.rollout.ledger import Ledger
+from rollstream.runs.audit import AuditReport
+from rollstream.runs.reads import (
     Progress,
     TopicView,
     read_producer_ledgers,
@@ -130,7 +130,7 @@ def test_records_in_flight_are_told_from_lost_ones(tmp_path: Path) -> None:
 def test_delivery_told_by_the_raw_topic_when_producers_ran_elsewhere() -> None:
     """Without ledger files, a group whose G samples are all in raw was delivered, one with
     fewer was left partly by a crash (orphaned)."""
-    from rollstream.audit_reads import produced_from_raw
+    from rollstream.runs.reads import produced_from_raw
 
     raw = TopicView("raw")
     raw.groups = {"a": {"a-0", "a-1"}, "b": {"b-1"}}

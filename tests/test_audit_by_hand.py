@@ -19,8 +19,8 @@ from support.synthetic import scored_group, synthetic_groups
 from core.config import KafkaConfig, S3Config, merge_tables, to_toml
 from infra.services import Services
 from infra.topics import ensure_topics
-from rollstream.cli import main
-from rollstream.config import load_config, role_config
+from rollstream.cli.main import main
+from rollstream.config.settings import load_config, role_config
 from schemas.codec import encode
 from schemas.group import encode_group
 

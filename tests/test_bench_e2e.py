@@ -33,7 +33,7 @@ from bench.learning_pipeline import (
     staleness_histogram,
 )
 from core.config import to_toml
-from rollstream.config import load_config
+from rollstream.config.settings import load_config
 
 
 def _row(step: int, **values: float) -> dict[str, float]:

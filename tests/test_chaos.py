@@ -4,9 +4,9 @@ One run of the whole pipeline (tiny model, ``copy-first-digit-twice``), with its
 embedded Kafka cluster of three brokers (replication factor 3, ``min.insync.replicas`` 2,
 the internal topics too) and SeaweedFS store in the test's temporary directory (brokers
 must be killed, so the session's shared one cannot be used). The roles are the
-commands ``rollstream up`` starts (``rollstream.up_plan.role_specs``), supervised with
+commands ``rollstream up`` starts (``rollstream.up.plan.role_specs``), supervised with
 ``core.process``, under ``up``'s own supervision loop with ``--restarts 2``
-(``rollstream.up_supervise.supervise``). While data flows, an attacker who can write the
+(``rollstream.up.supervise.supervise``). While data flows, an attacker who can write the
 bucket and produce to ``policy.versions`` (but holds no signing key) forges 16 manifests
 above the trainer's newest version (the next slots the trainer will claim among them), a
 replay of the newest announcement with a larger pace and an announcement of a far
@@ -21,7 +21,7 @@ start it once more to deliver ``GROUPS`` groups and stop by itself (``--groups``
 until the stream has an outcome for every raw record and the trainer has trained
 everything scored, and stop the trainer (it checkpoints).
 
-The reconciliation (``rollstream.audit``) must hold on the real sets: every trajectory id
+The reconciliation (``rollstream.runs.audit``) must hold on the real sets: every trajectory id
 the producer ledger says was delivered is trained (trainer ledger), stale
 (``rollouts.stale``) or dead-lettered (``rollouts.dlq``); nothing is trained twice; nothing
 is trained that the producer ledger does not know; no scored, stale or filtered trajectory
@@ -51,12 +51,12 @@ from weights_support import forge, forged_announcement
 from core.process import Launcher, RoleProcess
 from infra.kafka import EmbeddedKafkaCluster
 from infra.services import Services
-from rollstream.audit import AuditReport, audit
-from rollstream.audit_reads import AuditSources
-from rollstream.config import RollstreamConfig, UpConfig, load_config
-from rollstream.up_display import Dashboard, TrainerLog
-from rollstream.up_plan import Ports, build_config, plan_policies, role_specs, write_config
-from rollstream.up_supervise import STOP_ORDER, StopFlag, supervise
+from rollstream.config.settings import RollstreamConfig, UpConfig, load_config
+from rollstream.runs.audit import AuditReport, audit
+from rollstream.runs.reads import AuditSources
+from rollstream.up.display import Dashboard, TrainerLog
+from rollstream.up.plan import Ports, build_config, plan_policies, role_specs, write_config
+from rollstream.up.supervise import STOP_ORDER, StopFlag, supervise
 from schemas.codec import decode
 from schemas.control import PromptStats, prompt_key
 from schemas.group import decode_group

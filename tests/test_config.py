@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from core.config import KafkaConfig
 from core.config_sources import InvalidConfigError
-from rollstream.config import load_config
+from rollstream.config.settings import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -161,7 +161,7 @@ def test_an_embedded_cluster_lays_out_its_nodes_with_one_quorum(tmp_path: Path) 
 def test_topic_specs_use_the_names_the_sections_give() -> None:
     """``infra up`` and ``topics ensure`` declare the run's topics by their configured
     names, with the partitions and configs of ``schemas.topics``."""
-    from rollstream.config import load_config
+    from rollstream.config.settings import load_config
 
     config = load_config(
         None,
@@ -191,7 +191,7 @@ def test_publish_dtype_takes_trainer_or_bfloat16_and_the_language_model_profile_
     None
 ):
     from consumers.config import TrainerConfig
-    from rollstream.profiles import ProfileConfig, profile_sections
+    from rollstream.config.profiles import ProfileConfig, profile_sections
 
     assert TrainerConfig().publish.dtype == "trainer"
     for garbage in ("float16", "bf16", "", 16, None, ["bfloat16"]):

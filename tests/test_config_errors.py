@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from rollstream.cli import main
+from rollstream.cli.main import main
 
 BAD_VALUES = [
     ("kafka", "port", "-5"),

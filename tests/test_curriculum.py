@@ -26,12 +26,12 @@ from support.streams import (
 )
 
 from core.config import KafkaConfig
-from producers.catalog import make_task
 from producers.config import CurriculumConfig, RolloutConfig, SamplingConfig
-from producers.curriculum import Curriculum, PromptStatsReader, PromptStatsView
-from producers.publishing import Outbox, ProducerIdentity
-from producers.tasks import Prompt, TaskContext
-from producers.worker import RolloutWorker
+from producers.rollout.curriculum import Curriculum, PromptStatsReader, PromptStatsView
+from producers.rollout.publishing import Outbox, ProducerIdentity
+from producers.rollout.worker import RolloutWorker, WorkerLinks
+from producers.tasks.base import Prompt, TaskContext
+from producers.tasks.catalog import make_task
 from schemas.codec import encode
 from schemas.control import PromptStats, prompt_key
 
@@ -139,7 +139,7 @@ def test_the_worker_does_not_start_groups_on_a_solved_prompt() -> None:
     worker = RolloutWorker(
         config, FakeBackend(), task, Outbox(publisher),  # type: ignore[arg-type]
         ProducerIdentity(run_id=RUN, producer_id="p0", region="local"),
-        curriculum=Curriculum(config.curriculum, view),
+        links=WorkerLinks(curriculum=Curriculum(config.curriculum, view)),
     )  # fmt: skip
     asyncio.run(worker.run(groups=40))
     prompts = [tuple(g[0].prompt_ids) for g in publisher.groups]

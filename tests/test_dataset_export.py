@@ -16,8 +16,8 @@ from support.synthetic import scored_group, synthetic_groups
 
 from consumers.checkpoint import TrainingLedger
 from core.models import TinyTokenizer
-from rollstream.cli import main
-from rollstream.dataset_export import (
+from rollstream.cli.main import main
+from rollstream.runs.dataset import (
     PROVENANCE_NAME,
     DatasetCounts,
     DatasetFilter,
@@ -25,7 +25,7 @@ from rollstream.dataset_export import (
     trained_steps,
     write_dataset,
 )
-from rollstream.export import ExportError, staged_directory
+from rollstream.runs.export import ExportError, staged_directory
 from schemas.trajectory import TurnKind
 
 

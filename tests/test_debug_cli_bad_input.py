@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from rollstream.cli import main
+from rollstream.cli.main import main
 
 
 def _run(tmp_path: Path, *args: str):

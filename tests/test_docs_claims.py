@@ -30,9 +30,9 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from rollstream.cli import main
-from rollstream.config import RollstreamConfig
-from rollstream.profiles import ProfileConfig, profile_sections
+from rollstream.cli.main import main
+from rollstream.config.profiles import ProfileConfig, profile_sections
+from rollstream.config.settings import RollstreamConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -428,13 +428,17 @@ def check_command_line(words: list[str]) -> str | None:
             names = word.split("|")  # `infra up|down|status`: each must exist
             if not all(re.fullmatch(r"[a-z][a-z-]*", name) for name in names):
                 return None  # a placeholder (ROLE, COMMAND): nothing more to check
-            unknown = [name for name in names if name not in command.commands]
+            context = click.Context(command)  # the root loads its commands when asked
+            known_names = command.list_commands(context)
+            unknown = [name for name in names if name not in known_names]
             if unknown:
-                known = ", ".join(sorted(command.commands))
+                known = ", ".join(sorted(known_names))
                 return f"`{' '.join(path)}` has no command {unknown[0]!r} (it has: {known})"
             if len(names) > 1:
                 return None
-            command = command.commands[word]
+            found = command.get_command(context, word)
+            assert found is not None
+            command = found
             path.append(word)
         index += 1  # a positional argument of a command
     return None

@@ -94,7 +94,7 @@ def test_the_correction_engages_on_the_runs_own_mismatch_and_reaches_the_weights
     and the masking fork's weights part from those of the same fork with the default
     geometric interval, which keeps every sequence: the correction reaches the gradient."""
     from consumers.config import trainer_home
-    from rollstream.config import load_config
+    from rollstream.config.settings import load_config
     from weights.manifest import Manifest
     from weights.store import WeightStore
 
@@ -169,8 +169,8 @@ def test_a_restreamed_fork_keeps_exact_old_logits_and_keeps_to_its_window(
     from consumers.checkpoint import TrainingLedger
     from consumers.config import ledger_path, trainer_home
     from core.topic_reader import read_whole_topic
-    from rollstream.config import load_config
-    from rollstream.fork_restream import restream_topic
+    from rollstream.config.settings import load_config
+    from rollstream.runs.restream import restream_topic
     from schemas.group import decode_group
 
     steps = 12
@@ -219,8 +219,8 @@ def test_a_restreamed_fork_without_old_logits_trains_on_the_fallback(tiny_run: U
     other old-logit settings need the run's generating versions, which it pruned."""
     from consumers.config import trainer_home
     from core.topic_reader import read_whole_topic
-    from rollstream.config import load_config
-    from rollstream.fork_restream import restream_topic
+    from rollstream.config.settings import load_config
+    from rollstream.runs.restream import restream_topic
     from schemas.group import decode_group
 
     run_dir = tiny_run.run_dir

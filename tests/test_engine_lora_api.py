@@ -20,11 +20,11 @@ from support.lora import LORA, trained
 
 from core.config import LoraConfig
 from core.models import BOS_ID, SEP_ID, is_adapter_tensor, load_model, save_adapter
-from producers.backends import HttpBackend
-from producers.client import EngineClient
-from producers.engine_requests import SamplingParams
-from producers.inference_engine import Engine
-from producers.server import ServerThread
+from producers.engine.backends import HttpBackend
+from producers.engine.client import EngineClient
+from producers.engine.engine import Engine
+from producers.engine.requests import SamplingParams
+from producers.engine.server import ServerThread
 
 pytestmark = pytest.mark.unit
 

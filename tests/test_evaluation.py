@@ -18,7 +18,6 @@ from support.tracking import tensorboard_scalars
 from core.config import TrackingConfig, WeightsConfig, default_cache_dir
 from core.models import build_tiny_llama
 from infra.topics import ensure_topics
-from producers.backends import LocalBackend
 from producers.config import (
     EngineConfig,
     EvalConfig,
@@ -26,6 +25,8 @@ from producers.config import (
     RolloutConfig,
     SamplingConfig,
 )
+from producers.engine.backends import LocalBackend
+from producers.engine.engine import engine_from_config
 from producers.evaluation import (
     DueVersions,
     EvalError,
@@ -34,12 +35,11 @@ from producers.evaluation import (
     run_evaluator,
     summarize,
 )
-from producers.file_task import file_task
-from producers.inference_engine import engine_from_config
-from producers.rewards import Score
-from producers.tasks import TaskContext
-from rollstream.config import RollstreamConfig
-from rollstream.report import load_metrics
+from producers.tasks.base import TaskContext
+from producers.tasks.file import file_task
+from producers.tasks.rewards import Score
+from rollstream.config.settings import RollstreamConfig
+from rollstream.runs.report import load_metrics
 
 torch.set_num_threads(1)
 
@@ -134,7 +134,7 @@ def test_garbage_eval_options_are_refused_clearly(data, tmp_path):
 
 @pytest.mark.unit
 def test_a_version_row_says_what_each_reward_function_gave():
-    from producers.client import GenerateOutput
+    from producers.engine.client import GenerateOutput
 
     def out(n: int, finish: str) -> GenerateOutput:
         return GenerateOutput("r", [3] * n, None, finish, {}, 2, "4", "")
@@ -154,7 +154,7 @@ def test_a_version_row_says_what_each_reward_function_gave():
 
 @pytest.mark.unit
 def test_a_version_row_gives_the_share_of_each_reward_flag():
-    from producers.client import GenerateOutput
+    from producers.engine.client import GenerateOutput
 
     outs = [GenerateOutput("r", [3], None, "stop", {}, 2, "4", "")] * 4
     flags = [(True, True), (False, True), (False, False), (False, True)]
@@ -338,9 +338,9 @@ def test_every_second_version_is_measured_once_across_a_restart(
 
 @pytest.mark.unit
 def test_up_starts_an_evaluator_when_the_config_asks_for_one(tmp_path):
-    from rollstream.config import UpConfig, load_config
-    from rollstream.up_plan import Ports, build_config, role_specs, write_config
-    from rollstream.up_supervise import stop_order
+    from rollstream.config.settings import UpConfig, load_config
+    from rollstream.up.plan import Ports, build_config, role_specs, write_config
+    from rollstream.up.supervise import stop_order
 
     (tmp_path / "run.toml").write_text("[producers.eval]\nevery_versions = 5\n")
     base = load_config(tmp_path / "run.toml")
@@ -362,7 +362,7 @@ def test_up_starts_an_evaluator_when_the_config_asks_for_one(tmp_path):
 def test_the_eval_command_refuses_what_it_cannot_evaluate(tmp_path):
     from click.testing import CliRunner
 
-    from rollstream.cli import main
+    from rollstream.cli.main import main
 
     config = tmp_path / "run.toml"
     config.write_text(f'state_dir = "{tmp_path}"\n')
@@ -390,7 +390,7 @@ def test_stored_versions_due_are_the_multiples_or_the_ones_named():
 
 @pytest.mark.unit
 def test_the_digit_tasks_have_a_fixed_eval_set_of_distinct_prompts():
-    from producers.catalog import make_task
+    from producers.tasks.catalog import make_task
 
     task = make_task("reverse-3-digits", {}, _context())
     first, again = task.eval_prompts(), make_task("reverse-3-digits", {}, _context()).eval_prompts()
@@ -407,7 +407,7 @@ def test_the_digit_tasks_have_a_fixed_eval_set_of_distinct_prompts():
 def test_the_eval_command_refuses_garbage_stored_options(tmp_path):
     from click.testing import CliRunner
 
-    from rollstream.cli import main
+    from rollstream.cli.main import main
 
     config = tmp_path / "run.toml"
     config.write_text(f'state_dir = "{tmp_path}"\n')
@@ -461,7 +461,7 @@ def test_the_versions_a_store_holds_are_measured_once_and_the_command_ends(
     from support.trainer_runs import s3_table
 
     from core.config import to_toml
-    from rollstream.cli import main
+    from rollstream.cli.main import main
 
     unscheduled = settings.model_copy(update={"eval": EvalConfig(samples_per_prompt=2)})
     file = tmp_path / "rollstream.toml"

@@ -18,12 +18,12 @@ from weights_support import store_for
 from core.config import S3Config
 from core.model_files import write_model_files
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
-from producers.backends import MODEL_FILES_DIR, http_backend
 from producers.config import EngineConfig, RolloutConfig
-from producers.inference_engine import Engine
-from producers.server import ServerThread
-from rollstream.cli import main
-from rollstream.export import PROVENANCE_NAME
+from producers.engine.backends import MODEL_FILES_DIR, http_backend
+from producers.engine.engine import Engine
+from producers.engine.server import ServerThread
+from rollstream.cli.main import main
+from rollstream.runs.export import PROVENANCE_NAME
 from weights.writer import DeltaWriter
 
 PROMPT = [BOS_ID, 6, 7, 4, 8, SEP_ID]  # <bos>12+3<sep>

@@ -52,10 +52,10 @@ from consumers.config import TrainerConfig
 from consumers.trainer import FAILPOINT_ENV
 from core.config import KafkaConfig, S3Config
 from core.models import load_model
-from rollstream.cli import main
-from rollstream.config import ConfigSources
-from rollstream.fork_cli import forked_config
-from rollstream.report import load_metrics
+from rollstream.cli.main import main
+from rollstream.config.settings import ConfigSources
+from rollstream.runs.fork import forked_config
+from rollstream.runs.report import load_metrics
 from weights.manifest import Manifest
 from weights.store import WeightStore
 from weights.writer import DeltaWriter

@@ -22,7 +22,7 @@ from confluent_kafka import Producer
 from core.config import KafkaConfig
 from infra.topics import ensure_topics
 from schemas.topics import TopicSpec
-from streams.gaps import GapGuard
+from streams.faust.gaps import GapGuard
 from streams.groups import offset_key
 from streams.processor import Message
 

@@ -3,7 +3,7 @@ the real ``openai`` client: multi-turn episodes recorded token for token, reward
 edits split or refused, abandoned episodes in the ledger, closed episodes a stop cut short
 published or dead-lettered (and counted by the audit), and garbage of every kind.
 
-The model is the tiny chat model (``rollstream.starter.save_chat_model``); the agent's
+The model is the tiny chat model (``rollstream.cli.starter.save_chat_model``); the agent's
 "tool" is the test's own: it answers the model's turn with a user message the chat
 template renders.
 """
@@ -34,11 +34,11 @@ from core.models import BOS_ID, SEP_ID
 from core.process import free_port
 from producers.app import run_producer
 from producers.config import EngineConfig, GatewayConfig, ProducersConfig, RolloutConfig
-from producers.ledger import ledger_dir, read_ledger
-from rollstream.audit import audit
-from rollstream.audit_reads import AuditSources
-from rollstream.starter import CHAT_VOCAB as VOCAB
-from rollstream.starter import save_chat_model
+from producers.rollout.ledger import ledger_dir, read_ledger
+from rollstream.cli.starter import CHAT_VOCAB as VOCAB
+from rollstream.cli.starter import save_chat_model
+from rollstream.runs.audit import audit
+from rollstream.runs.reads import AuditSources
 from schemas.codec import decode
 from schemas.control import DeadLetter
 from schemas.trajectory import Trajectory, TurnKind

@@ -17,9 +17,9 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from producers.gateway_answers import Answer, Envelope, parse_hermes_tool_calls
-from producers.gateway_requests import chat_request
-from producers.generation import Sample
+from producers.gateway.answers import Answer, Envelope, parse_hermes_tool_calls
+from producers.gateway.requests import chat_request
+from producers.rollout.generation import Sample
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
 

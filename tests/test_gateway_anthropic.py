@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from producers.gateway_answers import Answer, Envelope
-from producers.gateway_anthropic import MessageAnswer, messages_request
-from producers.gateway_requests import BadRequest
-from producers.generation import Sample
+from producers.gateway.answers import Answer, Envelope
+from producers.gateway.anthropic import MessageAnswer, messages_request
+from producers.gateway.requests import BadRequest
+from producers.rollout.generation import Sample
 
 pytestmark = pytest.mark.unit
 

@@ -27,7 +27,7 @@ from support.up_runs import assert_reconciles, finish, mean, metric_rows, start_
 
 from core.config import KafkaConfig, S3Config
 from core.process import free_port
-from rollstream.starter import save_chat_model
+from rollstream.cli.starter import save_chat_model
 
 pytestmark = pytest.mark.system
 

@@ -16,7 +16,7 @@ from confluent_kafka import Consumer, Producer
 from core.config import KafkaConfig, S3Config
 from core.process import free_port, pid_alive, port_open
 from infra.services import Services
-from rollstream.config import RollstreamConfig, load_config
+from rollstream.config.settings import RollstreamConfig, load_config
 from weights.store import make_s3_client
 from weights.trust import Trust
 

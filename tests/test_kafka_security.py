@@ -3,7 +3,7 @@ broker, OAUTHBEARER's mapping and token fetch, and the combinations refused up f
 
 One extra broker for the module (``support.secure_kafka.SecuredKafka``) has both
 listeners. librdkafka clients get ``KafkaConfig.client_config()``; the stream worker's
-aiokafka clients get what Faust passes them from ``streams.broker.broker_credentials``.
+aiokafka clients get what Faust passes them from ``streams.faust.broker.broker_credentials``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from support.secure_kafka import SecuredKafka, make_tls
 from core.config import KafkaConfig
 from infra.topics import ensure_topics
 from schemas.topics import TopicSpec
-from streams.broker import ClientCredentialsToken, broker_credentials
+from streams.faust.broker import ClientCredentialsToken, broker_credentials
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ import pytest
 from support.up_runs import TINY_MIN_ACCURACY, digit_accuracy
 
 from core.models import DIGIT0_ID, EOS_ID
-from producers.tasks import score_digits
+from producers.tasks.base import score_digits
 
 pytestmark = pytest.mark.unit
 

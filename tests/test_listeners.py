@@ -32,7 +32,7 @@ def _listening(port: int) -> set[str]:
 
 def _serve_producer(port: int) -> None:
     from producers.config import RolloutConfig
-    from producers.metrics import ProducerMetrics
+    from producers.rollout.metrics import ProducerMetrics
 
     ProducerMetrics().serve(port, RolloutConfig().metrics_host)
 
@@ -61,15 +61,15 @@ def test_metrics_bind_loopback_by_default(serve):
 
 
 def _up_config(tmp_path: Path, trainer_ranks: int):
-    from rollstream.config import RollstreamConfig, UpConfig
-    from rollstream.up_plan import Ports, build_config
+    from rollstream.config.settings import RollstreamConfig, UpConfig
+    from rollstream.up.plan import Ports, build_config
 
     up = UpConfig(trainer_ranks=trainer_ranks)
     return build_config(RollstreamConfig(), up, "run1", tmp_path / "run", Ports.free())
 
 
 def test_up_plans_a_loopback_rendezvous_for_several_trainer_ranks(tmp_path):
-    from rollstream.up_plan import role_specs
+    from rollstream.up.plan import role_specs
 
     config = _up_config(tmp_path, trainer_ranks=2)
     (trainer,) = [s for s in role_specs(tmp_path / "run.toml", config) if s.name == "trainer"]
@@ -83,7 +83,7 @@ def test_up_plans_a_loopback_rendezvous_for_several_trainer_ranks(tmp_path):
 
 
 def test_up_gives_its_engines_a_per_run_key_that_its_producers_send(tmp_path):
-    from rollstream.up_plan import write_config
+    from rollstream.up.plan import write_config
 
     config = _up_config(tmp_path, trainer_ranks=1)
     key = config.producers.engine.api_key
@@ -97,8 +97,8 @@ def test_up_gives_its_engines_a_per_run_key_that_its_producers_send(tmp_path):
 
 
 def test_up_gives_its_gateway_a_per_run_key_and_says_where_agents_find_it(tmp_path):
-    from rollstream.config import RollstreamConfig, UpConfig
-    from rollstream.up_plan import Ports, build_config, gateway_notes, plan_policies
+    from rollstream.config.settings import RollstreamConfig, UpConfig
+    from rollstream.up.plan import Ports, build_config, gateway_notes, plan_policies
 
     gateway = {"producers": {"rollout": {"gateway": {"enabled": True, "port": 8123}}}}
     base = RollstreamConfig.model_validate(gateway)

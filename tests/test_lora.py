@@ -20,8 +20,8 @@ from consumers.train_engine import TrainEngine
 from core.config import LoraConfig, S3Config
 from core.logprobs import PADDED_BATCH_ATOL
 from core.models import adapter_tensor_names, load_model, save_adapter
-from producers.engine_weights import AppliedTensors, load_state_dict_checked
-from producers.inference_engine import Engine
+from producers.engine.engine import Engine
+from producers.engine.weights import AppliedTensors, load_state_dict_checked
 from schemas.trajectory import Trajectory
 from streams.config import OldLogitsConfig
 from streams.oldlogits import OldLogitEngine

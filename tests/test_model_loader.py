@@ -1,6 +1,6 @@
 """One model spec, one loader: every role builds the same model with the same numerics.
 
-The engine (``producers.inference_engine.engine_from_config``), the old-logit service
+The engine (``producers.engine.engine.engine_from_config``), the old-logit service
 (``streams.oldlogits.OldLogitEngine``) and the trainer (``core.models.load_model`` in
 float32 as ``consumers.trainer`` does, wrapped by ``consumers.train_engine.TrainEngine``) each
 build their model through their own code from the same spec; with the same weights and
@@ -34,9 +34,9 @@ from core.models import (
     parse_model_spec,
 )
 from producers.config import EngineConfig
-from producers.inference_engine import engine_from_config
-from rollstream.config import load_config
-from rollstream.profiles import ProfileConfig
+from producers.engine.engine import engine_from_config
+from rollstream.config.profiles import ProfileConfig
+from rollstream.config.settings import load_config
 from schemas.trajectory import Trajectory
 from streams.config import OldLogitsConfig
 from streams.oldlogits import OldLogitEngine
@@ -78,7 +78,7 @@ def engine_model(spec: str, dtype: str, cache_dir: Path):
 
 
 def oldlogit_service(spec: str, dtype: str, cache_dir: Path, states=None) -> OldLogitEngine:
-    """The stream worker's old-logit engine (``streams.app``), versions from ``states``."""
+    """The stream worker's old-logit engine (``streams.faust.app``), versions from ``states``."""
     config = OldLogitsConfig(model=spec, dtype=dtype)
     store = None
     if states is not None:
@@ -303,7 +303,7 @@ def test_a_hub_id_loads_from_the_local_cache(
 ) -> None:
     from huggingface_hub import constants
 
-    from rollstream.up_plan import check_models
+    from rollstream.up.plan import check_models
 
     cache = tmp_path / "hub"
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))

@@ -49,7 +49,7 @@ def test_the_tiny_tokenizer_serves_chat_in_its_own_tokens() -> None:
     (what an HTTP engine loads) renders the same."""
     from core.model_files import tiny_tokenizer
     from core.models import load_tokenizer
-    from producers.tasks import copy_first_digit_twice
+    from producers.tasks.base import copy_first_digit_twice
 
     tokenizer = load_tokenizer("tiny")
     assert len(tokenizer) == 16 and len(load_tokenizer("tiny:vocab_size=32")) == 32

@@ -19,17 +19,18 @@ from support.streams import synthetic
 from consumers.batching import pack
 from core.config import ConfigurationError, merge_tables
 from core.models import BOS_ID, DIGIT0_ID, EOS_ID, SEP_ID
-from producers.catalog import make_task
 from producers.config import RolloutConfig, SamplingConfig
-from producers.credit import AdmissionCredit
-from producers.environments import EpisodeLimits, Observation
-from producers.episodes import EpisodeRunner
-from producers.games import ProposeSolve, problem_form, problem_of
-from producers.peers import PeerEngine, Peers, PeerSample, PeerTurn
-from producers.publishing import Outbox, ProducerIdentity
-from producers.tasks import Prompt, TaskContext
-from producers.worker import RolloutWorker
-from rollstream.config import RollstreamConfig, load_config, parse_assignments
+from producers.rollout.credit import AdmissionCredit
+from producers.rollout.episodes import EpisodeRunner
+from producers.rollout.peers import PeerEngine, Peers
+from producers.rollout.publishing import Outbox, ProducerIdentity
+from producers.rollout.worker import RolloutWorker, WorkerLinks
+from producers.tasks.base import Prompt, TaskContext
+from producers.tasks.catalog import make_task
+from producers.tasks.environments import EpisodeLimits, Observation
+from producers.tasks.games import ProposeSolve, problem_form, problem_of
+from producers.tasks.peers import PeerSample, PeerTurn
+from rollstream.config.settings import RollstreamConfig, load_config, parse_assignments
 from schemas.codec import decode, encode, routing_headers
 from schemas.control import DeadLetter
 from schemas.trajectory import EpisodeEnd
@@ -353,7 +354,7 @@ def _worker(
         task or ProposeSolve(solver=solver),
         Outbox(publisher, {"solver": peer_publisher}),
         ProducerIdentity(run_id="run", producer_id="p0", region="local", policy="proposer"),
-        peers=Peers({"solver": solver}),
+        links=WorkerLinks(peers=Peers({"solver": solver})),
     )
 
 
@@ -396,7 +397,7 @@ def test_admission_credit_settles_with_each_trained_version() -> None:
 
 
 def test_root_config_round_trips_with_its_policies(tmp_path: Path) -> None:
-    from rollstream.up_plan import write_config
+    from rollstream.up.plan import write_config
 
     root = load_config(_config_file(tmp_path))
     write_config(root, tmp_path / "again.toml")
@@ -405,8 +406,8 @@ def test_root_config_round_trips_with_its_policies(tmp_path: Path) -> None:
 
 
 def test_the_live_display_shows_every_policys_roles(tmp_path: Path) -> None:
-    from rollstream.up_display import Dashboard, TrainerLog
-    from rollstream.up_plan import plan_policies, policy_ports
+    from rollstream.up.display import Dashboard, TrainerLog
+    from rollstream.up.plan import plan_policies, policy_ports
 
     root = load_config(_config_file(tmp_path))
     logs = {}
@@ -430,9 +431,9 @@ def test_the_live_display_shows_every_policys_roles(tmp_path: Path) -> None:
 
 
 def test_a_stopping_producer_says_in_each_peer_ledger_what_it_did(tmp_path: Path) -> None:
-    from producers.ledger import Ledger, StopRecord, read_ledger
-    from producers.metrics import ProducerMetrics
-    from producers.peers import PeerSide
+    from producers.rollout.ledger import Ledger, StopRecord, read_ledger
+    from producers.rollout.metrics import ProducerMetrics
+    from producers.rollout.peers import PeerSide
 
     ledger = Ledger(tmp_path / "solver", fsync=False).open()
     ledger.pending("a-solver", ["a-solver-0", "a-solver-1"])
@@ -449,7 +450,7 @@ def test_a_stopping_producer_says_in_each_peer_ledger_what_it_did(tmp_path: Path
 
 
 def test_a_peer_engine_that_is_away_regenerates_the_group_instead_of_scoring_it() -> None:
-    from producers.client import EngineUnavailable
+    from producers.engine.client import EngineUnavailable
 
     class Flaky(FakeBackend):
         failures: int = 1
@@ -471,8 +472,8 @@ def test_a_peer_engine_that_is_away_regenerates_the_group_instead_of_scoring_it(
 
 
 def test_up_starts_every_role_of_every_policy_with_its_policy(tmp_path: Path) -> None:
-    from rollstream.config import UpConfig
-    from rollstream.up_plan import Ports, build_config, role_specs, write_config
+    from rollstream.config.settings import UpConfig
+    from rollstream.up.plan import Ports, build_config, role_specs, write_config
 
     up = UpConfig(producers=2, stream_workers=2, trainer_ranks=2)
     root = load_config(_config_file(tmp_path))
@@ -512,8 +513,8 @@ def test_set_on_the_command_line_wins_over_a_policy_table(tmp_path: Path) -> Non
 
 
 def test_a_policys_own_profile_holds_under_up(tmp_path: Path) -> None:
-    from rollstream.config import UpConfig
-    from rollstream.up_plan import Ports, build_config, write_config
+    from rollstream.config.settings import UpConfig
+    from rollstream.up.plan import Ports, build_config, write_config
 
     text = TWO_POLICIES + '[policies.solver.profile]\nmodel = "tiny:num_layers=3"\n'
     by_hand = load_config(_config_file(tmp_path, text), policy="solver")
@@ -554,7 +555,7 @@ def test_a_policy_may_not_look_like_a_version_directory(tmp_path: Path) -> None:
 def test_commands_that_need_one_policy_say_so(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from rollstream.cli import main
+    from rollstream.cli.main import main
 
     path = _config_file(tmp_path)
     runner = CliRunner()
@@ -656,7 +657,7 @@ def solver_peers() -> Peers:
 
 
 def test_peer_samples_of_no_peer_are_dropped_and_a_missing_group_refunds_credit() -> None:
-    from producers.episodes import EpisodeResult
+    from producers.rollout.episodes import EpisodeResult
 
     solver = _peer(FakeBackend(version=1), version=1)
     solver.credit.groups_per_version = 1

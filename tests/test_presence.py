@@ -15,7 +15,7 @@ from core.config import KafkaConfig
 from core.presence import Beacon, classify, read_presence
 from core.topic_reader import group_lag
 from infra.topics import ensure_topics
-from rollstream.roles import stream_worker_lag
+from rollstream.debug.roles import stream_worker_lag
 from schemas.control import RoleHeartbeat
 from schemas.topics import ROLES, TopicSpec
 

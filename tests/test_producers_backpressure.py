@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
-from producers.client import EngineClient, retry_after_seconds
 from producers.config import EngineConfig
-from producers.engine_requests import EngineBusy, SamplingParams
-from producers.inference_engine import Engine
-from producers.server import ServerThread
+from producers.engine.client import EngineClient, retry_after_seconds
+from producers.engine.engine import Engine, Scheduling
+from producers.engine.requests import EngineBusy, SamplingParams
+from producers.engine.server import ServerThread
 
 torch.set_num_threads(1)
 
@@ -32,9 +32,9 @@ def busy_server(limit: int, retry_after_s: float) -> ServerThread:
         model_path="tiny",
         tokenizer=TinyTokenizer(),
         seed=0,
-        step_delay_s=0.5,
-        max_pending=limit,
-        busy_retry_after_s=retry_after_s,
+        scheduling=Scheduling(
+            step_delay_s=0.5, max_pending=limit, busy_retry_after_s=retry_after_s
+        ),
     )
     return ServerThread(engine)
 
@@ -81,7 +81,7 @@ def test_a_full_engine_answers_503_with_retry_after_and_queues_nothing() -> None
 
 
 def test_the_client_waits_retry_after_then_succeeds(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="producers.client")
+    caplog.set_level(logging.INFO, logger="producers.engine.client")
     with busy_server(limit=2, retry_after_s=1.0) as server:
         fill(server, 2)
 
@@ -101,7 +101,7 @@ def test_the_client_waits_retry_after_then_succeeds(caplog: pytest.LogCaptureFix
 
 
 def test_engine_config_bounds_the_engine(tmp_path) -> None:
-    from producers.inference_engine import engine_from_config
+    from producers.engine.engine import engine_from_config
 
     engine = engine_from_config(
         EngineConfig(max_pending_requests=1, busy_retry_after_s=4), tmp_path

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
-from producers.client import EngineClient, EngineRequestError
 from producers.config import EngineConfig
-from producers.inference_engine import Engine
-from producers.server import ServerThread
+from producers.engine.client import EngineClient, EngineRequestError
+from producers.engine.engine import Engine
+from producers.engine.server import ServerThread
 from tests.test_producers_server import FakeEngine, _good
 
 torch.set_num_threads(1)

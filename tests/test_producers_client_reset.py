@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-from producers.client import EngineClient, EngineUnavailable
+from producers.engine.client import EngineClient, EngineUnavailable
 
 
 async def _resetting_server() -> tuple[asyncio.Server, int]:

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
-from producers.backends import HttpBackend
-from producers.client import EngineClient, EngineRequestError
-from producers.engine_weights import save_weights
-from producers.inference_engine import Engine
-from producers.server import ServerThread
+from producers.engine.backends import HttpBackend
+from producers.engine.client import EngineClient, EngineRequestError
+from producers.engine.engine import Engine
+from producers.engine.server import ServerThread
+from producers.engine.weights import save_weights
 
 torch.set_num_threads(1)
 
@@ -134,7 +134,7 @@ def run(coro):
 def test_serve_refuses_a_public_host_without_a_key_before_loading_anything(tmp_path):
     from click.testing import CliRunner
 
-    from rollstream.cli import main
+    from rollstream.cli.main import main
 
     result = CliRunner().invoke(
         main, ["--state-dir", str(tmp_path), "serve", "--host", "0.0.0.0", "--port", "0"]

@@ -13,19 +13,19 @@ from support.envs import BrokenEnvironment
 from support.fake_engine import FakeBackend, FakePublisher
 
 from core.models import BOS_ID, DIGIT0_ID, EOS_ID, SEP_ID
-from producers.catalog import make_task
 from producers.config import RolloutConfig, SamplingConfig
-from producers.environments import (
+from producers.rollout.episodes import EpisodeResult, EpisodeRunner
+from producers.rollout.publishing import Outbox, ProducerIdentity
+from producers.rollout.worker import RolloutWorker
+from producers.tasks.base import Prompt, TaskContext
+from producers.tasks.catalog import make_task
+from producers.tasks.environments import (
     CalculatorEpisode,
     EchoDigits,
     EpisodeLimits,
     MalformedToolCall,
     evaluate_expression,
 )
-from producers.episodes import EpisodeResult, EpisodeRunner
-from producers.publishing import Outbox, ProducerIdentity
-from producers.tasks import Prompt, TaskContext
-from producers.worker import RolloutWorker
 from schemas.trajectory import EpisodeEnd, Trajectory, TurnKind
 from schemas.validation import ValidationLimits, validate
 

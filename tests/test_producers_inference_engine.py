@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from core.models import BOS_ID, EOS_ID, SEP_ID, build_tiny_llama
-from producers.engine_requests import RequestError, SamplingParams
-from producers.engine_weights import load_state_dict_checked, read_weights, save_weights
-from producers.inference_engine import Engine
+from producers.engine.engine import Engine
+from producers.engine.requests import RequestError, SamplingParams
+from producers.engine.weights import load_state_dict_checked, read_weights, save_weights
 
 torch.set_num_threads(1)
 

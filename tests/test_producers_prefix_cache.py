@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from core.models import BOS_ID, SEP_ID, build_tiny_llama
-from producers.engine_requests import SamplingParams
-from producers.inference_engine import Engine
-from producers.prefix_cache import PrefixCache
+from producers.engine.engine import Engine, Scheduling
+from producers.engine.prefix_cache import PrefixCache
+from producers.engine.requests import SamplingParams
 
 pytestmark = pytest.mark.unit
 
@@ -25,7 +25,10 @@ def recompute(model, prompt: list[int], response: list[int]) -> list[float]:
 
 def make_engine(prefix_cache_tokens: int) -> Engine:
     return Engine(
-        build_tiny_llama(seed=0), model_path="tiny", seed=1, prefix_cache_tokens=prefix_cache_tokens
+        build_tiny_llama(seed=0),
+        model_path="tiny",
+        seed=1,
+        scheduling=Scheduling(prefix_cache_tokens=prefix_cache_tokens),
     ).start()
 
 

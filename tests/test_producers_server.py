@@ -15,7 +15,7 @@ from aiohttp import web
 from support.producer_runs import recompute
 
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
-from producers.client import (
+from producers.engine.client import (
     EngineClient,
     EngineModelMismatch,
     EngineRequestError,
@@ -24,9 +24,9 @@ from producers.client import (
     parse_generate_response,
     same_model,
 )
-from producers.engine_weights import save_weights, weights_sha256
-from producers.inference_engine import Engine
-from producers.server import ServerThread
+from producers.engine.engine import Engine
+from producers.engine.server import ServerThread
+from producers.engine.weights import save_weights, weights_sha256
 
 torch.set_num_threads(1)
 

@@ -13,16 +13,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from core.models import BOS_ID, DIGIT0_ID, EOS_ID, SEP_ID, TinyTokenizer
-from producers.catalog import available_tasks, make_task
 from producers.config import ProducersConfig, RolloutConfig, SamplingConfig
-from producers.tasks import (
+from producers.tasks.base import (
     TaskContext,
     make_word_problem,
     register_task,
     score_arithmetic,
     score_digits,
 )
-from rollstream.config import load_config
+from producers.tasks.catalog import available_tasks, make_task
+from rollstream.config.settings import load_config
 
 TOK = TinyTokenizer()
 

@@ -32,12 +32,12 @@ from core.models import TinyTokenizer, build_tiny_llama
 from core.topic_reader import end_offsets
 from infra.topics import ensure_topics
 from producers.app import run_producer
-from producers.catalog import make_task
 from producers.config import EngineConfig, ProducersConfig, SamplingConfig
-from producers.inference_engine import Engine
-from producers.ledger import Ledger, ledger_dir, read_ledger, recover
-from producers.server import ServerThread
-from producers.tasks import TaskContext
+from producers.engine.engine import Engine, Scheduling
+from producers.engine.server import ServerThread
+from producers.rollout.ledger import Ledger, ledger_dir, read_ledger, recover
+from producers.tasks.base import TaskContext
+from producers.tasks.catalog import make_task
 from schemas.codec import decode, encode, routing_headers
 from schemas.trajectory import Trajectory
 
@@ -170,7 +170,7 @@ def test_trl_reward_functions_score_groups_on_the_producer(
 
 
 def _prompt_of(traj: Trajectory):
-    from producers.tasks import Prompt
+    from producers.tasks.base import Prompt
 
     digits = [int(t) - 5 for t in traj.prompt_ids[1:-1]]
     return Prompt([int(t) for t in traj.prompt_ids], {"digits": digits, "target": [digits[0]] * 2})
@@ -422,11 +422,11 @@ def test_admission_control_waits_for_the_trainer(kafka_config, unique_name, tmp_
 def test_admission_waits_while_weights_lag_the_announced_version(
     kafka_config, unique_name, tmp_path, caplog
 ):
-    from producers.admission import TrainerSignals
-    from producers.backends import LocalBackend
-    from producers.group_publisher import GroupPublisher
-    from producers.publishing import Outbox, ProducerIdentity
-    from producers.worker import RolloutWorker
+    from producers.engine.backends import LocalBackend
+    from producers.rollout.admission import TrainerSignals
+    from producers.rollout.group_publisher import GroupPublisher
+    from producers.rollout.publishing import Outbox, ProducerIdentity
+    from producers.rollout.worker import RolloutWorker, WorkerLinks
 
     topic = make_topic(kafka_config, unique_name)
     announced = [3]  # the weight store is down: v3 announced, the worker still at v0
@@ -442,7 +442,7 @@ def test_admission_waits_while_weights_lag_the_announced_version(
                 make_task("copy-first-digit-twice", {}, TaskContext(tmp_path)),
                 Outbox(publisher),
                 ProducerIdentity(run_id="r", producer_id="p", region="local"),
-                trainer=TrainerSignals(announced_version=lambda: announced[0]),
+                links=WorkerLinks(trainer=TrainerSignals(announced_version=lambda: announced[0])),
             )
             run = asyncio.create_task(worker.run(1))
             while not worker.metrics.get("admission_paused"):
@@ -470,7 +470,12 @@ def test_worker_rides_out_an_engine_outage(kafka_config, unique_name, tmp_path):
     config = rs_config(kafka_config, tmp_path)
     # paced, so that groups are still being generated when the engine goes away (a fast
     # machine could otherwise finish all of them while the server is being stopped)
-    engine = Engine(build_tiny_llama(seed=0), model_path="tiny", seed=0, step_delay_s=0.05)
+    engine = Engine(
+        build_tiny_llama(seed=0),
+        model_path="tiny",
+        seed=0,
+        scheduling=Scheduling(step_delay_s=0.05),
+    )
     servers = [ServerThread(engine).start()]
     port = servers[0].port
     settings = ProducersConfig(
@@ -576,7 +581,7 @@ def test_ledger_recovery_resolves_what_a_crash_left_pending(kafka_config, unique
 
 
 def test_ledger_is_exclusive(tmp_path):
-    from producers.ledger import LedgerLocked
+    from producers.rollout.ledger import LedgerLocked
 
     with Ledger(tmp_path), pytest.raises(LedgerLocked, match="another process"):
         Ledger(tmp_path).open()
@@ -768,7 +773,7 @@ def test_a_dataset_walked_in_epochs_survives_kill_9(kafka_config, unique_name, t
         max_new_tokens = 3
         order = "epochs"
         shuffle_seed = 7
-        rewards = [{{ function = "producers.math_reward:math_accuracy" }}]
+        rewards = [{{ function = "producers.tasks.math_reward:math_accuracy" }}]
         """
     )
     topic = make_topic(kafka_config, unique_name)

@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from core.config_sources import InvalidConfigError
-from rollstream.cli import main
-from rollstream.config import RollstreamConfig, UpConfig, load_config
-from rollstream.profiles import ProfileConfig, profile_sections
-from rollstream.up_plan import Ports, build_config, write_config
+from rollstream.cli.main import main
+from rollstream.config.profiles import ProfileConfig, profile_sections
+from rollstream.config.settings import RollstreamConfig, UpConfig, load_config
+from rollstream.up.plan import Ports, build_config, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "infra" / "rollstream.example.toml"

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from pydantic import ValidationError
 
 from core.config import S3Config, WeightsConfig
-from rollstream.cli import main
+from rollstream.cli.main import main
 
 
 def test_a_region_is_named_by_its_table() -> None:

@@ -26,8 +26,8 @@ from support.streams import synthetic
 
 from core.config import KafkaConfig, S3Config, to_toml
 from infra.topics import ensure_topics
-from rollstream.cli import main
-from rollstream.replay_export import trajectories_from_export
+from rollstream.cli.main import main
+from rollstream.debug.parquet import trajectories_from_export
 from schemas.codec import encode, routing_headers
 from schemas.control import DeadLetter, StaleRecord, VersionAnnouncement
 from schemas.group import ScoredGroup, encode_group

@@ -12,8 +12,8 @@ import pytest
 from rich.console import Console
 from support.streams import synthetic
 
-from rollstream.records import ReplayRecord, decode_record
-from rollstream.replay_render import Renderer, RenderOptions
+from rollstream.debug.records import ReplayRecord, decode_record
+from rollstream.debug.render import Renderer, RenderOptions
 from schemas.codec import encode
 from schemas.control import DeadLetter, VersionAnnouncement
 from tests.test_replay import T0, scored_group

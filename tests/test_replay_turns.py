@@ -17,8 +17,8 @@ from consumers.config import TrainerConfig
 from consumers.loss_config import GrpoLossConfig
 from consumers.losses import LossInputs, compute_loss
 from core.models import build_tiny_llama
-from rollstream.replay_render import Renderer, RenderOptions
-from rollstream.rerun import Policy, loss_terms
+from rollstream.debug.render import Renderer, RenderOptions
+from rollstream.debug.rerun import Policy, loss_terms
 from schemas.group import SampleDiagnostics, ScoredGroup
 
 TURNS = [(0, 3), (1, 2), (0, 2), (1, 1)]  # policy 3 / env 2 / policy 2 / env 1

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from matplotlib.image import imread
 
 from core.config import to_toml
-from rollstream.cli import main
+from rollstream.cli.main import main
 
 STEPS = [
     {

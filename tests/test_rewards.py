@@ -22,14 +22,14 @@ from prometheus_client import CollectorRegistry
 from consumers.metrics import data_metrics
 from core.model_files import tiny_tokenizer
 from core.models import TinyTokenizer
-from producers.catalog import make_task
-from producers.file_task import FileTask, read_examples
-from producers.generation import Sample
-from producers.math_reward import math_accuracy
-from producers.metrics import ProducerMetrics
-from producers.publishing import ProducerIdentity, RecordBuilder
-from producers.rewards import RewardSet
-from producers.tasks import TaskContext
+from producers.rollout.generation import Sample
+from producers.rollout.metrics import ProducerMetrics
+from producers.rollout.publishing import ProducerIdentity, RecordBuilder
+from producers.tasks.base import TaskContext
+from producers.tasks.catalog import make_task
+from producers.tasks.file import FileTask, read_examples
+from producers.tasks.math_reward import math_accuracy
+from producers.tasks.rewards import RewardSet
 from schemas.codec import decode, encode
 
 pytestmark = pytest.mark.unit
@@ -212,7 +212,7 @@ def test_rows_from_csv_a_saved_dataset_and_a_column_mapping(tmp_path: Path) -> N
         "path": str(tmp_path / "ds"),
         "split": "train",
         "columns": {"prompt": "question"},
-        "rewards": [{"function": "producers.math_reward:math_accuracy"}],
+        "rewards": [{"function": "producers.tasks.math_reward:math_accuracy"}],
     }
     task = make_task("file", options, context)
     prompt = task.sample(random.Random(1))
@@ -250,7 +250,7 @@ def test_bad_data_sources_are_clear_errors(tmp_path: Path, change: dict, message
     options = {
         "path": str(tmp_path / "p.jsonl"),
         "columns": {"prompt": "question"},
-        "rewards": [{"function": "producers.math_reward:math_accuracy"}],
+        "rewards": [{"function": "producers.tasks.math_reward:math_accuracy"}],
         "tokenizer": "tiny",
     }
     options.update(json.loads(json.dumps(change).replace("{tmp}", str(tmp_path))))
@@ -347,7 +347,7 @@ def test_epochs_walk_every_row_once_and_resume_gives_back_what_was_not_delivered
     rows = [{"prompt_ids": [1, 5 + i, 3]} for i in range(5)]
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    options = {"path": str(path), "reward": "producers.math_reward:completion_text"}
+    options = {"path": str(path), "reward": "producers.tasks.math_reward:completion_text"}
 
     def walk(task: FileTask, n: int) -> list[tuple[int, int]]:
         prompts = [task.sample(random.Random(0)) for _ in range(n)]
@@ -378,7 +378,10 @@ def test_every_row_is_checked_when_the_task_is_built(tmp_path: Path, bad_row: in
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(row) + "\n" for row in rows))
     context = TaskContext(cache_dir=tmp_path, tokenizer=chat_tokenizer())
-    options = {"path": str(train), "rewards": [{"function": "producers.math_reward:math_accuracy"}]}
+    options = {
+        "path": str(train),
+        "rewards": [{"function": "producers.tasks.math_reward:math_accuracy"}],
+    }
     with pytest.raises(ValueError, match=f"2 of 400 rows unusable: example {bad_row - 1} ") as err:
         make_task("file", options, context)
     assert f"example {bad_row} has no prompt_ids, messages or prompt text" in str(err.value)

@@ -18,7 +18,7 @@ from support.up_runs import role_env, write_config
 
 from core.config import KafkaConfig, S3Config
 from infra.topics import ensure_topics
-from rollstream.config import load_config
+from rollstream.config.settings import load_config
 
 COMMANDS = [
     ["gateway"],

@@ -1,6 +1,6 @@
 """``rollstream config --role X`` prints exactly what role X's entry receives: the role
 commands and the printout cut the configuration with the same function
-(``rollstream.config.role_config``), so they cannot drift apart."""
+(``rollstream.config.settings.role_config``), so they cannot drift apart."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from core.config import SharedConfig
-from rollstream.cli import main
+from rollstream.cli.main import main
 
 CONFIG = """
 run_id = "role-view"
@@ -52,12 +52,12 @@ def _stand_in_producer(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _stand_in_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    import streams.app
+    import streams.faust.app
 
     def build_app(shared: SharedConfig, config: Any) -> Any:
         raise Received(shared, config)
 
-    monkeypatch.setattr(streams.app, "build_app", build_app)
+    monkeypatch.setattr(streams.faust.app, "build_app", build_app)
 
 
 def _stand_in_trainer(monkeypatch: pytest.MonkeyPatch) -> None:

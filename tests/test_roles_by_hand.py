@@ -239,7 +239,7 @@ def _newest_versions(config: Path) -> dict[str, int]:
     from confluent_kafka import Consumer
 
     from core.topic_reader import read_range, reader_config, whole_topic
-    from rollstream.config import load_config
+    from rollstream.config.settings import load_config
 
     loaded = load_config(config)
     topic = loaded.producers.rollout.topic

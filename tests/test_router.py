@@ -21,13 +21,13 @@ from support.producer_runs import recompute
 from core.config import LoraConfig
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, add_lora, build_tiny_llama
 from core.process import free_port, tail
-from producers.backends import http_backend
-from producers.client import EngineRequestError
 from producers.config import EngineConfig, RolloutConfig
-from producers.inference_engine import Engine
-from producers.router import RouterClient
-from producers.server import ServerThread
-from rollstream.cli import main
+from producers.engine.backends import http_backend
+from producers.engine.client import EngineRequestError
+from producers.engine.engine import Engine
+from producers.engine.router import RouterClient
+from producers.engine.server import ServerThread
+from rollstream.cli.main import main
 
 pytestmark = pytest.mark.integration
 

@@ -1,8 +1,8 @@
 """A cluster behind SASL: the stream worker's Faust clients get the same credentials as
-its confluent-kafka clients (``streams.broker``).
+its confluent-kafka clients (``streams.faust.broker``).
 
 A second real KRaft broker whose client listener requires SASL/PLAIN; a group produced
-there comes out scored. Before ``streams.broker`` the worker's Faust consumer spoke
+there comes out scored. Before ``streams.faust.broker`` the worker's Faust consumer spoke
 PLAINTEXT to that listener and never got a record.
 """
 
@@ -30,7 +30,7 @@ from core.config import KafkaConfig
 from core.process import free_port
 from infra.kafka import EmbeddedKafka
 from schemas.group import decode_group
-from streams.broker import broker_credentials, broker_urls
+from streams.faust.broker import broker_credentials, broker_urls
 
 USER, PASSWORD = "alice", "alice-secret"
 

@@ -20,9 +20,9 @@ import torch
 
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
 from infra.sglang import SGLANG_VERSION, SGLangServer
-from producers import engine_requests
-from producers.inference_engine import Engine
-from producers.server import _GENERATE_FIELDS, ROUTER_DEFAULTS, make_app
+from producers.engine import requests as engine_requests
+from producers.engine.engine import Engine
+from producers.engine.server import _GENERATE_FIELDS, ROUTER_DEFAULTS, make_app
 
 pytestmark = pytest.mark.unit
 
@@ -129,7 +129,7 @@ def test_meta_info_keys_are_sglangs(sglang: zipfile.ZipFile) -> None:
     manager = _source(sglang, "managers/tokenizer_manager.py")
     strings = {n.value for n in ast.walk(manager) if isinstance(n, ast.Constant)}
     engine = Engine(build_tiny_llama(seed=0), model_path="tiny", tokenizer=TinyTokenizer())
-    from producers.engine_requests import SamplingParams
+    from producers.engine.requests import SamplingParams
 
     with torch.inference_mode():
         future = engine.start().submit(

@@ -1,6 +1,6 @@
 """``rollstream init``: the starter run is a valid run of one's own (its config loads and
 its task options pass the checks ``up`` makes), its rewards score content far above
-format, and it never writes over anything. And ``rollstream.runs``: a run ``up`` made is
+format, and it never writes over anything. And ``rollstream.config.run_files``: a run ``up`` made is
 found by its id. The starter's commands run end to end in tests/test_first_try.py."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from rollstream.cli import main
-from rollstream.config import ConfigSources, load_config
-from rollstream.runs import run_config, run_sources
-from rollstream.starter import write_starter
-from rollstream.up_plan import RUN_CONFIG, check_tasks, default_run_dir
+from rollstream.cli.main import main
+from rollstream.cli.starter import write_starter
+from rollstream.config.run_files import RUN_CONFIG, default_run_dir, run_config, run_sources
+from rollstream.config.settings import ConfigSources, load_config
+from rollstream.up.plan import check_tasks
 
 pytestmark = pytest.mark.unit
 

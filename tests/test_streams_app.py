@@ -1,6 +1,6 @@
 """The Faust worker on the real broker (and real S3): routing, staleness, exact old logits.
 
-Each test runs ``python -m streams.app worker`` in a subprocess with its own topics and
+Each test runs ``python -m streams.faust.app worker`` in a subprocess with its own topics and
 app id, produces records with confluent-kafka and reads what the worker committed.
 """
 

@@ -3,7 +3,7 @@
 Real broker, real Faust workers, exactly-once processing: the scored topic is read with
 ``read_committed`` (as the trainer reads it) from the start, after the app's table says
 all input has been applied (its committed watermarks; Faust's committed offsets can run
-ahead of them, see ``streams.gaps``). No mocks.
+ahead of them, see ``streams.faust.gaps``). No mocks.
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def test_a_step_killed_or_failed_before_its_commit_is_replayed_whole(
     group, filtered sample, stale record and prompt statistic comes out exactly once."""
     from schemas.codec import decode
     from schemas.control import PromptStats, VersionAnnouncement
-    from streams.txn import FAILPOINT_ENV, STEP_FAILED_EXIT
+    from streams.faust.txn import FAILPOINT_ENV, STEP_FAILED_EXIT
     from weights.announce import Announcer
 
     client = kafka_config.client_config()

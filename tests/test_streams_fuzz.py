@@ -34,8 +34,8 @@ from support.streams import (
 )
 
 from core.config import KafkaConfig
-from rollstream.config import RollstreamConfig
-from rollstream.up_plan import start_groups_at_end
+from rollstream.config.settings import RollstreamConfig
+from rollstream.up.plan import start_groups_at_end
 from schemas.codec import encode, routing_headers
 from schemas.control import DeadLetter, StaleRecord, VersionAnnouncement
 from schemas.group import decode_group

@@ -241,7 +241,7 @@ def test_config_rejects_unknown_keys_and_clashing_topics() -> None:
 def test_stream_command_checks_the_config(tmp_path, monkeypatch) -> None:
     from click.testing import CliRunner
 
-    from rollstream.cli import main
+    from rollstream.cli.main import main
 
     good = tmp_path / "good.toml"
     good.write_text(
@@ -263,7 +263,7 @@ def test_stream_command_checks_the_config(tmp_path, monkeypatch) -> None:
 def test_gap_guard_seeks_back_over_records_faust_skipped() -> None:
     import asyncio
 
-    from streams.gaps import GapGuard
+    from streams.faust.gaps import GapGuard
     from streams.groups import offset_key
 
     table = {offset_key(RAW, 0): b"13"}
@@ -499,7 +499,7 @@ def test_faust_commit_alarms_are_explained_once_not_repeated(caplog) -> None:
     alarm is a false alarm, logged once per partition at INFO with the reason."""
     import logging
 
-    from streams.faust_logs import FAUST_CONSUMER_LOGGER, quiet_commit_alarms
+    from streams.faust.faust_logs import FAUST_CONSUMER_LOGGER, quiet_commit_alarms
 
     faust_log = logging.getLogger(FAUST_CONSUMER_LOGGER)
     ours = logging.getLogger("streams.test")

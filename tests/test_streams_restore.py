@@ -1,8 +1,8 @@
-"""Rebuilding a group-table partition from its changelog (``streams.restore``) on the real
+"""Rebuilding a group-table partition from its changelog (``streams.faust.restore``) on the real
 broker: committed records in order, an aborted transaction's records never, deletes
 applied, keys no committed record wrote dropped; the gap guard asks for it once per
 assignment, before a partition's first record or tick. A rebalance aborts the worker's
-open transactions and drops the step in flight (``streams.txn``).
+open transactions and drops the step in flight (``streams.faust.txn``).
 
 The situation comes from CI: a stream worker joining a run made the first worker keep
 partitions whose open transaction Faust left open while it replayed the committed
@@ -24,11 +24,11 @@ from support.streams import read_topic
 from core.config import KafkaConfig
 from infra.topics import ensure_topics
 from schemas.topics import TopicSpec
-from streams.gaps import GapGuard
+from streams.faust.gaps import GapGuard
+from streams.faust.restore import read_changelog_partition
+from streams.faust.txn import EffectWriter, mirror_writes, replace_partition
 from streams.groups import offset_key
 from streams.processor import Message, Send, Step
-from streams.restore import read_changelog_partition
-from streams.txn import EffectWriter, mirror_writes, replace_partition
 
 
 def _transactional(kafka: dict[str, str]) -> Producer:

@@ -41,7 +41,7 @@ from core.config import KafkaConfig
 from schemas.control import DeadLetter
 from schemas.group import decode_group
 from schemas.topics import ROLLOUTS_RAW, ROLLOUTS_SCORED, producer_limits
-from streams.txn import STEP_FAILED_EXIT
+from streams.faust.txn import STEP_FAILED_EXIT
 from tests.test_streams_bounds import FILLING, filling_tokens
 from tests.test_streams_logic import RUN as FILLING_RUN
 

@@ -1,4 +1,4 @@
-"""The stream worker's composition root (``streams.worker``, ``streams.app.build_app``).
+"""The stream worker's composition root (``streams.faust.worker``, ``streams.faust.app.build_app``).
 
 What Faust registers on the app at build time is part of the worker's contract: the group
 table's changelog (``<app_id>-groups-changelog``, what a restart restores from) is the
@@ -30,17 +30,17 @@ from schemas.control import DeadLetter
 from schemas.group import decode_group
 from schemas.topics import ROLLOUTS_DLQ
 from schemas.trajectory import Trajectory
-from streams.agent import Assembler, message_of, wait_for_versions
-from streams.app import build_app
 from streams.config import OldLogitsConfig, StreamsConfig, StreamTopics
-from streams.gaps import GAP_SWEEP_INTERVAL_S
+from streams.faust.agent import Assembler, message_of, wait_for_versions
+from streams.faust.app import build_app
+from streams.faust.gaps import GAP_SWEEP_INTERVAL_S
+from streams.faust.topics import TICKS_RETENTION_MS, topic_specs
+from streams.faust.worker import OldLogitPass
 from streams.metrics import StreamMetrics
 from streams.oldlogits import OldLogitEngine
 from streams.processor import Message, Processor, Step
 from streams.snapshots import SeededSource
 from streams.staleness import VersionTracker
-from streams.topics import TICKS_RETENTION_MS, topic_specs
-from streams.worker import OldLogitPass
 
 
 def _timer_interval(task: Callable[..., object]) -> float:

@@ -31,7 +31,7 @@ import click
 import pytest
 
 from producers.config import RolloutConfig
-from rollstream.cli import main
+from rollstream.cli.main import main
 
 REPO = Path(__file__).resolve().parents[1]
 UNITS = REPO / "infra" / "systemd"

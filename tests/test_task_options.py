@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from core.config import ConfigurationError
-from producers.catalog import check_task_options
+from producers.tasks.catalog import check_task_options
 
 
 def test_a_misspelt_file_task_option_names_the_key_and_section() -> None:

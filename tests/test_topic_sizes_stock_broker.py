@@ -18,9 +18,9 @@ from core.config import KafkaConfig, PresenceConfig, SharedConfig
 from infra.kafka import EmbeddedKafka
 from infra.topics import TopicConflictError, ensure_topics
 from schemas.topics import MIB, TopicSpec
-from streams.app import build_app
 from streams.config import OldLogitsConfig, StreamsConfig, StreamTopics
-from streams.topics import topic_specs
+from streams.faust.app import build_app
+from streams.faust.topics import topic_specs
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from rollstream.cli import main
-from rollstream.config import load_config, parse_assignments
+from rollstream.cli.main import main
+from rollstream.config.settings import load_config, parse_assignments
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,8 +33,8 @@ base_every = 5
 
 def test_parsing_the_config_imports_no_torch() -> None:
     code = (
-        "import sys; from rollstream.cli import main; from rollstream.config import load_config; "
-        "load_config(None); "
+        "import sys; from rollstream.cli import main; "
+        "from rollstream.config.settings import load_config; load_config(None); "
         "print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run(

@@ -47,8 +47,8 @@ from consumers.config import TrainerConfig
 from consumers.guards import GuardStop
 from consumers.trainer import Trainer
 from core.config import KafkaConfig, S3Config
-from rollstream.audit import AuditReport
-from rollstream.audit_reads import (
+from rollstream.runs.audit import AuditReport
+from rollstream.runs.reads import (
     Produced,
     TopicView,
     read_trainer_ledger,

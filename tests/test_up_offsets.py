@@ -10,10 +10,10 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from infra.topics import ensure_topics
-from rollstream.config import RollstreamConfig
-from rollstream.up_plan import start_groups_at_end
+from rollstream.config.settings import RollstreamConfig
+from rollstream.up.plan import start_groups_at_end
 from schemas.topics import TopicSpec
-from streams.start import read_start_offsets
+from streams.faust.start import read_start_offsets
 
 
 def _produce(kafka_config, topic: str, count: int) -> None:

@@ -1,6 +1,6 @@
 """``rollstream up --restarts N``: a role that exits unexpectedly is started again, N times.
 
-The supervision loop of ``up`` (``rollstream.up_supervise.supervise``) on real processes standing
+The supervision loop of ``up`` (``rollstream.up.supervise.supervise``) on real processes standing
 in for the roles: a "producer" that crashes on its first start, and a "trainer" that
 finishes (exit 0, as at ``max_steps``) once it sees the producer's second start; then a
 "trainer" killed by SIGKILL in its first incarnation. The real roles are killed under the
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from core.process import Launcher, RoleSpec
-from rollstream.config import load_config
-from rollstream.up_display import Dashboard, RewardWatch, TrainerLog
-from rollstream.up_plan import Ports, plan_policies
-from rollstream.up_supervise import StopFlag, supervise
+from rollstream.config.settings import load_config
+from rollstream.up.display import Dashboard, RewardWatch, TrainerLog
+from rollstream.up.plan import Ports, plan_policies
+from rollstream.up.supervise import StopFlag, supervise
 
 
 def _script(path: Path, body: str) -> list[str]:
@@ -136,7 +136,7 @@ def test_a_trainer_a_guard_stopped_is_not_restarted_and_its_line_ends_the_run(
         sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
         import consumers.trainer, infra.services
         from consumers.guards import GuardStop
-        from rollstream.train_cli import run_trainer
+        from rollstream.cli.train import run_trainer
 
         class Stopped:
             def __init__(self, *args):

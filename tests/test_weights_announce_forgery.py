@@ -21,8 +21,8 @@ from weights_support import forge, forged_announcement, keypair, step, store_for
 
 from core.config import KafkaConfig, S3Config
 from infra.topics import ensure_topics
-from producers.credit import AdmissionCredit
-from producers.versions import WatchedListener
+from producers.rollout.credit import AdmissionCredit
+from producers.rollout.versions import WatchedListener
 from schemas.control import MAX_PRODUCERS, VersionAnnouncement
 from schemas.topics import TopicSpec
 from weights.announce import AnnouncementListener, Announcer

@@ -10,7 +10,7 @@ from support.trainer_runs import s3_toml
 from weights_support import same_bits, step, store_for, tiny_state
 
 from core.config import S3Config
-from rollstream.weights_cli import weights
+from rollstream.cli.weights import weights
 from weights.writer import DeltaWriter
 
 

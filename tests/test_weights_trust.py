@@ -46,7 +46,7 @@ from core.config import (
 )
 from infra.s3 import SECRET_FILE, SECURITY_FILE, SeaweedServer, ensure_bucket
 from infra.topics import ensure_topics
-from producers.versions import start_follower
+from producers.rollout.versions import start_follower
 from schemas.topics import TopicSpec
 from streams.snapshots import FollowerSource, VersionUnavailable
 from streams.staleness import VersionTracker

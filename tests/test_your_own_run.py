@@ -38,10 +38,10 @@ from support.up_runs import (
 )
 
 from core.config import KafkaConfig, S3Config
-from producers.rewards import RewardSet
-from rollstream.config import load_config
-from rollstream.starter import CHAT_VOCAB as VOCAB
-from rollstream.starter import save_chat_model
+from producers.tasks.rewards import RewardSet
+from rollstream.cli.starter import CHAT_VOCAB as VOCAB
+from rollstream.cli.starter import save_chat_model
+from rollstream.config.settings import load_config
 
 pytestmark = pytest.mark.system
 

@@ -51,7 +51,7 @@ class Announcer:
 
     The trainer's announcer also carries its pace: ``groups_per_step`` and
     ``max_staleness`` are stamped on every announcement it sends (producers derive their
-    admission credit from them, ``producers.worker``). With ``signing_key`` every
+    admission credit from them, ``producers.rollout.worker``). With ``signing_key`` every
     announcement is signed, so that listeners holding the run's public key can tell the
     trainer's pace from a forged one."""
 

@@ -3,7 +3,7 @@
 Runs ``bench.learning`` cells (engine bf16, exact old logits, decoupled MIS, staleness
 ``--staleness``, ``--task``) for ``--steps`` steps under four settings: nothing; the
 ``zero_variance`` operator (groups generated until a step's 16 pass, at most 4x, as DAPO
-fills its batch); the curriculum (``producers.curriculum.Curriculum`` skips prompts whose
+fills its batch); the curriculum (``producers.rollout.curriculum.Curriculum`` skips prompts whose
 pass rate reached 0.9 after 8 samples, fed with every generated group's statistics as the
 stream publishes them); both. Reports, over ``--seeds`` seeds: the share of trained groups
 whose rewards are all equal (zero advantage, zero gradient; target 0 with the operator),

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.models import BOS_ID, EOS_ID, SEP_ID
-from producers.environments import EpisodeLimits, MalformedToolCall, Observation
-from producers.tasks import Prompt, TaskContext
+from producers.tasks.base import Prompt, TaskContext
+from producers.tasks.environments import EpisodeLimits, MalformedToolCall, Observation
 
 
 @dataclass

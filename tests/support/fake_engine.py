@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from producers.catalog import make_task
-from producers.client import GenerateOutput
 from producers.config import RolloutConfig, SamplingConfig
-from producers.metrics import ProducerMetrics
-from producers.publishing import Outbox, ProducerIdentity
-from producers.tasks import TaskContext
-from producers.worker import RolloutWorker
+from producers.engine.client import GenerateOutput
+from producers.rollout.metrics import ProducerMetrics
+from producers.rollout.publishing import Outbox, ProducerIdentity
+from producers.rollout.worker import RolloutWorker
+from producers.tasks.base import TaskContext
+from producers.tasks.catalog import make_task
 from schemas.trajectory import Trajectory
 
 TOKEN = 7  # every generated token (inside the tiny vocabulary)

@@ -17,7 +17,7 @@ from core.config import default_cache_dir
 from core.topic_reader import end_offsets
 from infra.topics import ensure_topics
 from producers.config import RolloutConfig
-from rollstream.config import RollstreamConfig
+from rollstream.config.settings import RollstreamConfig
 from schemas.codec import decode, parse_headers
 from schemas.topics import TopicSpec
 from schemas.trajectory import Trajectory

@@ -382,8 +382,8 @@ def applied_offsets(
     """The last offset per partition of ``topic`` (all of them, or ``partitions``) whose
     effects the stream app's table holds (its committed changelog's watermarks): what the
     app has really applied, where Faust's committed offsets are only a hint
-    (``streams.gaps``)."""
-    from streams.table_view import read_table
+    (``streams.faust.gaps``)."""
+    from streams.faust.table_view import read_table
 
     if partitions is None:
         partitions = end_offsets(client_config, topic)
@@ -510,7 +510,7 @@ RAW = "rollouts.raw"
 
 
 class Harness:
-    """A processor over a dict table, applying each step the way ``streams.txn`` does."""
+    """A processor over a dict table, applying each step the way ``streams.faust.txn`` does."""
 
     def __init__(self, *, model: tuple[int, int] | None = None, **config) -> None:
         """``model``: the (vocab size, context) of the old-logit model."""

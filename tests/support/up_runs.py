@@ -214,7 +214,7 @@ def scored_samples(run_dir: Path) -> list[Any]:
     from confluent_kafka import Consumer
 
     from core.topic_reader import read_range, reader_config, whole_topic
-    from rollstream.config import load_config
+    from rollstream.config.settings import load_config
     from schemas.group import decode_group
 
     config = load_config(run_dir / "rollstream.toml")

@@ -1,0 +1,576 @@
+"""HTTP server for ``Engine``: the subset of SGLang's native API that RL rollouts need.
+
+Followed release: **SGLang v0.5.23** (``python/sglang/srt/entrypoints/http_server.py`` and
+``managers/io_struct.py``). Field names are SGLang's, so a real SGLang server on a GPU is
+a drop-in for the same client:
+
+- ``POST /generate`` (also PUT): ``input_ids`` (one list, or a batch of lists), ``rid``
+  (str or list), ``sampling_params`` (object, or one per input), ``return_logprob`` (bool
+  or list). Answers one object, or a list for a batch: ``{"text", "output_ids",
+  "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+  "cached_tokens", "weight_version", "e2e_latency", "output_token_logprobs"}}`` where
+  ``output_token_logprobs`` is ``[[logprob, token_id, null], ...]`` and ``finish_reason``
+  is ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}`` or
+  ``{"type": "abort", "message": ...}``.
+- ``POST /abort_request``: ``{"rid": ..., "abort_all": false}``; answers 200, empty body.
+  The aborted ``/generate`` returns what it generated so far, finish type ``abort``.
+- ``POST /update_weights_from_disk``: ``{"model_path", "load_format", "abort_all_requests",
+  "weight_version", "weights_sha256"}``; answers ``{"success", "message",
+  "num_paused_requests"}`` (400 when it fails; the engine keeps its old weights). Runs
+  between batches. ``weights_sha256`` (ours, not SGLang's; required) is the sha256 of the
+  directory's safetensors bytes: the engine loads only the file its caller wrote. A
+  ``model_path`` outside the engine's weights directory is answered **403**.
+- ``GET /model_info`` (and the older ``/get_model_info``): ``{"model_path",
+  "tokenizer_path", "is_generation", "preferred_sampling_params", "weight_version"}``.
+- ``GET /health`` and ``/health_generate``: 200 while the scheduler runs (the latter
+  generates one token), 503 otherwise. ``GET /server_info`` (and ``/get_server_info``):
+  engine settings and counters (not SGLang's fields; ``busy_s``: seconds spent computing
+  batches and weight updates).
+- ``POST /flush_cache``: forgets the prefix cache between batches.
+- ``POST /load_lora_adapter``: ``{"lora_name", "lora_path", "pinned", "weights_sha256"}``
+  and ``POST /unload_lora_adapter``: ``{"lora_name"}``; both answer ``{"success",
+  "error_message", "loaded_adapters"}`` (400 when they fail). ``/generate`` names the
+  adapter in ``lora_path`` (one for the whole body). An engine with a LoRA slot only
+  (``producers.engine.adapters``: one adapter served at a time, the last one loaded); the
+  path and hash rules are those of ``/update_weights_from_disk``.
+
+SGLang's router (``sglang-router``) forwards ``/generate`` with ``model``,
+``return_hidden_states``, ``background``, ``no_logs``, ``return_bytes`` and
+``return_entropy`` set to their defaults: accepted at those values, 400 at any other.
+
+Every sampling parameter is checked by type and range before the request is queued (400
+naming ``sampling_params.<field>``), so a bad value never fails the batch other clients
+share; a ``/generate`` whose prompts plus ``max_new_tokens`` exceed ``max_request_tokens``
+tokens is answered **413** with the numbers.
+
+When the engine already holds ``max_pending`` requests (queued or running), ``/generate``
+answers **503** with a ``Retry-After`` header (whole seconds) and queues nothing; the
+client retries after that delay. ``/health_generate`` answers 503 then too.
+
+With an API key (``api_key``, SGLang's ``--api-key``) every endpoint but ``/health``
+answers **401** unless the request carries ``Authorization: Bearer <key>``; without one
+the server refuses to bind anything but loopback (``producers.engine.auth``).
+
+Not implemented (answered 400, never silently ignored): text prompts, streaming, top
+log-probs, input-token log-probs, penalties, constrained decoding, ``n`` > 1.
+Errors use SGLang's body ``{"object": "error", "message", "type", "code"}``.
+
+The model runs in the engine's scheduler thread; handlers only await its futures, so the
+event loop stays responsive while a batch computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from producers.engine.adapters import AdapterRefused
+from producers.engine.auth import AccessRefused, check_bind, check_key, weights_path
+from producers.engine.engine import Engine
+from producers.engine.request_checks import (
+    DEFAULT_MAX_REQUEST_TOKENS,
+    RequestRefused,
+    check_budget,
+    json_object,
+)
+from producers.engine.requests import EngineBusy, RequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SGLANG_RELEASE = "v0.5.23"
+"""The SGLang release whose native HTTP API this server follows."""
+
+_GENERATE_FIELDS = frozenset(
+    {
+        "input_ids",
+        "rid",
+        "sampling_params",
+        "return_logprob",
+        "logprob_start_len",
+        "top_logprobs_num",
+        "return_text_in_logprobs",
+        "stream",
+        "log_metrics",
+        "text",
+        "token_ids_logprob",
+        "lora_path",
+    }
+)
+#: Fields SGLang's router adds to every ``/generate`` it forwards, with the values it sends;
+#: accepted at those values only (each asks for something this engine does not do).
+ROUTER_DEFAULTS: dict[str, Any] = {
+    "model": None,
+    "return_hidden_states": False,
+    "background": False,
+    "no_logs": False,
+    "return_bytes": False,
+    "return_entropy": False,
+}
+_ENGINE_KEY = web.AppKey("engine", Engine)
+_BUDGET_KEY = web.AppKey("max_request_tokens", int)
+_API_KEY = web.AppKey("api_key", str)
+_WEIGHTS_DIR = web.AppKey("weights_dir", Path)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+_ERROR_TYPES = {401: "Unauthorized", 403: "Forbidden"}
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    kind = _ERROR_TYPES.get(status, "BadRequest")
+    body = {"object": "error", "message": message, "type": kind, "code": status}
+    response = _json(body, status)
+    if status == 401:
+        response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+@web.middleware
+async def _require_key(request: web.Request, handler: Any) -> web.StreamResponse:
+    """401 before any handler runs unless the request carries the API key."""
+    try:
+        check_key(request.path, request.headers.get("Authorization"), request.app.get(_API_KEY))
+    except AccessRefused as exc:
+        return _error(str(exc), exc.status)
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+def _busy(exc: EngineBusy) -> web.Response:
+    """503 with ``Retry-After`` in whole seconds (the HTTP form), at least 1."""
+    body = {"object": "error", "message": str(exc), "type": "ServiceUnavailable", "code": 503}
+    response = _json(body, 503)
+    response.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    return response
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    return json_object(await request.read(), RequestError)
+
+
+@dataclass(frozen=True)
+class _Item:
+    input_ids: list[int]
+    rid: str | None
+    params: SamplingParams
+    return_logprob: bool
+
+
+def parse_generate(body: dict[str, Any]) -> tuple[list[_Item], bool, str | None]:
+    """The requests in a ``/generate`` body, whether it was a batch, and the LoRA adapter
+    they name (``lora_path``: one for the whole body, as this engine serves one)."""
+    unknown = sorted(set(body) - _GENERATE_FIELDS - set(ROUTER_DEFAULTS))
+    if unknown:
+        raise RequestError(f"unsupported /generate fields: {unknown}")
+    for name, default in ROUTER_DEFAULTS.items():
+        if body.get(name, default) != default:
+            raise RequestError(f"{name}={body[name]!r} is not supported (only {default!r})")
+    if body.get("text") is not None:
+        raise RequestError("text prompts are not supported: send input_ids")
+    if body.get("stream"):
+        raise RequestError("stream=true is not supported")
+    if body.get("top_logprobs_num") or body.get("token_ids_logprob"):
+        raise RequestError("top_logprobs_num / token_ids_logprob are not supported")
+    start = body.get("logprob_start_len")
+    if start is not None and start != -1 and start != [-1] * _len_or(start):
+        raise RequestError("input-token log-probs (logprob_start_len >= 0) are not supported")
+    ids = body.get("input_ids")
+    if not isinstance(ids, list) or not ids:
+        raise RequestError("input_ids must be a non-empty list of token ids or of lists")
+    batch = isinstance(ids[0], list)
+    prompts = ids if batch else [ids]
+    for prompt in prompts:
+        if not isinstance(prompt, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise RequestError("input_ids must hold integers (one list per prompt)")
+    n = len(prompts)
+    rids = _per_item(body.get("rid"), n, "rid", str)
+    params = _per_item(body.get("sampling_params"), n, "sampling_params", dict)
+    logprob = _per_item(body.get("return_logprob"), n, "return_logprob", bool)
+    if len(set(r for r in rids if r is not None)) < sum(r is not None for r in rids):
+        raise RequestError("rid values must be unique")
+    adapters = set(_per_item(body.get("lora_path"), n, "lora_path", str))
+    if len(adapters) > 1:
+        raise RequestError(
+            f"lora_path names {len(adapters)} adapters: this engine serves one at a time"
+        )
+    items = [
+        _Item(prompt, rid, SamplingParams.from_dict(p), bool(lp))
+        for prompt, rid, p, lp in zip(prompts, rids, params, logprob, strict=True)
+    ]
+    return items, batch, adapters.pop()
+
+
+def _len_or(value: Any) -> int:
+    return len(value) if isinstance(value, list) else 0
+
+
+def _per_item(value: Any, n: int, name: str, kind: type) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise RequestError(f"{name} has {len(value)} entries for {n} inputs")
+        if not all(v is None or isinstance(v, kind) for v in value):
+            raise RequestError(f"{name} entries must be {kind.__name__}")
+        return value
+    if value is not None and not isinstance(value, kind):
+        raise RequestError(f"{name} must be a {kind.__name__} or a list of them")
+    if name == "rid" and value is not None and n > 1:
+        return [f"{value}-{i}" for i in range(n)]  # SGLang expands a batch's rid prefix
+    return [value] * n
+
+
+async def generate(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE_KEY]
+    try:
+        items, batch, adapter = parse_generate(await _body(request))
+        check_budget(
+            [len(i.input_ids) for i in items],
+            [i.params.max_new_tokens for i in items],
+            engine.context_length,
+            request.app[_BUDGET_KEY],
+        )
+        rids = [item.rid or uuid.uuid4().hex for item in items]
+        futures = engine.submit_many(
+            [
+                (i.input_ids, i.params, rid, i.return_logprob)
+                for i, rid in zip(items, rids, strict=True)
+            ],
+            adapter,
+        )
+    except RequestError as exc:
+        return _error(str(exc))
+    except RequestRefused as exc:
+        return _error(str(exc), exc.status)
+    except EngineBusy as exc:
+        return _busy(exc)
+    try:
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+    except asyncio.CancelledError:  # the client went away: free the engine
+        for rid in rids:
+            engine.abort(rid)
+        raise
+    out = [r.to_sglang(engine.decode(r.output_ids)) for r in results]
+    return _json(out if batch else out[0])
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    try:
+        body = await _body(request)
+        rid = body.get("rid")
+        if rid is not None and not isinstance(rid, str):
+            raise RequestError(f"rid must be a string, got {type(rid).__name__}")
+        abort_all = body.get("abort_all", False)
+        if not isinstance(abort_all, bool):
+            raise RequestError(f"abort_all must be true or false, got {abort_all!r}")
+    except RequestError as exc:
+        return _error(str(exc))
+    request.app[_ENGINE_KEY].abort(rid or None, abort_all=abort_all)
+    return web.Response(status=200)
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE_KEY]
+    try:
+        body = await _body(request)
+        model_path = body.get("model_path")
+        if not isinstance(model_path, str) or not model_path:
+            raise RequestError("model_path is required")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            raise RequestError(f"load_format {body['load_format']!r} is not supported")
+        sha256 = body.get("weights_sha256")
+        if not isinstance(sha256, str) or not sha256:
+            raise RequestError(
+                "weights_sha256 is required: the sha256 of the safetensors file to load"
+            )
+        path = weights_path(model_path, request.app.get(_WEIGHTS_DIR))
+    except RequestError as exc:
+        return _error(str(exc))
+    except AccessRefused as exc:
+        logger.warning("update_weights_from_disk refused: %s", exc)
+        return _error(str(exc), exc.status)
+    version = body.get("weight_version")
+    future = engine.update_weights_from_disk(
+        path,
+        None if version is None else str(version),
+        abort_all_requests=bool(body.get("abort_all_requests")),
+        sha256=sha256,
+    )
+    try:
+        paused = await asyncio.wrap_future(future)
+    except Exception as exc:  # reported to the caller; the old weights stay
+        logger.warning("update_weights_from_disk(%s) failed: %s", model_path, exc)
+        content = {"success": False, "message": f"Failed to update weights: {exc}"}
+        return _json({**content, "num_paused_requests": 0}, 400)
+    message = "Succeeded to update model weights."
+    if version is not None:
+        message += f" Weight version updated to {version}."
+    return _json({"success": True, "message": message, "num_paused_requests": paused})
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """Read, check and serve a named adapter (its directory below the weights
+    directory, its bytes those of ``weights_sha256``); the old one stays on failure."""
+    engine = request.app[_ENGINE_KEY]
+    try:
+        body = await _body(request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise RequestError("lora_name and lora_path are required (non-empty strings)")
+        if not isinstance(body.get("pinned", False), bool):
+            raise RequestError("pinned must be true or false")
+        sha256 = body.get("weights_sha256")
+        if not isinstance(sha256, str) or not sha256:
+            raise RequestError(
+                "weights_sha256 is required: the sha256 of the adapter's safetensors file"
+            )
+        directory = weights_path(path, request.app.get(_WEIGHTS_DIR))
+        tensors = await asyncio.to_thread(engine.adapter_slot().read, directory, sha256)
+        await asyncio.wrap_future(engine.load_adapter(name, directory, tensors))
+    except RequestError as exc:
+        return _error(str(exc))
+    except AccessRefused as exc:
+        logger.warning("load_lora_adapter refused: %s", exc)
+        return _error(str(exc), exc.status)
+    except AdapterRefused as exc:
+        return _lora_answer(engine, str(exc))
+    return _lora_answer(engine)
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE_KEY]
+    try:
+        name = (await _body(request)).get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise RequestError("lora_name is required (a non-empty string)")
+        await asyncio.wrap_future(engine.unload_adapter(name))
+    except RequestError as exc:
+        return _error(str(exc))
+    except AdapterRefused as exc:
+        return _lora_answer(engine, str(exc))
+    return _lora_answer(engine)
+
+
+def _lora_answer(engine: Engine, error: str | None = None) -> web.Response:
+    """SGLang's answer to a LoRA load or unload (400 with ``success`` false on failure)."""
+    loaded = dict(engine.adapters.loaded) if engine.adapters is not None else {}
+    body = {"success": error is None, "error_message": error, "loaded_adapters": loaded}
+    return _json(body, 200 if error is None else 400)
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    return _json(request.app[_ENGINE_KEY].model_info())
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE_KEY]
+    stats = engine.stats
+    return _json(
+        {
+            "version": f"rollstream-engine (SGLang {SGLANG_RELEASE} API subset)",
+            "model_path": engine.model_path,
+            "max_batch_size": engine.max_batch_size,
+            "batch_wait_s": engine.batch_wait_s,
+            "context_length": engine.context_length,
+            "requests": stats.requests,
+            "batches": stats.batches,
+            "tokens_generated": stats.tokens_generated,
+            "aborted": stats.aborted,
+            "max_batch_seen": stats.max_batch_seen,
+            "max_pending": engine.max_pending,
+            "max_request_tokens": request.app[_BUDGET_KEY],
+            "rejected_busy": stats.rejected_busy,
+            "busy_s": stats.busy_s,
+        }
+    )
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """Drop the prefix cache (SGLang's answer: 200 and a line of text)."""
+    await asyncio.wrap_future(request.app[_ENGINE_KEY].flush_cache())
+    return web.Response(text="Cache flushed.\n")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200 if request.app[_ENGINE_KEY].alive else 503)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    engine = request.app[_ENGINE_KEY]
+    if not engine.alive:
+        return web.Response(status=503)
+    params = SamplingParams(temperature=0.0, max_new_tokens=1)
+    try:
+        future = engine.submit([0], params, adapter=engine.serving_adapter)
+    except EngineBusy:
+        return web.Response(status=503)
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(future), timeout=20)
+    except TimeoutError:
+        return web.Response(status=503)
+    return web.Response(status=200)
+
+
+def make_app(
+    engine: Engine,
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
+    *,
+    api_key: str | None = None,
+    weights_dir: Path | None = None,
+) -> web.Application:
+    """The aiohttp application serving ``engine`` (which must be started); a
+    ``/generate`` whose prompts plus ``max_new_tokens`` exceed ``max_request_tokens`` is
+    answered 413. With ``api_key`` every endpoint but ``/health`` needs it; weights load
+    only from below ``weights_dir`` (None: from nowhere)."""
+    if max_request_tokens < 1:
+        raise ValueError(f"max_request_tokens must be >= 1, got {max_request_tokens}")
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_require_key])
+    app[_ENGINE_KEY] = engine
+    app[_BUDGET_KEY] = max_request_tokens
+    if api_key:
+        app[_API_KEY] = api_key
+    if weights_dir is not None:
+        app[_WEIGHTS_DIR] = Path(weights_dir)
+    app.router.add_post("/generate", generate)
+    app.router.add_put("/generate", generate)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_post("/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/unload_lora_adapter", unload_lora_adapter)
+    # SGLang's current names and the older /get_* ones (the router asks for both)
+    for name, handler in (("model_info", get_model_info), ("server_info", get_server_info)):
+        app.router.add_get(f"/{name}", handler)
+        app.router.add_get(f"/get_{name}", handler)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    return app
+
+
+class ServerThread:
+    """``engine`` served on ``host:port`` from a background thread (tests, benchmarks,
+    notebooks). ``port=0`` picks a free port; ``url`` tells which. A non-loopback
+    ``host`` without ``api_key`` is refused (``ValueError``) before anything starts."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
+        api_key: str | None = None,
+        weights_dir: Path | None = None,
+    ) -> None:
+        check_bind(host, api_key)
+        self.api_key = api_key
+        self.weights_dir = weights_dir
+        self.engine = engine.start()
+        self.host = host
+        self.port = port
+        self.max_request_tokens = max_request_tokens
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise RuntimeError(f"engine server failed to start: {self._error}") from self._error
+        return self
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._start())
+        except BaseException as exc:  # handed to start()
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup() if self._runner else asyncio.sleep(0))
+        self._loop.close()
+
+    async def _start(self) -> None:
+        app = make_app(
+            self.engine,
+            self.max_request_tokens,
+            api_key=self.api_key,
+            weights_dir=self.weights_dir,
+        )
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port).start()
+        self.port = self._runner.addresses[0][1]
+
+    def stop(self, shutdown_engine: bool = True) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+        if shutdown_engine:
+            self.engine.shutdown()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(
+    engine: Engine,
+    host: str,
+    port: int,
+    on_ready: Callable[[str], None] | None = None,
+    *,
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
+    api_key: str | None = None,
+    weights_dir: Path | None = None,
+) -> None:
+    """Serve in the calling thread until SIGINT/SIGTERM; ``on_ready`` gets the URL (with
+    the real port when ``port`` is 0). A non-loopback ``host`` needs ``api_key``."""
+    check_bind(host, api_key)
+    engine.start()
+    app = make_app(engine, max_request_tokens, api_key=api_key, weights_dir=weights_dir)
+
+    async def main() -> None:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        if on_ready is not None:
+            on_ready(f"http://{host}:{runner.addresses[0][1]}")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()

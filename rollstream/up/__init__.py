@@ -1,0 +1,2 @@
+"""``rollstream up``: one run on one machine, planned from the config, its roles started,
+supervised and shown as one display."""
