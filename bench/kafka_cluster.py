@@ -37,7 +37,7 @@ from bench.e2e import RunSpec, run_up, steps_per_s
 from core.config import KafkaConfig
 from infra.services import Services
 from infra.topics import ensure_topics
-from rollstream.config import load_config
+from rollstream.config.settings import load_config
 from schemas.topics import ROLLOUTS_RAW
 
 BROKER_COUNTS = (1, 3)
