@@ -142,11 +142,14 @@ def main() -> None:
                     http, args.gateway, args.api_key, args.system_prompt,
                     wait_for_start=played == 0,
                 )  # fmt: skip
-            except openai.APIStatusError as exc:
-                if exc.status_code not in ENDED:
+            except (openai.APIStatusError, httpx.HTTPStatusError) as exc:
+                # a call (the openai client) or the close (httpx) answered that the
+                # gateway ended the episode: the run stopping between the two, say
+                status = exc.response.status_code
+                if status not in ENDED:
                     raise
                 played += 1
-                print(f"episode {played}: ended by the gateway ({exc.message})")
+                print(f"episode {played}: ended by the gateway ({status})")
                 continue
             except GONE:
                 if args.episodes or not played:
