@@ -43,7 +43,7 @@ from confluent_kafka.admin import AdminClient
 
 from core.config import KafkaConfig, S3Config, default_cache_dir, merge_tables, to_toml
 from core.process import Launcher, RoleSpec, port_open
-from infra.kafka import EmbeddedKafka
+from infra.kafka import EmbeddedKafka, scram_format_args, with_scram_listener
 from infra.netns import Lan, lan
 from infra.s3 import Host, SeaweedServer, ensure_bucket
 from weights.store import make_s3_client
@@ -67,19 +67,10 @@ class ScramKafka(EmbeddedKafka):
         self.password = _kept_secret(data_dir / "scram-password")
 
     def format_args(self) -> list[str]:
-        return ["--add-scram", f"SCRAM-SHA-512=[name={SCRAM_USER},password={self.password}]"]
+        return scram_format_args(SCRAM_USER, self.password)
 
     def properties(self) -> dict[str, str]:
-        props = super().properties()
-        scram = f"SASL_PLAINTEXT://{self.address}:{SCRAM_PORT}"
-        props["listeners"] += f",{scram}"
-        props["advertised.listeners"] += f",{scram}"
-        props["listener.security.protocol.map"] += ",SASL_PLAINTEXT:SASL_PLAINTEXT"
-        props["sasl.enabled.mechanisms"] = "SCRAM-SHA-512"
-        props["listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config"] = (
-            "org.apache.kafka.common.security.scram.ScramLoginModule required;"
-        )
-        return props
+        return with_scram_listener(super().properties(), self.address, SCRAM_PORT)
 
     @property
     def bootstrap_servers(self) -> str:

@@ -131,6 +131,38 @@ def resolve_kafka_jars(version: str, cache_dir: Path, timeout_s: float = MAVEN_T
     return lib_dir
 
 
+def with_listener(props: dict[str, str], protocol: str, address: str, port: int) -> dict[str, str]:
+    """``props`` (a ``server.properties``) with one more client listener, named after its
+    security ``protocol``, on ``address:port`` and advertised there."""
+    url = f"{protocol}://{address}:{port}"
+    return {
+        **props,
+        "listeners": f"{props['listeners']},{url}",
+        "advertised.listeners": f"{props['advertised.listeners']},{url}",
+        "listener.security.protocol.map": (
+            f"{props['listener.security.protocol.map']},{protocol}:{protocol}"
+        ),
+    }
+
+
+def with_scram_listener(props: dict[str, str], address: str, port: int) -> dict[str, str]:
+    """``props`` with a SASL_PLAINTEXT listener whose clients log in with SCRAM-SHA-512
+    (credentials added at format: ``scram_format_args``)."""
+    return {
+        **with_listener(props, "SASL_PLAINTEXT", address, port),
+        "sasl.enabled.mechanisms": "SCRAM-SHA-512",
+        "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config": (
+            "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+        ),
+    }
+
+
+def scram_format_args(user: str, password: str) -> list[str]:
+    """``StorageTool format`` arguments adding one SCRAM-SHA-512 credential: a KRaft
+    cluster's can only be added when it is formatted, before any broker runs."""
+    return ["--add-scram", f"SCRAM-SHA-512=[name={user},password={password}]"]
+
+
 @dataclass(frozen=True)
 class KafkaPorts:
     broker: int
@@ -280,9 +312,8 @@ class EmbeddedKafka:
         return jvm + list(args)
 
     def format_args(self) -> list[str]:
-        """Extra ``StorageTool format`` arguments: a KRaft cluster's SCRAM credentials
-        can only be added when it is formatted (``--add-scram``), before any broker
-        runs; a broker with a SCRAM listener adds them here."""
+        """Extra ``StorageTool format`` arguments: a broker with a SCRAM listener adds its
+        credentials here (``scram_format_args``)."""
         return []
 
     def formatted(self) -> bool:

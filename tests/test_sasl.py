@@ -28,7 +28,7 @@ from support.streams import (
 
 from core.config import KafkaConfig
 from core.process import free_port
-from infra.kafka import EmbeddedKafka
+from infra.kafka import EmbeddedKafka, with_listener
 from schemas.group import decode_group
 from streams.faust.broker import broker_credentials, broker_urls
 
@@ -44,11 +44,7 @@ class SaslKafka(EmbeddedKafka):
         self.sasl_port = free_port()
 
     def properties(self) -> dict[str, str]:
-        props = super().properties()
-        sasl = f"SASL_PLAINTEXT://127.0.0.1:{self.sasl_port}"
-        props["listeners"] += f",{sasl}"
-        props["advertised.listeners"] += f",{sasl}"
-        props["listener.security.protocol.map"] += ",SASL_PLAINTEXT:SASL_PLAINTEXT"
+        props = with_listener(super().properties(), "SASL_PLAINTEXT", "127.0.0.1", self.sasl_port)
         props["sasl.enabled.mechanisms"] = "PLAIN"
         props["listener.name.sasl_plaintext.plain.sasl.jaas.config"] = (
             "org.apache.kafka.common.security.plain.PlainLoginModule required "

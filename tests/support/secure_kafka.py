@@ -22,7 +22,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from core.config import KafkaConfig
 from core.process import free_port
-from infra.kafka import EmbeddedKafka
+from infra.kafka import EmbeddedKafka, scram_format_args, with_listener, with_scram_listener
 
 SCRAM_USER, SCRAM_PASSWORD = "alice", "alice-secret"
 KEY_PASSWORD = "client-key-secret"
@@ -112,18 +112,11 @@ class SecuredKafka(EmbeddedKafka):
         self.scram_port, self.tls_port = free_port(), free_port()
 
     def format_args(self) -> list[str]:
-        return ["--add-scram", f"SCRAM-SHA-512=[name={SCRAM_USER},password={SCRAM_PASSWORD}]"]
+        return scram_format_args(SCRAM_USER, SCRAM_PASSWORD)
 
     def properties(self) -> dict[str, str]:
-        props = super().properties()
-        extra = f"SASL_PLAINTEXT://127.0.0.1:{self.scram_port},SSL://127.0.0.1:{self.tls_port}"
-        props["listeners"] += f",{extra}"
-        props["advertised.listeners"] += f",{extra}"
-        props["listener.security.protocol.map"] += ",SASL_PLAINTEXT:SASL_PLAINTEXT,SSL:SSL"
-        props["sasl.enabled.mechanisms"] = "SCRAM-SHA-512"
-        props["listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config"] = (
-            "org.apache.kafka.common.security.scram.ScramLoginModule required;"
-        )
+        props = with_scram_listener(super().properties(), "127.0.0.1", self.scram_port)
+        props = with_listener(props, "SSL", "127.0.0.1", self.tls_port)
         ssl = "listener.name.ssl."
         props[ssl + "ssl.client.auth"] = "required"
         props[ssl + "ssl.keystore.type"] = "PEM"
