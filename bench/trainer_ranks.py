@@ -125,9 +125,7 @@ def main() -> None:
             s3 = store.config(bucket="bench-ranks")
             for world in (1, 2):
                 ensure_bucket(make_s3_client(s3), f"{s3.bucket}-{world}")
-            s3_table = {k: v for k, v in s3.model_dump(mode="python").items() if v is not None}
-            if s3.secret_access_key is not None:  # a SecretStr dumps masked
-                s3_table["secret_access_key"] = s3.secret_access_key.get_secret_value()
+            s3_table = s3.file_table()
             topic = f"bench.ranks.scored.{uuid.uuid4().hex[:6]}"
             produce_groups(bootstrap, topic, groups, seed=5)
             results = {

@@ -382,6 +382,21 @@ class S3Config(StrictModel):
     def starts_embedded(self) -> bool:
         return self.embedded and not self.endpoint_url
 
+    def file_table(self) -> dict[str, str | bool]:
+        """This store as a config file's ``[s3]`` (or region) table for a process elsewhere:
+        its address, bucket and keys written out, ``embedded = false``; unset keys left out."""
+        secret = self.secret_access_key.get_secret_value() if self.secret_access_key else None
+        table = {
+            "name": self.name,
+            "endpoint_url": self.endpoint_url,
+            "bucket": self.bucket,
+            "region_name": self.region_name,
+            "embedded": False,
+            "access_key_id": self.access_key_id,
+            "secret_access_key": secret,
+        }
+        return {k: v for k, v in table.items() if v is not None}
+
 
 class WeightsConfig(StrictModel):
     """How versions are written, found, verified and kept."""

@@ -46,6 +46,7 @@ from core.process import Launcher, RoleSpec, port_open
 from infra.kafka import EmbeddedKafka, scram_format_args, with_scram_listener
 from infra.netns import Lan, lan
 from infra.s3 import Host, SeaweedServer, ensure_bucket
+from infra.tls import replace_private
 from weights.store import make_s3_client
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,11 +96,9 @@ class ScramKafka(EmbeddedKafka):
 
 
 def _kept_secret(path: Path) -> str:
+    """A random secret kept in ``path`` (owner-only), made on first use."""
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(secrets.token_urlsafe(24))
+        replace_private(path, secrets.token_urlsafe(24).encode())
     return path.read_text().strip()
 
 
@@ -145,18 +144,6 @@ def services(net: Lan, directory: Path, cache_dir: Path | None = None) -> Iterat
         yield Services(broker.client_config(), home, other, wait_ready)
 
 
-def store_table(config: S3Config) -> dict[str, object]:
-    """A store's ``[s3]``-like table for a config file: its address and its keys."""
-    secret = config.secret_access_key.get_secret_value() if config.secret_access_key else None
-    return {
-        "endpoint_url": config.endpoint_url,
-        "bucket": config.bucket,
-        "embedded": False,
-        "access_key_id": config.access_key_id,
-        "secret_access_key": secret,
-    }
-
-
 def kafka_table(config: KafkaConfig) -> dict[str, object]:
     """``[kafka]`` for a config file, with the SASL login when there is one."""
     table: dict[str, object] = {"bootstrap_servers": config.bootstrap_servers}
@@ -175,8 +162,8 @@ def hosts_tables(found: Services, api_key: str) -> dict[str, object]:
     the engines' port and key."""
     return {
         "kafka": kafka_table(found.kafka),
-        "s3": {**store_table(found.home), "name": "home"},
-        "weights": {"regions": {"eu": store_table(found.other)}},
+        "s3": found.home.file_table(),
+        "weights": {"regions": {"eu": found.other.file_table()}},
         "producers": {"engine": {"port": ENGINE_PORT, "api_key": api_key}},
     }
 

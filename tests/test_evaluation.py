@@ -458,7 +458,6 @@ def test_the_versions_a_store_holds_are_measured_once_and_the_command_ends(
 
     # `eval --stored` with no every_versions in the config: every stored version (1 is left)
     from click.testing import CliRunner
-    from support.trainer_runs import s3_table
 
     from core.config import to_toml
     from rollstream.cli.main import main
@@ -471,7 +470,7 @@ def test_the_versions_a_store_holds_are_measured_once_and_the_command_ends(
                 "run_id": config.run_id,
                 "state_dir": str(config.state_dir),
                 "cache_dir": str(config.cache_dir),
-                "s3": s3_table(s3_config),
+                "s3": s3_config.file_table(),
                 "weights": {"allow_unsigned": True},
                 "producers": unscheduled.model_dump(mode="json", exclude_defaults=True),
             }

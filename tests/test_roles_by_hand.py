@@ -47,7 +47,6 @@ from infra.hosts import (
     rollstream,
     run_until_trained,
     services,
-    store_table,
 )
 from infra.netns import lan, lan_namespaces, refusal
 from schemas.codec import decode
@@ -106,8 +105,8 @@ def _loopback(
     ports = {"engine": free_port(), "engine_eu": free_port()}
     tables = {
         "kafka": kafka_table(kafka),
-        "s3": {**store_table(home), "name": "home"},
-        "weights": {"regions": {"eu": store_table(other)}},
+        "s3": home.model_copy(update={"name": "home"}).file_table(),
+        "weights": {"regions": {"eu": other.model_copy(update={"name": "eu"}).file_table()}},
         "producers": {"engine": {"port": ports["engine"]}},
     }
     config = _config(tmp_path, tables, unique, lora)

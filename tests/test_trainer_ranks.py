@@ -25,7 +25,6 @@ from support.trainer_runs import (
     make_topics,
     produce,
     read_all,
-    s3_table,
     trainer_config,
     wait_for_step,
     write_toml,
@@ -145,7 +144,7 @@ def test_two_ranks_train_what_one_rank_trains_with_their_shares_as_micro_batches
     )
     log = tmp_path / "ranks.log"
     produce(kafka_config, topics["scored"], group_records(groups))
-    path = config_file(tmp_path, kafka_config, trainer, run_id=run, s3=s3_table(s3_config))
+    path = config_file(tmp_path, kafka_config, trainer, run_id=run, s3=s3_config.file_table())
     proc = launch(path, log)
     assert proc.wait(300) == 0, log.read_text()[-4000:]
 
@@ -196,7 +195,7 @@ def test_kill_9_of_one_rank_takes_the_world_down_and_a_restart_trains_each_recor
     trainer = trainer_config(
         tmp_path, topics, checkpoint={"dir": str(tmp_path / "ckpt"), "every": 3}
     )
-    path = config_file(tmp_path, kafka_config, trainer, s3=s3_table(s3_config))
+    path = config_file(tmp_path, kafka_config, trainer, s3=s3_config.file_table())
     log = tmp_path / "ranks.log"
     world = launch(path, log)
     wait_for_step(tmp_path / "metrics.jsonl", 4, world)  # 8 groups, 2 a step: all trained
@@ -220,7 +219,7 @@ def test_kill_9_of_one_rank_takes_the_world_down_and_a_restart_trains_each_recor
     more = synthetic_groups(4, seed=72, run_id=RUN, version=0)
     produce(kafka_config, topics["scored"], group_records(more))
     trainer["max_steps"] = 6
-    path = config_file(tmp_path, kafka_config, trainer, s3=s3_table(s3_config))
+    path = config_file(tmp_path, kafka_config, trainer, s3=s3_config.file_table())
     again = launch(path, log)
     assert again.wait(300) == 0, log.read_text()[-4000:]
     ledger = ledger_steps(tmp_path / "ledger.jsonl")
@@ -286,7 +285,7 @@ def test_two_ranks_under_zero_2_publish_versions_equal_to_their_weights(
         checkpoint={"dir": str(tmp_path / "ckpt"), "every": 1},
         max_steps=2,
     )
-    path = config_file(tmp_path, kafka_config, trainer, run_id=run, s3=s3_table(s3_config))
+    path = config_file(tmp_path, kafka_config, trainer, run_id=run, s3=s3_config.file_table())
     log = tmp_path / "ranks.log"
     proc = launch(path, log)
     assert proc.wait(300) == 0, log.read_text()[-4000:]

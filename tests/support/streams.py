@@ -464,16 +464,7 @@ def worker_config(
         "weights": {"allow_unsigned": True, **(weights or {})},
     }
     if s3 is not None:
-        secret = s3.secret_access_key.get_secret_value() if s3.secret_access_key else None
-        config["s3"] = {
-            "name": s3.name,
-            "endpoint_url": s3.endpoint_url,
-            "bucket": s3.bucket,
-            "region_name": s3.region_name,
-            "embedded": False,
-            "access_key_id": s3.access_key_id,
-            "secret_access_key": secret,
-        }
+        config["s3"] = s3.file_table()
     return config
 
 

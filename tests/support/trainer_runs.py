@@ -137,20 +137,6 @@ def shared_for(
     )
 
 
-def s3_table(s3: S3Config) -> dict:
-    """``s3`` as the ``[s3]`` table of a trainer subprocess's config file."""
-    secret = s3.secret_access_key.get_secret_value() if s3.secret_access_key else None
-    table = {
-        "name": s3.name,
-        "endpoint_url": s3.endpoint_url,
-        "bucket": s3.bucket,
-        "embedded": False,
-        "access_key_id": s3.access_key_id,
-        "secret_access_key": secret,
-    }
-    return {k: v for k, v in table.items() if v is not None}
-
-
 STALENESS_WINDOW = 2
 NO_PUBLISHING = {"every": 0, "initial": False}  # trainers with no S3 store
 
@@ -178,8 +164,8 @@ def metrics_lines(tmp: Path) -> list[dict]:
 
 
 def s3_toml(s3: S3Config) -> str:
-    """``s3_table`` as the lines of a ``[s3]`` (or a region's) table."""
-    return "".join(f"{key} = {to_toml_value(value)}\n" for key, value in s3_table(s3).items())
+    """``s3`` as the lines of a ``[s3]`` (or a region's) table."""
+    return "".join(f"{key} = {to_toml_value(value)}\n" for key, value in s3.file_table().items())
 
 
 def to_toml_value(value: object) -> str:
@@ -272,7 +258,7 @@ def write_trainer_file(
     data = {
         "run_id": RUN,
         "kafka": {"bootstrap_servers": kafka.bootstrap_servers},
-        "s3": s3_table(s3),
+        "s3": s3.file_table(),
         "trainer": trainer,
         "weights": {"allow_unsigned": True},
     }
