@@ -34,7 +34,6 @@ from pathlib import Path
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from bench.e2e import RunSpec, run_up, steps_per_s
-from core.config import KafkaConfig
 from infra.services import Services
 from infra.topics import ensure_topics
 from rollstream.config.settings import load_config
@@ -132,7 +131,6 @@ def main() -> None:
     for name in ("rounds", "records", "record_kb", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    KafkaConfig(brokers=max(BROKER_COUNTS))  # the cluster setting is valid before any start
     results: dict[int, list[dict[str, float]]] = {n: [] for n in BROKER_COUNTS}
     with tempfile.TemporaryDirectory(prefix="bench-kafka-cluster-") as tmp:
         for seed in range(args.rounds):

@@ -53,10 +53,15 @@ def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _ip(*args: str) -> None:
-    result = _run("ip", *args)
+def _checked(*cmd: str) -> None:
+    """Run ``cmd``; a ``ServiceError`` with its message if it fails."""
+    result = _run(*cmd)
     if result.returncode != 0:
-        raise ServiceError(f"ip {' '.join(args)}: {result.stderr.strip()}")
+        raise ServiceError(f"{' '.join(cmd)}: {result.stderr.strip()}")
+
+
+def _ip(*args: str) -> None:
+    _checked("ip", *args)
 
 
 def _limit(dev: str, mbit: float, netns: str | None = None) -> None:
@@ -65,10 +70,7 @@ def _limit(dev: str, mbit: float, netns: str | None = None) -> None:
     at most 100 ms."""
     where = ["-n", netns] if netns else []
     cmd = ["tc", *where, "qdisc", "replace", "dev", dev, "root", "tbf"]
-    cmd += ["rate", f"{mbit}mbit", "burst", "1mb", "latency", "100ms"]
-    result = _run(*cmd)
-    if result.returncode != 0:
-        raise ServiceError(f"{' '.join(cmd)}: {result.stderr.strip()}")
+    _checked(*cmd, "rate", f"{mbit}mbit", "burst", "1mb", "latency", "100ms")
 
 
 def refusal() -> str | None:
