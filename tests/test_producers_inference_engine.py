@@ -190,6 +190,20 @@ def test_bad_weights_are_refused_and_the_old_ones_kept(engine, tmp_path):
     assert engine.weight_version == "0"
 
 
+def test_a_checkpoint_refused_for_one_tensor_changes_no_other(engine, tmp_path):
+    """torch's own load copies every fitting tensor before it reports a misshapen one: the
+    engine would serve a half-applied version under the old version's name."""
+    held = {name: tensor.clone() for name, tensor in engine.model.state_dict().items()}
+    state = dict(build_tiny_llama(seed=3).state_dict())
+    state["model.norm.weight"] = torch.zeros(3)  # sorts last: every other tensor fits
+    save_weights(state, tmp_path / "v9")
+    with pytest.raises(ValueError, match=r"another shape.*model\.norm\.weight: \(3,\)"):
+        engine.update_weights_from_disk(tmp_path / "v9", "9").result(timeout=30)
+    assert engine.weight_version == "0"
+    after = engine.model.state_dict()
+    assert [n for n in held if not torch.equal(after[n], held[n])] == []
+
+
 def test_sampling_params_follow_sglang_and_refuse_what_they_cannot_honour():
     params = SamplingParams.from_dict(
         {

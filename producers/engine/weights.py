@@ -132,6 +132,15 @@ def load_state_dict_checked(
             missing.append(name)
     if missing:
         raise ValueError(f"weights lack tensors of the model: {sorted(missing)[:5]}")
+    # torch copies tensor by tensor and reports a mismatch only after copying the rest:
+    # refuse before the first copy, so a refused checkpoint leaves the model as it was
+    misshapen = sorted(n for n, t in state_dict.items() if tuple(t.shape) != tuple(own[n].shape))
+    if misshapen:
+        name = misshapen[0]
+        raise ValueError(
+            f"weights have {len(misshapen)} tensor(s) of another shape than the model's, e.g. "
+            f"{name}: {tuple(state_dict[name].shape)} for {tuple(own[name].shape)}"
+        )
     if applied is None:
         with torch.no_grad():
             model.load_state_dict(dict(state_dict), strict=False)
