@@ -27,6 +27,12 @@ Run from the repository root: ``python -m bench.weights [--repeats N] [--synthet
    bf16): the same trip for an adapter on the published base, and the adapter's bytes at
    7B and 70B from their layer shapes.
 
+``--link-mbit R1,R2`` runs part 3 across a rate-limited link instead (as root). ``--density-of
+STATE_DIR`` reads instead every version of every run kept in the embedded store of a
+rollstream state directory (``$XDG_STATE_HOME/rollstream``) and prints the share of elements
+each delta changed, version by version over whole runs, and the bytes shipped against a base
+every version.
+
 Every timing is the median of ``--repeats`` runs.
 """
 
@@ -51,6 +57,7 @@ from infra.netns import Link, namespace_host
 from infra.s3 import Host, SeaweedServer, ensure_bucket
 from weights import format as fmt
 from weights.follower import WeightFollower
+from weights.manifest import Manifest
 from weights.mirror import mirror_once
 from weights.store import WeightStore, make_s3_client
 from weights.trust import Trust
@@ -482,6 +489,65 @@ def across_links(cache_dir: Path, rates: list[float], params: float, repeats: in
         )
 
 
+def run_manifests(state_dir: Path) -> list[Manifest]:
+    """Every version's manifest of every run in the embedded store of ``state_dir`` (its
+    SeaweedFS started for the reading, stopped after)."""
+    server = SeaweedServer(state_dir / "s3")
+    if not (server.data_dir / "ports.json").exists():
+        raise SystemExit(f"no embedded store in {server.data_dir}")
+    server.start()
+    try:
+        config = server.config()
+        client = make_s3_client(config)
+        manifests = []
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=config.bucket):
+            for item in page.get("Contents", []):
+                if item["Key"].endswith("/manifest.json"):
+                    body = client.get_object(Bucket=config.bucket, Key=item["Key"])["Body"]
+                    manifests.append(Manifest.from_bytes(body.read()))
+        return manifests
+    finally:
+        server.stop()
+
+
+def density_over_runs(state_dir: Path) -> None:
+    """Per version number, over the runs that reached the longest length: the median
+    share of elements a delta changed and the median bytes shipped; then totals."""
+    runs: dict[str, list[Manifest]] = {}
+    for manifest in run_manifests(state_dir):
+        runs.setdefault(manifest.run, []).append(manifest)
+    if not runs:
+        raise SystemExit(f"no versions in the store of {state_dir}")
+    longest = max(len(kept) for kept in runs.values())
+    full = {run: sorted(kept, key=lambda m: m.version) for run, kept in runs.items()
+            if len(kept) == longest}  # fmt: skip
+    first = next(iter(full.values()))[0]
+    print(
+        f"{len(runs)} runs in {state_dir}, {len(full)} with {longest} versions; "
+        f"{first.total_elements / 1e6:.0f}M elements, dense {first.total_bytes / 1e6:.0f} MB"
+    )
+    print("| version | kinds | changed elements (median) | shipped MB (median) |")
+    print("|---|---|---|---|")
+    for index in range(longest):
+        at = [kept[index] for kept in full.values()]
+        kinds = "/".join(sorted({m.kind for m in at}))
+        deltas = [m.changed_elements / m.total_elements for m in at if m.kind == "delta"]
+        density = f"{statistics.median(deltas):.2%}" if deltas else "-"
+        shipped = statistics.median(m.total_bytes for m in at) / 1e6
+        print(f"| {at[0].version} | {kinds} | {density} | {shipped:.2f} |")
+    every = [m for kept in full.values() for m in kept]
+    deltas = [m for m in every if m.kind == "delta"]
+    shares = [m.changed_elements / m.total_elements for m in deltas]
+    bases = [m.total_bytes for m in every if m.kind == "base"]
+    shipped = sum(m.total_bytes for m in every)
+    print(
+        f"deltas: {len(deltas)}, changed elements median {statistics.median(shares):.2%}, "
+        f"max {max(shares):.2%}; all versions shipped {shipped / 1e9:.2f} GB against "
+        f"{len(every) * statistics.median(bases) / 1e9:.2f} GB as a base each "
+        f"({len(every) * statistics.median(bases) / shipped:.1f}x)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -494,7 +560,16 @@ def main() -> None:
         help="comma-separated link rates in Mbit/s: run only the trips across regions, region "
         "B's store in a network namespace behind a tbf-limited veth (needs root)",
     )
+    parser.add_argument(
+        "--density-of",
+        type=Path,
+        metavar="STATE_DIR",
+        help="read the versions of every run in this state directory's embedded store instead",
+    )
     args = parser.parse_args()
+    if args.density_of:
+        density_over_runs(args.density_of)
+        return
     torch.manual_seed(0)
     if args.link_mbit:
         try:
