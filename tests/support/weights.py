@@ -1,4 +1,4 @@
-"""Helpers shared by the ``test_weights_*`` modules: small states, sparse steps, waiting."""
+"""Helpers shared by the weight-plane tests: small states, sparse steps, chains, waiting."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from weights import format as fmt
 from weights.manifest import generate_keypair, load_private_key, parse_manifest
 from weights.store import WeightStore
 from weights.trust import Trust
+from weights.writer import DeltaWriter
 
 #: For tests that write unsigned versions on purpose (signing has tests of its own).
 UNSIGNED = Trust(None)
@@ -108,3 +109,17 @@ def forged_announcement(run: str, version: int) -> VersionAnnouncement:
         bytes=1,
         published_at_ms=int(time.time() * 1000),
     )
+
+
+def overwrite(store: WeightStore, key: str, body: bytes) -> None:
+    """A plain (unconditional) put: what anyone with write access to the bucket can do."""
+    store.client.put_object(Bucket=store.bucket, Key=key, Body=body)
+
+
+def publish_chain(writer: DeltaWriter, count: int, seed: int = 0) -> list[dict]:
+    states = [tiny_state(seed)]
+    for i in range(1, count):
+        states.append(step(states[-1], seed=1000 * seed + i))
+    for state in states:
+        writer.publish(state)
+    return states

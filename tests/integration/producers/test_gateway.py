@@ -27,6 +27,7 @@ import httpx
 import openai
 import pytest
 import torch
+from support.paths import REPO
 from support.producer_runs import make_topic, read_topic, recompute, rs_config
 from support.streams import create_stream_topics, wait_until
 
@@ -333,7 +334,7 @@ def test_anthropic_agents_play_a_group_recorded_as_openai_agents_are(
     streamed, through the episode path with its ``x-api-key``; the records hold what the
     agent was told, token for token, as for an OpenAI agent; what the API has and the
     gateway does not serve, and garbage, are refused in that API's error shape (every
-    refusal: tests/test_gateway_anthropic.py)."""
+    refusal: tests/unit/producers/test_gateway_anthropic.py)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(chat_model)
@@ -387,7 +388,7 @@ def test_anthropic_agents_play_a_group_recorded_as_openai_agents_are(
 
 def _example() -> Any:
     """``examples/gateway_agent.py`` as a module."""
-    path = Path(__file__).resolve().parents[1] / "examples" / "gateway_agent.py"
+    path = REPO / "examples" / "gateway_agent.py"
     spec = importlib.util.spec_from_file_location("gateway_agent", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 from confluent_kafka import Producer
+from support.paths import REPO
 from support.synthetic import scored_group, synthetic_groups
 
 from core.config import KafkaConfig, S3Config, merge_tables, to_toml
@@ -24,7 +25,6 @@ from rollstream.config.settings import load_config, role_config
 from schemas.codec import encode
 from schemas.group import encode_group
 
-REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "infra" / "rollstream.example.toml"
 
 

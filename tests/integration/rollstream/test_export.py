@@ -12,8 +12,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 from support.trainer_runs import s3_toml
+from support.weights import store_for
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from weights_support import store_for
 
 from core.config import S3Config
 from core.model_files import write_model_files

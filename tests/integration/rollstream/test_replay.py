@@ -22,6 +22,7 @@ import pytest
 from click.testing import CliRunner, Result
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
+from support.replay import EVIL, T0, assert_literal, scored_group
 from support.streams import synthetic
 
 from core.config import KafkaConfig, S3Config, to_toml
@@ -30,13 +31,9 @@ from rollstream.cli.main import main
 from rollstream.debug.parquet import trajectories_from_export
 from schemas.codec import encode, routing_headers
 from schemas.control import DeadLetter, StaleRecord, VersionAnnouncement
-from schemas.group import ScoredGroup, encode_group
+from schemas.group import encode_group
 from schemas.topics import TopicSpec
 from schemas.trajectory import Trajectory
-from streams.groups import GroupState, SampleEntry, build_scored_group
-
-T0 = 1_750_000_000_000  # record timestamps (ms), fixed so time ranges are exact
-
 
 # --- helpers ------------------------------------------------------------------------------
 
@@ -116,35 +113,6 @@ def raw_record(traj: Trajectory, partition: int, ts: int) -> Record:
 def exported(path: Path) -> list[tuple[int, int]]:
     table = pq.read_table(path, columns=["kafka_partition", "kafka_offset"])
     return list(zip(table.column(0).to_pylist(), table.column(1).to_pylist(), strict=True))
-
-
-def scored_group(group_id: str, versions: Sequence[int], staleness: Sequence[int]) -> ScoredGroup:
-    """A group whose samples carry exact logp_old (logp_infer plus small noise)."""
-    samples = []
-    rng = np.random.default_rng(len(group_id))
-    for i, version in enumerate(versions):
-        traj = synthetic(
-            run_id="run",
-            group_id=group_id,
-            group_size=len(versions),
-            sample_index=i,
-            versions=(version,),
-            reward=float(i) / max(len(versions) - 1, 1),
-            seed=i + 7,
-        )
-        noisy = np.minimum(traj.logp_infer + rng.normal(0, 0.3, len(traj.logp_infer)), 0.0)
-        samples.append(traj.with_old_logits(noisy))
-    state = GroupState(
-        group_id,
-        0,
-        T0,
-        len(samples),
-        tuple(
-            SampleEntry(t.trajectory_id, t.sample_index, s, i)
-            for i, (t, s) in enumerate(zip(samples, staleness, strict=True))
-        ),
-    )
-    return build_scored_group("run", state, samples, trainer_version=9, now_ms=T0)
 
 
 @pytest.fixture()
@@ -336,8 +304,7 @@ def test_replay_prints_a_crafted_dead_letter_reason_literally(
     tmp_path: Path, kafka_config, client: dict[str, str], topics: dict[str, str]
 ) -> None:
     """Record fields are text, never markup or terminal escapes (more in
-    test_replay_injection)."""
-    from tests.test_replay_injection import EVIL, assert_literal
+    unit/rollstream/test_replay_injection.py)."""
 
     bad = synthetic(group_id="gd", sample_index=0)
     records = [

@@ -12,10 +12,9 @@ import time
 import orjson
 import pytest
 import zstandard
-from weights_support import UNSIGNED, store_for
+from support.weights import UNSIGNED, overwrite, publish_chain, store_for
 
 from core.config import S3Config
-from tests.test_weights_store import overwrite, publish_chain
 from weights import format as fmt
 from weights.errors import FormatError, RefusalReason, VersionRefused
 from weights.manifest import MAX_MANIFEST_BYTES, TensorSpec

@@ -12,13 +12,14 @@ import struct
 import zlib
 from pathlib import Path
 
-from weights_support import step, store_for, tiny_state
+from support.paths import REPO
+from support.weights import step, store_for, tiny_state
 
 from core.config import S3Config
 from weights.manifest import Manifest, generate_keypair, load_private_key
 from weights.writer import DeltaWriter
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "weights-format.md"
+DOC = REPO / "docs" / "weights-format.md"
 
 
 def documented_keys() -> dict[str, str]:

@@ -11,7 +11,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from weights_support import UNSIGNED, same_bits, step, store_for, tiny_state, wait_for
+from support.paths import SUPPORT
+from support.weights import UNSIGNED, same_bits, step, store_for, tiny_state, wait_for
 
 from core.config import KafkaConfig, S3Config
 from infra.topics import ensure_topics
@@ -150,7 +151,7 @@ def test_follower_in_second_region_follows_kafka_and_mirror(
 
 def _crash(what: str, configs: Path, run: str, version: int) -> None:
     """Run ``support/weights_crash.py``, which must die by SIGKILL where it was told."""
-    script = Path(__file__).parent / "support" / "weights_crash.py"
+    script = SUPPORT / "weights_crash.py"
     done = subprocess.run(
         [sys.executable, str(script), what, str(configs), run, str(version)],
         capture_output=True,

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import orjson
 import pytest
-from weights_support import same_bits, step, store_for, tiny_state, wait_for
+from support.weights import (
+    overwrite,
+    publish_chain,
+    same_bits,
+    step,
+    store_for,
+    tiny_state,
+    wait_for,
+)
 
 from core.config import KafkaConfig, S3Config
 from infra.topics import ensure_topics
@@ -46,20 +54,6 @@ def refusals(follower: WeightFollower, reason: RefusalReason) -> float:
 def data_key(store: WeightStore, version: int) -> str:
     manifest = Manifest.from_bytes(store.read_manifest(version))
     return store.key(version, manifest.files[0].name)
-
-
-def overwrite(store: WeightStore, key: str, body: bytes) -> None:
-    """A plain (unconditional) put: what anyone with write access to the bucket can do."""
-    store.client.put_object(Bucket=store.bucket, Key=key, Body=body)
-
-
-def publish_chain(writer: DeltaWriter, count: int, seed: int = 0) -> list[dict]:
-    states = [tiny_state(seed)]
-    for i in range(1, count):
-        states.append(step(states[-1], seed=1000 * seed + i))
-    for state in states:
-        writer.publish(state)
-    return states
 
 
 # --- the happy path ----------------------------------------------------------------------

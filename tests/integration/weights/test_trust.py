@@ -24,7 +24,7 @@ import orjson
 import pytest
 from botocore.exceptions import ClientError
 from pydantic import SecretStr
-from weights_support import (
+from support.weights import (
     forge,
     forged_announcement,
     keypair,

@@ -16,10 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from consumers.build_lock import GUARD_FILE, extensions_root, op_build_guard, stale_batons
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_guard_removes_batons_that_dead_processes_left(

@@ -8,11 +8,9 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from support.paths import REPO
 
 SCRIPT = textwrap.dedent(
     """

@@ -179,7 +179,7 @@ def surviving_weights(
     kafka: KafkaConfig, config: TrainerConfig, ledger_path: Path, groups: list[list[Trajectory]]
 ) -> dict[str, torch.Tensor]:
     """A trainer built the same way that trains only the steps no rollback discarded, with
-    the learning rate each rollback set (``test_trainer_kafka.reference_weights``)."""
+    the learning rate each rollback set (``support.trainer_runs.reference_weights``)."""
     by_id = {t.trajectory_id: t for g in groups for t in g}
     rollbacks = TrainingLedger.read_rollbacks(ledger_path)
     discarded = TrainingLedger.rolled_back_steps(ledger_path)

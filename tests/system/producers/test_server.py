@@ -4,14 +4,13 @@ abort, weight updates, model checks, and clear errors for bad or absent engines.
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 import torch
-from aiohttp import web
+from support.canned_engine import FakeEngine, free_port, good_reply
+from support.paths import REPO
 from support.producer_runs import recompute
 
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
@@ -246,14 +245,8 @@ def test_model_mismatch_is_a_clear_error(server):
     assert not same_model("tiny", "smollm2-135m-instruct")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_absent_engine_raises_engine_unavailable_after_retries():
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
 
     async def go():
         async with EngineClient(url, retries=3, retry_max_wait=0.05) as client:
@@ -264,66 +257,8 @@ def test_absent_engine_raises_engine_unavailable_after_retries():
         run(go())
 
 
-class FakeEngine:
-    """A real HTTP server answering /generate with canned (mostly broken) bodies."""
-
-    def __init__(self, replies: list[tuple[int, object]]) -> None:
-        self.replies = list(replies)
-        self.calls = 0
-        app = web.Application()
-        app.router.add_post("/generate", self.generate)
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._loop = asyncio.new_event_loop()
-        self._runner = web.AppRunner(app)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(self.url + "/")
-                break
-            except httpx.TransportError:
-                time.sleep(0.02)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
-        self._loop.run_until_complete(site.start())
-        self._loop.run_forever()
-
-    async def generate(self, request: web.Request) -> web.Response:
-        status, body = self.replies[min(self.calls, len(self.replies) - 1)]
-        self.calls += 1
-        if isinstance(body, str):
-            return web.Response(status=status, text=body)
-        return web.json_response(body, status=status)
-
-    def close(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        self._loop.run_until_complete(self._runner.cleanup())
-        self._loop.close()
-
-
-def _good(ids=(7, 8), logprobs=(-0.5, -1.0)) -> dict:
-    return {
-        "text": "",
-        "output_ids": list(ids),
-        "meta_info": {
-            "id": "r",
-            "finish_reason": {"type": "length", "length": len(ids)},
-            "prompt_tokens": 5,
-            "completion_tokens": len(ids),
-            "weight_version": "3",
-            "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids, strict=True)],
-        },
-    }
-
-
 def test_transient_503_is_retried_then_succeeds():
-    fake = FakeEngine([(503, "warming up"), (503, "warming up"), (200, [_good()])])
+    fake = FakeEngine([(503, "warming up"), (503, "warming up"), (200, [good_reply()])])
     try:
 
         async def go():
@@ -342,27 +277,32 @@ def test_transient_503_is_retried_then_succeeds():
     [
         ("not json", "non-JSON"),
         ({"output_ids": [1]}, "expected a list of 1 results"),
-        ([_good(), _good()], "expected 1 results, got 2"),
+        ([good_reply(), good_reply()], "expected 1 results, got 2"),
         ([{"output_ids": [1]}], "meta_info missing"),
-        ([{**_good(), "output_ids": "7 8"}], "output_ids missing or not a list"),
+        ([{**good_reply(), "output_ids": "7 8"}], "output_ids missing or not a list"),
         (
-            [{**_good(), "meta_info": {**_good()["meta_info"], "finish_reason": "stop"}}],
+            [{**good_reply(), "meta_info": {**good_reply()["meta_info"], "finish_reason": "stop"}}],
             "finish_reason 'stop' is not an object",
         ),
         (
-            [{**_good(), "meta_info": {**_good()["meta_info"], "output_token_logprobs": None}}],
+            [
+                {
+                    **good_reply(),
+                    "meta_info": {**good_reply()["meta_info"], "output_token_logprobs": None},
+                }
+            ],
             "output_token_logprobs missing",
         ),
         (
-            [_good(ids=(7, 8, 9), logprobs=(-1, -1, -1)) | {"output_ids": [7, 8]}],
+            [good_reply(ids=(7, 8, 9), logprobs=(-1, -1, -1)) | {"output_ids": [7, 8]}],
             "completion_tokens=3",
         ),
         (
             [
                 {
-                    **_good(),
+                    **good_reply(),
                     "meta_info": {
-                        **_good()["meta_info"],
+                        **good_reply()["meta_info"],
                         "output_token_logprobs": [[-0.5, 7, None]],
                     },
                 }
@@ -372,17 +312,17 @@ def test_transient_503_is_retried_then_succeeds():
         (
             [
                 {
-                    **_good(),
+                    **good_reply(),
                     "meta_info": {
-                        **_good()["meta_info"],
+                        **good_reply()["meta_info"],
                         "output_token_logprobs": [[-0.5, 7, None], [-1.0, 9, None]],
                     },
                 }
             ],
             "is for token 9, output_ids\\[1\\] is 8",
         ),
-        ([_good(logprobs=(-0.5, 0.7))], "0.7 is not a log-probability"),
-        ([_good(logprobs=(-0.5, float("nan")))], "non-JSON|not a log-probability"),
+        ([good_reply(logprobs=(-0.5, 0.7))], "0.7 is not a log-probability"),
+        ([good_reply(logprobs=(-0.5, float("nan")))], "non-JSON|not a log-probability"),
     ],
 )
 def test_bad_engine_responses_are_clear_errors(reply, message):
@@ -400,9 +340,9 @@ def test_bad_engine_responses_are_clear_errors(reply, message):
 
 
 def test_parse_accepts_a_single_object_for_one_prompt():
-    (out,) = parse_generate_response(_good(), 1, True)
+    (out,) = parse_generate_response(good_reply(), 1, True)
     assert out.finish_type == "length" and out.prompt_tokens == 5
-    (no_lp,) = parse_generate_response([_good()], 1, False)
+    (no_lp,) = parse_generate_response([good_reply()], 1, False)
     assert no_lp.logprobs is None
 
 
@@ -412,11 +352,10 @@ def test_serve_command_runs_until_sigterm(tmp_path):
     import signal
     import subprocess
     import sys
-    from pathlib import Path
 
     settings = tmp_path / "rollstream.toml"
     settings.write_text('[producers.engine]\nmodel = "tiny"\nport = 0\ntorch_threads = 1\n')
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO
     process = subprocess.Popen(
         [sys.executable, "-m", "producers", "serve", "--config", str(settings)],
         cwd=repo,

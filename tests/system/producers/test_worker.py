@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from confluent_kafka import Producer
+from support.paths import REPO
 from support.producer_runs import (
     check_records,
     make_topic,
@@ -45,7 +46,6 @@ torch.set_num_threads(1)
 
 pytestmark = pytest.mark.system
 
-REPO = Path(__file__).resolve().parents[1]
 MODELS = {0: build_tiny_llama(seed=0), 1: build_tiny_llama(seed=1)}
 
 

@@ -33,7 +33,7 @@ def test_smollm2_calculator_episodes_are_scored_trained_and_reconciled(
     records it trained, and the audit reconciles. No learning is claimed: what the
     untrained model answers is luck (a group of 4 episodes may hold no ``Answer:`` line
     at all, and then no advantage and no weight moves); what SmolLM2 learns over a run is
-    ``bench.real_model``'s measure. How scoring reads answers: test_producers_tasks."""
+    ``bench.real_model``'s measure. How scoring reads answers: unit/producers/test_tasks.py."""
     config = write_config(tmp_path, kafka_config, s3_config, "smol", _SMOLLM2_SHORT_RUN)
     args = ("--model", "smollm2-135m", "--task", "arithmetic-calculator",
             "--max-steps", "1", "--groups-per-step", "1")  # fmt: skip

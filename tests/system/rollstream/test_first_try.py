@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 from support.up_runs import role_env
 
 pytestmark = pytest.mark.system
 
-REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 TAG = "```bash first-try"
 

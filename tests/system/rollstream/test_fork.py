@@ -36,6 +36,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from confluent_kafka import Consumer, TopicPartition
+from support.paths import REPO
 from support.synthetic import synthetic_groups
 from support.trainer_runs import (
     group_records,
@@ -61,7 +62,6 @@ from weights.writer import DeltaWriter
 
 RUN = "fork-source"
 STEPS = 30
-REPO = Path(__file__).resolve().parents[1]
 IGNORED = ("time/", "throughput/", "lag/")  # wall clock and broker position, not training
 
 

@@ -23,6 +23,7 @@ from types import ModuleType
 import httpx
 import openai
 import pytest
+from support.paths import REPO
 from support.up_runs import assert_reconciles, finish, mean, metric_rows, start_up, write_config
 
 from core.config import KafkaConfig, S3Config
@@ -31,7 +32,7 @@ from rollstream.cli.starter import save_chat_model
 
 pytestmark = pytest.mark.system
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gateway_agent.py"
+EXAMPLE = REPO / "examples" / "gateway_agent.py"
 STEPS = 30
 AGENTS = 6
 KEY = "agent-key"

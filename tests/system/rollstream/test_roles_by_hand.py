@@ -17,8 +17,8 @@ region A's engine and producer), every listener off loopback asking for its cred
 the mirror must have sent region B its versions through that link. Where namespaces cannot
 be made (not root) it is skipped, saying so; ``[lora]`` runs on loopback.
 Learning through the pipeline is asserted by the end-to-end run of ``up``
-(``tests/test_e2e_pipeline.py``): this run is the same pipeline, started differently, so
-it runs only as long as its own assertions need.
+(``tests/system/rollstream/test_e2e_pipeline.py``): this run is the same pipeline, started
+differently, so it runs only as long as its own assertions need.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from core.config import merge_tables, to_toml
 from core.process import Launcher, RoleSpec, free_port
@@ -53,7 +54,6 @@ from schemas.codec import decode
 
 pytestmark = pytest.mark.system
 
-REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "infra" / "rollstream.example.toml"
 STEPS = 10  # enough versions for the mirror to carry some to the second region
 

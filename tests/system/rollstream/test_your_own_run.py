@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.paths import SUPPORT
 from support.tracking import tensorboard_scalars
 from support.up_runs import (
     UpRun,
@@ -45,7 +46,6 @@ from rollstream.config.settings import load_config
 
 pytestmark = pytest.mark.system
 
-SUPPORT = Path(__file__).parent / "support"
 STEPS = 40
 EVAL_EVERY = 20
 SYSTEM_PROMPT = "copy the first digit twice"

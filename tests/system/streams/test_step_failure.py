@@ -25,9 +25,11 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 from support.streams import (
+    FILLING,
     WorkerProcess,
     all_applied,
     create_stream_topics,
+    filling_tokens,
     keyed,
     produce,
     read_topic,
@@ -36,14 +38,13 @@ from support.streams import (
     wait_until,
     worker_config,
 )
+from support.streams import RUN as FILLING_RUN
 
 from core.config import KafkaConfig
 from schemas.control import DeadLetter
 from schemas.group import decode_group
 from schemas.topics import ROLLOUTS_RAW, ROLLOUTS_SCORED, producer_limits
 from streams.faust.txn import STEP_FAILED_EXIT
-from tests.test_streams_bounds import FILLING, filling_tokens
-from tests.test_streams_logic import RUN as FILLING_RUN
 
 pytestmark = pytest.mark.system
 

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import click
 import pytest
+from support.paths import REPO
 
 from producers.config import RolloutConfig
 from rollstream.cli.main import main
 
-REPO = Path(__file__).resolve().parents[1]
 UNITS = REPO / "infra" / "systemd"
 VENV_ROLLSTREAM = "/opt/rollstream/venv/bin/rollstream"
 CONFIG = "/etc/rollstream/rollstream.toml"

@@ -10,13 +10,13 @@ import asyncio
 import httpx
 import pytest
 import torch
+from support.canned_engine import FakeEngine, good_reply
 
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
 from producers.config import EngineConfig
 from producers.engine.client import EngineClient, EngineRequestError
 from producers.engine.engine import Engine
 from producers.engine.server import ServerThread
-from tests.test_producers_server import FakeEngine, _good
 
 torch.set_num_threads(1)
 
@@ -159,7 +159,7 @@ def test_client_raises_a_clear_error_on_400_without_retrying():
 
 @pytest.mark.parametrize("status", [500, 503])
 def test_client_retries_an_engine_error(status):
-    fake = FakeEngine([(status, "engine batch failed"), (200, [_good()])])
+    fake = FakeEngine([(status, "engine batch failed"), (200, [good_reply()])])
     try:
 
         async def go():

@@ -1,6 +1,7 @@
 """An engine that dies mid-request (kill -9: the kernel resets the connection) must surface
 as ``EngineUnavailable``, which the rollout worker rides out by regenerating the group,
-not as a raw ``httpx`` error that stops the worker (found by ``tests/test_chaos.py``)."""
+not as a raw ``httpx`` error that stops the worker (found by
+``tests/system/rollstream/test_chaos.py``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The Messages API's requests and answers, without a server: a conversation with tools
 becomes the chat messages the template renders, the model's parsed calls become
 ``tool_use`` blocks (whole and as stream events), and garbage is refused naming the field.
-The served path, with the real ``anthropic`` client: tests/test_gateway.py."""
+The served path, with the real ``anthropic`` client: tests/integration/producers/test_gateway.py."""
 
 from __future__ import annotations
 

@@ -29,12 +29,12 @@ import pytest
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
+from support.paths import REPO
 
 from rollstream.cli.main import main
 from rollstream.config.profiles import ProfileConfig, profile_sections
 from rollstream.config.settings import RollstreamConfig
 
-REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 FENCE = re.compile(r"^```")
@@ -463,7 +463,7 @@ block made, running an example of the repository, waiting for a role started wit
 
 
 def test_first_try_blocks_hold_only_commands_that_run_as_written() -> None:
-    """A ```` ```bash first-try ```` block (run by tests/test_first_try.py) holds
+    """A ```` ```bash first-try ```` block (run by tests/system/rollstream/test_first_try.py) holds
     ``rollstream`` lines the CLI accepts and the few shell lines ``FIRST_TRY_SHELL``
     allows, with no placeholder a reader must fill in."""
     wrong = []

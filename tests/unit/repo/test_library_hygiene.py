@@ -14,8 +14,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 LIBRARY = ("core", "schemas", "weights", "infra", "producers", "streams", "consumers", "rollstream")
 BLOCKING = frozenset({"run", "call", "check_call", "check_output"})
 ENV_WRITERS = frozenset({"update", "setdefault", "pop", "popitem", "clear", "__setitem__"})

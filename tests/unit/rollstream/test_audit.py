@@ -1,5 +1,5 @@
 """The audit's reconciliation logic on ledgers written by the roles' own writers (no Kafka:
-the topic views are built by hand; ``tests/test_chaos.py`` reads real topics)."""
+the topic views are built by hand; ``tests/system/rollstream/test_chaos.py`` reads real topics)."""
 
 from __future__ import annotations
 

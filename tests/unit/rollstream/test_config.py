@@ -6,12 +6,11 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from support.paths import REPO
 
 from core.config import KafkaConfig
 from core.config_sources import InvalidConfigError
 from rollstream.config.settings import load_config
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_shipped_config_file_parses() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support.paths import REPO
 
 from core.config_sources import InvalidConfigError
 from rollstream.cli.main import main
@@ -16,7 +17,6 @@ from rollstream.config.profiles import ProfileConfig, profile_sections
 from rollstream.config.settings import RollstreamConfig, UpConfig, load_config
 from rollstream.up.plan import Ports, build_config, write_config
 
-REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "infra" / "rollstream.example.toml"
 
 # what a role needs to learn: the same under `up` and when started alone

@@ -10,23 +10,15 @@ import re
 
 import pytest
 from rich.console import Console
+from support.replay import EVIL, T0, assert_literal, scored_group
 from support.streams import synthetic
 
 from rollstream.debug.records import ReplayRecord, decode_record
 from rollstream.debug.render import Renderer, RenderOptions
 from schemas.codec import encode
 from schemas.control import DeadLetter, VersionAnnouncement
-from tests.test_replay import T0, scored_group
 
 _SGR = re.compile(r"\x1b\[[0-9;]*m")
-OSC8 = "\x1b]8;;https://evil.example\x1b\\click\x1b]8;;\x1b\\"
-EVIL = [
-    "[link=file:///etc/passwd]x[/link]",
-    "bad[/][/]",
-    "[/bold]",
-    OSC8,
-    "\x1b[2Jcleared",
-]
 
 
 def _render(record: ReplayRecord) -> str:
@@ -36,15 +28,6 @@ def _render(record: ReplayRecord) -> str:
     )
     Renderer(RenderOptions(tokenizer="tiny"), console).record(record)
     return _SGR.sub("", out.getvalue())  # Rich's own styling; anything else stays
-
-
-def assert_literal(text: str, evil: str) -> None:
-    assert "\x1b]8" not in text, "a terminal hyperlink reached the output"
-    assert "\x1b[2J" not in text, "a raw escape sequence reached the output"
-    if "\x1b" in evil:
-        assert evil.replace("\x1b", "\\x1b") in text
-    else:
-        assert evil in text
 
 
 @pytest.mark.parametrize("evil", EVIL, ids=["link", "close-all", "close-bold", "osc8", "clear"])

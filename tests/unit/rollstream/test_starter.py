@@ -1,7 +1,8 @@
 """``rollstream init``: the starter run is a valid run of one's own (its config loads and
 its task options pass the checks ``up`` makes), its rewards score content far above
-format, and it never writes over anything. And ``rollstream.config.run_files``: a run ``up`` made is
-found by its id. The starter's commands run end to end in tests/test_first_try.py."""
+format, and it never writes over anything. And ``rollstream.config.run_files``: a run ``up``
+made is found by its id. The starter's commands run end to end in
+tests/system/rollstream/test_first_try.py."""
 
 from __future__ import annotations
 

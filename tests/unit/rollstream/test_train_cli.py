@@ -9,11 +9,10 @@ from pathlib import Path
 import orjson
 import pytest
 from click.testing import CliRunner
+from support.paths import REPO
 
 from rollstream.cli.main import main
 from rollstream.config.settings import load_config, parse_assignments
-
-REPO = Path(__file__).resolve().parents[1]
 
 TOML = """
 run_id = "cli-run"

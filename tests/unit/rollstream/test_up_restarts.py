@@ -4,7 +4,7 @@ The supervision loop of ``up`` (``rollstream.up.supervise.supervise``) on real p
 in for the roles: a "producer" that crashes on its first start, and a "trainer" that
 finishes (exit 0, as at ``max_steps``) once it sees the producer's second start; then a
 "trainer" killed by SIGKILL in its first incarnation. The real roles are killed under the
-same loop in ``tests/test_chaos.py``.
+same loop in ``tests/system/rollstream/test_chaos.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from support.paths import REPO
 
 from core.process import Launcher, RoleSpec
 from rollstream.config.settings import load_config
@@ -133,7 +134,7 @@ def test_a_trainer_a_guard_stopped_is_not_restarted_and_its_line_ends_the_run(
     shows that line and does not restart the trainer (it would trip again)."""
     trainer = f"""
         import sys
-        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        sys.path.insert(0, {str(REPO)!r})
         import consumers.trainer, infra.services
         from consumers.guards import GuardStop
         from rollstream.cli.train import run_trainer

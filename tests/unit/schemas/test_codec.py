@@ -8,13 +8,13 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import struct
-from pathlib import Path
 
 import numpy as np
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.paths import DATA
 
 from schemas.codec import (
     HEADER_SIZE,
@@ -38,8 +38,6 @@ from schemas.control import (
     VersionAnnouncement,
 )
 from schemas.trajectory import NO_VERSION, EpisodeEnd, Trajectory, TurnKind
-
-FIXTURES = Path(__file__).parent / "fixtures"
 
 # Bit patterns the codec must carry untouched: quiet/signalling NaNs with payloads, both
 # infinities, both zeros, the smallest subnormal, the largest finite value.
@@ -648,7 +646,7 @@ def test_single_turn_has_one_canonical_form() -> None:
 
 def test_version_1_bytes_still_decode_as_single_turn() -> None:
     """Bytes written by the schema version 1 encoder (committed fixture)."""
-    data = (FIXTURES / "trajectory_v1.bin").read_bytes()
+    data = (DATA / "trajectory_v1.bin").read_bytes()
     assert data[4] == 1 and len(data) == 234
     record = decode(data)
     assert record.trajectory_id == "traj-v1" and record.response_ids.tolist() == [8, 9, 10, 11]
@@ -663,7 +661,7 @@ def test_version_1_bytes_still_decode_as_single_turn() -> None:
 
 
 def test_version_1_bytes_are_checked_like_version_2() -> None:
-    data = bytearray((FIXTURES / "trajectory_v1.bin").read_bytes())
+    data = bytearray((DATA / "trajectory_v1.bin").read_bytes())
     assert decode_error(bytes(data[:-1])).reason == DecodeReason.TRUNCATED
     data[6] |= 4  # the turns flag did not exist in version 1
     assert decode_error(reseal(data)).reason == DecodeReason.BAD_LAYOUT
@@ -786,7 +784,7 @@ def test_create_folds_a_single_turn_only_with_its_own_policy() -> None:
 
 def test_version_2_bytes_still_decode_with_the_unnamed_policy() -> None:
     """Bytes written by the schema version 2 encoder (committed fixture, multi-turn)."""
-    data = (FIXTURES / "trajectory_v2.bin").read_bytes()
+    data = (DATA / "trajectory_v2.bin").read_bytes()
     assert data[4] == 2 and len(data) == 311
     record = decode(data)
     assert record.trajectory_id == "traj-v2" and record.task == "echo-digits"
@@ -802,7 +800,7 @@ def test_version_2_bytes_still_decode_with_the_unnamed_policy() -> None:
 
 
 def test_version_2_bytes_are_checked_like_version_3() -> None:
-    data = bytearray((FIXTURES / "trajectory_v2.bin").read_bytes())
+    data = bytearray((DATA / "trajectory_v2.bin").read_bytes())
     for size in (1, 50, 112, 115, len(data) - 1):
         assert decode_error(bytes(data[:size])).reason == DecodeReason.TRUNCATED, size
     assert "at least 116 bytes" in str(decode_error(bytes(data[:100])))
@@ -815,14 +813,14 @@ def test_version_2_bytes_are_checked_like_version_3() -> None:
 
 def test_version_3_bytes_are_pinned() -> None:
     """The committed version 3 record: the encoder still writes exactly these bytes."""
-    data = (FIXTURES / "trajectory_v3.bin").read_bytes()
+    data = (DATA / "trajectory_v3.bin").read_bytes()
     assert encode(multi_policy_record()) == data
     assert_bitwise_equal(decode(data), multi_policy_record())
 
 
 def test_version_3_layout_is_as_documented() -> None:
     """Read the fixture by the layout docs/wire-format.md gives, without the codec."""
-    data = (FIXTURES / "trajectory_v3.bin").read_bytes()
+    data = (DATA / "trajectory_v3.bin").read_bytes()
     header = struct.Struct("<4sBBH I ii 8I qq dd 10H I i I 4s")
     assert header.size == HEADER_SIZE == 120
     fields = header.unpack_from(data)
@@ -1001,7 +999,7 @@ def test_older_writers_schema_version_header_agrees_when_its_layout_carries_the_
     ]
     assert header_disagreements(single, saying(single, b"4")) != []
     # given the value's own version byte, the header must name exactly that version
-    v2_bytes = (FIXTURES / "trajectory_v2.bin").read_bytes()
+    v2_bytes = (DATA / "trajectory_v2.bin").read_bytes()
     old = decode(v2_bytes)
     assert header_disagreements(old, saying(old, b"2"), schema_version=v2_bytes[4]) == []
     assert header_disagreements(old, saying(old, b"3"), schema_version=v2_bytes[4]) == [

@@ -10,11 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.paths import DATA
 
 from schemas.parquet import read_parquet, write_parquet
 from schemas.trajectory import TRAJECTORY_ARROW_SCHEMA, Trajectory, from_arrow, to_arrow
-
-FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def turn_policies_for(seed: int, policy: str) -> tuple[str, ...] | None:
@@ -167,7 +166,7 @@ def test_turn_columns_round_trip_nulls_and_arrays() -> None:
 
 def test_version_1_parquet_reads_as_single_turn_records() -> None:
     """A file exported before multi-turn episodes (committed fixture) still reads."""
-    (record,) = read_parquet(FIXTURES / "trajectory_v1.parquet")
+    (record,) = read_parquet(DATA / "trajectory_v1.parquet")
     assert record.trajectory_id == "traj-v1"
     assert record.response_ids.tolist() == [8, 9, 10, 11]
     assert record.turn_lengths is None and record.turn_kinds is None
@@ -181,7 +180,7 @@ def test_version_1_parquet_reads_as_single_turn_records() -> None:
 
 
 def test_version_1_table_with_a_version_2_column_is_refused() -> None:
-    table = pq.read_table(FIXTURES / "trajectory_v1.parquet")
+    table = pq.read_table(DATA / "trajectory_v1.parquet")
     table = table.append_column("tool_calls", pa.array([0], pa.int32()))
     with pytest.raises(ValueError, match="schema version 1: unexpected columns"):
         from_arrow(table)
@@ -223,7 +222,7 @@ def test_policy_columns_survive_parquet(tmp_path: Path) -> None:
 
 def test_version_2_parquet_reads_with_the_unnamed_policy() -> None:
     """A file exported before multi-policy runs (committed fixture, multi-turn)."""
-    (record,) = read_parquet(FIXTURES / "trajectory_v2.parquet")
+    (record,) = read_parquet(DATA / "trajectory_v2.parquet")
     assert record.trajectory_id == "traj-v2"
     assert record.turn_lengths.tolist() == [2, 2, 2] and record.turn_kinds.tolist() == [0, 1, 0]
     assert record.tool_calls == 1 and record.episode_end == "done"
@@ -232,7 +231,7 @@ def test_version_2_parquet_reads_with_the_unnamed_policy() -> None:
 
 
 def test_version_2_table_with_a_version_3_column_is_refused() -> None:
-    table = pq.read_table(FIXTURES / "trajectory_v2.parquet")
+    table = pq.read_table(DATA / "trajectory_v2.parquet")
     table = table.append_column("policy", pa.array(["alice"], pa.string()))
     with pytest.raises(ValueError, match="schema version 2: unexpected columns"):
         from_arrow(table)

@@ -9,15 +9,14 @@ import dataclasses
 
 import pytest
 from pydantic import ValidationError
-from support.streams import synthetic
+from support.streams import FILLING, RUN, Harness, filling_tokens, synthetic
 
 from schemas.codec import encode
 from schemas.group import decode_group
-from schemas.topics import ROLLOUTS_SCORED, value_room
+from schemas.topics import ROLLOUTS_SCORED
 from schemas.validation import MAX_GROUP_SIZE_LIMIT, MAX_ID_BYTES
 from streams.config import StreamsConfig
 from streams.groups import GROUP_PREFIX, GroupState, group_key
-from tests.test_streams_logic import RUN, Harness
 
 
 def test_a_record_claiming_a_group_over_the_bound_is_dead_lettered_with_its_reason() -> None:
@@ -89,23 +88,6 @@ def test_an_invalid_record_keyed_like_a_real_group_leaves_the_group_alone() -> N
     (out,) = h.on("rollouts.scored")
     group = decode_group(out.value)
     assert group.complete and [s.sample_index for s in group.samples] == [0, 1, 2, 3]
-
-
-FILLING = {"validation": {"max_response_tokens": 10**6}, "prompt_stats": {"enabled": False}}
-"""Stream settings that let ``filling_tokens``'s samples through."""
-
-
-def filling_tokens(group_id: str) -> tuple[int, int]:
-    """A response length whose group of 5 samples (``synthetic``, run ``RUN``, settings
-    ``FILLING``) encodes to a scored value within 40 bytes under the scored topic's
-    ``max.message.bytes``, and the room that topic leaves such a group's value."""
-    probe = Harness(**FILLING)
-    for i in range(5):
-        probe.sample(group_id=group_id, group_size=5, sample_index=i, response_len=1000)
-    (small,) = probe.on("rollouts.scored")
-    # Each response token is 8 bytes (id and log-prob) in each of the 5 samples.
-    tokens = 1000 + (ROLLOUTS_SCORED.max_message_bytes - len(small.value)) // 40
-    return tokens, value_room(ROLLOUTS_SCORED, small.key, small.headers)
 
 
 def test_a_group_too_large_for_its_topic_is_dead_lettered_before_it_is_sent() -> None:
