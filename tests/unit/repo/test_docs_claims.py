@@ -8,6 +8,8 @@
   exist, with options of the command (or group) they follow;
 - the claims "every field has a description", the sections table's models, the dead-letter
   reasons and the role shims' options.
+- docs/architecture.md's module tables: one per package, naming every module and
+  sub-package of the tree and nothing else.
 
 A failure names the doc, the line, the claim and what the code says.
 """
@@ -18,6 +20,7 @@ import ast
 import importlib
 import re
 import shlex
+import tomllib
 import types
 import typing
 from dataclasses import dataclass
@@ -540,3 +543,100 @@ def test_the_wire_format_lists_every_dead_letter_reason(module: str, class_name:
     assert reasons, f"no reasons parsed from {module}"
     missing = sorted(reasons - named)
     assert not missing, f"{doc.name} does not list {class_name} ({module}): {missing}"
+
+
+# --- the packages' module tables -------------------------------------------------------------
+
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+PACKAGE_HEADING = re.compile(r"^### `(?P<package>[a-z_]+)/`")
+MODULE_CELL = re.compile(r"`([a-z0-9_/]+\.py)`")
+
+
+def _root_packages() -> list[str]:
+    """The project's packages, as import-linter knows them (``pyproject.toml``)."""
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    return pyproject["tool"]["importlinter"]["root_packages"]
+
+
+def module_tables(text: str) -> dict[str, list[tuple[int, str]]]:
+    """The modules each package's ``| module | what |`` table in the chapter "What each
+    package holds" lists, as (line, path in the package), by package."""
+    tables: dict[str, list[tuple[int, str]]] = {}
+    package, in_chapter = None, False
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.startswith("## "):
+            package, in_chapter = None, line == "## What each package holds"
+        elif in_chapter and (m := PACKAGE_HEADING.match(line)):
+            package = m.group("package")
+        elif package and line.startswith("| module |"):
+            tables[package] = []
+        elif package in tables and line.startswith("| `"):
+            cell = line.split("|")[1]
+            tables[package] += [(number, name) for name in MODULE_CELL.findall(cell)]
+    return tables
+
+
+def module_table_problems(text: str, root: Path = REPO) -> list[str]:
+    """What the module tables of ``text`` (docs/architecture.md) get wrong about the tree
+    under ``root``: a package without a table, a listed module that does not exist, a
+    module or sub-package of the tree that no row names."""
+    tables = module_tables(text)
+    wrong = []
+    for package in _root_packages():
+        if package not in tables:
+            wrong.append(f"no module table for `{package}/`")
+            continue
+        listed = {name for _, name in tables[package]}
+        base = root / package
+        wrong += [
+            f"line {number}: `{package}/{name}` does not exist"
+            for number, name in tables[package]
+            if not (base / name).is_file()
+        ]
+        modules = {
+            str(path.relative_to(base))
+            for path in base.rglob("*.py")
+            if path.name not in ("__init__.py", "__main__.py")
+        }
+        wrong += [f"`{package}/{name}` is listed nowhere" for name in sorted(modules - listed)]
+        for init in sorted(base.rglob("*/__init__.py")):
+            folder = str(init.parent.relative_to(base))
+            if not any(name.startswith(folder + "/") for name in listed):
+                wrong.append(f"the sub-package `{package}/{folder}/` is listed nowhere")
+    return wrong
+
+
+def test_the_module_tables_match_the_tree() -> None:
+    tables = module_tables(ARCHITECTURE.read_text())
+    assert sum(len(rows) for rows in tables.values()) > 100, "the parser found the tables"
+    wrong = module_table_problems(ARCHITECTURE.read_text())
+    assert not wrong, "docs/architecture.md, What each package holds:\n" + "\n".join(wrong)
+
+
+def test_the_module_table_check_catches_a_missing_row_a_ghost_and_a_new_room(
+    tmp_path: Path,
+) -> None:
+    text = ARCHITECTURE.read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `faust/gaps.py`"))
+    assert module_table_problems(text.replace(row + "\n", "")) == [
+        "`streams/faust/gaps.py` is listed nowhere",
+        "`streams/faust/restore.py` is listed nowhere",
+    ]
+    ghost = text.replace("| `faust/txn.py` |", "| `faust/txn.py`, `faust/warp.py` |")
+    assert [p.split(": ", 1)[1] for p in module_table_problems(ghost)] == [
+        "`streams/faust/warp.py` does not exist"
+    ]
+    without_core = re.sub(r"### `core/`.*?(?=### `schemas/`)", "", text, flags=re.S)
+    assert module_table_problems(without_core) == ["no module table for `core/`"]
+
+    # a new sub-package in a copy of the tree, with only its __init__.py
+    for package in _root_packages():
+        for path in (REPO / package).rglob("*.py"):
+            target = tmp_path / path.relative_to(REPO)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.touch()
+    (tmp_path / "weights" / "cache").mkdir()
+    (tmp_path / "weights" / "cache" / "__init__.py").touch()
+    assert module_table_problems(text, tmp_path) == [
+        "the sub-package `weights/cache/` is listed nowhere"
+    ]
