@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from support.streams import rollout
-from support.weights import keypair
+from support.weight_states import keypair
 
 from consumers.config import PublishConfig
 from consumers.weight_publisher import Publisher

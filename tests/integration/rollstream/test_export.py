@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from support.trainer_runs import s3_toml
-from support.weights import store_for
+from support.weight_states import store_for
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.config import S3Config

@@ -7,7 +7,7 @@ from pathlib import Path
 import safetensors.torch
 from click.testing import CliRunner
 from support.trainer_runs import s3_toml
-from support.weights import same_bits, step, store_for, tiny_state
+from support.weight_states import same_bits, step, store_for, tiny_state
 
 from core.config import S3Config
 from rollstream.cli.weights import weights

@@ -10,7 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 import torch
-from support.weights import UNSIGNED, same_bits, store_for, tiny_state
+from support.weight_states import UNSIGNED, same_bits, store_for, tiny_state
 
 from core.config import S3Config
 from weights.errors import RefusalReason, VersionRefused

@@ -17,7 +17,7 @@ from pathlib import Path
 import orjson
 import pytest
 from confluent_kafka import Producer
-from support.weights import forge, forged_announcement, keypair, step, store_for, tiny_state
+from support.weight_states import forge, forged_announcement, keypair, step, store_for, tiny_state
 
 from core.config import KafkaConfig, S3Config
 from infra.topics import ensure_topics

@@ -12,7 +12,7 @@ import time
 import orjson
 import pytest
 import zstandard
-from support.weights import UNSIGNED, overwrite, publish_chain, store_for
+from support.weight_states import UNSIGNED, overwrite, publish_chain, store_for
 
 from core.config import S3Config
 from weights import format as fmt

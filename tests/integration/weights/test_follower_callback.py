@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from support.weights import same_bits, step, store_for, tiny_state, wait_for
+from support.weight_states import same_bits, step, store_for, tiny_state, wait_for
 
 from core.config import S3Config
 from weights.errors import CallbackFailed

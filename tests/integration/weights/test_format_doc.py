@@ -13,7 +13,7 @@ import zlib
 from pathlib import Path
 
 from support.paths import REPO
-from support.weights import step, store_for, tiny_state
+from support.weight_states import step, store_for, tiny_state
 
 from core.config import S3Config
 from weights.manifest import Manifest, generate_keypair, load_private_key

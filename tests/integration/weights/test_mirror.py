@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from support.paths import SUPPORT
-from support.weights import UNSIGNED, same_bits, step, store_for, tiny_state, wait_for
+from support.weight_states import UNSIGNED, same_bits, step, store_for, tiny_state, wait_for
 
 from core.config import KafkaConfig, S3Config
 from infra.topics import ensure_topics

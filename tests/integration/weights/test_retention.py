@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from support.weights import UNSIGNED, forge, keypair, same_bits, step, store_for, tiny_state
+from support.weight_states import UNSIGNED, forge, keypair, same_bits, step, store_for, tiny_state
 
 from core.config import S3Config
 from weights.follower import WeightFollower

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from support.weights import (
+from support.weight_states import (
     overwrite,
     publish_chain,
     same_bits,

@@ -9,7 +9,7 @@ as deltas (a base every ``base_every``), which a follower applies bit for bit.""
 from __future__ import annotations
 
 import torch
-from support.weights import same_bits, store_for
+from support.weight_states import same_bits, store_for
 
 from core.config import S3Config
 from core.models import build_tiny_llama

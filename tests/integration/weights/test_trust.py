@@ -24,7 +24,7 @@ import orjson
 import pytest
 from botocore.exceptions import ClientError
 from pydantic import SecretStr
-from support.weights import (
+from support.weight_states import (
     forge,
     forged_announcement,
     keypair,

@@ -46,7 +46,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from support.streams import read_topic
-from support.weights import forge, forged_announcement
+from support.weight_states import forge, forged_announcement
 
 from core.process import Launcher, RoleProcess
 from infra.kafka import EmbeddedKafkaCluster
