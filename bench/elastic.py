@@ -25,7 +25,7 @@ brings the embedded services back (``infra up``) and ``rollstream audit`` reconc
 producer's ledger with the trainer's: nothing lost, nothing trained twice. Figures per phase:
 trainer steps/s, trained trajectories/s and groups delivered per second by all producers.
 ``run_elastic`` returns them with what the presence topic said at each point; the slow
-test ``tests/test_elastic_roles.py`` runs it short and asserts on it.
+test ``tests/system/rollstream/test_elastic_roles.py`` runs it short and asserts on it.
 """
 
 from __future__ import annotations

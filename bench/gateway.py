@@ -3,7 +3,7 @@ engine's own API, and how many episodes it carries to Kafka.
 
 Run from the repository root: ``python -m bench.gateway [--agents 8] [--rounds 10]``.
 
-The tiny chat model (``tests/support/chat_model.py``, its context raised to
+The tiny chat model (``rollstream.cli.starter.save_chat_model``, its context raised to
 ``--context`` positions: RoPE, so no weight depends on it; its 64 hold two calls) is
 served by ``producers.engine.server.ServerThread`` in a process of its own (one torch thread,
 prefix cache off); a producer with the gateway on (``producers.app.run_producer``, the file
@@ -149,8 +149,9 @@ def sampling_params(max_tokens: int) -> dict[str, Any]:
 
 
 def chat_model(directory: Path, context: int) -> Path:
-    """The tests' tiny chat model with ``context`` positions (its 64 hold two calls)."""
-    from tests.support.chat_model import save_chat_model
+    """The tiny chat model ``rollstream init`` writes, with ``context`` positions (its 64
+    hold two calls)."""
+    from rollstream.cli.starter import save_chat_model
 
     save_chat_model(directory, seed=SEED)
     config_file = directory / "config.json"

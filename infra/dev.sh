@@ -86,7 +86,7 @@ EOF
 
 install_sglang_reference() {
   # SGLang's own API definitions, read (never installed: it needs a GPU) by
-  # tests/test_sglang_contract.py
+  # tests/unit/producers/test_sglang_contract.py
   compgen -G "$CACHE/wheels/sglang-${SGLANG_WHEEL#*==}-*.whl" >/dev/null && return
   log "fetching SGLang's wheel for its API definitions ($SGLANG_WHEEL, ~40 MB, not installed)"
   mkdir -p "$CACHE/wheels"

@@ -20,7 +20,7 @@ file that names the other hosts' addresses; every listener off loopback authenti
 the broker by SCRAM, the engines (bound to their host's address) by the config's
 ``api_key``, the stores by their access keys. ``sudo python -m infra.hosts --dir D`` builds
 it, runs the roles until the trainer's last step, audits the run and removes every
-namespace, whatever happens; ``tests/test_roles_by_hand.py`` runs the same layout.
+namespace, whatever happens; ``tests/system/rollstream/test_roles_by_hand.py`` runs the same layout.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``rollstream serve --engine sglang`` and ``rollstream router`` run these (the process
 becomes SGLang's, so a supervisor's signals reach it directly). Both keep the project's
 rule: loopback unless configured, and an API key for anything else. The flags are pinned
-to SGLang's own definitions by ``tests/test_sglang_contract.py``.
+to SGLang's own definitions by ``tests/unit/producers/test_sglang_contract.py``.
 """
 
 from __future__ import annotations

@@ -6,10 +6,12 @@ run, set ``ROLLSTREAM_TEST_BOOTSTRAP`` (host:port) and/or ``ROLLSTREAM_TEST_S3_E
 (with ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` for it). Tests get fresh buckets
 and uniquely named topics, so they never see each other's data.
 
-Tiers, one marker each (given here, at collection): ``system`` for end-to-end tests
-(whole pipelines, chaos, kill -9; a module or test marks itself), ``integration`` for
-tests on the real broker or S3 (a service fixture, or a module that marks itself),
-``unit`` for the rest, which need no service. ``pytest -m unit`` runs only the quick tier.
+Tiers are folders, ``tests/{unit,integration,system}/<package>/test_<subject>.py``, and
+markers (``support.tiers``): each test is marked at collection ``system`` (it or its module
+says so: whole pipelines, chaos, kill -9), ``integration`` (a service fixture, or a module
+that says so) or ``unit`` (no service), and a file sits in the folder of its slowest test;
+collection fails on a test filed in a faster folder than its tier. ``pytest tests/unit``
+runs the quick tier; ``pytest -m unit`` also picks the quick tests of slower files.
 
 The suite runs in three worker processes (pytest-xdist, ``-n 3 --dist loadfile
 --no-loadscope-reorder`` in ``pyproject.toml``), each taking a whole test file at a time,
@@ -28,33 +30,25 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support.paths import TESTS
+from support.tiers import TIERS, folder_tier, marked_tier, misfiled
 
 from core.config import KafkaConfig, S3Config, default_cache_dir
 from infra.kafka import EmbeddedKafka
 from infra.s3 import SeaweedServer, ensure_bucket
 from weights.store import make_s3_client
 
-SERVICE_FIXTURES = frozenset(
-    {"kafka_config", "s3_config", "second_s3_config", "seaweed_region_a", "seaweed_region_b"}
-)
-TIER_ORDER = {"system": 0, "integration": 1, "unit": 2}
-
-
-def tier(item: pytest.Item) -> str:
-    """The tier of one test: system, integration or unit (see the module doc)."""
-    if item.get_closest_marker("system"):
-        return "system"
-    uses_services = SERVICE_FIXTURES & set(getattr(item, "fixturenames", ()))
-    if uses_services or item.get_closest_marker("integration"):
-        return "integration"
-    return "unit"
-
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test with its tier and order the tiers slowest first (see the module doc)."""
-    for item in items:
-        item.add_marker(tier(item))
-    items.sort(key=lambda item: TIER_ORDER[tier(item)])
+    """Mark every test with its tier, refuse a test filed in a faster folder than its tier,
+    and hand out the folders slowest first (see the module doc)."""
+    tiers = {item: marked_tier(item) for item in items}
+    for item, tier in tiers.items():
+        item.add_marker(tier)
+    wrong = misfiled(((i.nodeid, i.path, t) for i, t in tiers.items()), TESTS)
+    if wrong:
+        raise pytest.UsageError("tests filed in the wrong tier folder:\n" + "\n".join(wrong))
+    items.sort(key=lambda item: TIERS.index(folder_tier(item.path, TESTS) or "unit"))
 
 
 @pytest.fixture(scope="session")

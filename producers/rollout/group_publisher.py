@@ -76,8 +76,8 @@ def producer_config(
         "acks": "all",
         "linger.ms": 5,
         # The stream workers' aiokafka reads every codec (cramjam is locked for lz4, zstd
-        # and snappy; tests/test_kafka_clients.py); gzip is what the pipeline was measured
-        # with.
+        # and snappy; tests/system/infra/test_kafka_clients.py); gzip is what the pipeline
+        # was measured with.
         "compression.type": "gzip",
         "delivery.timeout.ms": delivery_timeout_ms,
         "queue.buffering.max.messages": 100_000,

@@ -9,7 +9,7 @@ them again through a stream step or a trainer step (``rollstream.debug.rerun``).
 **Never moves a role's offsets.** The consumer is *assigned* partitions (``assign``, never
 ``subscribe``) under a throwaway group id, with auto-commit and offset storing off: it
 never joins a consumer group and never commits, so no group's committed offsets change
-(``tests/test_replay.py`` checks the broker holds no offsets afterwards).
+(``tests/integration/rollstream/test_replay.py`` checks the broker holds no offsets afterwards).
 
 **Bounds, per partition** (``ReadBounds``): the start is ``--offset P:N`` for partition P,
 else ``--from-offset N``, else the last ``--last N`` records, else the first offset whose

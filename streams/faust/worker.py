@@ -5,10 +5,10 @@ topic and table, the services, and registers the agent, the timers and the start
 on the app, in that order. Faust fixes at build time what a worker is: its table (the
 worker's memory of the group table, ``streams.faust.topics.MEMORY_TABLE_NAME``), the group
 table's changelog the steps write (``<app_id>-groups-changelog``, what each partition is
-rebuilt from), and the order timers and tasks start in; ``tests/test_streams_worker``
-pins them. Each part is a method or a small collaborator: ``OldLogitPass`` (where old
-logits come from), ``streams.faust.agent.Assembler`` (the agent's work per message), and the
-worker's own timers (ticks, gap sweeps, lag) and start-up.
+rebuilt from), and the order timers and tasks start in;
+``tests/integration/streams/test_worker.py`` pins them. Each part is a method or a small
+collaborator: ``OldLogitPass`` (where old logits come from), ``streams.faust.agent.Assembler``
+(the agent's work per message), and the worker's own timers (ticks, gap sweeps, lag) and start-up.
 """
 
 from __future__ import annotations

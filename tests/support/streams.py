@@ -28,11 +28,14 @@ from core.config import to_toml
 from core.topic_reader import end_offsets
 from schemas.codec import encode
 from schemas.control import DeadLetter
+from schemas.topics import ROLLOUTS_SCORED, value_room
 from schemas.trajectory import Trajectory
 from streams.config import StreamsConfig
 from streams.oldlogits import OldLogitEngine
 from streams.processor import Message, Processor, Step
 from streams.staleness import VersionTracker
+
+from .paths import REPO, TESTS  # relative: bench imports this module as tests.support.streams
 
 
 @dataclass(frozen=True)
@@ -174,8 +177,6 @@ def synthetic(**fields: Any) -> Trajectory:
 
 # --- running workers and reading topics (tests and benchmarks) --------------------------
 
-REPO_ROOT = Path(__file__).resolve().parents[2]  # tests/support/streams.py -> the repository
-
 
 def synthetic_group(run_id: str, group_id: str, rewards: Sequence[float]) -> list[Trajectory]:
     """One group of ``len(rewards)`` valid records, sample ``i`` with reward ``rewards[i]``;
@@ -225,7 +226,7 @@ class WorkerProcess:
         env = dict(os.environ, ROLLSTREAM_CONFIG=str(config_path), PYTHONUNBUFFERED="1")
         env.update(self.env)
         # user code the tests name by dotted path (``support.user_operators``) is importable
-        tests_dir = str(REPO_ROOT / "tests")
+        tests_dir = str(TESTS)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, env.get("PYTHONPATH")) if p)
         with self.log_path.open("ab") as out:
             if self.supervised:  # the user's command: a supervisor restarts crashed workers
@@ -236,7 +237,7 @@ class WorkerProcess:
                 argv += [f"--datadir={self.workdir / 'data'}", "-l", loglevel]
             self.process = subprocess.Popen(
                 argv,
-                cwd=REPO_ROOT,
+                cwd=REPO,
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -562,3 +563,20 @@ class Harness:
 
     def dead_letters(self) -> list[DeadLetter]:
         return [DeadLetter.from_headers(s.headers) for s in self.on("rollouts.dlq")]
+
+
+FILLING = {"validation": {"max_response_tokens": 10**6}, "prompt_stats": {"enabled": False}}
+"""Stream settings that let ``filling_tokens``'s samples through."""
+
+
+def filling_tokens(group_id: str) -> tuple[int, int]:
+    """A response length whose group of 5 samples (``synthetic``, run ``RUN``, settings
+    ``FILLING``) encodes to a scored value within 40 bytes under the scored topic's
+    ``max.message.bytes``, and the room that topic leaves such a group's value."""
+    probe = Harness(**FILLING)
+    for i in range(5):
+        probe.sample(group_id=group_id, group_size=5, sample_index=i, response_len=1000)
+    (small,) = probe.on("rollouts.scored")
+    # Each response token is 8 bytes (id and log-prob) in each of the 5 samples.
+    tokens = 1000 + (ROLLOUTS_SCORED.max_message_bytes - len(small.value)) // 40
+    return tokens, value_room(ROLLOUTS_SCORED, small.key, small.headers)

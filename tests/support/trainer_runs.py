@@ -28,11 +28,11 @@ from schemas.topics import POLICY_VERSIONS, ROLLOUTS_DLQ, ROLLOUTS_SCORED
 from schemas.trajectory import (
     Trajectory,
 )
+from support.paths import REPO
 from support.streams import read_topic
 from support.synthetic import scored_group
 
 RUN = "trainer-test"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def make_topics(kafka: KafkaConfig, unique_name: Callable[[str], str]) -> dict[str, str]:

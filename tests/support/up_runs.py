@@ -146,7 +146,7 @@ TINY_MIN_GAIN = 0.15
 """The tiny run's bar on its reward: last 10 steps over the first 10."""
 TINY_MIN_ACCURACY = 0.15
 """The tiny run's bar on content: answer digits right (``digit_accuracy``), where a policy
-that learned only the format is right 1 time in 10 (tests/test_learning_bars.py)."""
+that learned only the format is right 1 time in 10 (tests/unit/rollstream/test_learning_bars.py)."""
 
 
 def assert_learned(run: UpRun, steps: int, min_gain: float, min_accuracy: float) -> None:
