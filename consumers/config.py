@@ -304,9 +304,8 @@ class StalenessConfig(StrictModel):
         default=4,
         ge=0,
         description=(
-            "Most versions a trained group may lag the version being trained (the same "
-            "concept and default as [streams.staleness] max_staleness; [profile] "
-            "staleness_window sets both). "
+            "Most versions a trained group may lag the version being trained. Filled from "
+            "[profile] staleness_window, the run's one declared window. "
             "Empty: no check at training time. With the stream's staged mode set it to the "
             "oldest lag a stage admits (stage_versions x (stages_admitted + 1) - 1), or empty."
         ),

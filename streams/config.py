@@ -68,7 +68,10 @@ class StalenessConfig(StrictModel):
         default="window", description="window: a fixed version window; staged: Mu-GRPO stages."
     )
     max_staleness: int = Field(
-        default=4, ge=0, description="window mode: most versions a record may lag the trainer."
+        default=4,
+        ge=0,
+        description="window mode: most versions a record may lag the trainer. Filled from "
+        "[profile] staleness_window, the run's one declared window.",
     )
     stage_versions: int = Field(
         default=8, ge=1, description="staged mode: trainer versions per generate/optimise stage."

@@ -31,8 +31,9 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from rollstream.cli.main import main
-from rollstream.config.profiles import ProfileConfig, profile_sections
+from rollstream.config.profiles import ProfileConfig
 from rollstream.config.settings import RollstreamConfig
+from rollstream.config.shared import derived_sections
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -218,7 +219,7 @@ def _profile_keys() -> set[str]:
                 keys.add(prefix + key)
 
     for profile in (ProfileConfig(), ProfileConfig(model="smollm2", precision="fp32")):
-        walk(profile_sections(profile), "")
+        walk(derived_sections(profile), "")
     return keys
 
 
