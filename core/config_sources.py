@@ -145,15 +145,6 @@ def read_sources(
     return Sources(tuple(layers), path, text)
 
 
-def settings_from_sources(
-    model: type[SettingsT], path: Path | None = None, overrides: Mapping[str, Any] | None = None
-) -> SettingsT:
-    """``model`` built from its sources (``read_sources``), earlier ones winning, nested
-    tables merged key by key, and validated once; every error says where."""
-    sources = read_sources(model, path, overrides)
-    return sources.validate(model, sources.merged())
-
-
 def check_environment(model: type[BaseModel]) -> None:
     """Refuse a ``ROLLSTREAM_*`` variable that names no setting of ``model`` (a misspelt
     one would otherwise be ignored without a word), suggesting the closest that does."""

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from core.config import StrictModel
-from core.models import MODEL_SPEC_HELP, parse_model_spec
+from core.models import MODEL_SPEC_HELP, ModelSpecName, parse_model_spec
 
 ProfileName = Literal["auto", "tiny", "language-model", "none"]
 Precision = Literal["auto", "bf16", "fp32"]
@@ -38,7 +38,7 @@ class ProfileConfig(StrictModel):
         description="tiny | language-model | none | auto (tiny for a tiny model spec, "
         "language-model for any other).",
     )
-    model: str = Field(
+    model: ModelSpecName = Field(
         default="tiny",
         description=MODEL_SPEC_HELP + " Given unchanged to all three roles ([producers.engine] "
         "model, [streams.old_logits] model, [trainer.model] spec); a file setting one of "
@@ -73,11 +73,6 @@ class ProfileConfig(StrictModel):
         "with bf16 or a CPU with AVX-512; fp32 elsewhere, where bf16 is tens of times "
         "slower). Pin it when roles run on different hardware.",
     )
-
-    @field_validator("model")
-    @classmethod
-    def _canonical_model(cls, value: str) -> str:
-        return parse_model_spec(value, check_path=False).name
 
     @property
     def resolved_name(self) -> ProfileName:

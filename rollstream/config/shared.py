@@ -21,7 +21,7 @@ from typing import Any
 
 from core.config import ConfigurationError, merge_tables
 from core.config_sources import Layer
-from core.models import parse_model_spec
+from core.models import canonical_model_spec
 from rollstream.config.profiles import ProfileConfig, profile_sections
 
 Path = tuple[str, ...]
@@ -46,7 +46,7 @@ class SharedSetting:
 
 def _same_model(given: Any, wanted: Any) -> bool:
     try:
-        return bool(parse_model_spec(str(given), check_path=False).name == wanted)
+        return canonical_model_spec(str(given)) == wanted
     except ValueError:
         return True  # not a model spec: validation refuses it, naming its source
 
