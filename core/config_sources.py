@@ -11,7 +11,7 @@ import difflib
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar, cast, get_args, get_origin
 
@@ -69,6 +69,24 @@ class Layer(NamedTuple):
 
     name: str
     values: dict[str, Any]
+    text: str | None = None  # a file's text, for the line of a key
+
+    def where(self, key: Sequence[str]) -> str:
+        """Where this source sets ``key``: the file and line, or the variable."""
+        if self.text is not None:
+            line = _toml_line(self.text, list(key))
+            return f"{self.name}:{line}" if line else self.name
+        if self.name == ENVIRONMENT:
+            env = {name.upper(): name for name in os.environ}
+            for depth in range(len(key), 0, -1):
+                name = "ROLLSTREAM_" + "__".join(key[:depth]).upper()
+                if name in env:
+                    return env[name]
+        return self.name
+
+
+ENVIRONMENT = "ROLLSTREAM_* variables"
+"""The name of the ``ROLLSTREAM_*`` variables' layer."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +148,7 @@ def read_sources(
         raise ConfigurationError(f"{err} (check the ROLLSTREAM_* variables)") from None
     layers = [
         Layer("--set", dict(overrides or {})),
-        Layer("ROLLSTREAM_* variables", environment),
+        Layer(ENVIRONMENT, environment),
         Layer("KAFKA_BOOTSTRAP_SERVERS / AWS_ENDPOINT_URL", WellKnownEnvSource(settings)()),
     ]
     text = None
@@ -139,7 +157,7 @@ def read_sources(
             raise FileNotFoundError(f"config file {path} does not exist")
         text = Path(path).read_text(encoding="utf-8", errors="replace")
         try:
-            layers.append(Layer(str(path), tomllib.loads(text)))
+            layers.append(Layer(str(path), tomllib.loads(text), text))
         except tomllib.TOMLDecodeError as err:
             raise ConfigurationError(f"{path}:{_toml_error_line(err, text)}: {err}") from None
     return Sources(tuple(layers), path, text)

@@ -154,3 +154,19 @@ def test_a_profile_that_is_no_table_is_refused_as_invalid(
     monkeypatch.delenv("ROLLSTREAM_PROFILE")
     with pytest.raises(InvalidConfigError, match="profile"):
         load_config(_file(tmp_path, 'profile = "tiny"\n'))
+
+
+def test_the_cli_refuses_a_contradiction_before_any_role_starts(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from rollstream.cli.main import main
+
+    path = _file(
+        tmp_path, "[profile]\nstaleness_window = 3\n[trainer.staleness]\nmax_staleness = 1\n"
+    )
+    root = ["--config", str(path), "--state-dir", str(tmp_path / "state")]
+    for command in (["config"], ["train", "--dry-run"], ["stream", "--check"]):
+        result = CliRunner().invoke(main, [*root, *command])
+        assert result.exit_code == 2, result.output
+        assert f"trainer.staleness.max_staleness = 1 ({path}:4)" in result.output
+        assert f"profile.staleness_window = 3 ({path}:2)" in result.output

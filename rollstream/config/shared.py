@@ -132,12 +132,14 @@ def check_shared(layers: Sequence[Layer], profile: ProfileConfig) -> None:
                 continue  # filled from the declaration, or overridden by a winning source
             given, wanted = _get(layers[set_in].values, path), value(profile)
             if not setting.same(given, wanted):
+                declaring = layers[declared_in]
+                key = next(k for k in setting.declared_by if k in declaring.values["profile"])
                 raise ConfigurationError(
-                    f"{'.'.join(path)} = {given!r} ({layers[set_in].name}) contradicts "
-                    f"profile.{_declaring_key(setting, layers[declared_in])} "
-                    f"({layers[declared_in].name}), which gives every role {name} = "
-                    f"{wanted!r}: set one of them, or the same value in both (a role's own "
-                    "value may differ only from a source that wins, e.g. --set)"
+                    f"{'.'.join(path)} = {given!r} ({layers[set_in].where(path)}) contradicts "
+                    f"profile.{key} = {declaring.values['profile'][key]!r} "
+                    f"({declaring.where(('profile', key))}), which gives every role "
+                    f"{name} = {wanted!r}: set one of them, or the same value in both (a "
+                    "role's own value may differ only from a source that wins, e.g. --set)"
                 )
 
 
@@ -155,13 +157,6 @@ def _get(values: Mapping[str, Any], path: Path) -> Any:
 
 def _first(layers: Sequence[Layer], holds: Callable[[dict[str, Any]], bool]) -> int | None:
     return next((i for i, layer in enumerate(layers) if holds(layer.values)), None)
-
-
-def _declaring_key(setting: SharedSetting, layer: Layer) -> str:
-    profile = layer.values.get("profile") or {}
-    return ", profile.".join(
-        f"{key} = {profile[key]!r}" for key in setting.declared_by if key in profile
-    )
 
 
 def derived_sections(profile: ProfileConfig) -> dict[str, Any]:
