@@ -52,6 +52,11 @@ def _windows(config: object) -> tuple[int | None, int | None, int | None]:
             "streams.old_logits.dtype = 'float32'",
             "profile.precision = 'bf16'",
         ),
+        (
+            '[profile]\nprecision = "fp32"\n[trainer.engine]\nbf16 = true\n',
+            "trainer.engine.bf16 = True",
+            "profile.precision = 'fp32'",
+        ),
     ],
 )
 def test_a_file_contradicting_a_shared_setting_is_refused_naming_both_keys(
@@ -65,12 +70,26 @@ def test_a_file_contradicting_a_shared_setting_is_refused_naming_both_keys(
 
 
 def test_the_declared_window_is_every_roles_and_agreeing_copies_are_accepted(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = _file(
         tmp_path, "[profile]\nstaleness_window = 3\n[trainer.staleness]\nmax_staleness = 3\n"
     )
     assert _windows(load_config(path)) == (3, 3, 3)
+    # every copy written out, agreeing, as in a run's file; a variable's string agrees too
+    every = _file(
+        tmp_path,
+        '[profile]\nprecision = "bf16"\nstaleness_window = 3\n'
+        '[producers.engine]\ndtype = "bfloat16"\n[streams.old_logits]\ndtype = "bfloat16"\n'
+        "[trainer.engine]\nbf16 = true\n[trainer.staleness]\nmax_staleness = 3\n",
+    )
+    monkeypatch.setenv("ROLLSTREAM_STREAMS__STALENESS__MAX_STALENESS", "3")
+    monkeypatch.setenv("ROLLSTREAM_PROFILE__PRECISION", "bf16")
+    monkeypatch.setenv("ROLLSTREAM_PRODUCERS__ENGINE__DTYPE", "bfloat16")
+    monkeypatch.setenv("ROLLSTREAM_TRAINER__ENGINE__BF16", "True")
+    agreed = load_config(every)
+    assert _windows(agreed) == (3, 3, 3) and agreed.trainer.engine.bf16
+    assert agreed.producers.engine.dtype == agreed.streams.old_logits.dtype == "bfloat16"
     # the same spec written another way is the same model
     model = _file(tmp_path, '[profile]\nmodel = "tiny"\n[producers.engine]\nmodel = " tiny "\n')
     assert load_config(model).producers.engine.model == "tiny"
@@ -119,6 +138,12 @@ def test_a_run_started_with_an_override_writes_a_file_its_roles_read(tmp_path: P
     config = build_config(base, UpConfig(max_steps=5), "run", tmp_path, Ports(1, 2, 3, 4))
     write_config(config, tmp_path / "run.toml")
     assert _windows(load_config(tmp_path / "run.toml")) == (3, 0, 3)
+    # a declared precision (bf16 everywhere) reads back from the run's file as it was
+    pinned = load_config(None, profile={"model": "smollm2", "precision": "bf16"})
+    run = build_config(pinned, UpConfig(max_steps=5), "p", tmp_path, Ports(1, 2, 3, 4))
+    write_config(run, tmp_path / "pinned.toml")
+    again = load_config(tmp_path / "pinned.toml")
+    assert again.profile.precision == "bf16" and again.trainer.engine.bf16
     # without an override the declaration stays in the run's file
     plain = build_config(load_config(path), UpConfig(max_steps=5), "r", tmp_path, Ports(1, 2, 3, 4))
     write_config(plain, tmp_path / "plain.toml")

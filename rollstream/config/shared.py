@@ -27,6 +27,19 @@ from rollstream.config.profiles import ProfileConfig, profile_sections
 Path = tuple[str, ...]
 
 
+def _agrees(given: Any, wanted: Any) -> bool:
+    """A source's raw value (a variable's is a string) against the declared one."""
+    try:
+        if isinstance(wanted, bool):
+            flag = {"true": True, "false": False}.get(str(given).strip().lower())
+            return flag is None or flag == wanted  # not a flag: validation refuses it
+        if isinstance(wanted, int):
+            return int(given) == wanted
+    except (TypeError, ValueError):
+        return True  # not a number: validation refuses it, naming its source
+    return str(given).strip() == wanted
+
+
 @dataclass(frozen=True)
 class SharedSetting:
     """One shared setting: the ``[profile]`` keys that declare it, and the role keys it
@@ -34,7 +47,7 @@ class SharedSetting:
 
     declared_by: tuple[str, ...]  # keys of [profile]
     roles: Mapping[Path, Callable[[ProfileConfig], Any]]
-    same: Callable[[Any, Any], bool] = lambda given, wanted: given == wanted
+    same: Callable[[Any, Any], bool] = _agrees
 
     def declared(self, profile: Any) -> bool:
         """Whether a source's ``[profile]`` table declares this setting (a value that is no
@@ -51,19 +64,6 @@ def _same_model(given: Any, wanted: Any) -> bool:
         return True  # not a model spec: validation refuses it, naming its source
 
 
-def _same_number(given: Any, wanted: Any) -> bool:
-    try:
-        return int(given) == wanted
-    except (TypeError, ValueError):
-        return True  # not a number: validation refuses it
-
-
-def _same_flag(given: Any, wanted: Any) -> bool:
-    if isinstance(given, str):
-        given = {"true": True, "false": False}.get(given.strip().lower(), wanted)
-    return bool(given) == wanted
-
-
 def _dtype(profile: ProfileConfig) -> str:
     return "bfloat16" if profile.resolved_precision == "bf16" else "float32"
 
@@ -76,7 +76,6 @@ SHARED: dict[str, SharedSetting] = {
             ("streams", "staleness", "max_staleness"): lambda p: p.window,
             ("trainer", "staleness", "max_staleness"): lambda p: p.window,
         },
-        _same_number,
     ),
     "model": SharedSetting(
         ("model",),
@@ -94,7 +93,6 @@ SHARED: dict[str, SharedSetting] = {
             ("streams", "old_logits", "dtype"): _dtype,
             ("trainer", "engine", "bf16"): lambda p: p.resolved_precision == "bf16",
         },
-        _same_flag,
     ),
 }
 """Each shared setting by name; its role keys are what ``rollstream config --role`` shows
