@@ -24,7 +24,8 @@ from core.config_sources import Layer
 from core.models import canonical_model_spec
 from rollstream.config.profiles import ProfileConfig, profile_sections
 
-Path = tuple[str, ...]
+KeyPath = tuple[str, ...]
+"""A key by its parts: ("streams", "staleness", "max_staleness")."""
 
 
 def _agrees(given: Any, wanted: Any) -> bool:
@@ -46,7 +47,7 @@ class SharedSetting:
     propagates into, each with the value the declaration gives it."""
 
     declared_by: tuple[str, ...]  # keys of [profile]
-    roles: Mapping[Path, Callable[[ProfileConfig], Any]]
+    roles: Mapping[KeyPath, Callable[[ProfileConfig], Any]]
     same: Callable[[Any, Any], bool] = _agrees
 
     def declared(self, profile: Any) -> bool:
@@ -144,7 +145,7 @@ def check_shared(layers: Sequence[Layer], profile: ProfileConfig) -> None:
 _MISSING = object()
 
 
-def _get(values: Mapping[str, Any], path: Path) -> Any:
+def _get(values: Mapping[str, Any], path: KeyPath) -> Any:
     node: Any = values
     for part in path:
         if not isinstance(node, Mapping) or part not in node:
