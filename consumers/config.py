@@ -32,14 +32,14 @@ from pydantic import Field, field_validator, model_validator
 from consumers.guard_config import GuardsConfig
 from consumers.loss_config import GrpoLossConfig, LossConfig, PpoEwmaLossConfig
 from core.config import RetryConfig, SharedConfig, StrictModel, TopicName
-from core.models import MODEL_SPEC_HELP, parse_model_spec
+from core.models import MODEL_SPEC_HELP, ModelSpecName
 
 
 class ModelConfig(StrictModel):
     """The causal LM being trained. ``[trainer] model = "<spec>"`` is short for
     ``[trainer.model] spec = "<spec>"``."""
 
-    spec: str = Field(
+    spec: ModelSpecName = Field(
         default="tiny",
         description=MODEL_SPEC_HELP + " The same spec as [producers.engine] model and "
         "[streams.old_logits] model; loaded in float32 (DeepSpeed casts it for bf16).",
@@ -65,11 +65,6 @@ class ModelConfig(StrictModel):
             "the model's max_position_embeddings."
         ),
     )
-
-    @field_validator("spec")
-    @classmethod
-    def _canonical_spec(cls, value: str) -> str:
-        return parse_model_spec(value, check_path=False).name
 
 
 class BatchConfig(StrictModel):
@@ -304,9 +299,8 @@ class StalenessConfig(StrictModel):
         default=4,
         ge=0,
         description=(
-            "Most versions a trained group may lag the version being trained (the same "
-            "concept and default as [streams.staleness] max_staleness; [profile] "
-            "staleness_window sets both). "
+            "Most versions a trained group may lag the version being trained. Filled from "
+            "[profile] staleness_window, the run's one declared window. "
             "Empty: no check at training time. With the stream's staged mode set it to the "
             "oldest lag a stage admits (stage_versions x (stages_admitted + 1) - 1), or empty."
         ),

@@ -24,10 +24,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import (
-    BaseSettings,
-    SettingsConfigDict,
-)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 log = logging.getLogger(__name__)
 
@@ -634,6 +631,19 @@ class SharedConfig(BaseSettings):
         description="Train and ship a LoRA adapter (empty: full fine-tuning). The trainer, "
         "engine and old-logit service all build the same adapter on their model.",
     )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Built from its values alone: the environment is read once per process, by the
+        resolver (``core.config_sources.read_sources``), not again by every copy."""
+        return (init_settings,)
 
 
 SectionT = TypeVar("SectionT", bound=BaseModel)

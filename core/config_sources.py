@@ -1,17 +1,19 @@
-"""Where a configuration comes from, and the errors that say so: pydantic-settings reads
-the ``--set`` overrides, ``ROLLSTREAM_*`` variables, the well-known Kafka and S3
-variables and the TOML file (earlier ones winning), and every refused value is named with
-its key and source. The sections themselves are ``core.config``'s."""
+"""Where a configuration comes from, and the errors that say so: the ``--set`` overrides,
+``ROLLSTREAM_*`` variables, the well-known Kafka and S3 variables and the TOML file
+(earlier ones winning) are each read once (``read_sources``), the result is validated
+once, and every refused value is named with its key and source. The sections themselves
+are ``core.config``'s."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, get_args, get_origin
+from typing import Any, NamedTuple, TypeVar, cast, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import (
@@ -19,11 +21,10 @@ from pydantic_settings import (
     EnvSettingsSource,
     InitSettingsSource,
     PydanticBaseSettingsSource,
-    TomlConfigSettingsSource,
 )
 from pydantic_settings.exceptions import SettingsError
 
-from core.config import ConfigurationError
+from core.config import ConfigurationError, merge_tables
 
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)
 
@@ -63,23 +64,92 @@ class InvalidConfigError(ConfigurationError):
     (the file and line, the variable, or ``--set``)."""
 
 
-def settings_from_sources(
-    model: type[SettingsT], path: Path | None = None, overrides: Mapping[str, Any] | None = None
-) -> SettingsT:
-    """``model`` built by pydantic-settings from its sources, earlier ones winning:
-    explicit ``overrides`` (e.g. ``--set``), ``ROLLSTREAM_*`` variables (nested with
-    ``__``), the well-known Kafka/S3 variables, the TOML file at ``path``, the defaults.
-    Nested tables merge key by key across sources.
+class Layer(NamedTuple):
+    """One source's explicit values and the name an error gives it."""
 
-    Every error says where: a TOML syntax error its file and line, an unknown
-    ``ROLLSTREAM_*`` variable its name (and the setting it was probably meant to be), a
-    refused value its key and source (``InvalidConfigError``)."""
-    init = dict(overrides or {})
+    name: str
+    values: dict[str, Any]
+    text: str | None = None  # a file's text, for the line of a key
+
+    def where(self, key: Sequence[str]) -> str:
+        """Where this source sets ``key``: the file and line, or the variable."""
+        if self.text is not None:
+            line = _toml_line(self.text, list(key))
+            return f"{self.name}:{line}" if line else self.name
+        if self.name == ENVIRONMENT:
+            env = {name.upper(): name for name in os.environ}
+            for depth in range(len(key), 0, -1):
+                name = "ROLLSTREAM_" + "__".join(key[:depth]).upper()
+                if name in env:
+                    return env[name]
+        return self.name
+
+
+ENVIRONMENT = "ROLLSTREAM_* variables"
+"""The name of the ``ROLLSTREAM_*`` variables' layer."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sources:
+    """A process's configuration sources, each read once (the TOML file parsed once),
+    highest precedence first: ``--set`` overrides, ``ROLLSTREAM_*`` variables, the
+    well-known Kafka/S3 variables, the file. Kept as layers so a check can tell which
+    source set a key (``rollstream.config.shared``) and an error can say where."""
+
+    layers: tuple[Layer, ...]
+    path: Path | None = None
+    text: str | None = None
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        return self.layers[0].values
+
+    def merged(self) -> dict[str, Any]:
+        """Every layer's values, higher ones laid over lower ones key by key."""
+        values: dict[str, Any] = {}
+        for layer in reversed(self.layers):
+            values = merge_tables(values, layer.values)
+        return values
+
+    def validate(self, model: type[SettingsT], values: Mapping[str, Any]) -> SettingsT:
+        """``model`` validated once from ``values`` (these sources' values, maybe with
+        more laid under or over them), every refused value named with its key and the
+        source it came from (``InvalidConfigError``)."""
+        try:
+            return from_values(model, values)
+        except ValidationError as err:
+            lines = [
+                _describe(error, self.overrides, self.path, self.text) for error in err.errors()
+            ]
+            raise InvalidConfigError(
+                f"invalid configuration ({len(lines)} error(s)):\n" + "\n".join(lines)
+            ) from err
+
+
+def from_values(model: type[SettingsT], values: Mapping[str, Any]) -> SettingsT:
+    """``model`` validated once from ``values`` alone: no environment read again (the
+    resolver read it once, in ``read_sources``)."""
+    data = dict(values)
+    return model(_build_sources=((InitSettingsSource(model, init_kwargs=data),), data))
+
+
+def read_sources(
+    model: type[BaseModel], path: Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> Sources:
+    """Read ``model``'s sources once: explicit ``overrides`` (e.g. ``--set``),
+    ``ROLLSTREAM_*`` variables (nested with ``__``), the well-known Kafka/S3 variables,
+    the TOML file at ``path``. A TOML syntax error names its file and line, an unknown
+    ``ROLLSTREAM_*`` variable its name (and the setting it was probably meant to be)."""
     check_environment(model)
-    sources: list[PydanticBaseSettingsSource] = [
-        InitSettingsSource(model, init_kwargs=init),
-        EnvSettingsSource(model),
-        WellKnownEnvSource(model),
+    settings = cast("type[BaseSettings]", model)
+    try:
+        environment = EnvSettingsSource(settings)()
+    except SettingsError as err:  # a variable's value that is not valid JSON for its table
+        raise ConfigurationError(f"{err} (check the ROLLSTREAM_* variables)") from None
+    layers = [
+        Layer("--set", dict(overrides or {})),
+        Layer(ENVIRONMENT, environment),
+        Layer("KAFKA_BOOTSTRAP_SERVERS / AWS_ENDPOINT_URL", WellKnownEnvSource(settings)()),
     ]
     text = None
     if path is not None:
@@ -87,19 +157,10 @@ def settings_from_sources(
             raise FileNotFoundError(f"config file {path} does not exist")
         text = Path(path).read_text(encoding="utf-8", errors="replace")
         try:
-            tomllib.loads(text)
+            layers.append(Layer(str(path), tomllib.loads(text), text))
         except tomllib.TOMLDecodeError as err:
             raise ConfigurationError(f"{path}:{_toml_error_line(err, text)}: {err}") from None
-        sources.append(TomlConfigSettingsSource(model, toml_file=Path(path)))
-    try:
-        return model(_build_sources=(tuple(sources), init))
-    except SettingsError as err:  # a variable's value that is not valid JSON for its table
-        raise ConfigurationError(f"{err} (check the ROLLSTREAM_* variables)") from None
-    except ValidationError as err:
-        lines = [_describe(error, init, path, text) for error in err.errors()]
-        raise InvalidConfigError(
-            f"invalid configuration ({len(lines)} error(s)):\n" + "\n".join(lines)
-        ) from err
+    return Sources(tuple(layers), path, text)
 
 
 def check_environment(model: type[BaseModel]) -> None:

@@ -49,7 +49,9 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import AfterValidator
 
 from core.config import LoraConfig, default_cache_dir
 
@@ -390,6 +392,16 @@ def parse_model_spec(spec: str | ModelSpec, *, check_path: bool = True) -> Model
         f"{SMOLLM2!r} (aliases {', '.join(map(repr, MODEL_ALIASES))}), a Hub id "
         "('org/name[@revision]') or a checkpoint directory ('./name', '/abs/name')"
     )
+
+
+def canonical_model_spec(spec: str) -> str:
+    """A model spec's canonical string (``parse_model_spec(spec, check_path=False).name``)."""
+    return parse_model_spec(spec, check_path=False).name
+
+
+ModelSpecName = Annotated[str, AfterValidator(canonical_model_spec)]
+"""A config field holding a model spec, kept in its canonical form: the one type of the
+profile's, the engine's, the old-logit service's and the trainer's model."""
 
 
 def _parse_hub_options(spec: str, text: str | None) -> bool:

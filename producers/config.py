@@ -192,7 +192,7 @@ class RolloutConfig(StrictModel):
         description="Start no new group once the groups started ahead of the trainer's "
         "trained version reach this many trainer steps + 1 (admission credit), or while the "
         "engine lags the announced version by more. The trainer's announced window wins "
-        "when smaller.",
+        "when smaller. Filled from [profile] staleness_window, the run's one declared window.",
     )
     ignore_trainer_pause: bool = Field(
         default=False,

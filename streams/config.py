@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from core.config import Port, RestartConfig, StrictModel, TopicName
 from core.devices import DEVICE_NAMES, check_device_name
-from core.models import MODEL_SPEC_HELP, parse_model_spec
+from core.models import MODEL_SPEC_HELP, ModelSpecName, parse_model_spec
 from schemas.codec import MAX_RECORD_BYTES
 from schemas.validation import MAX_GROUP_SIZE, MAX_GROUP_SIZE_LIMIT
 
@@ -68,7 +68,10 @@ class StalenessConfig(StrictModel):
         default="window", description="window: a fixed version window; staged: Mu-GRPO stages."
     )
     max_staleness: int = Field(
-        default=4, ge=0, description="window mode: most versions a record may lag the trainer."
+        default=4,
+        ge=0,
+        description="window mode: most versions a record may lag the trainer. Filled from "
+        "[profile] staleness_window, the run's one declared window.",
     )
     stage_versions: int = Field(
         default=8, ge=1, description="staged mode: trainer versions per generate/optimise stage."
@@ -93,7 +96,7 @@ class OldLogitsConfig(StrictModel):
         default="exact",
         description="exact: recompute logp_old per segment version; off: mark records 'off'.",
     )
-    model: str = Field(
+    model: ModelSpecName = Field(
         default="tiny",
         description=MODEL_SPEC_HELP + " The architecture the versions' weights run "
         "through: the same spec as [producers.engine] model and [trainer.model] spec.",
@@ -145,11 +148,6 @@ class OldLogitsConfig(StrictModel):
     rebuild_timeout_s: float = Field(
         default=60.0, gt=0, description="Give up rebuilding a version from S3 after this long."
     )
-
-    @field_validator("model")
-    @classmethod
-    def _canonical_model(cls, value: str) -> str:
-        return parse_model_spec(value, check_path=False).name
 
     @field_validator("device")
     @classmethod

@@ -13,7 +13,7 @@ from typing import Any, Literal, Protocol
 from pydantic import Field, SecretStr, field_validator
 
 from core.config import StrictModel
-from core.models import MODEL_SPEC_HELP, parse_model_spec
+from core.models import MODEL_SPEC_HELP, ModelSpecName
 from producers.engine.request_checks import DEFAULT_MAX_REQUEST_TOKENS
 
 
@@ -78,7 +78,7 @@ class SamplingConfig(StrictModel):
 class EngineConfig(StrictModel):
     """The CPU inference engine behind ``rollstream serve`` (and the worker's in-process one)."""
 
-    model: str = Field(
+    model: ModelSpecName = Field(
         default="tiny",
         description=MODEL_SPEC_HELP + " The same spec as [streams.old_logits] model and "
         "[trainer.model] spec; the engine reports its canonical form as model_path.",
@@ -141,11 +141,6 @@ class EngineConfig(StrictModel):
         "answered HTTP 413 with the numbers, so one client cannot hold the engine's memory "
         "or time; a rollout group needs group_size x (prompt + max_new_tokens).",
     )
-
-    @field_validator("model")
-    @classmethod
-    def _canonical_model(cls, value: str) -> str:
-        return parse_model_spec(value, check_path=False).name
 
 
 class EngineConnection(Protocol):

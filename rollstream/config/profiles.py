@@ -3,25 +3,28 @@
 A run's roles must agree on the model, its dtypes, the learning rate, the loss, the batch
 and the producers' admission credit; a role started by hand from a config file gets them
 from the same place as one started by ``rollstream up``. ``[profile]`` names the settings
-(``ProfileConfig``); ``profile_sections`` turns them into role sections, and
-``rollstream.config.settings.load_config`` lays those *under* whatever the file, the environment or
-``--set`` give explicitly, for every command.
+(``ProfileConfig``); ``profile_sections`` turns them into role sections, besides the
+model, dtypes and staleness window, which are shared settings
+(``rollstream.config.shared`` propagates and checks them); and
+``rollstream.config.settings.load_config`` lays those *under* whatever the file, the
+environment or ``--set`` give explicitly, for every command.
 
 The two profiles (``tiny`` and ``language-model``), their values, why they were chosen
 and how ``precision = "auto"`` decides: docs/configuration.md, "Profiles".
 
 ``auto`` (the default) picks ``tiny`` for a tiny model spec and ``language-model`` for any
-other; ``none`` applies nothing (every setting comes from the file or the defaults).
+other; ``none`` applies nothing but the shared settings it declares (every other setting
+comes from the file or the defaults).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from core.config import StrictModel
-from core.models import MODEL_SPEC_HELP, parse_model_spec
+from core.models import MODEL_SPEC_HELP, ModelSpecName, parse_model_spec
 
 ProfileName = Literal["auto", "tiny", "language-model", "none"]
 Precision = Literal["auto", "bf16", "fp32"]
@@ -35,10 +38,11 @@ class ProfileConfig(StrictModel):
         description="tiny | language-model | none | auto (tiny for a tiny model spec, "
         "language-model for any other).",
     )
-    model: str = Field(
+    model: ModelSpecName = Field(
         default="tiny",
         description=MODEL_SPEC_HELP + " Given unchanged to all three roles ([producers.engine] "
-        "model, [streams.old_logits] model, [trainer.model] spec).",
+        "model, [streams.old_logits] model, [trainer.model] spec); a file setting one of "
+        "them otherwise is refused.",
     )
     task: str | None = Field(
         default=None,
@@ -52,8 +56,9 @@ class ProfileConfig(StrictModel):
     staleness_window: int = Field(
         default=2,
         ge=0,
-        description="Async: how many versions generation may run ahead of training "
-        "(producers' admission credit and the streams' staleness filter).",
+        description="Async: how many versions generation may run ahead of training: the "
+        "producers' admission credit, the stream's and the trainer's max_staleness (one "
+        "value for all three; a file setting one of them otherwise is refused).",
     )
     groups_per_step: int | None = Field(
         default=None,
@@ -68,11 +73,6 @@ class ProfileConfig(StrictModel):
         "with bf16 or a CPU with AVX-512; fp32 elsewhere, where bf16 is tens of times "
         "slower). Pin it when roles run on different hardware.",
     )
-
-    @field_validator("model")
-    @classmethod
-    def _canonical_model(cls, value: str) -> str:
-        return parse_model_spec(value, check_path=False).name
 
     @property
     def resolved_name(self) -> ProfileName:
@@ -100,41 +100,33 @@ class ProfileConfig(StrictModel):
 
 
 def profile_sections(profile: ProfileConfig) -> dict[str, Any]:
-    """Role sections derived from ``profile`` (nothing for ``none``)."""
+    """Role sections derived from ``profile`` (nothing for ``none``), besides the shared
+    settings (model, dtypes, staleness window), which ``rollstream.config.shared``
+    propagates into every role."""
     name = profile.resolved_name
     if name == "none":
         return {}
     tiny = name == "tiny"
     groups = profile.groups_per_step or (16 if tiny else 4)
-    window = profile.window
-    bf16 = profile.resolved_precision == "bf16"
-    dtype = "bfloat16" if bf16 else "float32"
     return {
         # fp32 AdamW changes nearly every element each step: a delta is as large as a base,
         # so the tiny profile lets deltas be any size and runs the delta path (exact,
         # dense); a language model keeps the default threshold (see docs/weights-format.md)
         "weights": {"poll_interval_s": 0.5, **({"max_delta_fraction": 1.0} if tiny else {})},
         "producers": {
-            "engine": {"model": profile.model, "dtype": dtype, "torch_threads": 1},
+            "engine": {"torch_threads": 1},
             "rollout": {
                 "task": profile.task or ("copy-first-digit-twice" if tiny else "arithmetic"),
                 "group_size": 8,
-                "staleness_window": window,
                 # no groups_per_version: producers take the trainer's announced pace,
                 # shared between however many of them run
                 "max_inflight_groups": min(groups, 8),
             },
         },
-        "streams": {
-            "staleness": {"max_staleness": window},
-            "old_logits": {"model": profile.model, "dtype": dtype},
-            "groups": {"timeout_s": 60.0},
-        },
+        "streams": {"groups": {"timeout_s": 60.0}},
         "trainer": {
-            "model": {"spec": profile.model},
-            "engine": {"bf16": bf16, "lr": 3e-3 if tiny else 2e-5, "zero_stage": 0},
+            "engine": {"lr": 3e-3 if tiny else 2e-5, "zero_stage": 0},
             "loss": {"type": "decoupled"},
-            "staleness": {"max_staleness": window},  # checked again at training time
             # sync: a step waits for all of its groups; async: never wait long for stragglers
             "batch": {"max_groups": groups, "max_wait_s": 120.0 if profile.sync else 5.0},
             # versions in the dtype a language model is served in, whatever the trainer's

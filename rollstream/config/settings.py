@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any, Literal, get_args, overload
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator
 
@@ -31,10 +32,11 @@ from core.config import (
     StrictModel,
     merge_tables,
 )
-from core.config_sources import settings_from_sources
+from core.config_sources import Layer, Sources, from_values, read_sources
 from producers.config import ProducersConfig
 from rollstream.config.policies import check_policy_tables, policy_values
-from rollstream.config.profiles import ProfileConfig, profile_sections
+from rollstream.config.profiles import ProfileConfig
+from rollstream.config.shared import check_shared, derived_sections
 from schemas.topics import (
     POLICY_VERSIONS,
     PROMPTS_STATS,
@@ -171,8 +173,8 @@ class RollstreamConfig(SharedConfig):
         ``profile`` derive its roles' settings; names and tables come out the same."""
         if self.policy:
             raise ValueError(f"this is already policy {self.policy!r}'s view")
-        if policy not in self._views:
-            self._views[policy] = policy_view(self, policy)
+        if policy not in self._views:  # load_config resolved it from the sources already
+            self._views[policy] = self._siblings.get(policy) or policy_view(self, policy)
         return self._views[policy]
 
     def peer(self, policy: str) -> RollstreamConfig:
@@ -218,9 +220,11 @@ class RollstreamConfig(SharedConfig):
 def load_config(
     path: Path | None = None, *, policy: str | None = None, **overrides: Any
 ) -> RollstreamConfig:
-    """The whole config from its sources (``core.config_sources.settings_from_sources``): explicit
-    ``overrides`` > ``ROLLSTREAM_*`` variables > ``KAFKA_BOOTSTRAP_SERVERS`` /
-    ``AWS_ENDPOINT_URL[_S3]`` > the TOML file > the ``[profile]``'s settings > defaults.
+    """The whole config from its sources (``core.config_sources.read_sources``, each read
+    once): explicit ``overrides`` > ``ROLLSTREAM_*`` variables > ``KAFKA_BOOTSTRAP_SERVERS``
+    / ``AWS_ENDPOINT_URL[_S3]`` > the TOML file > the ``[profile]``'s settings > defaults,
+    validated once. The shared settings (``rollstream.config.shared``) are propagated
+    from ``[profile]`` into every role's section, and a source contradicting them refused.
 
     ``policy`` picks one policy of a multi-policy run: its ``[policies.<name>]`` table is
     laid over the sources and its names are renamed into its namespace
@@ -231,16 +235,41 @@ def load_config(
 
     What a role receives is cut from the result by ``role_config``: the same shape,
     ``RoleConfig(shared, section)``, for every role."""
-    raw = settings_from_sources(RollstreamConfig, path, overrides)
-    views = {name: policy_view(raw, name, overrides) for name in raw.policies}
+    sources = read_sources(RollstreamConfig, path, overrides)
+    explicit = sources.merged()
+
+    def validate(values: dict[str, Any]) -> RollstreamConfig:
+        return sources.validate(RollstreamConfig, values)
+
+    policy = policy or explicit.get("policy")  # ROLLSTREAM_POLICY or `--set policy=...`
+    if not explicit.get("policies") and not policy:
+        return resolved(explicit, sources.layers, validate)  # the one validation
+    raw = validate(explicit)
+    views = {name: policy_view(raw, name, overrides, sources) for name in raw.policies}
     check_peers(views)
-    policy = policy or raw.policy  # ROLLSTREAM_POLICY or `--set policy=...` name it too
+    policy = policy or raw.policy
     if policy:
         config = views[policy] if policy in views else policy_view(raw, policy, overrides)
     else:
-        config = with_profile(raw)
+        config = resolved(explicit, sources.layers, validate)
     config._siblings.update(views)
     return config
+
+
+def resolved(
+    values: dict[str, Any],
+    layers: Sequence[Layer],
+    validate: Callable[[dict[str, Any]], RollstreamConfig],
+) -> RollstreamConfig:
+    """``values`` (explicit settings, from ``layers``) with what their ``[profile]``
+    derives laid under them, the shared settings checked against ``layers``, validated."""
+    try:
+        profile = ProfileConfig.model_validate(values.get("profile") or {})
+    except ValidationError:
+        validate(values)  # refuses the profile, naming its key and source
+        raise
+    check_shared(layers, profile)
+    return validate(merge_tables(derived_sections(profile), values))
 
 
 CONFIG_SOURCES = "rollstream.sources"
@@ -264,33 +293,34 @@ class ConfigSources:
         return load_config(self.path, policy=self.policy, **overrides)
 
 
-RoleName = Literal["producers", "engine", "producer", "streams", "stream", "trainer"]
+ProducerRole = Literal[
+    "producers", "engine", "producer", "serve", "router", "produce", "gateway", "eval"
+]
+StreamRole = Literal["streams", "stream"]
+TrainerRole = Literal["trainer", "train"]
 ROLE_SECTIONS: dict[str, str] = {
-    "producers": "producers",
-    "engine": "producers",
-    "producer": "producers",
-    "streams": "streams",
-    "stream": "streams",
-    "trainer": "trainer",
+    **dict.fromkeys(get_args(ProducerRole), "producers"),
+    **dict.fromkeys(get_args(StreamRole), "streams"),
+    **dict.fromkeys(get_args(TrainerRole), "trainer"),
 }
-"""Each role's name (and its aliases) -> the section it runs with."""
+"""Each role (its name, and the commands that run it) -> the section it runs with."""
 
 
 @overload
 def role_config(
     config: RollstreamConfig,
-    role: Literal["producers", "engine", "producer"],
+    role: ProducerRole,
     options: Mapping[str, Any] | None = None,
 ) -> RoleConfig[ProducersConfig]: ...
 @overload
 def role_config(
     config: RollstreamConfig,
-    role: Literal["streams", "stream"],
+    role: StreamRole,
     options: Mapping[str, Any] | None = None,
 ) -> RoleConfig[StreamsConfig]: ...
 @overload
 def role_config(
-    config: RollstreamConfig, role: Literal["trainer"], options: Mapping[str, Any] | None = None
+    config: RollstreamConfig, role: TrainerRole, options: Mapping[str, Any] | None = None
 ) -> RoleConfig[TrainerConfig]: ...
 @overload
 def role_config(
@@ -305,7 +335,7 @@ def role_config(
     layout; ``None`` values are options not given) laid over it. ``rollstream config
     --role`` prints this, so what it shows is what the role gets."""
     if role not in ROLE_SECTIONS:
-        raise ValueError(f"unknown role {role!r}: producers, streams or trainer")
+        raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLE_SECTIONS)}")
     section = getattr(config, ROLE_SECTIONS[role])
     return RoleConfig(shared_config(config), with_options(section, options or {}))
 
@@ -351,16 +381,24 @@ def role_json(config: RollstreamConfig, role: str) -> dict[str, Any]:
 
 
 def policy_view(
-    raw: RollstreamConfig, policy: str, overrides: dict[str, Any] | None = None
+    raw: RollstreamConfig,
+    policy: str,
+    overrides: dict[str, Any] | None = None,
+    sources: Sources | None = None,
 ) -> RollstreamConfig:
     """``policy``'s view of ``raw`` (a config before its profile is applied). Explicit
     ``overrides`` (``--set``) win over the policy's table too: a second stream worker of a
-    policy gets its own port on its command line."""
+    policy gets its own port on its command line. ``sources``: the layers ``raw`` was
+    read from, against which the policy's shared settings are checked (without them,
+    only the policy's table is)."""
     explicit = raw.model_dump(exclude_unset=True)
     values = policy_values(explicit, raw.model_dump(), raw.policies, policy)
-    values = merge_tables(values, {k: v for k, v in (overrides or {}).items() if k != "policy"})
+    given = {k: v for k, v in (overrides or {}).items() if k != "policy"}
+    values = merge_tables(values, given)
+    below = sources.layers[1:] if sources is not None else ()
+    layers = [Layer("--set", given), Layer(f"[policies.{policy}]", raw.policies[policy]), *below]
     try:
-        return with_profile(RollstreamConfig.model_validate(values))
+        return resolved(values, layers, partial(from_values, RollstreamConfig))
     except ValidationError as err:
         raise ConfigurationError(f"[policies.{policy}] is not valid:\n{err}") from err
 
@@ -383,12 +421,6 @@ def check_peers(views: dict[str, RollstreamConfig]) -> None:
             "every policy is another's peer, so none drives an episode: leave one policy "
             "out of every producers.rollout.peers"
         )
-
-
-def with_profile(config: RollstreamConfig) -> RollstreamConfig:
-    """``config`` with its profile's role settings under the values set explicitly."""
-    explicit = config.model_dump(exclude_unset=True)
-    return RollstreamConfig.model_validate(merge_tables(profile_sections(config.profile), explicit))
 
 
 def parse_assignments(assignments: tuple[str, ...] | list[str]) -> dict[str, Any]:

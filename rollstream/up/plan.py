@@ -24,8 +24,9 @@ from pydantic import BaseModel
 
 from core.config import ConfigurationError, merge_tables, to_toml
 from core.process import RoleSpec
-from rollstream.config.profiles import ProfileConfig, profile_sections
+from rollstream.config.profiles import ProfileConfig
 from rollstream.config.settings import RollstreamConfig, UpConfig
+from rollstream.config.shared import SHARED, derived_sections
 from rollstream.up.supervise import http_ok, port_probe
 
 # --- config ------------------------------------------------------------------------------
@@ -144,6 +145,8 @@ def build_config(
     explicit = explicit_values(base)
     explicit.pop("up", None)
     explicit.pop("run_id", None)
+    for key in overridden_declarations(base):  # the run's file holds what each role runs with
+        explicit["profile"].pop(key, None)
     gateway = base.producers.rollout.gateway.enabled
     merged = merge_tables(up_sections(up, run_id, run_dir, ports, gateway=gateway), explicit)
     merged["up"] = up.model_dump()
@@ -156,6 +159,28 @@ def build_config(
     return RollstreamConfig.model_validate(merged)
 
 
+def overridden_declarations(config: RollstreamConfig) -> list[str]:
+    """The ``[profile]`` keys declaring a shared setting that a role of ``config`` runs
+    without: a source that wins over the declaration (``up --set``) set the role's key.
+    The run's file is one source, so it keeps the roles' values and not the declaration."""
+    declared = config.profile.model_dump(include=config.profile.model_fields_set)
+    keys = []
+    for setting in SHARED.values():
+        wanted = {path: value(config.profile) for path, value in setting.roles.items()}
+        if setting.declared(declared) and any(
+            not setting.same(_at(config, path), value) for path, value in wanted.items()
+        ):
+            keys += [key for key in setting.declared_by if key in declared]
+    return keys
+
+
+def _at(config: BaseModel, path: tuple[str, ...]) -> Any:
+    node: Any = config
+    for part in path:
+        node = getattr(node, part)
+    return node
+
+
 def with_own_profile(base: RollstreamConfig, table: dict[str, Any]) -> dict[str, Any]:
     """A policy's table with what its own ``[profile]`` derives laid under it. The run's
     file holds the root profile's settings as explicit values, which a policy's profile
@@ -163,7 +188,7 @@ def with_own_profile(base: RollstreamConfig, table: dict[str, Any]) -> dict[str,
     if "profile" not in table:
         return table
     own = merge_tables(base.profile.model_dump(exclude_unset=True), table["profile"])
-    return merge_tables(profile_sections(ProfileConfig.model_validate(own)), table)
+    return merge_tables(derived_sections(ProfileConfig.model_validate(own)), table)
 
 
 def policy_ports() -> dict[str, Any]:
@@ -195,8 +220,10 @@ def write_config(config: RollstreamConfig, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+    values = config.model_dump(mode="python")  # the profile as declared: it declares
+    values["profile"] = config.profile.model_dump(mode="python", exclude_unset=True)
     with os.fdopen(fd, "w") as fh:
-        fh.write(to_toml(config.model_dump(mode="python")))
+        fh.write(to_toml(values))
     with path.open("rb") as fh:
         again = RollstreamConfig.model_validate(tomllib.load(fh))
     if again != config:

@@ -35,8 +35,9 @@ from pydantic_core import PydanticUndefined
 from support.paths import REPO
 
 from rollstream.cli.main import main
-from rollstream.config.profiles import ProfileConfig, profile_sections
+from rollstream.config.profiles import ProfileConfig
 from rollstream.config.settings import RollstreamConfig
+from rollstream.config.shared import derived_sections
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SPAN = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
@@ -221,7 +222,7 @@ def _profile_keys() -> set[str]:
                 keys.add(prefix + key)
 
     for profile in (ProfileConfig(), ProfileConfig(model="smollm2", precision="fp32")):
-        walk(profile_sections(profile), "")
+        walk(derived_sections(profile), "")
     return keys
 
 

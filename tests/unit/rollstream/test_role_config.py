@@ -104,3 +104,45 @@ def test_config_role_prints_what_the_role_receives(
     # the role itself gets the secrets
     assert shared.kafka.sasl_password is not None
     assert shared.kafka.sasl_password.get_secret_value() == "kafka-secret"
+
+
+@pytest.mark.parametrize(
+    ("command", "section"),
+    [("serve", "producers"), ("produce", "producers"), ("gateway", "producers"),
+     ("eval", "producers"), ("stream", "streams"), ("train", "trainer")],
+)  # fmt: skip
+def test_a_role_is_named_by_its_command_too(command: str, section: str, tmp_path: Path) -> None:
+    """``--role`` takes the command that runs a role; the shared settings it shows are the
+    ``[profile]``'s, propagated into the role's section."""
+    path = tmp_path / "rollstream.toml"
+    path.write_text(CONFIG + "[profile]\nstaleness_window = 3\n")
+    root = ["--config", str(path), "--state-dir", str(tmp_path / "state")]
+    by_command = CliRunner().invoke(main, [*root, "config", "--role", command])
+    by_section = CliRunner().invoke(main, [*root, "config", "--role", section])
+    assert by_command.exit_code == 0, by_command.output
+    assert json.loads(by_command.output) == json.loads(by_section.output)
+    shown = json.loads(by_command.output)[section]
+    window = {
+        "producers": lambda s: s["rollout"]["staleness_window"],
+        "streams": lambda s: s["staleness"]["max_staleness"],
+        "trainer": lambda s: s["staleness"]["max_staleness"],
+    }[section](shown)
+    assert window == 3
+
+
+@pytest.mark.parametrize("role", ["mirror", "", "TRAINER", "trainer;rm", "--set"])
+def test_an_unknown_role_is_refused_naming_the_roles(role: str, tmp_path: Path) -> None:
+    path = tmp_path / "rollstream.toml"
+    path.write_text(CONFIG)
+    root = ["--config", str(path), "--state-dir", str(tmp_path / "state")]
+    result = CliRunner().invoke(main, [*root, "config", "--role", role])
+    assert result.exit_code == 2, result.output
+    assert "--role" in result.output and "'producers'" in result.output
+    assert "{" not in result.output  # nothing printed as if it were a role's config
+
+
+def test_role_config_refuses_an_unknown_role() -> None:
+    from rollstream.config.settings import RollstreamConfig, role_config
+
+    with pytest.raises(ValueError, match=r"unknown role 'mirror': one of producers, .*train"):
+        role_config(RollstreamConfig(), "mirror")
