@@ -31,11 +31,13 @@ from typing import Any, TypeVar
 
 import orjson
 
-from schemas.codec import KafkaHeaders, headers_to_dict
-
-DEAD_LETTER_HEADER = "rs-dead-letter"
-STALE_HEADER = "rs-stale"
-FILTERED_HEADER = "rs-filtered"
+from schemas.codec import (
+    DEAD_LETTER_HEADER,
+    FILTERED_HEADER,
+    STALE_HEADER,
+    KafkaHeaders,
+    headers_to_dict,
+)
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _BASE64 = re.compile(r"[A-Za-z0-9+/]{1,256}={0,2}")

@@ -266,10 +266,8 @@ def _print_sends(
     table: Mapping[bytes, bytes],
     record: ReplayRecord | None,
 ) -> None:
+    from schemas.codec import DEAD_LETTER_HEADER, FILTERED_HEADER, STALE_HEADER
     from schemas.control import (
-        DEAD_LETTER_HEADER,
-        FILTERED_HEADER,
-        STALE_HEADER,
         DeadLetter,
         FilteredGroup,
         StaleRecord,
