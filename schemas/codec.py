@@ -359,19 +359,20 @@ def _parse_header(data: bytes, max_bytes: int) -> tuple[tuple, int]:
         header_size, known_flags = _HEADER_V1.size, _KNOWN_FLAGS_V1
     else:
         _reject_framing(data, max_bytes)
-    _check_frame(data, header[_TOTAL])
+    check_frame(data, header[_TOTAL])
     _check_layout(header, header_size, known_flags)
     return header, header_size
 
 
-def _check_frame(data: bytes, total: int) -> None:
-    """``data`` is exactly the ``total`` bytes the header announces, checksum intact."""
+def check_frame(data: bytes, total: int, what: str = "record") -> None:
+    """``data`` is exactly the ``total`` bytes the header announces, checksum intact: the
+    frame of every record kind (a trajectory, a scored group; ``what`` names it)."""
     size = len(data)
     if size < total:
         raise DecodeError(DecodeReason.TRUNCATED, f"expected {total} bytes, have {size}")
     if size > total:
         raise DecodeError(
-            DecodeReason.TRAILING_BYTES, f"record is {total} bytes, {size - total} more follow"
+            DecodeReason.TRAILING_BYTES, f"{what} is {total} bytes, {size - total} more follow"
         )
     (stored_crc,) = _CHECKSUM.unpack_from(data, size - _CHECKSUM.size)
     crc = record_checksum(memoryview(data)[: size - _CHECKSUM.size])
