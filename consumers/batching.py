@@ -247,7 +247,8 @@ class PackedBatch:
 
 def pack(trajectories: Sequence[Trajectory]) -> PackedBatch:
     """Response-aligned tensors for ``trajectories`` (on the CPU). Every record needs an
-    advantage and a non-empty prompt; ``check_trainable`` says why one does not qualify."""
+    advantage and a non-empty prompt; ``schemas.trainable.check_trainable`` says why one
+    does not qualify."""
     import torch
 
     if not trajectories:
@@ -308,80 +309,3 @@ def response_logprobs_entropy(
         model, batch.pairs, temperature=temperature, pad_id=pad_id
     )
     return logp, entropy
-
-
-def check_trainable(traj: Trajectory, vocab_size: int, max_length: int) -> str | None:
-    """Why ``traj`` cannot be trained (a short reason for the DLQ), or None: the first
-    problem found, checked in this order."""
-    return (
-        _missing_input(traj)
-        or _logprob_length_problem(traj)
-        or _size_problem(traj, vocab_size, max_length)
-        or _nonfinite_logprob(traj)
-        or _layout_problem(traj)
-    )
-
-
-def _missing_input(traj: Trajectory) -> str | None:
-    """No prompt token to predict the first response token from, or no usable advantage."""
-    if traj.num_prompt_tokens < 1:
-        return "empty_prompt: the first response token needs a prompt token before it"
-    if traj.advantage is None or not np.isfinite(traj.advantage):
-        return f"bad_advantage: {traj.advantage!r}"
-    return None
-
-
-def _logprob_length_problem(traj: Trajectory) -> str | None:
-    """Log-prob arrays that do not have one entry per response token, or exact old logits
-    without their values."""
-    if len(traj.logp_infer) != traj.num_response_tokens:
-        return (
-            f"length_mismatch: {len(traj.logp_infer)} logp_infer for "
-            f"{traj.num_response_tokens} response tokens"
-        )
-    if traj.logp_old is not None and len(traj.logp_old) != traj.num_response_tokens:
-        return (
-            f"length_mismatch: {len(traj.logp_old)} logp_old for "
-            f"{traj.num_response_tokens} response tokens"
-        )
-    if traj.old_logits_status == OldLogitsStatus.EXACT and traj.logp_old is None:
-        return "missing_old_logits: status exact but no logp_old"
-    return None
-
-
-def _size_problem(traj: Trajectory, vocab_size: int, max_length: int) -> str | None:
-    """A sequence longer than the model's context, or a token outside its vocabulary."""
-    total = traj.num_prompt_tokens + traj.num_response_tokens
-    if total > max_length:
-        return f"too_long: {total} tokens > {max_length}"
-    for name in ("prompt_ids", "response_ids"):
-        ids = getattr(traj, name)
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-            return f"token_out_of_range: {name} outside [0, {vocab_size})"
-    return None
-
-
-def _nonfinite_logprob(traj: Trajectory) -> str | None:
-    """A NaN or infinite log-prob, which would poison the whole batch's loss."""
-    if not np.isfinite(traj.logp_infer).all():
-        return "nonfinite_logprob: logp_infer"
-    if traj.logp_old is not None and not np.isfinite(traj.logp_old).all():
-        return "nonfinite_logprob: logp_old"
-    return None
-
-
-def _layout_problem(traj: Trajectory) -> str | None:
-    """Segments or turns that do not cover the response exactly."""
-    if int(np.sum(traj.segment_lengths)) != traj.num_response_tokens:
-        return "segment_mismatch: segment lengths do not sum to the response length"
-    if traj.turn_lengths is None and traj.turn_kinds is None:
-        return None
-    if traj.turn_lengths is None or traj.turn_kinds is None:
-        return "turn_mismatch: turn_lengths and turn_kinds must both be present"
-    if len(traj.turn_lengths) != len(traj.turn_kinds) or (
-        int(np.sum(traj.turn_lengths)) != traj.num_response_tokens
-    ):
-        return "turn_mismatch: turns do not cover the response"
-    if (traj.turn_lengths <= 0).any():
-        return "empty_turn: a turn of no tokens"
-    return None

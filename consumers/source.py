@@ -53,7 +53,6 @@ from consumers.batching import (
     ConsumedGroup,
     MicroBatch,
     StaleGroup,
-    check_trainable,
 )
 from consumers.batching import TopicPartition as TP
 from consumers.config import BatchConfig, TopicsConfig
@@ -63,6 +62,8 @@ from schemas.codec import MIN_VERSION_HEADER, DecodeError
 from schemas.control import DeadLetter, StaleRecord
 from schemas.group import decode_group
 from schemas.topics import ROLLOUTS_DLQ, ROLLOUTS_STALE, TopicSpec, producer_limits
+from schemas.trainable import check_trainable_group
+from schemas.validation import ValidationLimits
 
 SETTLE_S = 1.0  # the longest a new assignment waits for every partition's first fetch answer
 
@@ -201,6 +202,11 @@ class TrainableRecords:
     vocab_size: int
     max_length: int
     policy: str = ""
+
+    @property
+    def limits(self) -> ValidationLimits:
+        """The trainer's limits on a record (``schemas.trainable``'s profile)."""
+        return ValidationLimits(vocab_size=self.vocab_size, max_total_tokens=self.max_length)
 
 
 class ScoredSource:
@@ -412,22 +418,9 @@ class ScoredSource:
                 )
             self.assembler.add_skipped(topic, partition, offset)
             return
-        for traj in group.samples:
-            if traj.policy != accepts.policy:  # never another policy's tokens in this batch
-                self._dead_letter(
-                    msg,
-                    "foreign_policy",
-                    f"trajectory {traj.trajectory_id} is policy {traj.policy!r}, "
-                    f"this trainer trains {accepts.policy!r}",
-                )
-                return
-            problem = check_trainable(traj, accepts.vocab_size, accepts.max_length)
-            if problem is not None:
-                reason, _, detail = problem.partition(": ")
-                self._dead_letter(msg, reason, f"trajectory {traj.trajectory_id}: {detail}")
-                return
-        if not group.samples:
-            self._dead_letter(msg, "empty_group", f"group {group.group_id} has no samples")
+        refused = check_trainable_group(group, accepts.limits, accepts.policy)
+        if refused is not None:
+            self._dead_letter(msg, refused.reason, refused.detail)
             return
         self.assembler.add_group(
             ConsumedGroup(

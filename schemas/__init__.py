@@ -9,8 +9,10 @@
 """
 
 from schemas.codec import (
+    DEAD_LETTER_HEADER,
     MAGIC,
     MAX_RECORD_BYTES,
+    STALE_HEADER,
     SUPPORTED_SCHEMA_VERSIONS,
     DecodeError,
     DecodeReason,
@@ -24,8 +26,6 @@ from schemas.codec import (
     routing_headers,
 )
 from schemas.control import (
-    DEAD_LETTER_HEADER,
-    STALE_HEADER,
     DeadLetter,
     StaleRecord,
     VersionAnnouncement,

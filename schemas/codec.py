@@ -359,19 +359,20 @@ def _parse_header(data: bytes, max_bytes: int) -> tuple[tuple, int]:
         header_size, known_flags = _HEADER_V1.size, _KNOWN_FLAGS_V1
     else:
         _reject_framing(data, max_bytes)
-    _check_frame(data, header[_TOTAL])
+    check_frame(data, header[_TOTAL])
     _check_layout(header, header_size, known_flags)
     return header, header_size
 
 
-def _check_frame(data: bytes, total: int) -> None:
-    """``data`` is exactly the ``total`` bytes the header announces, checksum intact."""
+def check_frame(data: bytes, total: int, what: str = "record") -> None:
+    """``data`` is exactly the ``total`` bytes the header announces, checksum intact: the
+    frame of every record kind (a trajectory, a scored group; ``what`` names it)."""
     size = len(data)
     if size < total:
         raise DecodeError(DecodeReason.TRUNCATED, f"expected {total} bytes, have {size}")
     if size > total:
         raise DecodeError(
-            DecodeReason.TRAILING_BYTES, f"record is {total} bytes, {size - total} more follow"
+            DecodeReason.TRAILING_BYTES, f"{what} is {total} bytes, {size - total} more follow"
         )
     (stored_crc,) = _CHECKSUM.unpack_from(data, size - _CHECKSUM.size)
     crc = record_checksum(memoryview(data)[: size - _CHECKSUM.size])
@@ -588,30 +589,42 @@ class RoutingHeaders:
     policy: str = ""
 
 
+# Every Kafka header name rollstream writes, declared here once.
+SCHEMA_VERSION_HEADER = "rs-schema-version"
 RUN_ID_HEADER = "rs-run-id"
 GROUP_ID_HEADER = "rs-group-id"
 TRAJECTORY_ID_HEADER = "rs-trajectory-id"
 MIN_VERSION_HEADER = "rs-min-version"
+MAX_VERSION_HEADER = "rs-max-version"
+PRODUCER_ID_HEADER = "rs-producer-id"
+REGION_HEADER = "rs-region"
+TURNS_HEADER = "rs-turns"
+POLICY_TOKENS_HEADER = "rs-policy-tokens"
+POLICY_HEADER = "rs-policy"
 COMPLETE_HEADER = "rs-complete"
 """A scored group's header: ``1`` when it holds all G samples, ``0`` for a partial one."""
+DEAD_LETTER_HEADER = "rs-dead-letter"
+"""Why a record was dead-lettered (``schemas.control.DeadLetter``)."""
+STALE_HEADER = "rs-stale"
+"""Why a record was routed to the stale topic (``schemas.control.StaleRecord``)."""
+FILTERED_HEADER = "rs-filtered"
+"""Which operator filtered a group out (``schemas.control.FilteredGroup``)."""
 
 _HEADER_KEYS = {
-    "schema_version": "rs-schema-version",
+    "schema_version": SCHEMA_VERSION_HEADER,
     "run_id": RUN_ID_HEADER,
     "group_id": GROUP_ID_HEADER,
     "trajectory_id": TRAJECTORY_ID_HEADER,
     "min_version": MIN_VERSION_HEADER,
-    "max_version": "rs-max-version",
-    "producer_id": "rs-producer-id",
-    "region": "rs-region",
-    "turns": "rs-turns",
-    "policy_tokens": "rs-policy-tokens",
-    "policy": "rs-policy",
+    "max_version": MAX_VERSION_HEADER,
+    "producer_id": PRODUCER_ID_HEADER,
+    "region": REGION_HEADER,
+    "turns": TURNS_HEADER,
+    "policy_tokens": POLICY_TOKENS_HEADER,
+    "policy": POLICY_HEADER,
 }
 _INT_HEADERS = ("schema_version", "min_version", "max_version", "turns", "policy_tokens")
 _OPTIONAL_HEADERS = ("turns", "policy_tokens", "policy")  # absent: RoutingHeaders' default
-_SCHEMA_VERSION_KEY = _HEADER_KEYS["schema_version"]
-_POLICY_KEY = _HEADER_KEYS["policy"]
 
 
 def routing_headers(traj: Trajectory) -> list[tuple[str, bytes]]:
@@ -689,14 +702,14 @@ def header_disagreements(
         except UnicodeDecodeError:
             problems.append(f"{key}={raw!r} is not UTF-8")
             continue
-        if key == _SCHEMA_VERSION_KEY:
+        if key == SCHEMA_VERSION_HEADER:
             if text not in versions:
                 problems.append(f"{key}={text!r}, {truth}")
         elif text != expected[key].decode():
             problems.append(f"{key}={text!r}, body {expected[key].decode()!r}")
-    if _POLICY_KEY not in seen and expected[_POLICY_KEY]:
+    if POLICY_HEADER not in seen and expected[POLICY_HEADER]:
         problems.append(
-            f"{_POLICY_KEY} missing (read as ''), body {expected[_POLICY_KEY].decode()!r}"
+            f"{POLICY_HEADER} missing (read as ''), body {expected[POLICY_HEADER].decode()!r}"
         )
     return problems
 

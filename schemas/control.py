@@ -17,28 +17,31 @@
   compacted, keyed ``<run>/<role>/<instance>``), so a run's display counts the producers,
   stream workers and trainers that joined it from any machine, and sees which left.
 
-Construction checks types and ranges, so a message that exists is well-formed;
-``from_json`` raises ``ValueError`` naming the missing, unknown or mistyped field. Fields
-added later have defaults, so messages written before them still parse.
+Each message is a pydantic dataclass whose fields declare their types and bounds (strict:
+no coercion, no unknown field), so a message that exists is well-formed; construction,
+``dataclasses.replace`` and ``from_json`` raise ``ValueError`` (pydantic's
+``ValidationError``) naming the missing, unknown or mistyped field. Fields added later
+have defaults, so messages written before them still parse.
 """
 
 from __future__ import annotations
 
 import builtins
 import dataclasses
-import re
-from typing import Any, TypeVar
+import functools
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import orjson
+from pydantic import ConfigDict, Field, JsonValue, TypeAdapter
+from pydantic.dataclasses import dataclass
 
-from schemas.codec import KafkaHeaders, headers_to_dict
-
-DEAD_LETTER_HEADER = "rs-dead-letter"
-STALE_HEADER = "rs-stale"
-FILTERED_HEADER = "rs-filtered"
-
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-_BASE64 = re.compile(r"[A-Za-z0-9+/]{1,256}={0,2}")
+from schemas.codec import (
+    DEAD_LETTER_HEADER,
+    FILTERED_HEADER,
+    STALE_HEADER,
+    KafkaHeaders,
+    headers_to_dict,
+)
 
 #: Bounds of the announced pace, far above any real trainer's, so that even a run that
 #: does not sign its announcements cannot be handed an absurd one.
@@ -46,6 +49,28 @@ MAX_GROUPS_PER_STEP = 1_000_000
 MAX_STALENESS = 1_000_000
 MAX_PRODUCERS = 100_000
 MAX_PAUSE_REASON = 500  # a guard's one-line reason, not a payload
+MAX_MESSAGE_BYTES = 1024 * 1024
+"""The largest JSON a control message is parsed from (far above any real one's)."""
+
+_STRICT = ConfigDict(strict=True, extra="forbid")
+
+Name = Annotated[str, Field(min_length=1)]
+"""A non-empty string."""
+_INT64_MAX = 2**63 - 1  # what orjson writes: a larger integer could be read, not sent on
+Count = Annotated[int, Field(ge=0, le=_INT64_MAX)]
+"""A non-negative integer (an offset, a size, a time in ms)."""
+Int64 = Annotated[int, Field(ge=-_INT64_MAX - 1, le=_INT64_MAX)]
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+"""64 lowercase hex digits."""
+Signature = Annotated[str, Field(pattern=r"^[A-Za-z0-9+/]{1,256}={0,2}$")]
+"""A base64 ed25519 signature."""
+StaleStage = Literal["stream", "trainer"]
+RoleKind = Literal["producer", "streams", "trainer"]
+RoleState = Literal["up", "left"]
+
+STALE_STAGES: tuple[str, ...] = get_args(StaleStage)
+ROLE_KINDS: tuple[str, ...] = get_args(RoleKind)
+ROLE_STATES: tuple[str, ...] = get_args(RoleState)
 
 
 def most_producers(groups_per_step: int | None, max_staleness: int | None) -> int:
@@ -56,70 +81,64 @@ def most_producers(groups_per_step: int | None, max_staleness: int | None) -> in
     return min(MAX_PRODUCERS, groups_per_step * ((max_staleness or 0) + 1))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, config=_STRICT)
 class VersionAnnouncement:
     """A published policy version; ``parent is None`` means a full base, not a delta."""
 
-    run: str
-    version: int
-    uri: str  # where the version's manifest lives, e.g. s3://bucket/weights/<run>/v<N>/
+    run: Name
+    version: Count
+    uri: Name  # where the version's manifest lives, e.g. s3://bucket/weights/<run>/v<N>/
     parent: int | None  # version this delta applies to
     base: int  # full base version the delta chain starts from (== version for a base)
-    sha256: str  # of the manifest, lowercase hex
-    bytes: int  # total size of the version's files
-    published_at_ms: int
+    sha256: Sha256  # of the manifest
+    bytes: Count  # total size of the version's files
+    published_at_ms: Count
     # The trainer's pace, for the producers' default backpressure (None: not announced):
     # groups it takes per trainer step, and its staleness window. ``version`` is the
     # trainer's step count when it published, so it is also the trainer's trained version.
-    groups_per_step: int | None = None
-    max_staleness: int | None = None
+    groups_per_step: Annotated[int, Field(ge=1, le=MAX_GROUPS_PER_STEP)] | None = None
+    max_staleness: Annotated[int, Field(ge=0, le=MAX_STALENESS)] | None = None
     # How many producers' groups the trainer trained over its last window + 1 steps: they
-    # share its pace (each starts about groups_per_step / producers groups per step).
-    producers: int | None = None
+    # share its pace (each starts about groups_per_step / producers groups per step);
+    # at most ``most_producers`` of the pace.
+    producers: Annotated[int, Field(ge=1, le=MAX_PRODUCERS)] | None = None
     # Set by a stability guard of the trainer (``consumers.guards``, action ``pause``): why
     # producers should start no new group until a later version clears it.
-    paused: str | None = None
+    # At most ``MAX_PAUSE_REASON`` characters.
+    paused: Name | None = None
     # base64 ed25519 signature, by the run's key, over ``signed_bytes`` (None: unsigned);
     # a listener with the key believes the pace only when it verifies.
-    signature: str | None = None
+    signature: Signature | None = None
 
     def __post_init__(self) -> None:
-        _check_str(self, "run")
-        _check_str(self, "uri")
-        _check_int(self, "version", minimum=0)
-        if self.parent is None:  # a full base is its own base
-            _check_int(self, "base", minimum=self.version, maximum=self.version)
-        else:  # a delta: base <= parent < version
-            _check_int(self, "base", minimum=0, maximum=self.version - 1)
-            _check_int(self, "parent", minimum=self.base, maximum=self.version - 1)
-        _check_str(self, "sha256")
-        if not _SHA256.fullmatch(self.sha256):
-            raise ValueError(
-                f"VersionAnnouncement.sha256 must be 64 lowercase hex digits, got {self.sha256!r}"
-            )
-        _check_int(self, "bytes", minimum=0)
-        _check_int(self, "published_at_ms", minimum=0)
-        self._check_pace()
-        if self.signature is not None:
-            _check_str(self, "signature")
-            if not _BASE64.fullmatch(self.signature):
-                raise ValueError("VersionAnnouncement.signature must be base64")
-
-    def _check_pace(self) -> None:
-        """Each pace field within its bound (``most_producers``): more is no trainer's."""
-        if self.groups_per_step is not None:
-            _check_int(self, "groups_per_step", minimum=1, maximum=MAX_GROUPS_PER_STEP)
-        if self.max_staleness is not None:
-            _check_int(self, "max_staleness", minimum=0, maximum=MAX_STALENESS)
-        if self.producers is not None:
-            most = most_producers(self.groups_per_step, self.max_staleness)
-            _check_int(self, "producers", minimum=1, maximum=most)
-        if self.paused is not None:
-            _check_str(self, "paused")
-            if len(self.paused) > MAX_PAUSE_REASON:
+        """The bounds that relate fields: a base is its own base, a delta's
+        ``base <= parent < version``, and no more producers than the pace allows; and
+        the pause reason's length."""
+        if self.parent is None:
+            if self.base != self.version:
                 raise ValueError(
-                    f"VersionAnnouncement.paused is longer than {MAX_PAUSE_REASON} characters"
+                    f"VersionAnnouncement.base must be the version {self.version} of a full "
+                    f"base, got {self.base}"
                 )
+        elif not 0 <= self.base < self.version:
+            raise ValueError(
+                f"VersionAnnouncement.base must be in [0, {self.version}) for a delta, "
+                f"got {self.base}"
+            )
+        elif not self.base <= self.parent < self.version:
+            raise ValueError(
+                f"VersionAnnouncement.parent must be in [{self.base}, {self.version}), "
+                f"got {self.parent}"
+            )
+        if self.paused is not None and len(self.paused) > MAX_PAUSE_REASON:
+            raise ValueError(
+                f"VersionAnnouncement.paused is longer than {MAX_PAUSE_REASON} characters"
+            )
+        most = most_producers(self.groups_per_step, self.max_staleness)
+        if self.producers is not None and self.producers > most:
+            raise ValueError(
+                f"VersionAnnouncement.producers must be <= {most}, got {self.producers}"
+            )
 
     @property
     def has_pace(self) -> bool:
@@ -154,7 +173,7 @@ class VersionAnnouncement:
         return _from_json(cls, data)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, config=_STRICT)
 class DeadLetter:
     """Why a record went to ``rollouts.dlq`` and where it came from.
 
@@ -162,18 +181,11 @@ class DeadLetter:
     or a processing error code of the stream worker.
     """
 
-    reason: str
+    reason: Name
     detail: str
-    source_topic: str
-    partition: int
-    offset: int
-
-    def __post_init__(self) -> None:
-        _check_str(self, "reason")
-        _check_str(self, "detail", allow_empty=True)
-        _check_str(self, "source_topic")
-        _check_int(self, "partition", minimum=0)
-        _check_int(self, "offset", minimum=0)
+    source_topic: Name
+    partition: Count
+    offset: Count
 
     def to_json(self) -> bytes:
         return orjson.dumps(self)
@@ -191,10 +203,7 @@ class DeadLetter:
         return cls.from_json(_header_value(headers, DEAD_LETTER_HEADER))
 
 
-STALE_STAGES = ("stream", "trainer")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, config=_STRICT)
 class StaleRecord:
     """Why a record went to ``rollouts.stale``: ``staleness = trainer_version - min_version``.
 
@@ -203,19 +212,11 @@ class StaleRecord:
     trained; ``trajectory_id`` is then the group id, the samples are in the value).
     """
 
-    trajectory_id: str
-    staleness: int
-    trainer_version: int
-    max_staleness: int  # the limit in force when the record was filtered
-    stage: str = "stream"
-
-    def __post_init__(self) -> None:
-        _check_str(self, "trajectory_id")
-        _check_int(self, "staleness")
-        _check_int(self, "trainer_version", minimum=0)
-        _check_int(self, "max_staleness", minimum=0)
-        if self.stage not in STALE_STAGES:
-            raise ValueError(f"StaleRecord.stage must be one of {STALE_STAGES}, got {self.stage!r}")
+    trajectory_id: Name
+    staleness: Int64
+    trainer_version: Count
+    max_staleness: Count  # the limit in force when the record was filtered
+    stage: StaleStage = "stream"
 
     def to_json(self) -> bytes:
         return orjson.dumps(self)
@@ -233,19 +234,14 @@ class StaleRecord:
         return cls.from_json(_header_value(headers, STALE_HEADER))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, config=_STRICT)
 class FilteredGroup:
     """Why a complete group went to ``rollouts.filtered``: the stream operator that dropped
     it and its reason (never a silent drop)."""
 
-    group_id: str
-    operator: str
-    reason: str
-
-    def __post_init__(self) -> None:
-        _check_str(self, "group_id")
-        _check_str(self, "operator")
-        _check_str(self, "reason")
+    group_id: Name
+    operator: Name
+    reason: Name
 
     def to_json(self) -> bytes:
         return orjson.dumps(self)
@@ -274,7 +270,7 @@ def prompt_key(prompt_ids: Any) -> str:
     return hashlib.blake2b(ids.tobytes(), digest_size=10).hexdigest()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, config=_STRICT)
 class PromptStats:
     """What one stream partition has seen of one prompt, cumulative: the value on the
     compacted ``prompts.stats`` topic, keyed ``<run_id>:<prompt_key>:<partition>`` (each
@@ -283,23 +279,19 @@ class PromptStats:
     ``passes``: samples whose reward reached the stream's ``pass_threshold``.
     """
 
-    run_id: str
-    prompt_key: str
-    partition: int
-    samples: int
-    passes: int
+    run_id: Name
+    prompt_key: Name
+    partition: Count
+    samples: Annotated[int, Field(ge=1, le=_INT64_MAX)]
+    passes: Count  # at most ``samples``
     reward_sum: float
-    last_version: int
+    last_version: Annotated[int, Field(ge=-1, le=_INT64_MAX)]
 
     def __post_init__(self) -> None:
-        _check_str(self, "run_id")
-        _check_str(self, "prompt_key")
-        _check_int(self, "partition", minimum=0)
-        _check_int(self, "samples", minimum=1)
-        _check_int(self, "passes", minimum=0, maximum=self.samples)
-        if not isinstance(self.reward_sum, int | float) or isinstance(self.reward_sum, bool):
-            raise ValueError(f"PromptStats.reward_sum must be a number, got {self.reward_sum!r}")
-        _check_int(self, "last_version", minimum=-1)
+        if self.passes > self.samples:
+            raise ValueError(
+                f"PromptStats.passes must be <= samples ({self.samples}), got {self.passes}"
+            )
 
     @property
     def pass_rate(self) -> float:
@@ -317,11 +309,7 @@ class PromptStats:
         return _from_json(cls, data)
 
 
-ROLE_KINDS = ("producer", "streams", "trainer")
-ROLE_STATES = ("up", "left")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, config=_STRICT)
 class RoleHeartbeat:
     """A role instance's latest word: ``up`` every few seconds while it runs, ``left``
     once when it stops cleanly (``detail`` then says what it did with its work in
@@ -329,36 +317,15 @@ class RoleHeartbeat:
 
     ``detail``: small figures and words (groups delivered, aborted, its engine ...)."""
 
-    run: str
-    role: str
-    instance: str
-    host: str
-    pid: int
-    state: str
-    at_ms: int
-    interval_s: float
-    detail: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        _check_str(self, "run")
-        _check_str(self, "instance")
-        _check_str(self, "host")
-        _check_int(self, "pid", minimum=0)
-        _check_int(self, "at_ms", minimum=0)
-        if self.role not in ROLE_KINDS:
-            raise ValueError(f"RoleHeartbeat.role must be one of {ROLE_KINDS}, got {self.role!r}")
-        if self.state not in ROLE_STATES:
-            raise ValueError(
-                f"RoleHeartbeat.state must be one of {ROLE_STATES}, got {self.state!r}"
-            )
-        if (
-            not isinstance(self.interval_s, int | float)
-            or isinstance(self.interval_s, bool)
-            or not self.interval_s > 0
-        ):
-            raise ValueError(f"RoleHeartbeat.interval_s must be > 0, got {self.interval_s!r}")
-        if not isinstance(self.detail, dict) or not all(isinstance(k, str) for k in self.detail):
-            raise ValueError(f"RoleHeartbeat.detail must be an object, got {self.detail!r}")
+    run: Name
+    role: RoleKind
+    instance: Name
+    host: Name
+    pid: Count
+    state: RoleState
+    at_ms: Count
+    interval_s: Annotated[float, Field(gt=0)]
+    detail: dict[str, JsonValue] = dataclasses.field(default_factory=dict)
 
     @property
     def key(self) -> bytes:
@@ -383,47 +350,17 @@ _Message = TypeVar(
 )
 
 
+@functools.cache
+def _adapter(cls: type[_Message]) -> TypeAdapter[_Message]:
+    return TypeAdapter(cls)
+
+
 def _from_json(cls: type[_Message], data: bytes | str) -> _Message:
-    """Parse, then insist on exactly the dataclass's fields; the constructor checks types."""
-    name = cls.__name__
-    try:
-        obj = orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        raise ValueError(f"{name}: not valid JSON ({exc})") from exc
-    if not isinstance(obj, dict):
-        raise ValueError(f"{name}: expected a JSON object, got {type(obj).__name__}")
-    fields = {field.name for field in dataclasses.fields(cls)}
-    required = {
-        field.name
-        for field in dataclasses.fields(cls)
-        if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
-    }
-    if unknown := sorted(obj.keys() - fields):
-        raise ValueError(f"{name}: unknown field(s) {unknown}")
-    if missing := sorted(required - obj.keys()):
-        raise ValueError(f"{name}: missing field(s) {missing}")
-    return cls(**obj)
-
-
-def _check_str(message: Any, field: str, *, allow_empty: bool = False) -> None:
-    value = getattr(message, field)
-    if not isinstance(value, str):
-        raise ValueError(f"{type(message).__name__}.{field} must be a string, got {value!r}")
-    if not value and not allow_empty:
-        raise ValueError(f"{type(message).__name__}.{field} must not be empty")
-
-
-def _check_int(
-    message: Any, field: str, *, minimum: int | None = None, maximum: int | None = None
-) -> None:
-    value = getattr(message, field)
-    name = f"{type(message).__name__}.{field}"
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    """Parse and validate ``data`` as exactly the fields of ``cls`` (their declared types
+    and bounds; missing, unknown or mistyped fields are named)."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"{cls.__name__}: {len(data)} bytes, limit {MAX_MESSAGE_BYTES}")
+    return _adapter(cls).validate_json(data)
 
 
 def _header_value(headers: KafkaHeaders, key: str) -> bytes:

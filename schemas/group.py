@@ -37,6 +37,7 @@ from schemas.codec import (
     DecodeError,
     DecodeReason,
     RecordKind,
+    check_frame,
     decode,
     encode,
     record_checksum,
@@ -189,18 +190,7 @@ def decode_group(
     size = len(data)
     _check_framing(data, max_bytes)
     _prefix, flags, total, meta_len, count, reserved = _HEADER.unpack_from(data)
-    if size < total:
-        raise DecodeError(DecodeReason.TRUNCATED, f"expected {total} bytes, have {size}")
-    if size > total:
-        raise DecodeError(
-            DecodeReason.TRAILING_BYTES, f"group is {total} bytes, {size - total} more follow"
-        )
-    (stored,) = _CHECKSUM.unpack_from(data, size - _CHECKSUM.size)
-    crc = record_checksum(memoryview(data)[: size - _CHECKSUM.size])
-    if crc != stored:
-        raise DecodeError(
-            DecodeReason.CHECKSUM_MISMATCH, f"stored checksum {stored:#010x}, computed {crc:#010x}"
-        )
+    check_frame(data, total, "group")
     if flags or reserved:
         raise DecodeError(DecodeReason.BAD_LAYOUT, f"flags {flags:#x}, reserved {reserved:#x}")
     end = size - _CHECKSUM.size

@@ -57,6 +57,12 @@ class Reason(StrEnum):
     BAD_POLICY = "bad_policy"  # a policy name (or turn_policies) the format does not allow
     TURN_POLICY_MISMATCH = "turn_policy_mismatch"  # turn_policies disagree with the turns
     FIELD_TOO_LONG = "field_too_long"  # an id or reward_details beyond its declared bound
+    # The trainer's profile (``schemas.trainable``): what one training step cannot take.
+    EMPTY_PROMPT = "empty_prompt"  # no token to predict the first response token from
+    BAD_ADVANTAGE = "bad_advantage"  # a scored sample without a finite advantage
+    MISSING_OLD_LOGITS = "missing_old_logits"  # status exact but no logp_old
+    FOREIGN_POLICY = "foreign_policy"  # a sample of a policy this trainer does not train
+    EMPTY_GROUP = "empty_group"  # a scored group of no samples
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,9 +70,12 @@ from collections.abc import Iterable, Mapping
 
 from schemas.codec import (
     COMPLETE_HEADER,
+    DEAD_LETTER_HEADER,
+    FILTERED_HEADER,
     GROUP_ID_HEADER,
     MIN_VERSION_HEADER,
     RUN_ID_HEADER,
+    STALE_HEADER,
     DecodeError,
     decode,
     header_disagreements,
@@ -80,9 +83,6 @@ from schemas.codec import (
     routing_headers,
 )
 from schemas.control import (
-    DEAD_LETTER_HEADER,
-    FILTERED_HEADER,
-    STALE_HEADER,
     DeadLetter,
     FilteredGroup,
     PromptStats,

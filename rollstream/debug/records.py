@@ -125,10 +125,16 @@ def decode_record(
     headers: Sequence[tuple[str, bytes | None]] | None,
 ) -> ReplayRecord:
     """Decode ``value`` by sniffing it, and parse the dead-letter and stale headers."""
-    from schemas.codec import MAGIC, DecodeError, RecordKind, decode, headers_to_dict
-    from schemas.control import (
+    from schemas.codec import (
         DEAD_LETTER_HEADER,
+        MAGIC,
         STALE_HEADER,
+        DecodeError,
+        RecordKind,
+        decode,
+        headers_to_dict,
+    )
+    from schemas.control import (
         DeadLetter,
         StaleRecord,
         VersionAnnouncement,

@@ -266,10 +266,8 @@ def _print_sends(
     table: Mapping[bytes, bytes],
     record: ReplayRecord | None,
 ) -> None:
+    from schemas.codec import DEAD_LETTER_HEADER, FILTERED_HEADER, STALE_HEADER
     from schemas.control import (
-        DEAD_LETTER_HEADER,
-        FILTERED_HEADER,
-        STALE_HEADER,
         DeadLetter,
         FilteredGroup,
         StaleRecord,
@@ -422,13 +420,16 @@ def trainable(
     trainer: TrainerConfig, trajectories: Sequence[Trajectory], policy: Policy
 ) -> tuple[list[Trajectory], list[tuple[str, str]]]:
     """The records the trainer would train, and why the others would not be."""
-    from consumers.batching import check_trainable
+    from schemas.trainable import check_trainable
+    from schemas.validation import ValidationLimits
 
     route = trainer.approx.route if trainer.needs_old_logp() else "infer"
+    limits = ValidationLimits(vocab_size=policy.vocab_size, max_total_tokens=policy.max_length)
     kept: list[Trajectory] = []
     skipped: list[tuple[str, str]] = []
     for traj in trajectories:
-        why = check_trainable(traj, policy.vocab_size, policy.max_length)
+        defect = check_trainable(traj, limits)
+        why = None if defect is None else str(defect)
         if why is None and route == "drop" and traj.old_logits_status != OldLogitsStatus.EXACT:
             why = f"approx.route = drop and logp_old is {traj.old_logits_status}"
         if why is None:

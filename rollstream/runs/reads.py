@@ -218,11 +218,14 @@ def read_ids(
     """The ids of ``run_id`` in ``topic`` (trajectory records, scored groups, dead letters
     of either kind, stale records), with the reason of each dead letter or stale record.
     ``groups``: decode trajectory records for their group and producer too (raw)."""
-    from schemas.codec import DecodeError, decode
-    from schemas.control import (
+    from schemas.codec import (
         DEAD_LETTER_HEADER,
         FILTERED_HEADER,
         STALE_HEADER,
+        DecodeError,
+        decode,
+    )
+    from schemas.control import (
         DeadLetter,
         FilteredGroup,
         StaleRecord,

@@ -138,7 +138,8 @@ def test_malformed_operator_config_is_refused(spec) -> None:  # type: ignore[no-
 
 
 def test_filtered_group_header_round_trips_and_refuses_garbage() -> None:
-    from schemas.control import FILTERED_HEADER, FilteredGroup
+    from schemas.codec import FILTERED_HEADER
+    from schemas.control import FilteredGroup
 
     msg = FilteredGroup(group_id="g", operator="zero_variance", reason="zero_variance")
     assert FilteredGroup.from_headers([msg.header()]) == msg
