@@ -19,6 +19,7 @@ from support.producer_runs import recompute
 from support.step_gate import StepGate
 
 from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
+from producers.engine.backends import HttpBackend, LocalBackend
 from producers.engine.client import (
     EngineClient,
     EngineModelMismatch,
@@ -502,6 +503,39 @@ def test_the_client_is_told_the_streamed_tokens_before_the_answer_is_done(server
     assert out.logprobs == pytest.approx(
         recompute(server.engine.model, PROMPT, out.output_ids), abs=1e-5
     )
+
+
+def test_both_backends_stream_a_turn_and_answer_what_they_told(tmp_path):
+    """The worker's two backends, in process and over HTTP, streaming one prompt from
+    engines of the same seed: the same tokens told as they come, the same answer; a batch
+    is refused a stream."""
+    params = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}
+
+    def engine() -> Engine:
+        return Engine(
+            build_tiny_llama(seed=0), model_path="tiny", tokenizer=TinyTokenizer(), seed=0
+        )
+
+    async def go(backend):
+        told = []
+        try:
+            (out,) = await backend.generate(
+                [PROMPT], [params], ["r"], on_tokens=lambda ids, lps: told.append((ids, lps))
+            )
+            with pytest.raises(ValueError, match="one prompt"):
+                await backend.generate([PROMPT, PROMPT], [params] * 2, ["a", "b"], on_tokens=print)
+        finally:
+            await backend.aclose()
+        return told, out
+
+    local_told, local = run(go(LocalBackend(engine())))
+    with ServerThread(engine()) as server:
+        http_told, remote = run(go(HttpBackend(EngineClient(server.url), tmp_path)))
+    assert local.output_ids == remote.output_ids and local.logprobs == remote.logprobs
+    for told in (local_told, http_told):
+        assert told and all(1 <= len(ids) <= 8 for ids, _ in told)
+        for ids, lps in told:
+            assert local.output_ids[: len(ids)] == ids and local.logprobs[: len(ids)] == lps
 
 
 def _event(ids, logprobs, finish=None, completion=None, text="") -> dict:
