@@ -480,6 +480,18 @@ def test_generate_streams_the_tokens_as_the_engine_draws_them(server):
     assert last["meta_info"]["output_token_logprobs"] == whole["meta_info"]["output_token_logprobs"]
 
 
+def test_a_client_that_leaves_a_stream_frees_the_engine(server):
+    server.engine.step_delay_s = 0.01
+    body = {"input_ids": PROMPT, "sampling_params": LONG, "rid": "leaver", "stream": True}
+    with httpx.stream("POST", server.url + "/generate", json=body) as reply:
+        next(line for line in reply.iter_lines() if line.startswith("data: "))
+    deadline = time.monotonic() + 10
+    while server.engine._pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not server.engine._pending and server.engine.stats.aborted == 1
+    assert server.engine.stats.tokens_generated < 50  # it stopped early
+
+
 def test_the_client_is_told_the_streamed_tokens_before_the_answer_is_done(server):
     gate = StepGate(server.engine)
     told: list[tuple[list[int], list[float]]] = []

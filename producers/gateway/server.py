@@ -13,11 +13,11 @@ reward at the end. Endpoints (JSON; errors use OpenAI's ``{"error": {...}}`` bod
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (header ``X-Rollstream-Episode``)
   or ``POST /episodes/{id}/v1/chat/completions`` and ``.../v1/completions``: one call of
   the episode, non-streaming or streaming (server-sent events: the stream opens before
-  generation, and the text is sent as the engine draws its tokens, ``producers.gateway.relay``;
+  generation, then the text is sent as the engine draws it, ``producers.gateway.relay``;
   a call whose text is parsed for tool calls, or a run whose ``version_policy`` is
-  ``abort``, which may discard tokens, sends it once the turn is whole). Messages are rendered with
-  the model's chat template, the engine generates with log-probs under the run's sampling,
-  and the episode keeps the exact tokens (``producers.gateway.desk``).
+  ``abort``, which may discard tokens, gets it once the turn is whole). Messages are
+  rendered with the model's chat template, the engine generates with log-probs under the
+  run's sampling, and the episode keeps the exact tokens (``producers.gateway.desk``).
 - ``POST /v1/episodes/{id}/close``: ``{"reward": 1.0}`` or ``{"reward": {"name": 0.5,
   ...}}`` (components summed), optional ``details``; ends the episode. The answer says
   the records are not published yet (``published: false``): they wait for the rest of
