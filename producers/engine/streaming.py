@@ -39,14 +39,11 @@ class TokenFeed:
         """The ids and log-probs so far, each time more arrived, while ``future`` (the
         request's) is not done; its result holds them all, the last ones included."""
         done = asyncio.wrap_future(future)
+        done.add_done_callback(lambda _: self._arrived.set())  # one wake-up for both
         sent = 0
         try:
             while not done.done():
-                arrived = asyncio.ensure_future(self._arrived.wait())
-                try:
-                    await asyncio.wait({done, arrived}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    arrived.cancel()
+                await self._arrived.wait()
                 if done.done():
                     return  # the result holds every token
                 self._arrived.clear()
