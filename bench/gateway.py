@@ -22,24 +22,30 @@ the agents and the direct clients share this process, one event loop.
    *gateway, aiohttp*: the same agents send the same message lists again, in new
    episodes, as plain JSON posts with aiohttp (what the direct side's client uses): the
    gateway's own cost without the openai client's.
+   *gateway, openai client, streamed*: the agents again, in new episodes, every call with
+   ``stream=True`` (the gateway relays the engine's streamed ``/generate``): each call's
+   time to its first text beside its time to the whole answer.
    *direct*: as many clients, each sending the engine's ``/generate`` (SGLang's native
    API, ``producers.engine.client.EngineClient``, ``return_logprob``) one call after another: the
    very token ids the gateway sent the engine for the same agent's calls (the chat
    template's rendering of its messages, checked against each answer's
    ``usage.prompt_tokens``), with the run's sampling (temperature 1, ``ignore_eos``, no
    stop tokens, ``max_new_tokens = --max-tokens``, which every gateway call asks for).
-   So every side gives the engine the same work: the same prompts, exactly
-   ``--max-tokens`` tokens a call (the engine's busy time per call shows it).
-   Reported: per-call latency (median and p90 over every call of the measured rounds),
-   gateway / direct (target <= 1.10), calls in flight on average (sum of call latencies
-   / wall time), CPU milliseconds per call of each process, how late the agents' shared
-   event loop runs, the engine's busy time per call and requests per prefill batch.
+   So every side gives the engine the same work: the same prompts (the streamed side:
+   prompts of the same length), exactly ``--max-tokens`` tokens a call (the engine's busy
+   time per call shows it). Reported: per-call latency (median and p90 over every call of
+   the measured rounds), the streamed calls' first-text latency (median and p90), each
+   gateway side / direct (target <= 1.10 for the openai client's), calls in flight on
+   average (sum of call latencies / wall time), CPU milliseconds per call of each
+   process, how late the agents' shared event loop runs, the engine's busy time per call
+   and requests per prefill batch.
 2. **Episodes/s through the gateway**: a round's episodes over the time from its first
    open until the producer's ``groups_total`` (groups whose records Kafka acknowledged)
    counts all of its groups; and the rate of episodes closed alone.
 
-Round 0 warms up and is left out; every round runs the three sides one after the other
-(the openai side first: its messages are what the others send). No timed assertions.
+Round 0 warms up and is left out; every round runs the four sides one after the other
+(the openai side first: its messages are what the aiohttp and direct sides send). No
+timed assertions.
 """
 
 from __future__ import annotations
@@ -129,6 +135,7 @@ def _gateway_process(spec: dict[str, Any], done: Any) -> None:
             enabled=True,
             port=spec["port"],
             api_key=KEY,
+            served_model_names=["policy"],
             claim_wait_s=30.0,
             idle_timeout_s=600.0,
         ),
@@ -192,6 +199,7 @@ class Side:
 @dataclass
 class GatewayRound(Side):
     prompts: list[list[list[dict[str, str]]]] = field(default_factory=list)  # agent -> calls
+    first_text: list[float] = field(default_factory=list)  # streamed: until the first text
     prompt_tokens: list[list[int]] = field(default_factory=list)
     completion_tokens: list[int] = field(default_factory=list)
 
@@ -243,11 +251,14 @@ async def gateway_round(
     published: Any,
     probe: Probe,
     replay: list[list[list[dict[str, str]]]] | None = None,
+    *,
+    stream: bool = False,
 ) -> GatewayRound:
     """``args.agents`` agents, ``args.episodes`` episodes of ``args.calls`` calls each,
-    with the ``openai`` client; with ``replay`` (each agent's message lists of an earlier
-    round), those messages are sent again with aiohttp, in new episodes. ``published()``
-    returns once the producer acknowledged this round's groups."""
+    with the ``openai`` client (``stream``: streamed, each call's time to its first text
+    kept too); with ``replay`` (each agent's message lists of an earlier round), those
+    messages are sent again with aiohttp, in new episodes. ``published()`` returns once
+    the producer acknowledged this round's groups."""
     import openai
 
     out = GatewayRound(prompts=[[] for _ in range(args.agents)])
@@ -261,8 +272,11 @@ async def gateway_round(
             client = openai.AsyncOpenAI(
                 base_url=base, api_key=KEY, max_retries=0, http_client=agents.openai_http[index]
             )
-            answer = await client.chat.completions.create(**body)
-            usage, text = answer.usage, answer.choices[0].message.content
+            if stream:
+                text, usage = await _streamed(client, body, out, began)
+            else:
+                answer = await client.chat.completions.create(**body)
+                usage, text = answer.usage, answer.choices[0].message.content
             prompt_tokens, completion_tokens = usage.prompt_tokens, usage.completion_tokens
         else:
             async with agents.plain[index].post(base + "/chat/completions", json=body) as got:
@@ -304,6 +318,27 @@ async def gateway_round(
     out.episodes = args.agents * args.episodes
     await asyncio.sleep(SETTLE_S)  # the producer's work after the acknowledgements
     return out
+
+
+async def _streamed(
+    client: Any, body: dict[str, Any], out: GatewayRound, began: float
+) -> tuple[str, Any]:
+    """A streamed call's text and usage; the time to its first text goes to ``out``."""
+    pieces: list[str] = []
+    usage = None
+    calls = await client.chat.completions.create(
+        **body, stream=True, stream_options={"include_usage": True}
+    )
+    async for chunk in calls:
+        usage = chunk.usage or usage
+        piece = chunk.choices[0].delta.content if chunk.choices else None
+        if piece:
+            if not pieces:
+                out.first_text.append(time.perf_counter() - began)
+            pieces.append(piece)
+    if usage is None:
+        raise RuntimeError("a streamed call without its usage chunk")
+    return "".join(pieces), usage
 
 
 async def direct_round(
@@ -420,7 +455,9 @@ SIDES = {
     "direct": "direct, EngineClient -> /generate",
     "gateway": "gateway, openai client",
     "plain": "gateway, aiohttp (same messages)",
+    "stream": "gateway, openai client, streamed",
 }
+GATEWAY_SIDES = ("gateway", "plain", "stream")
 
 
 async def measure(
@@ -458,10 +495,12 @@ async def measure(
     try:
         for round_ in range(args.rounds + 1):  # round 0 warms up
             found: dict[str, Side] = {}
-            for name in ("gateway", "plain"):
+            for name in GATEWAY_SIDES:
                 delivered += groups_per_round
                 replay = found["gateway"].prompts if name == "plain" else None
-                side = await gateway_round(agents, args, rng, published, probe, replay)
+                side = await gateway_round(
+                    agents, args, rng, published, probe, replay, stream=name == "stream"
+                )
                 checks["short_answers"] += sum(n != args.max_tokens for n in side.completion_tokens)
                 found[name] = side
             recorded = found["gateway"]
@@ -535,7 +574,7 @@ def report(
             + " / ".join(f"{ms:.1f}" for ms in cpu.values())
             + f"  loop lag {lag:.1f} ms  engine busy {busy:.1f} ms, {batch:.1f} requests a batch"
         )
-    for name in ("gateway", "plain"):
+    for name in GATEWAY_SIDES:
         ratio = median[name] / median["direct"]
         per_round = [
             statistics.median(g.latencies) / statistics.median(d.latencies)
@@ -546,6 +585,13 @@ def report(
             f"  {SIDES[name]} / direct: {ratio:.2f} (rounds {min(per_round):.2f}-"
             f"{max(per_round):.2f}){verdict if name == 'gateway' else ''}"
         )
+    first = [x for r in sides["stream"] for x in r.first_text]  # type: ignore[attr-defined]
+    print(
+        f"  streamed: first text median {statistics.median(first) * 1e3:.1f} ms (p90 "
+        f"{_percentile(first, 0.9) * 1e3:.1f} ms) against the whole answer's "
+        f"{median['stream'] * 1e3:.1f} ms streamed and {median['gateway'] * 1e3:.1f} ms not "
+        f"({len(first)} of {len(calls['stream'])} streamed calls had text)"
+    )
     print(
         f"  same engine work: {checks['calls'] - checks['prompt_tokens_differ']} of "
         f"{checks['calls']} gateway calls (warm-up included) had usage.prompt_tokens equal "
@@ -554,7 +600,7 @@ def report(
         f"{checks['splits']} history splits (an answer's text re-renders to other tokens)"
     )
     print(f"2. episodes/s (opened -> {args.calls} calls -> closed -> group acknowledged by Kafka)")
-    for name in ("gateway", "plain"):
+    for name in GATEWAY_SIDES:
         rounds = sides[name]
         closed = statistics.median(r.episodes / r.wall_s for r in rounds)
         done = statistics.median(r.episodes / r.published_s for r in rounds)

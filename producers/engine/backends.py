@@ -44,6 +44,7 @@ from producers.engine.client import (
 )
 from producers.engine.config import EngineConfig, EngineConnection
 from producers.engine.router import RouterClient
+from producers.engine.streaming import TokenFeed, TokenProgress
 from producers.engine.weights import AppliedTensors
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,12 @@ class Backend(Protocol):
         prompts: Sequence[Sequence[int]],
         sampling: Sequence[dict[str, Any]],
         rids: Sequence[str],
-    ) -> list[GenerateOutput]: ...
+        *,
+        on_tokens: TokenProgress | None = None,
+    ) -> list[GenerateOutput]:
+        """The answers; with ``on_tokens`` (one prompt) it is told of the tokens so far as
+        the engine draws them, the last ones left to the answer."""
+        ...
 
     async def abort(self, rids: Sequence[str]) -> None: ...
 
@@ -80,6 +86,8 @@ class LocalBackend:
         prompts: Sequence[Sequence[int]],
         sampling: Sequence[dict[str, Any]],
         rids: Sequence[str],
+        *,
+        on_tokens: TokenProgress | None = None,
     ) -> list[GenerateOutput]:
         from producers.engine.requests import SamplingParams
 
@@ -87,7 +95,14 @@ class LocalBackend:
             (list(p), SamplingParams.from_dict(s), rid, True)
             for p, s, rid in zip(prompts, sampling, rids, strict=True)
         ]
-        futures = self.engine.submit_many(items)
+        if on_tokens is None:
+            futures = self.engine.submit_many(items)
+        else:
+            _one_prompt(prompts)
+            feed = TokenFeed()
+            futures = self.engine.submit_many(items, listeners=[feed])
+            async for ids, logprobs in feed.updates(futures[0]):
+                on_tokens(ids, logprobs)
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         data = [r.to_sglang(self.engine.decode(r.output_ids)) for r in results]
         return parse_generate_response(data, len(items), True)
@@ -136,14 +151,24 @@ class HttpBackend:
         prompts: Sequence[Sequence[int]],
         sampling: Sequence[dict[str, Any]],
         rids: Sequence[str],
+        *,
+        on_tokens: TokenProgress | None = None,
     ) -> list[GenerateOutput]:
         adapter = self.adapter
+        if on_tokens is not None:
+            _one_prompt(prompts)
         if adapter is None:
+            if on_tokens is not None:
+                return [
+                    await self.client.generate_stream(
+                        prompts[0], sampling[0], on_tokens, rid=rids[0]
+                    )
+                ]
             return await self.client.generate(
                 prompts, list(sampling), rids=rids, return_logprob=True
             )
         try:
-            outputs = await self._generate_with(adapter, prompts, sampling, rids)
+            outputs = await self._generate_with(adapter, prompts, sampling, rids, on_tokens)
         except EngineRequestError:
             async with self._reloading:
                 if self.adapter is adapter and not await self._lost(adapter):
@@ -155,7 +180,7 @@ class HttpBackend:
                     )
                     await self._load_adapter_version(adapter.version, adapter.state, again=True)
             adapter = self.adapter
-            outputs = await self._generate_with(adapter, prompts, sampling, rids)
+            outputs = await self._generate_with(adapter, prompts, sampling, rids, on_tokens)
         return outputs
 
     async def _generate_with(
@@ -164,10 +189,18 @@ class HttpBackend:
         prompts: Sequence[Sequence[int]],
         sampling: Sequence[dict[str, Any]],
         rids: Sequence[str],
+        on_tokens: TokenProgress | None = None,
     ) -> list[GenerateOutput]:
-        outputs = await self.client.generate(
-            prompts, list(sampling), rids=rids, return_logprob=True, lora_path=adapter.name
-        )
+        if on_tokens is not None:
+            outputs = [
+                await self.client.generate_stream(
+                    prompts[0], sampling[0], on_tokens, rid=rids[0], lora_path=adapter.name
+                )
+            ]
+        else:
+            outputs = await self.client.generate(
+                prompts, list(sampling), rids=rids, return_logprob=True, lora_path=adapter.name
+            )
         return [
             dataclasses.replace(out, weight_version=str(adapter.version))
             if out.weight_version == adapter.base_tag
@@ -283,6 +316,11 @@ class LoadedAdapter:
     version: int
     base_tag: str
     state: Mapping[str, Any]
+
+
+def _one_prompt(prompts: Sequence[Sequence[int]]) -> None:
+    if len(prompts) != 1:
+        raise ValueError(f"a streamed generation takes one prompt, got {len(prompts)}")
 
 
 async def local_backend(

@@ -172,6 +172,8 @@ class BatchRunner(abc.ABC):
             token = int(tokens[row])
             request.output_ids.append(token)
             request.logprobs.append(float(logps[row]))
+            if request.on_token is not None:
+                request.on_token(token, request.logprobs[-1])
             reason = stop_reason(
                 request,
                 token,

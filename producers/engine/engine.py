@@ -64,6 +64,7 @@ from producers.engine.requests import (
     Request,
     RequestError,
     SamplingParams,
+    TokenListener,
     new_request,
 )
 from producers.engine.weights import AppliedTensors, load_state_dict_checked, read_weights
@@ -190,20 +191,28 @@ class Engine(BatchRunner):
         rid: str | None = None,
         return_logprob: bool = False,
         adapter: str | None = None,
+        on_token: TokenListener | None = None,
     ) -> Future:
-        """Queue one request; the future resolves to a ``GenerateResult``."""
-        return self.submit_many([(input_ids, params, rid, return_logprob)], adapter)[0]
+        """Queue one request; the future resolves to a ``GenerateResult``; ``on_token`` is
+        told of each token as it is drawn (in the scheduler thread: it must be quick)."""
+        item = (input_ids, params, rid, return_logprob)
+        return self.submit_many([item], adapter, listeners=[on_token])[0]
 
     def submit_many(
         self,
         items: Sequence[tuple[Sequence[int], SamplingParams, str | None, bool]],
         adapter: str | None = None,
+        *,
+        listeners: Sequence[TokenListener | None] | None = None,
     ) -> list[Future]:
         """Queue ``(input_ids, params, rid, return_logprob)`` requests, all or none: any
         invalid one raises ``RequestError`` before anything is queued, and ``EngineBusy``
         when they would take the engine past ``max_pending`` requests in flight.
-        ``adapter`` names the LoRA adapter they run with (``load_adapter``)."""
+        ``adapter`` names the LoRA adapter they run with (``load_adapter``); ``listeners``,
+        one per item, are told of their tokens as they are drawn (``submit``)."""
         requests = [self._make_request(ids, p, rid, lp) for ids, p, rid, lp in items]
+        for request, listener in zip(requests, listeners or [None] * len(requests), strict=True):
+            request.on_token = listener
         rids = [r.rid for r in requests]
         if len(set(rids)) != len(rids):
             raise RequestError("rid values must be unique")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,6 +188,10 @@ class GenerateResult:
         return {"text": text, "output_ids": self.output_ids, "meta_info": meta}
 
 
+TokenListener = Callable[[int, float], None]
+"""Told, in the scheduler thread, of each token a request draws and its log-prob."""
+
+
 @dataclass(eq=False)
 class Request:
     """One request while the engine holds it: queued, then running."""
@@ -202,6 +206,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     cached_tokens: int = 0
+    on_token: TokenListener | None = None  # told of each token as it is drawn (a stream)
 
 
 def new_request(

@@ -24,6 +24,7 @@ from producers.engine.client import (
     EngineResponseError,
     GenerateOutput,
 )
+from producers.engine.streaming import TokenProgress
 
 
 class RouterClient:
@@ -71,6 +72,20 @@ class RouterClient:
                     for ids, p, rid in zip(input_ids, params, names, strict=True)
                 )
             )
+        )
+
+    async def generate_stream(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        on_tokens: TokenProgress,
+        *,
+        rid: str | None = None,
+        lora_path: str | None = None,
+    ) -> GenerateOutput:
+        """One streamed ``/generate`` through the router (which passes the stream on)."""
+        return await self.router.generate_stream(
+            input_ids, sampling_params, on_tokens, rid=rid, lora_path=lora_path
         )
 
     async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:

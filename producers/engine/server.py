@@ -11,7 +11,11 @@ a drop-in for the same client:
   "cached_tokens", "weight_version", "e2e_latency", "output_token_logprobs"}}`` where
   ``output_token_logprobs`` is ``[[logprob, token_id, null], ...]`` and ``finish_reason``
   is ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}`` or
-  ``{"type": "abort", "message": ...}``.
+  ``{"type": "abort", "message": ...}``. With ``"stream": true`` (one prompt) the answer
+  is SGLang's server-sent events: a ``data: {...}`` object each time tokens were drawn,
+  holding the text, ``output_ids`` and ``output_token_logprobs`` so far (cumulative, as
+  SGLang sends them unless started with ``--incremental-streaming-output``) and
+  ``finish_reason`` null, the whole answer last, then ``data: [DONE]``.
 - ``POST /abort_request``: ``{"rid": ..., "abort_all": false}``; answers 200, empty body.
   The aborted ``/generate`` returns what it generated so far, finish type ``abort``.
 - ``POST /update_weights_from_disk``: ``{"model_path", "load_format", "abort_all_requests",
@@ -51,7 +55,7 @@ With an API key (``api_key``, SGLang's ``--api-key``) every endpoint but ``/heal
 answers **401** unless the request carries ``Authorization: Bearer <key>``; without one
 the server refuses to bind anything but loopback (``producers.engine.auth``).
 
-Not implemented (answered 400, never silently ignored): text prompts, streaming, top
+Not implemented (answered 400, never silently ignored): text prompts, a streamed batch, top
 log-probs, input-token log-probs, penalties, constrained decoding, ``n`` > 1.
 Errors use SGLang's body ``{"object": "error", "message", "type", "code"}``.
 
@@ -68,6 +72,7 @@ import signal
 import threading
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +90,7 @@ from producers.engine.request_checks import (
     json_object,
 )
 from producers.engine.requests import EngineBusy, RequestError, SamplingParams
+from producers.engine.streaming import TokenFeed
 
 logger = logging.getLogger(__name__)
 
@@ -170,9 +176,20 @@ class _Item:
     return_logprob: bool
 
 
-def parse_generate(body: dict[str, Any]) -> tuple[list[_Item], bool, str | None]:
-    """The requests in a ``/generate`` body, whether it was a batch, and the LoRA adapter
-    they name (``lora_path``: one for the whole body, as this engine serves one)."""
+@dataclass(frozen=True)
+class GenerateCall:
+    """A ``/generate`` body, checked: its requests, whether it was a batch, the LoRA
+    adapter they name (``lora_path``: one for the whole body, as this engine serves one),
+    and whether the answer is streamed."""
+
+    items: list[_Item]
+    batch: bool
+    adapter: str | None
+    stream: bool = False
+
+
+def parse_generate(body: dict[str, Any]) -> GenerateCall:
+    """The checked form of a ``/generate`` body, or ``RequestError`` naming the field."""
     unknown = sorted(set(body) - _GENERATE_FIELDS - set(ROUTER_DEFAULTS))
     if unknown:
         raise RequestError(f"unsupported /generate fields: {unknown}")
@@ -181,8 +198,9 @@ def parse_generate(body: dict[str, Any]) -> tuple[list[_Item], bool, str | None]
             raise RequestError(f"{name}={body[name]!r} is not supported (only {default!r})")
     if body.get("text") is not None:
         raise RequestError("text prompts are not supported: send input_ids")
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(f"stream must be true or false, got {stream!r:.40}")
     if body.get("top_logprobs_num") or body.get("token_ids_logprob"):
         raise RequestError("top_logprobs_num / token_ids_logprob are not supported")
     start = body.get("logprob_start_len")
@@ -192,6 +210,8 @@ def parse_generate(body: dict[str, Any]) -> tuple[list[_Item], bool, str | None]
     if not isinstance(ids, list) or not ids:
         raise RequestError("input_ids must be a non-empty list of token ids or of lists")
     batch = isinstance(ids[0], list)
+    if stream and batch:
+        raise RequestError("stream=true takes one prompt (input_ids a list of token ids)")
     prompts = ids if batch else [ids]
     for prompt in prompts:
         if not isinstance(prompt, list) or not all(
@@ -213,7 +233,7 @@ def parse_generate(body: dict[str, Any]) -> tuple[list[_Item], bool, str | None]
         _Item(prompt, rid, SamplingParams.from_dict(p), bool(lp))
         for prompt, rid, p, lp in zip(prompts, rids, params, logprob, strict=True)
     ]
-    return items, batch, adapters.pop()
+    return GenerateCall(items, batch, adapters.pop(), stream)
 
 
 def _len_or(value: Any) -> int:
@@ -234,10 +254,11 @@ def _per_item(value: Any, n: int, name: str, kind: type) -> list[Any]:
     return [value] * n
 
 
-async def generate(request: web.Request) -> web.Response:
+async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[_ENGINE_KEY]
     try:
-        items, batch, adapter = parse_generate(await _body(request))
+        call = parse_generate(await _body(request))
+        items = call.items
         check_budget(
             [len(i.input_ids) for i in items],
             [i.params.max_new_tokens for i in items],
@@ -245,12 +266,14 @@ async def generate(request: web.Request) -> web.Response:
             request.app[_BUDGET_KEY],
         )
         rids = [item.rid or uuid.uuid4().hex for item in items]
+        feed = TokenFeed() if call.stream else None
         futures = engine.submit_many(
             [
                 (i.input_ids, i.params, rid, i.return_logprob)
                 for i, rid in zip(items, rids, strict=True)
             ],
-            adapter,
+            call.adapter,
+            listeners=None if feed is None else [feed],
         )
     except RequestError as exc:
         return _error(str(exc))
@@ -258,6 +281,8 @@ async def generate(request: web.Request) -> web.Response:
         return _error(str(exc), exc.status)
     except EngineBusy as exc:
         return _busy(exc)
+    if feed is not None:
+        return await _stream(request, items[0], rids[0], futures[0], feed)
     try:
         results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
     except asyncio.CancelledError:  # the client went away: free the engine
@@ -265,7 +290,54 @@ async def generate(request: web.Request) -> web.Response:
             engine.abort(rid)
         raise
     out = [r.to_sglang(engine.decode(r.output_ids)) for r in results]
-    return _json(out if batch else out[0])
+    return _json(out if call.batch else out[0])
+
+
+def _event(data: Any) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+async def _stream(
+    request: web.Request, item: _Item, rid: str, future: Future, feed: TokenFeed
+) -> web.StreamResponse:
+    """SGLang's stream: a ``data:`` event each time tokens were drawn, with the text, ids
+    and log-probs so far (SGLang's default, cumulative), ``finish_reason`` null; the last
+    one is the whole answer; then ``data: [DONE]``. A client that leaves aborts it."""
+    engine = request.app[_ENGINE_KEY]
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    try:
+        await response.prepare(request)
+        async for ids, logprobs in feed.updates(future):
+            meta: dict[str, Any] = {
+                "id": rid,
+                "finish_reason": None,
+                "prompt_tokens": len(item.input_ids),
+                "completion_tokens": len(ids),
+                "weight_version": engine.weight_version,
+            }
+            if item.return_logprob:
+                meta["output_token_logprobs"] = [
+                    [lp, t, None] for lp, t in zip(logprobs, ids, strict=True)
+                ]
+            await response.write(
+                _event({"text": engine.decode(ids), "output_ids": ids, "meta_info": meta})
+            )
+        try:
+            result = future.result()
+        except Exception as exc:  # the batch failed: SGLang's error event
+            await response.write(_event({"error": {"message": str(exc)}}))
+        else:
+            await response.write(_event(result.to_sglang(engine.decode(result.output_ids))))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionError:  # the client went away: free the engine
+        engine.abort(rid)
+    except asyncio.CancelledError:
+        engine.abort(rid)
+        raise
+    return response
 
 
 async def abort_request(request: web.Request) -> web.Response:

@@ -98,6 +98,84 @@ class Envelope:
         }
 
 
+Piece = tuple[str, tuple[str, float] | None]
+"""What one token adds to an answer's text, and the token's own text and log-prob (when
+they were asked for)."""
+
+
+class TextStream:
+    """A turn's text as its tokens come, for a stream: each new token's piece, the text it
+    adds to the decoded text so far. A token that ends inside a character (the text then
+    ends in U+FFFD) adds nothing until a later one completes it, so the pieces joined are
+    the whole answer's text. Fed the tokens so far, again and again (``feed``), then what
+    is left (``rest``); ``chunks`` gives the same as OpenAI stream chunks."""
+
+    def __init__(
+        self, decode: Callable[..., str], *, logprobs: bool, envelope: Envelope | None = None
+    ) -> None:
+        self.decode = decode
+        self.logprobs = logprobs
+        self.envelope = envelope
+        self.ids: list[int] = []  # the tokens fed so far
+        self.shown = ""  # the text their pieces hold
+        self.offset = 0  # a completion token's text_offset counts from the answer's start
+
+    def feed(self, ids: list[int], logprobs: list[float]) -> list[Piece]:
+        """The pieces of the tokens of ``ids`` past those fed before (which ``ids`` must
+        extend: tokens that do not are left to ``rest``); a token that adds no text is a
+        piece only when its log-prob was asked for."""
+        held = len(self.ids)
+        if ids[:held] != self.ids:
+            return []
+        pieces: list[Piece] = []
+        for end in range(held + 1, len(ids) + 1):
+            text = self.decode(ids[:end], skip_special_tokens=True)
+            piece = ""
+            if (
+                len(text) > len(self.shown)
+                and text.startswith(self.shown)
+                and not text.endswith("\ufffd")
+            ):
+                piece, self.shown = text[len(self.shown) :], text
+            token = None
+            if self.logprobs:
+                token = (self.decode([ids[end - 1]], skip_special_tokens=False), logprobs[end - 1])
+            if piece or token is not None:
+                pieces.append((piece, token))
+        self.ids = list(ids)
+        return pieces
+
+    def rest(self) -> str:
+        """The text of every token fed past what the pieces gave (a character left
+        incomplete at the end)."""
+        final = self.decode(self.ids, skip_special_tokens=True)
+        if final == self.shown or not final.startswith(self.shown):
+            return ""
+        rest, self.shown = final[len(self.shown) :], final
+        return rest
+
+    def chunks(self, ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+        """``feed``'s pieces as the envelope's stream chunks, with their log-probs."""
+        return [self._chunk(piece, token) for piece, token in self.feed(ids, logprobs)]
+
+    def rest_chunks(self) -> list[dict[str, Any]]:
+        rest = self.rest()
+        return [self._chunk(rest, None)] if rest else []
+
+    def _chunk(self, piece: str, token: tuple[str, float] | None) -> dict[str, Any]:
+        envelope = self.envelope
+        assert envelope is not None, "chunks need the answer's envelope"
+        chunk = envelope.chunk({"content": piece} if envelope.chat else piece, None)
+        if token is not None:
+            chunk["choices"][0]["logprobs"] = (
+                {"content": [_chat_logprob(*token)]}
+                if envelope.chat
+                else _completion_logprobs([token], self.offset)
+            )
+            self.offset += len(token[0])
+        return chunk
+
+
 class Answer:
     """One call's answer, whole (``whole``) or as stream chunks (``chunks``)."""
 
@@ -154,26 +232,21 @@ class Answer:
             "rollstream": self.rollstream,
         }
 
-    def chunks(self, usage: bool) -> Iterator[dict[str, Any]]:
+    def chunks(self, usage: bool, streamed: TextStream | None = None) -> Iterator[dict[str, Any]]:
         """The stream's chunks after the envelope's opening one: the text token by token
-        (with each token's log-prob when asked), the tool calls, the finish."""
+        (with each token's log-prob when asked) past what ``streamed`` already sent while
+        the turn was generated, the tool calls, the finish."""
         if self.parsed.tool_calls:
             if self.parsed.content:
                 yield self.envelope.chunk({"content": self.parsed.content}, None)
             calls = [{"index": i, **call} for i, call in enumerate(self.parsed.tool_calls)]
             yield self.envelope.chunk({"tool_calls": calls}, None)
         else:
-            offset = 0  # a completion token's text_offset counts from the answer's start
-            for piece, token in self._pieces():
-                chunk = self.envelope.chunk({"content": piece} if self.chat else piece, None)
-                if self.logprobs and token is not None:
-                    chunk["choices"][0]["logprobs"] = (
-                        {"content": [_chat_logprob(*token)]}
-                        if self.chat
-                        else _completion_logprobs([token], offset)
-                    )
-                    offset += len(token[0])
-                yield chunk
+            text = streamed or TextStream(
+                self.decode, logprobs=self.logprobs, envelope=self.envelope
+            )
+            yield from text.chunks(self.turn.response_ids, self.turn.logprobs)
+            yield from text.rest_chunks()
         yield self.envelope.chunk({} if self.chat else "", self.finish)
         if usage:
             kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -186,24 +259,6 @@ class Answer:
             (self.decode([t], skip_special_tokens=False), lp)
             for t, lp in zip(ids, logprobs, strict=True)
         ]
-
-    def _pieces(self) -> Iterator[tuple[str, tuple[str, float] | None]]:
-        """The text token by token: what each token adds to the decoded text (with the
-        token's text and log-prob); a token that adds nothing yet is sent only when its
-        log-prob was asked for."""
-        ids, shown = self.turn.response_ids, ""
-        tokens = self._tokens() if self.logprobs else []
-        for end in range(1, len(ids) + 1):
-            text = self._text(ids[:end])
-            piece = ""
-            if text.startswith(shown) and len(text) > len(shown):
-                piece, shown = text[len(shown) :], text
-            token = tokens[end - 1] if end <= len(tokens) else None
-            if piece or token is not None:
-                yield piece, token
-        final = self._text(ids)
-        if final != shown and final.startswith(shown):
-            yield final[len(shown) :], None
 
 
 def _chat_logprob(token: str, logprob: float) -> dict[str, Any]:

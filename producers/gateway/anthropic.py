@@ -215,11 +215,12 @@ class MessageAnswer:
             "rollstream": self.rollstream,
         }
 
-    def events(self) -> Iterator[tuple[str, dict[str, Any]]]:
-        """The events after ``opening``'s: the text, its block's end, each tool call as a
-        block of its own, the message's end."""
-        delta = {"type": "text_delta", "text": self.text}
-        yield "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}
+    def events(self, pieces: list[str] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The events after ``opening``'s: the text (``pieces`` of it: what a stream has not
+        sent yet), its block's end, each tool call as a block of its own, the message's
+        end."""
+        for piece in [self.text] if pieces is None else pieces:
+            yield text_delta(piece)
         yield "content_block_stop", {"type": "content_block_stop", "index": 0}
         for index, use in enumerate(self.tool_uses, start=1):
             start = {**use, "input": {}}
@@ -250,6 +251,12 @@ class MessageAnswer:
             },
         )
         yield "message_stop", {"type": "message_stop"}
+
+
+def text_delta(piece: str) -> tuple[str, dict[str, Any]]:
+    """A ``content_block_delta`` event of the answer's text block."""
+    delta = {"type": "text_delta", "text": piece}
+    return "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}
 
 
 def _input_of(arguments: str) -> dict[str, Any]:

@@ -89,11 +89,14 @@ def _options(body: dict[str, Any], max_call_tokens: int) -> dict[str, Any]:
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise BadRequest("'stream_options' must be an object")
+    include_usage = stream_options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise BadRequest("'stream_options.include_usage' must be a boolean")
     return {
         "max_tokens": max_tokens,
         "stop": stop,
         "stream": stream,
-        "include_usage": bool(stream_options.get("include_usage", False)),
+        "include_usage": include_usage,
     }
 
 

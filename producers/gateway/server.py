@@ -13,9 +13,11 @@ reward at the end. Endpoints (JSON; errors use OpenAI's ``{"error": {...}}`` bod
 - ``POST /v1/chat/completions``, ``POST /v1/completions`` (header ``X-Rollstream-Episode``)
   or ``POST /episodes/{id}/v1/chat/completions`` and ``.../v1/completions``: one call of
   the episode, non-streaming or streaming (server-sent events: the stream opens before
-  generation, the turn is sent in pieces once generated whole). Messages are rendered with
-  the model's chat template, the engine generates with log-probs under the run's sampling,
-  and the episode keeps the exact tokens (``producers.gateway.desk``).
+  generation, then the text is sent as the engine draws it, ``producers.gateway.relay``;
+  a call whose text is parsed for tool calls, or a run whose ``version_policy`` is
+  ``abort``, which may discard tokens, gets it once the turn is whole). Messages are
+  rendered with the model's chat template, the engine generates with log-probs under the
+  run's sampling, and the episode keeps the exact tokens (``producers.gateway.desk``).
 - ``POST /v1/episodes/{id}/close``: ``{"reward": 1.0}`` or ``{"reward": {"name": 0.5,
   ...}}`` (components summed), optional ``details``; ends the episode. The answer says
   the records are not published yet (``published: false``): they wait for the rest of
@@ -41,7 +43,7 @@ binds only loopback.
 
 Answers (``producers.gateway.answers``) carry the sampled tokens' log-probs when asked
 (``logprobs``; no top alternatives) and, with a ``tool_call_parser``, structured
-``tool_calls``. Not built: streaming while the engine generates.
+``tool_calls``.
 """
 
 from __future__ import annotations
@@ -59,13 +61,14 @@ from producers.config import GatewayConfig
 from producers.engine.auth import AccessRefused, check_bind, check_key
 from producers.engine.client import EngineError, EngineUnavailable
 from producers.engine.request_checks import json_object
-from producers.gateway.answers import Answer, Envelope
+from producers.gateway.answers import Answer, Envelope, TextStream
 from producers.gateway.anthropic import (
     MessageAnswer,
     block_start,
     messages_request,
     new_message_id,
     opening,
+    text_delta,
 )
 from producers.gateway.anthropic import error_body as anthropic_error_body
 from producers.gateway.desk import (
@@ -75,13 +78,14 @@ from producers.gateway.desk import (
     HistoryRefused,
     parse_reward,
 )
+from producers.gateway.relay import Relay, Render
 from producers.gateway.requests import (
     BadRequest,
     CallRequest,
     chat_request,
     completion_request,
 )
-from producers.rollout.generation import GroupGenerator
+from producers.rollout.generation import GroupGenerator, Sample
 from producers.rollout.metrics import ProducerMetrics
 from producers.rollout.versions import Stopped
 
@@ -176,6 +180,35 @@ async def _fail(
             await stream.write(_event(_error_body(message, status)))
         await stream.write_eof()
     return stream
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a call has no turn: the error its client is answered."""
+
+    message: str
+    status: int
+    retry_after_s: int | None = None
+
+
+def _renderer(text: TextStream, anthropic: bool) -> Render:
+    """What a call's tokens so far add to its stream, as the API's events."""
+
+    def openai_chunks(ids: list[int], logprobs: list[float]) -> list[bytes]:
+        return [_event(chunk) for chunk in text.chunks(ids, logprobs)]
+
+    def messages_deltas(ids: list[int], logprobs: list[float]) -> list[bytes]:
+        pieces = [piece for piece, _ in text.feed(ids, logprobs) if piece]
+        return [_event(data, name) for name, data in map(text_delta, pieces)]
+
+    return messages_deltas if anthropic else openai_chunks
+
+
+def _rest(text: TextStream, turn: Sample) -> list[str]:
+    """The text of a finished turn that its stream has not sent yet."""
+    pieces = [piece for piece, _ in text.feed(turn.response_ids, turn.logprobs) if piece]
+    rest = text.rest()
+    return [*pieces, rest] if rest else pieces
 
 
 @dataclass(frozen=True)
@@ -406,31 +439,23 @@ class Gateway:
         max_new = min(call.max_tokens or self.max_call_tokens, room)
         envelope = Envelope(model=self.model_name, chat=chat)
         message_id = new_message_id()
-        stream = None
+        parse_tools = call.parse_tools and self.config.tool_call_parser == "hermes"
+        stream = relay = text = None
         if call.stream:
             first = [opening(message_id, self.model_name, len(history)), block_start()]
             stream = await self._open_stream(request, envelope, first if anthropic else None)
-        episode.busy = True
-        try:
-            turn = await self.generator.turn(
-                history, max_new, f"{episode.episode_id}-c{episode.calls}", call.stop or None
-            )
-        except EngineUnavailable as exc:
+            if not parse_tools:  # calls are parsed out of the whole text: sent once it is
+                text = TextStream(self.tokenizer.decode, logprobs=call.logprobs, envelope=envelope)
+                relay = Relay(stream, _renderer(text, anthropic))
+        turn = await self._turn(episode, history, max_new, call.stop, relay)
+        if isinstance(turn, Failure):
             return await _fail(
-                stream, f"the engine is unavailable: {exc}", 503, 2, anthropic=anthropic
+                stream, turn.message, turn.status, turn.retry_after_s, anthropic=anthropic
             )
-        except EngineError as exc:
-            return await _fail(
-                stream, f"the engine refused the call: {exc}", 502, anthropic=anthropic
-            )
-        except Stopped:
-            return await _fail(stream, "the producer is stopping", 503, 5, anthropic=anthropic)
-        finally:
-            episode.busy = False
         if episode.state != "active":
             ended = f"episode {episode.episode_id} ended during the call"
             return await _fail(stream, ended, 409, anthropic=anthropic)
-        if _client_gone(request):
+        if _client_gone(request) or (relay is not None and relay.left):
             where = "during the stream" if stream is not None else "before its answer"
             self.desk.abandon(episode, "client_left", f"the client left {where}")
             return stream if stream is not None else web.Response(status=499)
@@ -442,18 +467,49 @@ class Gateway:
             prompt_tokens=len(history),
             episode_id=episode.episode_id,
             logprobs=call.logprobs,
-            parse_tools=call.parse_tools and self.config.tool_call_parser == "hermes",
+            parse_tools=parse_tools,
         )
         if anthropic:
             message = MessageAnswer(answer, self.model_name, call.stop, message_id)
             if stream is None:
                 return _json(message.whole())
-            events = [_event(data, name) for name, data in message.events()]
+            pieces = None if text is None else _rest(text, turn)
+            events = [_event(data, name) for name, data in message.events(pieces)]
             return await self._finish_stream(request, stream, episode, events)
         if stream is None:
             return _json(answer.whole())
-        events = [_event(chunk) for chunk in answer.chunks(call.include_usage)]
+        events = [_event(chunk) for chunk in answer.chunks(call.include_usage, text)]
         return await self._finish_stream(request, stream, episode, [*events, b"data: [DONE]\n\n"])
+
+    async def _turn(
+        self,
+        episode: GatewayEpisode,
+        history: list[int],
+        max_new: int,
+        stop: list[str],
+        relay: Relay | None,
+    ) -> Sample | Failure:
+        """The policy's turn of the call (its text relayed as it comes, on a stream), or
+        why there is none."""
+        episode.busy = True
+        try:
+            return await self.generator.turn(
+                history,
+                max_new,
+                f"{episode.episode_id}-c{episode.calls}",
+                stop or None,
+                None if relay is None else relay.on_tokens,
+            )
+        except EngineUnavailable as exc:
+            return Failure(f"the engine is unavailable: {exc}", 503, 2)
+        except EngineError as exc:
+            return Failure(f"the engine refused the call: {exc}", 502)
+        except Stopped:
+            return Failure("the producer is stopping", 503, 5)
+        finally:
+            episode.busy = False
+            if relay is not None:
+                await relay.close()
 
     def _unserved(self, model: object, anthropic: bool) -> web.Response | None:
         """The answer to a call naming a model this gateway does not serve, or None."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from producers.config import RolloutConfig
 from producers.engine.client import EngineError, GenerateOutput
+from producers.engine.streaming import TokenProgress
 from producers.rollout.episodes import EpisodeResult, EpisodeRunner, GenerateTurn
 from producers.rollout.metrics import ProducerMetrics
 from producers.rollout.versions import EngineVersions, Stopped
@@ -39,6 +40,20 @@ class Sample:
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _after(
+    ids: list[int], logprobs: list[float], on_tokens: TokenProgress | None
+) -> TokenProgress | None:
+    """``on_tokens`` told of a continued sample's tokens after those it already has."""
+    if on_tokens is None:
+        return None
+    kept_ids, kept_logprobs = list(ids), list(logprobs)
+
+    def progress(new_ids: list[int], new_logprobs: list[float]) -> None:
+        on_tokens(kept_ids + new_ids, kept_logprobs + new_logprobs)
+
+    return progress
 
 
 class GroupGenerator:
@@ -98,17 +113,29 @@ class GroupGenerator:
         return list(await asyncio.gather(*(runner.run(prompt, turn_of(i)) for i in range(size))))
 
     async def turn(
-        self, history: list[int], max_new_tokens: int, rid: str, stop: list[str] | None = None
+        self,
+        history: list[int],
+        max_new_tokens: int,
+        rid: str,
+        stop: list[str] | None = None,
+        on_tokens: TokenProgress | None = None,
     ) -> Sample:
         """One policy turn continuing ``history``, with the run's sampling and the task's
         stop tokens (``stop``: strings that end it too), followed through version
         changes. ``max_new_tokens`` is the turn's hard budget (the room left in an episode,
         a gateway client's ``max_tokens``): ``sampling.max_new_tokens`` may lower it, never
-        raise it."""
+        raise it. ``on_tokens`` is told of the turn's tokens so far as they are drawn
+        (across a version change they only grow); under ``version_policy = "abort"``,
+        which may discard them, it is told nothing."""
         params = self.config.sampling.to_sglang(max_new_tokens, self.task.stop_token_ids, stop)
         params["max_new_tokens"] = min(int(params["max_new_tokens"]), max_new_tokens)
-        outputs, version, swaps = await self._call([history], [params], [f"{rid}-0"])
-        return await self._complete(history, params, rid, outputs[0], version, swaps)
+        if self.config.version_policy == "abort":
+            on_tokens = None
+        progress = _after([], [], on_tokens)
+        outputs, version, swaps = await self._call([history], [params], [f"{rid}-0"], progress)
+        return await self._complete(
+            history, params, rid, outputs[0], version, swaps, on_tokens=on_tokens
+        )
 
     async def _complete(
         self,
@@ -118,6 +145,8 @@ class GroupGenerator:
         out: GenerateOutput,
         version: int,
         swaps: int,
+        *,
+        on_tokens: TokenProgress | None = None,
     ) -> Sample:
         """Follow one sample through interruptions until it finishes."""
         ids: list[int] = []
@@ -153,13 +182,18 @@ class GroupGenerator:
                 return Sample(ids, logprobs, segments, "length", now_ms(), interruptions)
             rid = f"{rid_prefix}-{interruptions}"
             more = {**params, "max_new_tokens": remaining}
-            outputs, version, swaps = await self._call([prompt_ids + ids], [more], [rid])
+            progress = _after(ids, logprobs, on_tokens)
+            outputs, version, swaps = await self._call([prompt_ids + ids], [more], [rid], progress)
             out = outputs[0]
 
     async def _call(
-        self, prompts: list[list[int]], sampling: list[dict[str, Any]], rids: list[str]
+        self,
+        prompts: list[list[int]],
+        sampling: list[dict[str, Any]],
+        rids: list[str],
+        on_tokens: TokenProgress | None = None,
     ) -> tuple[list[GenerateOutput], int, int]:
-        outputs, version, swaps = await self.engine.call(prompts, sampling, rids)
+        outputs, version, swaps = await self.engine.call(prompts, sampling, rids, on_tokens)
         tokens = sum(len(o.output_ids) for o in outputs)
         self.metrics.tokens.inc(tokens)
         self.tokens += tokens

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from core.config import SharedConfig
 from producers.engine.backends import Backend
 from producers.engine.client import EngineError, EngineUnavailable, GenerateOutput
+from producers.engine.streaming import TokenProgress
 from producers.rollout.metrics import ProducerMetrics
 from schemas.control import VersionAnnouncement
 from schemas.trajectory import NO_VERSION
@@ -182,10 +183,15 @@ class EngineVersions:
         self._gate.set()
 
     async def call(
-        self, prompts: list[list[int]], sampling: list[dict[str, Any]], rids: list[str]
+        self,
+        prompts: list[list[int]],
+        sampling: list[dict[str, Any]],
+        rids: list[str],
+        on_tokens: TokenProgress | None = None,
     ) -> tuple[list[GenerateOutput], int, int]:
         """One engine call, admitted by the version gate; returns the outputs with the
-        version and swap counter in force when it was issued."""
+        version and swap counter in force when it was issued. ``on_tokens``: streamed
+        (``Backend.generate``)."""
         while not self._gate.is_set():
             await self._gate.wait()
         if self.stop.cancelled.is_set():
@@ -195,7 +201,10 @@ class EngineVersions:
         self._idle.clear()
         self.inflight_rids.update(rids)
         try:
-            outputs = await self.backend.generate(prompts, sampling, rids)
+            if on_tokens is None:
+                outputs = await self.backend.generate(prompts, sampling, rids)
+            else:
+                outputs = await self.backend.generate(prompts, sampling, rids, on_tokens=on_tokens)
         finally:
             self._inflight_calls -= 1
             self.inflight_rids.difference_update(rids)

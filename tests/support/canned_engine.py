@@ -47,9 +47,20 @@ class FakeEngine:
         self._loop.run_until_complete(site.start())
         self._loop.run_forever()
 
-    async def generate(self, request: web.Request) -> web.Response:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
         status, body = self.replies[min(self.calls, len(self.replies) - 1)]
         self.calls += 1
+        if isinstance(body, bytes):  # server-sent events, cut off unless they end in [DONE]
+            stream = web.StreamResponse(status=status)
+            stream.content_type = "text/event-stream"
+            await stream.prepare(request)
+            await stream.write(body)
+            if b"[DONE]" in body:
+                await stream.write_eof()
+            else:
+                assert request.transport is not None
+                request.transport.abort()
+            return stream
         if isinstance(body, str):
             return web.Response(status=status, text=body)
         return web.json_response(body, status=status)

@@ -14,7 +14,7 @@ test calls ``acknowledge()`` (or at once, with ``auto_ack``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,15 +62,26 @@ class FakeBackend:
         prompts: Sequence[Sequence[int]],
         sampling: Sequence[dict[str, Any]],
         rids: Sequence[str],
+        *,
+        on_tokens: Callable[[list[int], list[float]], None] | None = None,
     ) -> list[GenerateOutput]:
         self.calls.append(list(rids))
         return list(
             await asyncio.gather(
-                *(self._one(p, s, r) for p, s, r in zip(prompts, sampling, rids, strict=True))
+                *(
+                    self._one(p, s, r, on_tokens)
+                    for p, s, r in zip(prompts, sampling, rids, strict=True)
+                )
             )
         )
 
-    async def _one(self, prompt: Sequence[int], params: dict[str, Any], rid: str) -> GenerateOutput:
+    async def _one(
+        self,
+        prompt: Sequence[int],
+        params: dict[str, Any],
+        rid: str,
+        on_tokens: Callable[[list[int], list[float]], None] | None = None,
+    ) -> GenerateOutput:
         ids: list[int] = []
         version = self.version
         for _ in range(int(params["max_new_tokens"])):
@@ -82,6 +93,8 @@ class FakeBackend:
                 return _output(rid, ids, "abort", len(prompt), version)
             ids.append(TOKEN)
             self.generated += 1
+            if on_tokens is not None:  # as a streaming engine tells them
+                on_tokens(list(ids), [LOGPROB] * len(ids))
             await asyncio.sleep(0)
         return _output(rid, ids, "length", len(prompt), version)
 

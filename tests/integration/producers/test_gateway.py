@@ -29,6 +29,7 @@ import pytest
 import torch
 from support.paths import REPO
 from support.producer_runs import make_topic, read_topic, recompute, rs_config
+from support.step_gate import StepGate
 from support.streams import create_stream_topics, wait_until
 
 from core.models import BOS_ID, SEP_ID
@@ -384,6 +385,149 @@ def test_anthropic_agents_play_a_group_recorded_as_openai_agents_are(
         told = [tokenizer.decode(turns[i], skip_special_tokens=True) for i in (0, 2)]
         assert told == answers[episode_id]
     assert {t.reward for t in records.values()} == {1.0, 0.5}
+
+
+STREAM_TOKENS = 6
+
+
+@dataclass
+class Heard:
+    """What a streaming agent saw: each call's text and streamed log-probs; and for each
+    streamed call, how many tokens the engine had drawn when it was held (once it had
+    text) until the agent read its first text, None if it never was (the text came with
+    the last token)."""
+
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # each call's completion tokens
+    held_at: list[int | None] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def _first_text_gate(run: GatewayRun, heard: Heard) -> Iterator[Any]:
+    """Hold the engine once the call has text, until the agent reads its first text (the
+    callable given)."""
+    gate = StepGate(run.worker["w"].backend.engine)
+    try:
+        yield gate.open
+    finally:
+        gate.remove()
+    assert not gate.timed_out, "the engine was held, and the agent read no text meanwhile"
+    heard.held_at.append(gate.held_at)
+
+
+def _openai_agent(run: GatewayRun, opened: dict[str, Any], *, stream: bool) -> Heard:
+    """Two calls with log-probs, whole or streamed (the engine held at each streamed call's
+    first text)."""
+    client = run.client(opened["episode_id"])
+    messages: list[Any] = _messages(opened)
+    heard = Heard()
+    for _ in range(2):
+        asks = {"model": "policy", "messages": messages, "max_tokens": STREAM_TOKENS}
+        if stream:
+            pieces = []
+            with _first_text_gate(run, heard) as first_text:
+                for chunk in client.chat.completions.create(
+                    **asks, stream=True, logprobs=True, stream_options={"include_usage": True}
+                ):
+                    if chunk.usage is not None:
+                        heard.tokens.append(chunk.usage.completion_tokens)
+                    delta = chunk.choices[0].delta.content if chunk.choices else None
+                    if delta:
+                        first_text()
+                    pieces.append(delta or "")
+                    if chunk.choices and chunk.choices[0].logprobs:
+                        heard.logprobs += [t.logprob for t in chunk.choices[0].logprobs.content]
+            text = "".join(pieces)
+        else:
+            answer = client.chat.completions.create(**asks, logprobs=True)
+            text = answer.choices[0].message.content or ""
+            heard.logprobs += [t.logprob for t in answer.choices[0].logprobs.content]
+        heard.texts.append(text)
+        messages = [*messages, {"role": "assistant", "content": text}]
+        messages.append({"role": "user", "content": "copy the first digit twice"})
+    return heard
+
+
+def _anthropic_agent(run: GatewayRun, opened: dict[str, Any], *, stream: bool) -> Heard:
+    client = anthropic.Anthropic(
+        base_url=run.url + f"/episodes/{opened['episode_id']}", api_key=KEY, max_retries=0
+    )
+    messages: list[Any] = [{"role": "user", "content": _messages(opened)[1]["content"]}]
+    heard = Heard()
+    for _ in range(2):
+        asks = {"model": "policy", "max_tokens": STREAM_TOKENS, "system": SYSTEM}
+        if stream:
+            pieces = []
+            with (
+                _first_text_gate(run, heard) as first_text,
+                client.messages.stream(**asks, messages=messages) as events,
+            ):
+                for piece in events.text_stream:
+                    if piece:
+                        first_text()
+                    pieces.append(piece)
+                final = events.get_final_message()
+            heard.tokens.append(final.usage.output_tokens)
+            text = "".join(pieces)
+            assert final.content[0].text == text
+        else:
+            text = client.messages.create(**asks, messages=messages).content[0].text
+        heard.texts.append(text)
+        messages = [*messages, {"role": "assistant", "content": text}]
+        messages.append({"role": "user", "content": "copy the first digit twice"})
+    return heard
+
+
+def test_streamed_calls_send_text_as_it_is_drawn_and_record_what_whole_calls_do(
+    kafka_config, unique_name, tmp_path, chat_model
+):
+    """The same group played twice with the same seeds, once whole and once streamed, by an
+    ``openai`` agent and an ``anthropic`` one: each streamed call's first text reaches the
+    agent while the engine is held before the call's second token; the streamed text is
+    the whole answer's, and the records are the same, token for token."""
+    played: dict[bool, tuple[Heard, Heard, list[Trajectory]]] = {}
+    for stream in (False, True):
+        (tmp_path / str(stream)).mkdir()
+        task = {
+            "task": "file",
+            "task_options": {
+                "path": str(_dataset(tmp_path / str(stream))),
+                "system_prompt": SYSTEM,
+                "max_new_tokens": STREAM_TOKENS,
+            },
+        }
+        with gateway_run(
+            kafka_config, unique_name, tmp_path / str(stream), chat_model, groups=1, task=task
+        ) as run:
+            first, second = sorted((run.open(), run.open()), key=lambda o: o["index"])
+            chat = _openai_agent(run, first, stream=stream)
+            messages = _anthropic_agent(run, second, stream=stream)
+            assert run.close(first["episode_id"], 1.0).status_code == 200
+            assert run.close(second["episode_id"], 0.5).status_code == 200
+        records = sorted(
+            run.records(kafka_config),
+            key=lambda r: (r.reward_details["gateway"]["episode_id"] != first["episode_id"],
+                           r.reward_details["gateway"].get("part", [1])[0]),
+        )  # fmt: skip
+        played[stream] = (chat, messages, records)
+    (chat, messages, whole_records), (s_chat, s_messages, streamed_records) = (
+        played[False],
+        played[True],
+    )
+    assert s_chat.texts == chat.texts and s_messages.texts == messages.texts
+    assert s_chat.logprobs == chat.logprobs
+    # each streamed call's first text reached its agent while the engine was held with fewer
+    # tokens drawn than the call's answer has: it was sent before the answer was whole
+    for heard in (s_chat, s_messages):
+        held = [(at, n) for at, n in zip(heard.held_at, heard.tokens, strict=True) if at]
+        assert held and all(at < n for at, n in held), (heard.held_at, heard.tokens)
+    assert len(streamed_records) == len(whole_records) >= 2
+    for streamed, whole in zip(streamed_records, whole_records, strict=True):
+        for name in ("prompt_ids", "response_ids", "logp_infer", "loss_mask", "turn_kinds"):
+            got, want = (getattr(r, name) for r in (streamed, whole))
+            assert (None if got is None else list(got)) == (None if want is None else list(want))
+        assert (streamed.reward, streamed.group_size) == (whole.reward, whole.group_size)
 
 
 def _example() -> Any:

@@ -17,8 +17,8 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from producers.gateway.answers import Answer, Envelope, parse_hermes_tool_calls
-from producers.gateway.requests import chat_request
+from producers.gateway.answers import Answer, Envelope, TextStream, parse_hermes_tool_calls
+from producers.gateway.requests import BadRequest, chat_request
 from producers.rollout.generation import Sample
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
@@ -137,3 +137,52 @@ def test_logprobs_are_the_sampled_tokens_whole_streamed_and_in_completions() -> 
             offsets += chunk["choices"][0]["logprobs"]["text_offset"]
     assert offsets == list(range(len(text)))  # from the answer's start, not each chunk's
     assert ChatCompletion.model_validate(answer(text).whole()).choices[0].logprobs is None
+
+
+def utf8(ids: list[int], skip_special_tokens: bool = True) -> str:
+    """A byte-level decode (one token id = one byte): a character may span tokens."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("steps", [[1] * 40, [3, 1, 5, 2, 40], [40]], ids=["1", "uneven", "all"])
+def test_text_fed_as_its_tokens_come_is_the_whole_answers_text(steps: list[int]) -> None:
+    """However the tokens come (one at a time, several at once, all at the end), the pieces
+    a stream sends join into the whole answer's text, the log-probs are each token's once,
+    and a character split over tokens is never sent half (no U+FFFD)."""
+    text = "héllo 🙂 wörld, ça va?"
+    ids = list(text.encode())
+    logprobs = [-0.01 * (i + 1) for i in range(len(ids))]
+    turn = Sample(ids, logprobs, [[3, len(ids)]], "stop", 0)
+    envelope = Envelope(model="policy", chat=True)
+    reply = Answer(turn, utf8, envelope=envelope, prompt_tokens=5, episode_id="e", logprobs=True)
+    fed = TextStream(utf8, logprobs=True, envelope=envelope)
+    chunks, held = [envelope.opening()], 0
+    for step in steps:  # what the engine has drawn so far, each time more arrived
+        held = min(len(ids), held + step)
+        chunks += fed.chunks(ids[:held], logprobs[:held])
+    chunks += list(reply.chunks(usage=True, streamed=fed))
+    state, told = ChatCompletionStreamState(), []
+    for chunk in chunks:
+        parsed = ChatCompletionChunk.model_validate(chunk)
+        state.handle_chunk(parsed)
+        if parsed.choices:
+            assert "\ufffd" not in (parsed.choices[0].delta.content or "")
+            if parsed.choices[0].logprobs:
+                told += [t.logprob for t in parsed.choices[0].logprobs.content]
+    final = state.get_final_completion().choices[0]
+    assert final.message.content == text == reply.whole()["choices"][0]["message"]["content"]
+    assert told == logprobs and final.finish_reason == "stop"
+
+
+def test_stream_options_garbage_is_refused() -> None:
+    body = {"messages": [{"role": "user", "content": "2+3"}], "stream": True}
+    assert chat_request({**body, "stream_options": {"include_usage": True}}, 8).include_usage
+    for options, message in (
+        ("yes", "'stream_options' must be an object"),
+        ({"include_usage": "yes"}, "'stream_options.include_usage' must be a boolean"),
+        ({"include_usage": 1}, "'stream_options.include_usage' must be a boolean"),
+    ):
+        with pytest.raises(BadRequest, match=message):
+            chat_request({**body, "stream_options": options}, 8)
+    with pytest.raises(BadRequest, match="'stream' must be a boolean"):
+        chat_request({**body, "stream": "true"}, 8)

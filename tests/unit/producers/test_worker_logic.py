@@ -45,6 +45,43 @@ def test_a_version_change_mid_generation_follows_the_policy(
         assert list(traj.segment_versions) == [1]
 
 
+@pytest.mark.parametrize("policy", ["interrupt", "abort", "finish"])
+def test_a_streamed_turn_is_told_tokens_that_only_grow_across_a_version_change(
+    policy: str,
+) -> None:
+    """A gateway call's tokens as they come (``on_tokens``), through a version change mid
+    turn: kept tokens are told once and continued (interrupt, finish); under ``abort``,
+    which discards them, nothing is told before the turn is whole."""
+
+    async def scenario() -> tuple[list[list[int]], list[int], list[list[int]]]:
+        backend = FakeBackend()
+        worker = fake_worker(backend, version_policy=policy)
+        loader = asyncio.create_task(worker.versions.run())
+        told: list[list[int]] = []
+        backend.hold_after(2)
+        turn = asyncio.create_task(
+            worker.generator.turn([1, 2, 3], TOKENS, "call", None, lambda ids, _: told.append(ids))
+        )
+        await backend.wait_generated(2)
+        swap = asyncio.create_task(worker.on_new_version(1, {}))
+        if policy == "finish":  # it waits for the call in flight: let it finish
+            backend.release()
+        await swap
+        backend.release()
+        sample = await asyncio.wait_for(turn, 10)
+        loader.cancel()
+        return told, sample.response_ids, sample.segments
+
+    told, ids, segments = asyncio.run(scenario())
+    assert ids == [TOKEN] * TOKENS
+    if policy == "abort":
+        assert told == [] and segments == [[1, TOKENS]]
+    else:
+        assert [len(t) for t in told] == list(range(1, TOKENS + 1))
+        assert all(ids[: len(t)] == t for t in told)
+        assert segments == ([[0, 2], [1, TOKENS - 2]] if policy == "interrupt" else [[0, TOKENS]])
+
+
 def test_admission_credit_pauses_until_the_next_version() -> None:
     async def scenario() -> tuple[list[str | None], FakePublisher]:
         backend, publisher = FakeBackend(), FakePublisher()
