@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from producers.config import GatewayConfig
+from producers.gateway.retries import CallMemo
 from producers.rollout.desk import GroupOutcome
 from producers.rollout.episodes import EpisodeResult, PolicyTurn
 from producers.rollout.metrics import ProducerMetrics
@@ -42,6 +43,9 @@ from producers.rollout.versions import Stopped, StopSignals
 from producers.tasks.base import Prompt
 from producers.tasks.environments import EpisodeLimits
 from schemas.trajectory import EpisodeEnd, TurnKind
+
+LEFT_BEFORE_ANSWER = "the client left before its answer"
+"""Why an episode whose last turn never reached its agent (and no retry fetched it) ends."""
 
 REMEMBERED_EPISODES = 10_000
 """Finished episodes remembered, so a late call or a second reward is told what became of
@@ -105,6 +109,7 @@ class GatewayEpisode:
     # a closed episode's records: "" while its group waits, then what the worker did with
     # them ("publishing" or "dead_lettering")
     fate: str = ""
+    last_call: CallMemo | None = None  # what a retry of the last call is answered
 
     @property
     def done(self) -> bool:
@@ -307,7 +312,10 @@ class EpisodeDesk:
                 and not episode.busy
                 and now - episode.last_activity > idle
             ):
-                self.abandon(episode, "idle", f"no call or reward for {idle:g}s")
+                if episode.last_call is not None and episode.last_call.undelivered:
+                    self.abandon(episode, "client_left", LEFT_BEFORE_ANSWER)
+                else:
+                    self.abandon(episode, "idle", f"no call or reward for {idle:g}s")
 
     def _forget(self, episode: GatewayEpisode) -> None:
         self._episodes.pop(episode.episode_id, None)

@@ -34,9 +34,10 @@ reward at the end. Endpoints (JSON; errors use OpenAI's ``{"error": {...}}`` bod
   use that API's ``{"type": "error", ...}`` body).
 - ``GET /v1/models`` (the names a call's ``model`` may give), ``GET /health``.
 
-A client that is gone before its answer is written (a timeout, a stream closed during
-generation) leaves an episode whose agent never saw the policy's turn: it is abandoned,
-not trained. Opening the stream first is what makes a streaming client's leaving visible.
+A client that is gone before its answer is written leaves a turn its agent never saw: a
+retry of the call gets it (``producers.gateway.retries``), else the episode is abandoned,
+not trained; a stream closed during generation abandons it at once. Opening the stream
+first is what makes a streaming client's leaving visible.
 With an ``api_key`` every endpoint but ``/health`` needs ``Authorization: Bearer <key>``
 (or ``x-api-key: <key>``, as the ``anthropic`` client sends it); without one the gateway
 binds only loopback.
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -72,6 +74,7 @@ from producers.gateway.anthropic import (
 )
 from producers.gateway.anthropic import error_body as anthropic_error_body
 from producers.gateway.desk import (
+    LEFT_BEFORE_ANSWER,
     EpisodeDesk,
     EpisodeRefused,
     GatewayEpisode,
@@ -85,6 +88,7 @@ from producers.gateway.requests import (
     chat_request,
     completion_request,
 )
+from producers.gateway.retries import BadRetryHeader, CallMemo, Failure, call_key, is_retry
 from producers.rollout.generation import GroupGenerator, Sample
 from producers.rollout.metrics import ProducerMetrics
 from producers.rollout.versions import Stopped
@@ -180,15 +184,6 @@ async def _fail(
             await stream.write(_event(_error_body(message, status)))
         await stream.write_eof()
     return stream
-
-
-@dataclass(frozen=True)
-class Failure:
-    """Why a call has no turn: the error its client is answered."""
-
-    message: str
-    status: int
-    retry_after_s: int | None = None
 
 
 def _renderer(text: TextStream, anthropic: bool) -> Render:
@@ -415,62 +410,149 @@ class Gateway:
 
     async def _call(self, request: web.Request, api: CallApi) -> web.StreamResponse:
         """One model call of an episode, in any of the three APIs: checked, rendered,
-        placed in the episode, generated, answered in the API's shape."""
-        anthropic, chat = api == "messages", api != "completion"
+        placed in the episode, generated, answered in the API's shape; a retry of the
+        episode's last call is answered with its turn (``producers.gateway.retries``)."""
+        anthropic = api == "messages"
         try:
-            body = await _body(request)
+            raw = await request.read()
+            body = json_object(raw, BadRequest)
             unserved = self._unserved(body.get("model"), anthropic)
             if unserved is not None:
                 return unserved
             call = CALL_PARSERS[api](body, self.max_call_tokens)
+            key, retry = call_key(request.headers, request.path, raw), is_retry(request.headers)
             episode = self.desk.episode(_episode_id(request))
+            memo = episode.last_call
+            if retry and memo is not None and memo.key == key:
+                return await self._replay(request, call, api, episode, memo)
             if episode.busy:
                 raise EpisodeRefused("a call of this episode is still in flight")
+            if memo is not None and memo.undelivered:  # its agent moved on without it
+                self.desk.abandon(episode, "client_left", LEFT_BEFORE_ANSWER)
+                episode.check_open()
             ids, text = self._render(call)
             mismatches = episode.mismatches
             history, room = episode.place(ids, text, self._retokenize)
-        except (EpisodeRefused, BadRequest) as exc:
+        except (EpisodeRefused, BadRequest, BadRetryHeader) as exc:
             if isinstance(exc, HistoryRefused):
                 self.metrics.gateway_mismatches.labels(action="refuse").inc()
             return _error(str(exc), getattr(exc, "status", 400), anthropic=anthropic)
         if episode.mismatches > mismatches:
             self.metrics.gateway_mismatches.labels(action="split").inc()
         episode.tool_messages = max(episode.tool_messages, _tool_messages(call.messages))
+        envelope = Envelope(model=self.model_name, chat=api != "completion")
+        memo = CallMemo(key, envelope, new_message_id(), len(history))
+        episode.last_call = memo
         max_new = min(call.max_tokens or self.max_call_tokens, room)
-        envelope = Envelope(model=self.model_name, chat=chat)
-        message_id = new_message_id()
+        try:
+            return await self._generate(request, call, api, episode, memo, history, max_new)
+        finally:
+            if not memo.done.is_set():  # ended by an error: a retry is told so, not held
+                memo.finish(Failure("the call failed", 500), delivered=False)
+
+    async def _generate(
+        self,
+        request: web.Request,
+        call: CallRequest,
+        api: CallApi,
+        episode: GatewayEpisode,
+        memo: CallMemo,
+        history: list[int],
+        max_new: int,
+    ) -> web.StreamResponse:
+        """The policy's turn of a placed call, relayed as it comes on a stream, then
+        answered; a client gone before its answer leaves the turn for a retry."""
+        anthropic, envelope = api == "messages", memo.envelope
         parse_tools = call.parse_tools and self.config.tool_call_parser == "hermes"
         stream = relay = text = None
         if call.stream:
-            first = [opening(message_id, self.model_name, len(history)), block_start()]
+            first = [opening(memo.message_id, self.model_name, memo.prompt_tokens), block_start()]
             stream = await self._open_stream(request, envelope, first if anthropic else None)
             if not parse_tools:  # calls are parsed out of the whole text: sent once it is
                 text = TextStream(self.tokenizer.decode, logprobs=call.logprobs, envelope=envelope)
                 relay = Relay(stream, _renderer(text, anthropic))
         turn = await self._turn(episode, history, max_new, call.stop, relay)
         if isinstance(turn, Failure):
+            memo.finish(turn, delivered=False)
             return await _fail(
                 stream, turn.message, turn.status, turn.retry_after_s, anthropic=anthropic
             )
         if episode.state != "active":
-            ended = f"episode {episode.episode_id} ended during the call"
-            return await _fail(stream, ended, 409, anthropic=anthropic)
-        if _client_gone(request) or (relay is not None and relay.left):
-            where = "during the stream" if stream is not None else "before its answer"
-            self.desk.abandon(episode, "client_left", f"the client left {where}")
-            return stream if stream is not None else web.Response(status=499)
+            ended = Failure(f"episode {episode.episode_id} ended during the call", 409)
+            memo.finish(ended, delivered=False)
+            return await _fail(stream, ended.message, ended.status, anthropic=anthropic)
+        if stream is not None and (_client_gone(request) or (relay is not None and relay.left)):
+            memo.finish(turn, delivered=False)
+            self.desk.abandon(episode, "client_left", "the client left during the stream")
+            return stream
+        if _client_gone(request):
+            memo.finish(turn, delivered=False)
+            episode.last_activity = time.monotonic()  # a retry has the idle timeout to come
+            return web.Response(status=499)
         episode.add_turn(turn)
+        memo.finish(turn, delivered=True)
+        return await self._answer(request, call, api, episode, memo, stream, text)
+
+    async def _replay(
+        self,
+        request: web.Request,
+        call: CallRequest,
+        api: CallApi,
+        episode: GatewayEpisode,
+        memo: CallMemo,
+    ) -> web.StreamResponse:
+        """A retry of the episode's last call: its turn once it is over (delivered into
+        the episode now if its first client left), or its failure; never a second turn."""
+        anthropic = api == "messages"
+        await memo.done.wait()
+        self.metrics.gateway_retries.labels(
+            outcome="failure" if isinstance(memo.outcome, Failure) else
+            "delivered_late" if memo.undelivered else "answered_again"
+        ).inc()  # fmt: skip
+        outcome = memo.outcome
+        if isinstance(outcome, Failure) or outcome is None:
+            failure = outcome or Failure("the call failed", 500)
+            return _error(
+                failure.message, failure.status, failure.retry_after_s, anthropic=anthropic
+            )
+        if episode.state != "active" and not memo.delivered:
+            return _error(
+                f"episode {episode.episode_id} is {episode.state}", 409, anthropic=anthropic
+            )
+        if not memo.delivered:
+            episode.add_turn(outcome)
+            memo.delivered = True
+        stream = None
+        if call.stream:
+            first = [opening(memo.message_id, self.model_name, memo.prompt_tokens), block_start()]
+            stream = await self._open_stream(request, memo.envelope, first if anthropic else None)
+        return await self._answer(request, call, api, episode, memo, stream, None)
+
+    async def _answer(
+        self,
+        request: web.Request,
+        call: CallRequest,
+        api: CallApi,
+        episode: GatewayEpisode,
+        memo: CallMemo,
+        stream: web.StreamResponse | None,
+        text: TextStream | None,
+    ) -> web.StreamResponse:
+        """The call's answer in its API's shape: whole, or the rest of its stream (all of
+        it when ``text`` sent nothing yet)."""
+        turn = memo.outcome
+        assert isinstance(turn, Sample)
         answer = Answer(
             turn,
             self.tokenizer.decode,
-            envelope=envelope,
-            prompt_tokens=len(history),
+            envelope=memo.envelope,
+            prompt_tokens=memo.prompt_tokens,
             episode_id=episode.episode_id,
             logprobs=call.logprobs,
-            parse_tools=parse_tools,
+            parse_tools=call.parse_tools and self.config.tool_call_parser == "hermes",
         )
-        if anthropic:
-            message = MessageAnswer(answer, self.model_name, call.stop, message_id)
+        if api == "messages":
+            message = MessageAnswer(answer, self.model_name, call.stop, memo.message_id)
             if stream is None:
                 return _json(message.whole())
             pieces = None if text is None else _rest(text, turn)

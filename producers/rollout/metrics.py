@@ -21,8 +21,9 @@ Metrics, all prefixed ``rollstream_producer_``:
   change (continued for ``interrupt``, regenerated for ``abort``).
 - ``gateway_calls_total`` (counter, labels ``endpoint``, ``status``),
   ``gateway_history_mismatches_total`` (label ``action``), ``gateway_abandoned_total``
-  (label ``reason``): the OpenAI-compatible gateway's calls, its episodes whose history
-  was not a continuation, and its episodes never published.
+  (label ``reason``), ``gateway_retries_total`` (label ``outcome``): the gateway's calls,
+  its episodes whose history was not a continuation, its episodes never published, and the
+  retried calls answered with their first turn.
 - ``delivery_failures_total`` (counter): records Kafka refused or timed out.
 - ``engine_errors_total`` (counter): engine calls that failed after retries.
 - ``publish_seconds`` / ``generate_seconds`` (summaries): per group, the time from
@@ -134,6 +135,13 @@ class ProducerMetrics:
             "Gateway episodes ended without a reward, never published (reason: idle, "
             "unclaimed, client_left, no_call, stopped).",
             ["reason"],
+            registry=r,
+        )
+        self.gateway_retries = Counter(
+            p + "gateway_retries",
+            "Gateway calls that retried their episode's last call, answered with its turn "
+            "instead of a second one (outcome: answered_again, delivered_late, failure).",
+            ["outcome"],
             registry=r,
         )
         self.engine_errors = Counter(

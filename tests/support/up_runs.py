@@ -142,9 +142,13 @@ def run_up(
     return UpRun(run_dir, metric_rows(run_dir), out)
 
 
-TINY_MIN_GAIN = 0.15
+# Calibrated 2026-11-29 from six runs of the tiny e2e run (130 steps, 2 shared cores under
+# load average 3-4 from other test runs): reward of the first 10 steps 0.055-0.068, of the
+# last 10 0.67-0.90 (gain 0.61-0.85); digits right 0.86, 0.81, 0.89, 0.70, 0.70, 0.60. The
+# bars sit well under the lowest run and well over what learning only the format gives.
+TINY_MIN_GAIN = 0.3
 """The tiny run's bar on its reward: last 10 steps over the first 10."""
-TINY_MIN_ACCURACY = 0.15
+TINY_MIN_ACCURACY = 0.35
 """The tiny run's bar on content: answer digits right (``digit_accuracy``), where a policy
 that learned only the format is right 1 time in 10 (tests/unit/rollstream/test_learning_bars.py)."""
 

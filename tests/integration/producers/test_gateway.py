@@ -655,6 +655,18 @@ def test_garbage_is_refused_with_a_reason_and_the_group_still_lands(
                 400,
             ),
             "reward a bool": (run.post(f"/v1/episodes/{episode}/close", {"reward": True}), 400),
+            "an empty Idempotency-Key": (
+                run.post(chat, good, headers={"Idempotency-Key": ""}),
+                400,
+            ),
+            "a 300-character Idempotency-Key": (
+                run.post(chat, good, headers={"Idempotency-Key": "k" * 300}),
+                400,
+            ),
+            "a retry count in words": (
+                run.post(chat, good, headers={"x-stainless-retry-count": "two"}),
+                400,
+            ),
             "reward components not numbers": (
                 run.post(f"/v1/episodes/{episode}/close", {"reward": {"a": "x"}}),
                 400,
@@ -763,12 +775,15 @@ def test_abandoned_episodes_are_never_published_and_the_ledger_says_why(
         stream.close()
         sample = run.worker["w"].metrics.registry.get_sample_value
         name, labels = "rollstream_producer_gateway_abandoned_total", {"reason": "client_left"}
+        engine = run.worker["w"].backend.engine
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:  # both answers are generated, find their clients gone
-            if sample(name, labels) == 2:
+            # the stream's episode ends then; the other's turn waits for a retry that
+            # never comes: the next call (not a retry) ends it
+            if sample(name, labels) == 1 and not engine._pending:
                 break
             time.sleep(0.1)
-        run.worker["w"].backend.engine.step_delay_s = 0.0
+        engine.step_delay_s = 0.0
         for gone in (left, dropped):
             with pytest.raises(openai.ConflictError, match="client left"):
                 run.client(gone["episode_id"]).chat.completions.create(
@@ -789,6 +804,61 @@ def test_abandoned_episodes_are_never_published_and_the_ledger_says_why(
         idle["episode_id"]: "no call or reward for 10s",
     }
     assert run.report.groups_delivered == 1
+
+
+def test_a_retried_call_is_answered_with_its_first_turn_never_a_second(
+    kafka_config, unique_name, tmp_path, chat_model
+):
+    with gateway_run(
+        kafka_config, unique_name, tmp_path, chat_model, groups=1, group_size=2,
+        idle_timeout_s=30.0,
+    ) as run:  # fmt: skip
+        first, second = run.open(), run.open()
+        # the openai client's own retries (max_retries, x-stainless-retry-count): its first
+        # try gives up while the slowed engine generates; a retry waits for that turn or
+        # fetches it once generated, and is answered with it
+        engine = run.worker["w"].backend.engine
+        engine.step_delay_s = 0.4
+        impatient = openai.OpenAI(
+            base_url=f"{run.url}/episodes/{first['episode_id']}/v1",
+            api_key=KEY,
+            timeout=0.3,
+            max_retries=8,
+        )
+        messages = _messages(first)
+        answer = impatient.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+        engine.step_delay_s = 0.0
+        outcomes = {
+            outcome: run.worker["w"].metrics.registry.get_sample_value(
+                "rollstream_producer_gateway_retries_total", {"outcome": outcome}
+            )
+            or 0.0
+            for outcome in ("answered_again", "delivered_late", "failure")
+        }
+        assert outcomes["failure"] == 0 and sum(outcomes.values()) >= 1, outcomes
+        messages += [
+            {"role": "assistant", "content": answer.choices[0].message.content},
+            {"role": "user", "content": "copy the first digit twice"},
+        ]
+        run.client(first["episode_id"]).chat.completions.create(
+            model="policy", messages=messages, max_tokens=2
+        )
+        assert run.close(first["episode_id"], 1.0).status_code == 200
+        # a call named by an Idempotency-Key and sent twice: the first answer, twice
+        call = f"/episodes/{second['episode_id']}/v1/chat/completions"
+        body = {"model": "policy", "messages": _messages(second), "max_tokens": 2}
+        once, twice = (run.post(call, body, headers={"Idempotency-Key": "call-1"}) for _ in "ab")
+        assert once.status_code == twice.status_code == 200 and once.json() == twice.json()
+        assert run.close(second["episode_id"], 0.5).status_code == 200
+    gateway = {
+        r.reward_details["gateway"]["episode_id"]: r.reward_details["gateway"]
+        for r in run.records(kafka_config)
+    }
+    # one turn per call the agent made, however often its client sent them
+    assert gateway == {
+        first["episode_id"]: {"episode_id": first["episode_id"], "calls": 2},
+        second["episode_id"]: {"episode_id": second["episode_id"], "calls": 1},
+    }
 
 
 def test_a_stop_publishes_or_dead_letters_every_closed_episode_and_the_audit_counts_them(

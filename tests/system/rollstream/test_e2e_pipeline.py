@@ -40,9 +40,9 @@ pytestmark = pytest.mark.system
 # The tiny task (copy the prompt's first digit twice): a policy that does not read its
 # prompt gets 1 answer digit in 10 right (0.10 ± 0.006 over the ~2,600 digits of the last
 # 10 versions), and about 0.4 of the reward once it learned the format ("two digits, then
-# EOS"). Measured at 100 steps on 2 cores, 2026-11-25: 0.40, 0.16 and above 0.25 of the
-# digits right in three runs (an async run is not reproducible by its seeds): the bar
-# asks for a policy that clearly reads its prompt, not for a fast learner.
+# EOS"). The bars and the runs they were calibrated on: support/up_runs.py (an async run is
+# not reproducible by its seeds, so they ask for a policy that clearly reads its prompt,
+# not for a fast learner).
 STEPS = 130
 WINDOW = 2  # the tiny profile's staleness window
 

@@ -51,4 +51,4 @@ def test_a_policy_that_reads_its_prompt_passes_it_even_when_half_right() -> None
     def half_right(digits: list[int], rng: random.Random) -> list[int]:
         return [digits[0]] * 2 if rng.random() < 0.5 else [rng.randrange(10)] * 2
 
-    assert digit_accuracy(_samples(half_right)) > 2 * TINY_MIN_ACCURACY
+    assert digit_accuracy(_samples(half_right)) > TINY_MIN_ACCURACY
