@@ -121,11 +121,14 @@ class GatewayConfig(StrictModel):
         description="Largest max_tokens one call may ask for (also the default); None: "
         "the task's max_new_tokens.",
     )
-    tool_call_parser: Literal["none", "hermes"] = Field(
+    tool_call_parser: Literal["none", "auto", "hermes", "qwen", "llama3", "mistral"] = Field(
         default="none",
-        description="'hermes': <tool_call>{json}</tool_call> blocks of an answer to a call "
-        "with tools become message.tool_calls (Qwen2.5/3, Hermes, SmolLM3 templates); "
-        "'none': the text is the content.",
+        description="How an answer to a call with tools becomes message.tool_calls: "
+        "'hermes' (or 'qwen': <tool_call>{json}</tool_call> blocks; Hermes, Qwen2.5/3, "
+        'SmolLM3), \'llama3\' ({"name": ..., "parameters": {...}}, Llama 3.1/3.2), '
+        "'mistral' ([TOOL_CALLS] [{...}]), 'auto' (the family whose markers the model's "
+        "chat template holds; the gateway does not start when the template takes tools in "
+        "no known format); 'none': the text is the content.",
     )
     claim_wait_s: float = Field(
         default=10.0,

@@ -1,67 +1,21 @@
 """The gateway's answers in the OpenAI shapes: whole or as stream chunks, with the
 sampled tokens' log-probs when asked, and tool calls parsed out of the text.
 
-Tool calls: with ``tool_call_parser = "hermes"`` and ``tools`` in the request, every
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block of the model's text
-becomes an entry of ``message.tool_calls`` (the format of the Qwen2.5/Qwen3, Hermes and
-SmolLM3 chat templates, which render the agent's ``tool_calls`` back the same way). Text
-with a block that is not such an object is returned whole as ``content``: the agent sees
-what the model wrote. The record keeps the tokens either way.
+Tool calls: with a ``tool_call_parser`` and ``tools`` in the request, the calls the model's
+family writes (``producers.gateway.tool_parsers``) become ``message.tool_calls``; text
+without a well-formed call is returned whole as ``content``. The record keeps the tokens
+either way.
 """
 
 from __future__ import annotations
 
-import json
-import re
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
+from producers.gateway.tool_parsers import ParsedText, ToolReader
 from producers.rollout.generation import Sample
-
-TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-@dataclass(frozen=True)
-class ParsedText:
-    """The model's text split into what the agent reads as content and as tool calls."""
-
-    content: str | None
-    tool_calls: list[dict[str, Any]]
-
-
-def parse_hermes_tool_calls(text: str) -> ParsedText:
-    """``<tool_call>`` JSON blocks of ``text`` as OpenAI tool calls; ``text`` whole as
-    content when it has none or any block is not a ``{"name", "arguments"}`` object."""
-    blocks = list(TOOL_CALL_BLOCK.finditer(text))
-    if not blocks:
-        return ParsedText(text, [])
-    calls = []
-    for block in blocks:
-        try:
-            call = json.loads(block.group(1))
-        except ValueError:
-            return ParsedText(text, [])
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return ParsedText(text, [])
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):
-            arguments_json = arguments
-        elif isinstance(arguments, dict):
-            arguments_json = json.dumps(arguments, ensure_ascii=False)
-        else:
-            return ParsedText(text, [])
-        calls.append(
-            {
-                "id": "call_" + uuid.uuid4().hex[:24],
-                "type": "function",
-                "function": {"name": call["name"], "arguments": arguments_json},
-            }
-        )
-    content = text[: blocks[0].start()].strip()
-    return ParsedText(content or None, calls)
 
 
 class Envelope:
@@ -188,7 +142,7 @@ class Answer:
         prompt_tokens: int,
         episode_id: str,
         logprobs: bool = False,
-        parse_tools: bool = False,
+        tools: ToolReader | None = None,
     ) -> None:
         self.envelope = envelope
         self.chat = envelope.chat
@@ -202,7 +156,8 @@ class Answer:
         }
         self.rollstream = {"episode_id": episode_id, "versions": [v for v, _ in turn.segments]}
         text = self._text(turn.response_ids)
-        self.parsed = parse_hermes_tool_calls(text) if parse_tools else ParsedText(text, [])
+        parsed = None if tools is None else tools.read(turn.response_ids, decode)
+        self.parsed = parsed or ParsedText(text, [])
         if self.parsed.tool_calls:
             self.finish = "tool_calls"
         else:

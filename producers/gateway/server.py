@@ -44,7 +44,8 @@ binds only loopback.
 
 Answers (``producers.gateway.answers``) carry the sampled tokens' log-probs when asked
 (``logprobs``; no top alternatives) and, with a ``tool_call_parser``, structured
-``tool_calls``.
+``tool_calls`` in the served model's family's format (``producers.gateway.tool_parsers``;
+``auto`` picks it from the chat template when the gateway starts).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ from producers.gateway.requests import (
     completion_request,
 )
 from producers.gateway.retries import BadRetryHeader, CallMemo, Failure, call_key, is_retry
+from producers.gateway.tool_parsers import template_messages, tool_reader
 from producers.rollout.generation import GroupGenerator, Sample
 from producers.rollout.metrics import ProducerMetrics
 from producers.rollout.versions import Stopped
@@ -244,6 +246,7 @@ class Gateway:
         self.model_names = list(dict.fromkeys([served.model_name, *config.served_model_names]))
         self.group_size = served.group_size
         self.vocab_size = served.vocab_size or len(served.tokenizer)
+        self.tools = tool_reader(config.tool_call_parser, served.tokenizer)
         self.max_call_tokens = config.max_call_tokens or generator.task.max_new_tokens
         self.settled = settled  # a group's acknowledged fate: published, dead_lettered, None
         self._runner: web.AppRunner | None = None
@@ -463,7 +466,7 @@ class Gateway:
         """The policy's turn of a placed call, relayed as it comes on a stream, then
         answered; a client gone before its answer leaves the turn for a retry."""
         anthropic, envelope = api == "messages", memo.envelope
-        parse_tools = call.parse_tools and self.config.tool_call_parser == "hermes"
+        parse_tools = call.parse_tools and self.tools is not None
         stream = relay = text = None
         if call.stream:
             first = [opening(memo.message_id, self.model_name, memo.prompt_tokens), block_start()]
@@ -549,7 +552,7 @@ class Gateway:
             prompt_tokens=memo.prompt_tokens,
             episode_id=episode.episode_id,
             logprobs=call.logprobs,
-            parse_tools=call.parse_tools and self.config.tool_call_parser == "hermes",
+            tools=self.tools if call.parse_tools else None,
         )
         if api == "messages":
             message = MessageAnswer(answer, self.model_name, call.stop, memo.message_id)
@@ -658,8 +661,9 @@ class Gateway:
         if not getattr(tokenizer, "chat_template", None):
             raise BadRequest("the model's tokenizer has no chat template: use /v1/completions")
         try:
+            messages = template_messages(call.messages or [], self.tools and self.tools.family)
             text = tokenizer.apply_chat_template(
-                call.messages, tools=call.tools, add_generation_prompt=True, tokenize=False
+                messages, tools=call.tools, add_generation_prompt=True, tokenize=False
             )
         except Exception as exc:  # the template is the model's code: any error is the input's
             raise BadRequest(f"the chat template cannot render these messages: {exc}") from exc

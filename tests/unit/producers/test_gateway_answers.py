@@ -17,8 +17,10 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from producers.gateway.answers import Answer, Envelope, TextStream, parse_hermes_tool_calls
+from producers.gateway.answers import Answer, Envelope, TextStream
 from producers.gateway.requests import BadRequest, chat_request
+from producers.gateway.tool_parsers import HERMES, ToolReader
+from producers.gateway.tool_parsers import parse_hermes as parse_hermes_tool_calls
 from producers.rollout.generation import Sample
 
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
@@ -78,13 +80,13 @@ def test_hermes_blocks_become_tool_calls_and_the_text_before_them_the_content() 
 def test_text_that_is_not_a_well_formed_call_is_returned_whole(text: str) -> None:
     parsed = parse_hermes_tool_calls(text)
     assert parsed.tool_calls == [] and parsed.content == text
-    whole = ChatCompletion.model_validate(answer(text, parse_tools=True).whole())
+    whole = ChatCompletion.model_validate(answer(text, tools=ToolReader(HERMES, {})).whole())
     assert whole.choices[0].message.content == text and not whole.choices[0].message.tool_calls
     assert whole.choices[0].finish_reason == "stop"
 
 
 def test_a_tool_call_answer_reads_back_in_the_openai_client_whole_and_streamed() -> None:
-    reply = answer("Adding." + CALL, parse_tools=True)
+    reply = answer("Adding." + CALL, tools=ToolReader(HERMES, {}))
     whole = ChatCompletion.model_validate(reply.whole())
     message = whole.choices[0].message
     assert whole.choices[0].finish_reason == "tool_calls" and message.content == "Adding."

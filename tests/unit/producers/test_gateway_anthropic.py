@@ -13,6 +13,7 @@ import pytest
 from producers.gateway.answers import Answer, Envelope
 from producers.gateway.anthropic import MessageAnswer, messages_request
 from producers.gateway.requests import BadRequest
+from producers.gateway.tool_parsers import HERMES, ToolReader
 from producers.rollout.generation import Sample
 
 pytestmark = pytest.mark.unit
@@ -206,7 +207,12 @@ def _answer(ids: list[int], finish: str = "stop", *, parse_tools: bool = False) 
     turn = Sample(ids, [-0.5] * len(ids), [[3, len(ids)]], finish, 0)
     envelope = Envelope(model="policy", chat=True)
     return Answer(
-        turn, decode, envelope=envelope, prompt_tokens=11, episode_id="e1", parse_tools=parse_tools
+        turn,
+        decode,
+        envelope=envelope,
+        prompt_tokens=11,
+        episode_id="e1",
+        tools=ToolReader(HERMES, {}) if parse_tools else None,
     )
 
 

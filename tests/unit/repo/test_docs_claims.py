@@ -177,7 +177,11 @@ def config_key_claims() -> list[tuple[Text, list[str]]]:
     claims: list[tuple[Text, list[str]]] = []
     for piece in SPANS:
         text = piece.text.strip()
-        if (m := SECTION_SPAN.match(text)) and not text.startswith("[tool."):  # pyproject's
+        if (
+            (m := SECTION_SPAN.match(text))
+            and not text.startswith("[tool.")  # pyproject's
+            and not m.group("path").isupper()  # a model's marker token: [TOOL_CALLS], [INST]
+        ):
             path = m.group("path").split(".")
             claims.append((piece, path + ([m.group("key")] if m.group("key") else [])))
         elif (
