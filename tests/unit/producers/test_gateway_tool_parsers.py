@@ -2,13 +2,19 @@
 family writes a call) becomes tool calls, the agent sends them back with the tool's result
 (OpenAI ``tool_calls`` and ``tool`` messages, Anthropic ``tool_use`` and ``tool_result``
 blocks), and the family's chat template renders the call and the result into the next
-prompt. Tokenizers and templates: tests/support/tool_models.py (built here)."""
+prompt. Then the same served: the gateway on loopback with ``auto``, a scripted policy, the
+real ``openai`` and ``anthropic`` clients. Tokenizers and templates:
+tests/support/tool_models.py (built here)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 
+import anthropic
+import openai
 import pytest
 from pydantic import ValidationError
 from support.tool_models import HERMES_TEMPLATE, family_tokenizer
@@ -16,7 +22,9 @@ from support.tool_models import HERMES_TEMPLATE, family_tokenizer
 from producers.config import GatewayConfig
 from producers.gateway.answers import Answer, Envelope
 from producers.gateway.anthropic import MessageAnswer, messages_request
+from producers.gateway.desk import GatewayEpisode
 from producers.gateway.requests import BadRequest, CallRequest, chat_request
+from producers.gateway.server import Gateway, ServedPolicy
 from producers.gateway.tool_parsers import (
     NoToolFamily,
     family_of_template,
@@ -27,6 +35,9 @@ from producers.gateway.tool_parsers import (
     tool_reader,
 )
 from producers.rollout.generation import Sample
+from producers.rollout.metrics import ProducerMetrics
+from producers.tasks.base import Prompt
+from producers.tasks.environments import EpisodeLimits
 
 pytestmark = pytest.mark.unit
 
@@ -206,3 +217,105 @@ def test_a_tool_result_that_is_not_text_is_refused(content: Any) -> None:
     anthropic = {"max_tokens": 8, "messages": [{"role": "user", "content": [result]}]}
     with pytest.raises(BadRequest):
         messages_request(anthropic, 64)
+
+
+class _Desk:
+    """The one episode the served test's calls go to."""
+
+    def __init__(self) -> None:
+        self.the_episode = GatewayEpisode(
+            "ep1", "g1", 0, Prompt([]), EpisodeLimits(), "split", state="active"
+        )
+
+    def episode(self, episode_id: str) -> GatewayEpisode:
+        return self.the_episode
+
+    def abandon(self, episode: GatewayEpisode, kind: str, reason: str) -> None:
+        raise AssertionError(f"abandoned: {kind} {reason}")
+
+
+class _Model:
+    """The policy's turns, scripted: each call's answer is the next text, then the
+    end-of-turn token."""
+
+    def __init__(self, tokenizer: Any, texts: list[str]) -> None:
+        self.tokenizer, self.texts = tokenizer, list(texts)
+        self.task = SimpleNamespace(max_new_tokens=256)
+        self.histories: list[list[int]] = []
+
+    async def turn(self, history: list[int], max_new: int, rid: str, *_: Any) -> Sample:
+        self.histories.append(list(history))
+        text = self.texts.pop(0)
+        ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
+        return Sample(ids, [-0.1] * len(ids), [[0, len(ids)]], "stop", 0)
+
+
+SERVED = {  # what the model writes as its call, and how often the next prompt split the record
+    "hermes": (CASES["hermes"][1], 0),  # as Qwen writes it: the call on a line of its own
+    "llama3": ('{"name": "add", "parameters": {"a": 2, "b": 3}}', 0),
+    "mistral": (CASES["mistral"][0], 1),  # its template writes the call's id: other tokens
+}
+
+
+@pytest.mark.parametrize("family", sorted(SERVED))
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+def test_a_served_agent_calls_a_tool_and_the_model_hears_its_result(family: str, api: str) -> None:
+    """The gateway with ``auto``, each API's own client: the call comes back parsed, the
+    agent's call and result are rendered into the next turn's prompt, which extends the
+    episode's tokens (one record) where the template writes the call as the model did."""
+    tokenizer = family_tokenizer(family)
+    written, splits = SERVED[family]
+    model, desk = _Model(tokenizer, [written, "It is 5."]), _Desk()
+    served = ServedPolicy("policy", tokenizer, group_size=1)
+    config = GatewayConfig(port=0, tool_call_parser="auto")
+    gateway = Gateway(config, desk, model, ProducerMetrics(), served)  # type: ignore[arg-type]
+
+    async def play() -> str:
+        base = await gateway.start() + "/episodes/ep1"
+        try:
+            if api == "openai":
+                async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="-") as client:
+                    return await _play_openai(client)
+            async with anthropic.AsyncAnthropic(base_url=base, api_key="-") as messages:
+                return await _play_anthropic(messages)
+        finally:
+            await gateway.close()
+
+    assert asyncio.run(play()) == "It is 5."
+    prompt = tokenizer.decode(model.histories[1], skip_special_tokens=False)
+    assert RESULT in prompt and '"a": 2, "b": 3' in prompt[: prompt.index(RESULT)]
+    assert desk.the_episode.mismatches == splits
+
+
+async def _play_openai(client: openai.AsyncOpenAI) -> str:
+    messages: list[Any] = [{"role": "user", "content": "add 2 and 3"}]
+    first = await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])
+    (call,) = first.choices[0].message.tool_calls or []
+    assert json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": RESULT},
+    ]
+    stream = await client.chat.completions.create(
+        model="policy", messages=messages, tools=[ADD], stream=True
+    )
+    return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+
+async def _play_anthropic(client: anthropic.AsyncAnthropic) -> str:
+    tools: Any = [{"name": "add", "input_schema": {"type": "object"}}]
+    messages: list[Any] = [{"role": "user", "content": "add 2 and 3"}]
+    first = await client.messages.create(
+        model="policy", max_tokens=64, messages=messages, tools=tools
+    )
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    assert first.stop_reason == "tool_use" and use.input == {"a": 2, "b": 3}
+    result = {"type": "tool_result", "tool_use_id": use.id, "content": RESULT}
+    messages += [
+        {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+        {"role": "user", "content": [result]},
+    ]
+    async with client.messages.stream(
+        model="policy", max_tokens=64, messages=messages, tools=tools
+    ) as stream:
+        return "".join([text async for text in stream.text_stream])
