@@ -94,14 +94,9 @@ def parse_llama3(text: str) -> ParsedText:
     """A Llama 3.1/3.2 answer that is JSON calls (``parameters`` or ``arguments``), after
     an optional ``<|python_tag|>``; anything else is content."""
     at = text.find(PYTHON_TAG)
-    content, body = (
-        (text[:at].strip() or None, text[at + len(PYTHON_TAG) :])
-        if at >= 0
-        else (
-            None,
-            text,
-        )
-    )
+    content, body = None, text
+    if at >= 0:
+        content, body = text[:at].strip() or None, text[at + len(PYTHON_TAG) :]
     body = body.strip()
     if not body.startswith("{"):
         return ParsedText(text, [])
@@ -111,10 +106,10 @@ def parse_llama3(text: str) -> ParsedText:
             found, index = decoder.raw_decode(body, index)
         except ValueError:
             return ParsedText(text, [])
-        arguments = (
-            found.get("parameters", found.get("arguments", {})) if isinstance(found, dict) else None
-        )
-        call = _call(found.get("name"), arguments, _openai_id) if arguments is not None else None
+        if not isinstance(found, dict):
+            return ParsedText(text, [])
+        arguments = found.get("parameters", found.get("arguments", {}))
+        call = _call(found.get("name"), arguments, _openai_id)
         if call is None:
             return ParsedText(text, [])
         calls.append(call)
@@ -263,9 +258,8 @@ def template_messages(
     shaped = []
     for message in messages:
         if message.get("tool_calls"):
-            message = {**message, "tool_calls": [_template_call(c, family) for c in message[
-                "tool_calls"
-            ]]}  # fmt: skip
+            calls = [_template_call(call, family) for call in message["tool_calls"]]
+            message = {**message, "tool_calls": calls}
         elif message["role"] == "tool" and family is not None and "tool_call_id" in message:
             message = {**message, "tool_call_id": family.call_id(message["tool_call_id"])}
         shaped.append(message)
