@@ -71,10 +71,10 @@ from typing import IO, Any, ClassVar
 
 import numpy as np
 import orjson
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from core.presence import Presence
-from core.prometheus import MetricFactory, serve_registry
+from core.prometheus import serve_registry
 from core.tracking import Tracker
 from schemas.control import ROLE_KINDS
 from schemas.trajectory import Trajectory
@@ -267,20 +267,34 @@ class MetricsSink:
             self._file = metrics_file.open("ab")
         self._gauges = StepGauges(self.registry)
         self._tracker = tracker if tracker is not None else Tracker([])
-        m = MetricFactory(self.registry, "rollstream_trainer_")
-        self.steps = m.counter("steps", "Optimiser steps taken.")
-        self.trajectories = m.counter("trajectories", "Trajectories trained.")
-        self.tokens = m.counter("tokens", "Prompt + response tokens trained.")
-        self.dlq = m.counter("dlq_records", "Records sent to the DLQ.", ["reason"])
-        self.run_roles = m.gauge(
-            "run_roles",
+        self.steps = Counter(
+            "rollstream_trainer_steps", "Optimiser steps taken.", registry=self.registry
+        )
+        self.trajectories = Counter(
+            "rollstream_trainer_trajectories",
+            "Trajectories trained.",
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "rollstream_trainer_tokens", "Prompt + response tokens trained.", registry=self.registry
+        )
+        self.dlq = Counter(
+            "rollstream_trainer_dlq_records",
+            "Records sent to the DLQ.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.run_roles = Gauge(
+            "rollstream_trainer_run_roles",
             "Role instances in the run by their heartbeats (core.presence): active, left, silent.",
             ["role", "state"],
+            registry=self.registry,
         )
-        self.staleness = m.histogram(
-            "staleness",
+        self.staleness = Histogram(
+            "rollstream_trainer_staleness",
             "Trajectory staleness (trainer version - oldest segment version).",
             buckets=(0, 1, 2, 3, 7, 15, math.inf),
+            registry=self.registry,
         )
         self._lock = threading.Lock()
         self._progress: Any = None

@@ -1,9 +1,10 @@
 """Declaring Prometheus metrics on a registry the caller owns, and serving it.
 
 Every role keeps its metrics on its own ``CollectorRegistry`` (no global registry: two
-workers in one process never collide) under one name prefix. ``MetricFactory`` holds the
-registry and the prefix, so each declaration says only what is its own: name, help and
-labels.
+workers in one process never collide). Where a class declares a long list of them under
+one name prefix (the producer's, the stream's, the weight follower's), ``MetricFactory``
+holds the registry and the prefix, so each declaration says only what is its own: name,
+help and labels.
 """
 
 from __future__ import annotations

@@ -26,10 +26,9 @@ import time
 from collections.abc import Callable, Mapping
 
 from botocore.exceptions import BotoCoreError, ClientError
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from core.config import ConfigurationError, RetryConfig
-from core.prometheus import MetricFactory
 from core.retry import retrying
 from schemas.control import VersionAnnouncement
 from schemas.trajectory import NO_VERSION
@@ -56,16 +55,17 @@ class VersionReaderMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        m = MetricFactory(self.registry, "rollstream_streams_")
-        self.errors = m.counter(
-            "version_read_errors",
+        self.errors = Counter(
+            "rollstream_streams_version_read_errors",
             "Failed reads of the version topic, by kind "
             "(unavailable, broker, consumer, malformed, forged, callback, exception).",
             ["kind"],
+            registry=self.registry,
         )
-        self.failing = m.gauge(
-            "version_reader_failing",
+        self.failing = Gauge(
+            "rollstream_streams_version_reader_failing",
             "1 while the version reader is retrying a failed read, else 0.",
+            registry=self.registry,
         )
 
 
