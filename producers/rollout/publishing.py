@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from producers.rollout.episodes import EpisodeResult
@@ -78,23 +78,15 @@ def _response_fields(
     }
 
 
+@dataclass(eq=False)
 class RecordBuilder:
     """Validated records of a task's groups, for this producer's policy and its peers'."""
 
-    def __init__(
-        self,
-        identity: ProducerIdentity,
-        task: Task,
-        metrics: ProducerMetrics,
-        *,
-        peers: Peers | None = None,
-        limits: ValidationLimits | None = None,
-    ) -> None:
-        self.identity = identity
-        self.task = task
-        self.metrics = metrics
-        self.peers = peers or Peers()
-        self.limits = limits or ValidationLimits()
+    identity: ProducerIdentity
+    task: Task
+    metrics: ProducerMetrics
+    peers: Peers = field(default_factory=Peers, kw_only=True)
+    limits: ValidationLimits = field(default_factory=ValidationLimits, kw_only=True)
 
     async def group_trajectories(
         self, prompt: Prompt, group_id: str, samples: Sequence[Sample], created_ms: int
