@@ -31,7 +31,15 @@ from pydantic import Field, field_validator, model_validator
 
 from consumers.guard_config import GuardsConfig
 from consumers.loss_config import GrpoLossConfig, LossConfig, PpoEwmaLossConfig
-from core.config import RetryConfig, SharedConfig, StrictModel, TopicName
+from core.config import (
+    MetricsHost,
+    Port,
+    RetryConfig,
+    Seconds,
+    SharedConfig,
+    StrictModel,
+    TopicName,
+)
 from core.models import MODEL_SPEC_HELP, ModelSpecName
 
 
@@ -82,17 +90,16 @@ class BatchConfig(StrictModel):
             "is trained alone). Empty: no token budget."
         ),
     )
-    max_wait_s: float = Field(
+    max_wait_s: Seconds = Field(
         default=10.0,
-        gt=0,
         description=(
             "A micro-batch holding at least one group is closed after waiting this long for "
             "more, so a slow or idle partition never stalls training. With no group at all "
             "the trainer keeps waiting (and keeps polling Kafka)."
         ),
     )
-    poll_timeout_s: float = Field(
-        default=0.2, gt=0, description="Longest single Kafka poll while waiting for records."
+    poll_timeout_s: Seconds = Field(
+        default=0.2, description="Longest single Kafka poll while waiting for records."
     )
     order: Literal["arrival", "deadline"] = Field(
         default="deadline",
@@ -167,9 +174,8 @@ class EngineConfig(StrictModel):
     dist_backend: str | None = Field(
         default=None, description="torch.distributed backend; empty: nccl on cuda, gloo on cpu."
     )
-    dist_timeout_s: float = Field(
+    dist_timeout_s: Seconds = Field(
         default=86_400.0,
-        gt=0,
         description="How long a trainer rank waits in a collective: the ranks besides 0 wait "
         "there while rank 0 waits for data, so this bounds how long a run may sit idle.",
     )
@@ -488,14 +494,10 @@ class TrainerConfig(StrictModel):
             "Empty: ledger.jsonl in the checkpoint directory (always kept)."
         ),
     )
-    prometheus_port: int | None = Field(
-        default=None, ge=0, le=65535, description="Serve Prometheus metrics on this port."
+    prometheus_port: Port | None = Field(
+        default=None, description="Serve Prometheus metrics on this port."
     )
-    prometheus_host: str = Field(
-        default="127.0.0.1",
-        description="Address the metrics endpoint binds (loopback: the metrics tell run "
-        "topology, versions and DLQ reasons; open it on purpose).",
-    )
+    prometheus_host: MetricsHost = "127.0.0.1"
     progress: bool = Field(default=True, description="Show a rich progress line on stderr.")
 
     @field_validator("model", mode="before")

@@ -219,18 +219,37 @@ def _clip_interval(
     return low_t, high_t
 
 
+def _ratio_metrics(batch: _Batch, ratio: Tensor) -> dict[str, Tensor | float]:
+    """The diagnostics every variant starts its metrics with (no gradient)."""
+    with torch.no_grad():
+        return {
+            "tokens/response": batch.n_tokens,
+            "ratio/mean": batch.mean(ratio),
+            "ratio/max": batch.max(ratio),
+        }
+
+
 def _clipped_surrogate(
-    ratio: Tensor, adv: Tensor, low: float | Tensor, high: float | Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
+    ratio: Tensor,
+    batch: _Batch,
+    low: float | Tensor,
+    high: float | Tensor,
+    metrics: dict[str, Tensor | float],
+) -> tuple[Tensor, Tensor]:
     """Per-token ``-min(ratio·A, clip(ratio, low, high)·A)`` and where the clip cuts the
-    gradient (below ``low`` with A < 0; above ``high`` with A > 0)."""
+    gradient (below ``low`` with A < 0; above ``high`` with A > 0), with the ``clip/frac*``
+    metrics of those cuts."""
+    adv = batch.adv
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, low, high) * adv  # bounds: numbers, or [B, 1] per row
     per_token = -torch.minimum(unclipped, clipped)
     with torch.no_grad():
         clipped_low = (adv < 0) & (ratio < low)
         clipped_high = (adv > 0) & (ratio > high)
-    return per_token, clipped_low, clipped_high
+    metrics["clip/frac_low"] = batch.frac(clipped_low)
+    metrics["clip/frac_high"] = batch.frac(clipped_high)
+    metrics["clip/frac"] = batch.frac(clipped_low | clipped_high)
+    return per_token, clipped_low | clipped_high
 
 
 def _aggregate(per_token: Tensor, keep: Tensor, batch: _Batch, mode: str) -> Tensor:
@@ -313,20 +332,14 @@ def grpo_loss(inputs: LossInputs, config: GrpoLossConfig) -> LossOutput:
     ratio = torch.exp(log_ratio)
 
     # 2. diagnostics without gradient
-    metrics: dict[str, Tensor | float] = {"tokens/response": batch.n_tokens}
-    with torch.no_grad():
-        metrics["ratio/mean"] = batch.mean(ratio)
-        metrics["ratio/max"] = batch.max(ratio)
+    metrics = _ratio_metrics(batch, ratio)
     _mismatch(inputs, batch, metrics)
 
     # 3. masks / weights: the response mask only
 
     # 4. clipped surrogate
     low, high = _clip_interval(inputs, 1.0 - config.eps_low, 1.0 + config.eps_high, metrics, batch)
-    per_token, clipped_low, clipped_high = _clipped_surrogate(ratio, batch.adv, low, high)
-    metrics["clip/frac_low"] = batch.frac(clipped_low)
-    metrics["clip/frac_high"] = batch.frac(clipped_high)
-    metrics["clip/frac"] = batch.frac(clipped_low | clipped_high)
+    per_token, _clipped = _clipped_surrogate(ratio, batch, low, high, metrics)
 
     # 5. aggregation (+ KL to the reference)
     policy = _aggregate(per_token, batch.mask, batch, config.aggregation)
@@ -349,11 +362,9 @@ def _decoupled(
     s = torch.exp(log_s)
 
     # 2. diagnostics without gradient
-    metrics: dict[str, Tensor | float] = {"tokens/response": batch.n_tokens}
+    metrics = _ratio_metrics(batch, s)
     with torch.no_grad():
         d = torch.exp(log_d)
-        metrics["ratio/mean"] = batch.mean(s)
-        metrics["ratio/max"] = batch.max(s)
         metrics["discrepancy/mean"] = batch.mean(d)
 
     # 3. masks / weights from d (no gradient)
@@ -398,12 +409,9 @@ def _decoupled(
     low, high = _clip_interval(
         inputs, 1.0 - config.staleness_eps_low, 1.0 + config.staleness_eps_high, metrics, batch
     )
-    per_token, clipped_low, clipped_high = _clipped_surrogate(s, batch.adv, low, high)
+    per_token, clipped = _clipped_surrogate(s, batch, low, high, metrics)
     per_token = weight * per_token
-    metrics["clip/frac_low"] = batch.frac(clipped_low)
-    metrics["clip/frac_high"] = batch.frac(clipped_high)
-    metrics["clip/frac"] = batch.frac(clipped_low | clipped_high)
-    metrics["clip/masked_overlap_frac"] = batch.frac((clipped_low | clipped_high) & ~keep)
+    metrics["clip/masked_overlap_frac"] = batch.frac(clipped & ~keep)
 
     # 5. aggregation (KL added by the caller)
     policy = _aggregate(per_token, keep, batch, config.aggregation)
@@ -462,10 +470,7 @@ def mu_grpo_loss(inputs: LossInputs, config: MuGrpoLossConfig) -> LossOutput:
     ratio = torch.exp(log_ratio)
 
     # 2. diagnostics without gradient
-    metrics: dict[str, Tensor | float] = {"tokens/response": batch.n_tokens}
-    with torch.no_grad():
-        metrics["ratio/mean"] = batch.mean(ratio)
-        metrics["ratio/max"] = batch.max(ratio)
+    metrics = _ratio_metrics(batch, ratio)
     _mismatch(inputs, batch, metrics)
 
     # 3. masks: negative-advantage veto
@@ -488,12 +493,9 @@ def mu_grpo_loss(inputs: LossInputs, config: MuGrpoLossConfig) -> LossOutput:
 
     # 4. relaxed clipped surrogate
     low, high = config.clip_bounds
-    per_token, clipped_low, clipped_high = _clipped_surrogate(ratio, batch.adv, low, high)
-    metrics["clip/frac_low"] = batch.frac(clipped_low)
-    metrics["clip/frac_high"] = batch.frac(clipped_high)
-    metrics["clip/frac"] = batch.frac(clipped_low | clipped_high)
+    per_token, clipped = _clipped_surrogate(ratio, batch, low, high, metrics)
     if config.nav is not None:
-        metrics["clip/masked_overlap_frac"] = batch.frac((clipped_low | clipped_high) & ~keep)
+        metrics["clip/masked_overlap_frac"] = batch.frac(clipped & ~keep)
 
     # 5. aggregation (+ KL to the reference)
     policy = _aggregate(per_token, keep, batch, config.aggregation)

@@ -74,6 +74,7 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from core.presence import Presence
+from core.prometheus import serve_registry
 from core.tracking import Tracker
 from schemas.control import ROLE_KINDS
 from schemas.trajectory import Trajectory
@@ -340,10 +341,7 @@ class MetricsSink:
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Expose the registry over HTTP on ``host`` (loopback unless asked); returns the
         bound port."""
-        from prometheus_client import start_http_server
-
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_port)
+        return serve_registry(self.registry, port, host)
 
     def record_dlq(self, reason: str) -> None:
         self.dlq.labels(reason=reason).inc()

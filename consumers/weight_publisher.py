@@ -57,10 +57,9 @@ from schemas.control import VersionAnnouncement
 from weights import format as fmt
 from weights.announce import Announcer
 from weights.errors import FormatError, ObjectMissing, VersionTaken, WeightsError
-from weights.manifest import sha256_hex
 from weights.retention import collect_garbage
 from weights.trust import Trust
-from weights.writer import DeltaWriter, PublishResult
+from weights.writer import DeltaWriter, PublishResult, announcement_of
 
 log = logging.getLogger(__name__)
 
@@ -217,16 +216,7 @@ class Publisher:
         if manifest.state_sha256 != fmt.state_digest(unique):
             raise VersionTaken(self.store.run, version, key)
         log.warning("v%d was already claimed by this trainer (a lost answer): keeping it", version)
-        return VersionAnnouncement(
-            run=self.store.run,
-            version=version,
-            uri=self.store.uri(key),
-            parent=manifest.parent,
-            base=manifest.base,
-            sha256=sha256_hex(raw),
-            bytes=manifest.total_bytes,
-            published_at_ms=int(time.time() * 1000),
-        )
+        return announcement_of(self.store, key, manifest, raw)
 
     def _s3(self, fn: Callable[[], T], what: str) -> T:
         for attempt in retrying(self.retry, S3_ERRORS, what):

@@ -31,6 +31,18 @@ log = logging.getLogger(__name__)
 Port = Annotated[int, Field(ge=0, le=65535)]
 """A TCP port; 0 asks the system for a free one."""
 
+Seconds = Annotated[float, Field(gt=0)]
+"""A duration, a timeout or an interval: more than 0 seconds."""
+
+MetricsHost = Annotated[
+    str,
+    Field(
+        description="Address the metrics endpoint binds (loopback: the metrics tell run "
+        "topology, versions and DLQ reasons; open it on purpose).",
+    ),
+]
+"""The address a role's Prometheus endpoint binds (every role's the same setting)."""
+
 SAFE_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 """Names that become file paths and S3 keys (run ids, producer ids, regions): no ``/``,
 no leading dot, so ``..`` or an absolute path can never leave the state dir or prefix."""
@@ -435,11 +447,11 @@ class WeightsConfig(StrictModel):
         default=True,
         description="Followers check each rebuilt tensor against the writer's CRC-32.",
     )
-    poll_interval_s: float = Field(
-        default=2.0, gt=0, description="How often followers and mirrors poll the store."
+    poll_interval_s: Seconds = Field(
+        default=2.0, description="How often followers and mirrors poll the store."
     )
-    retry_max_s: float = Field(
-        default=30.0, gt=0, description="Longest back-off between retries of a refused version."
+    retry_max_s: Seconds = Field(
+        default=30.0, description="Longest back-off between retries of a refused version."
     )
     topic: TopicName = Field(default="policy.versions", description="Announcement topic.")
     regions: dict[SafeName, S3Config] = Field(
@@ -504,11 +516,10 @@ class LoraConfig(StrictModel):
 class RetryConfig(StrictModel):
     """Back-off for S3 and broker outages: retried until they answer, never skipped."""
 
-    initial_s: float = Field(default=0.5, gt=0, description="First back-off.")
-    max_s: float = Field(default=30.0, gt=0, description="Longest back-off between attempts.")
-    give_up_after_s: float | None = Field(
+    initial_s: Seconds = Field(default=0.5, description="First back-off.")
+    max_s: Seconds = Field(default=30.0, description="Longest back-off between attempts.")
+    give_up_after_s: Seconds | None = Field(
         default=None,
-        gt=0,
         description="Raise after retrying this long; empty: retry until it works.",
     )
 
@@ -525,9 +536,8 @@ class RestartConfig(StrictModel):
     max_restarts: int = Field(
         default=5, ge=0, description="Restarts allowed within window_s; 0: never restart."
     )
-    window_s: float = Field(
+    window_s: Seconds = Field(
         default=300.0,
-        gt=0,
         description="A child that ran longer than this resets the restart count.",
     )
     backoff_s: float = Field(
@@ -549,8 +559,8 @@ class PresenceConfig(StrictModel):
     producers, stream workers and trainers are there, wherever they were started."""
 
     topic: TopicName = Field(default="rollstream.roles", description="The heartbeat topic.")
-    interval_s: float = Field(
-        default=5.0, gt=0, description="Seconds between heartbeats of a running role."
+    interval_s: Seconds = Field(
+        default=5.0, description="Seconds between heartbeats of a running role."
     )
     enabled: bool = Field(default=True, description="Send heartbeats at all.")
 

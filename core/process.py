@@ -218,10 +218,7 @@ class ServiceProcess:
         while time.monotonic() < deadline and pid_alive(pid):
             time.sleep(0.1)
         if pid_alive(pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-            while pid_alive(pid):
-                time.sleep(0.05)
+            _kill_group(pid)
         self.pid_file.unlink(missing_ok=True)
         return True
 
@@ -231,12 +228,17 @@ class ServiceProcess:
         pid = self.pid()
         if pid is None:
             return False
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
-        while pid_alive(pid):
-            time.sleep(0.05)
+        _kill_group(pid)
         self.pid_file.unlink(missing_ok=True)
         return True
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the process group led by ``pid`` and wait until the leader is gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    while pid_alive(pid):
+        time.sleep(0.05)
 
 
 def pid_alive(pid: int) -> bool:

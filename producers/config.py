@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
-from core.config import SafeName, StrictModel, TopicName
+from core.config import MetricsHost, Port, SafeName, Seconds, StrictModel, TopicName
 from producers.engine.config import EngineConfig, SamplingConfig
 
 VersionPolicy = Literal["finish", "interrupt", "abort"]
@@ -72,11 +72,11 @@ class EpisodeConfig(StrictModel):
     max_total_tokens: int | None = Field(
         default=None, ge=1, description="Response tokens per episode, policy and environment."
     )
-    episode_timeout_s: float | None = Field(
-        default=None, gt=0, description="Wall time of an episode, checked between turns."
+    episode_timeout_s: Seconds | None = Field(
+        default=None, description="Wall time of an episode, checked between turns."
     )
-    tool_timeout_s: float | None = Field(
-        default=None, gt=0, description="Time one environment step (a tool call) may take."
+    tool_timeout_s: Seconds | None = Field(
+        default=None, description="Time one environment step (a tool call) may take."
     )
     max_observation_tokens: int | None = Field(
         default=None, ge=0, description="Tokens one observation may add to the history."
@@ -98,7 +98,7 @@ class GatewayConfig(StrictModel):
     host: str = Field(
         default="127.0.0.1", description="Address it binds; anything but loopback needs api_key."
     )
-    port: int = Field(default=8100, ge=0, le=65535, description="0 picks a free port.")
+    port: Port = Field(default=8100, description="0 picks a free port.")
     api_key: SecretStr | None = Field(
         default=None,
         description="Every endpoint but /health needs 'Authorization: Bearer <key>' (the "
@@ -136,9 +136,8 @@ class GatewayConfig(StrictModel):
         description="How long opening an episode waits for a group to start before it is "
         "answered 429 (admission: credit, staleness window).",
     )
-    idle_timeout_s: float = Field(
+    idle_timeout_s: Seconds = Field(
         default=120.0,
-        gt=0,
         description="An episode with no call for this long, or a slot nobody opened, "
         "ends as abandoned (never trained).",
     )
@@ -223,8 +222,8 @@ class RolloutConfig(StrictModel):
         "(up to stop_finish_timeout_s, then abort the rest). The ledger's last line says "
         "which groups went which way.",
     )
-    stop_finish_timeout_s: float = Field(
-        default=60.0, gt=0, description="'finish': longest wait for groups in flight."
+    stop_finish_timeout_s: Seconds = Field(
+        default=60.0, description="'finish': longest wait for groups in flight."
     )
     follow_weights: bool = Field(
         default=True,
@@ -249,17 +248,15 @@ class RolloutConfig(StrictModel):
         default=None,
         description="model_path the engine must report (get_model_info); None: the [engine] model.",
     )
-    connect_timeout_s: float = Field(
-        default=5.0, gt=0, description="Seconds to connect to the engine."
-    )
-    request_timeout_s: float = Field(
-        default=600.0, gt=0, description="Seconds one engine call may take."
+    connect_timeout_s: Seconds = Field(default=5.0, description="Seconds to connect to the engine.")
+    request_timeout_s: Seconds = Field(
+        default=600.0, description="Seconds one engine call may take."
     )
     retries: int = Field(
         default=5, ge=1, description="Attempts per engine call on transient errors."
     )
-    retry_max_wait_s: float = Field(
-        default=10.0, gt=0, description="Longest backoff between retries of an engine call."
+    retry_max_wait_s: Seconds = Field(
+        default=10.0, description="Longest backoff between retries of an engine call."
     )
     topic: TopicName = Field(default="rollouts.raw", description="The raw topic records go to.")
     producer_id: SafeName | None = Field(
@@ -282,17 +279,13 @@ class RolloutConfig(StrictModel):
         description="fsync each group's 'pending' ledger line before producing it (survives "
         "a power cut); else flush to the OS only (survives kill -9).",
     )
-    mark_interval_s: float = Field(
-        default=30.0, gt=0, description="How often the ledger records partition end offsets."
+    mark_interval_s: Seconds = Field(
+        default=30.0, description="How often the ledger records partition end offsets."
     )
-    metrics_port: int | None = Field(
-        default=None, ge=0, le=65535, description="Serve Prometheus metrics on this port."
+    metrics_port: Port | None = Field(
+        default=None, description="Serve Prometheus metrics on this port."
     )
-    metrics_host: str = Field(
-        default="127.0.0.1",
-        description="Address the metrics endpoint binds (loopback: the metrics tell run "
-        "topology, versions and DLQ reasons; open it on purpose).",
-    )
+    metrics_host: MetricsHost = "127.0.0.1"
     progress: bool = Field(default=True, description="Show a progress line on a terminal.")
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
 

@@ -500,11 +500,22 @@ def _parse_body(data: bytes, header: tuple, header_size: int) -> Trajectory:
 
 def _reject_framing(data: bytes, max_bytes: int) -> NoReturn:
     """Say what is wrong with a record whose size or first six bytes are not as expected."""
+    check_preamble(data, max_bytes, RecordKind.TRAJECTORY, "record")
+    size = len(data)
+    least = _MIN_SIZES[data[4]] if size > 4 else _MIN_SIZE
+    raise DecodeError(DecodeReason.TRUNCATED, f"expected at least {least} bytes, have {size}")
+
+
+def check_preamble(data: bytes, max_bytes: int, kind: RecordKind, what: str) -> None:
+    """The checks every record kind's reader starts with: ``data`` (a ``what``) is not
+    empty, within ``max_bytes``, and its first six bytes are the magic, a supported schema
+    version and ``kind``, as far as they go (a short start of a valid record passes: the
+    caller says it is truncated)."""
     size = len(data)
     if size == 0:
-        raise DecodeError(DecodeReason.EMPTY, "record is empty (0 bytes)")
+        raise DecodeError(DecodeReason.EMPTY, f"{what} is empty (0 bytes)")
     if size > max_bytes:
-        raise DecodeError(DecodeReason.OVERSIZE, f"record is {size} bytes, limit is {max_bytes}")
+        raise DecodeError(DecodeReason.OVERSIZE, f"{what} is {size} bytes, limit is {max_bytes}")
     head = data[: len(MAGIC)]
     if head != MAGIC[: len(head)]:
         raise DecodeError(
@@ -515,16 +526,13 @@ def _reject_framing(data: bytes, max_bytes: int) -> NoReturn:
             DecodeReason.UNKNOWN_SCHEMA_VERSION,
             f"schema version {data[4]}; this reader supports {list(SUPPORTED_SCHEMA_VERSIONS)}",
         )
-    if size > 5 and data[5] != RecordKind.TRAJECTORY:
-        known = {kind.value: kind.name.lower() for kind in RecordKind}
-        name = f" ({known[data[5]]}, reserved)" if data[5] in known else ""
+    if size > 5 and data[5] != kind:
+        known = {k.value: k.name.lower() for k in RecordKind}
+        name = f" ({known[data[5]]})" if data[5] in known else ""
         raise DecodeError(
             DecodeReason.UNKNOWN_RECORD_KIND,
-            f"record kind {data[5]}{name}; this reader decodes {int(RecordKind.TRAJECTORY)} "
-            "(trajectory)",
+            f"record kind {data[5]}{name}; this reader decodes {int(kind)} ({kind.name.lower()})",
         )
-    least = _MIN_SIZES[data[4]] if size > 4 else _MIN_SIZE
-    raise DecodeError(DecodeReason.TRUNCATED, f"expected at least {least} bytes, have {size}")
 
 
 def _load_json(raw: bytes, field: str) -> object:

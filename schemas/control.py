@@ -29,7 +29,7 @@ from __future__ import annotations
 import builtins
 import dataclasses
 import functools
-from typing import Annotated, Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, ClassVar, Literal, Self, TypeVar, get_args
 
 import orjson
 from pydantic import ConfigDict, Field, JsonValue, TypeAdapter
@@ -81,8 +81,37 @@ def most_producers(groups_per_step: int | None, max_staleness: int | None) -> in
     return min(MAX_PRODUCERS, groups_per_step * ((max_staleness or 0) + 1))
 
 
+class _JsonMessage:
+    """What every message does: its JSON (exactly its fields) and back."""
+
+    __slots__ = ()
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Self:
+        return _from_json(cls, data)
+
+
+class _HeaderMessage(_JsonMessage):
+    """A message that travels as JSON in the Kafka header ``HEADER`` of the record it
+    explains (the record's value stays the original bytes)."""
+
+    __slots__ = ()
+    HEADER: ClassVar[str]
+
+    def header(self) -> tuple[str, bytes]:
+        """The Kafka header to add to the record's headers."""
+        return self.HEADER, self.to_json()
+
+    @classmethod
+    def from_headers(cls, headers: KafkaHeaders) -> Self:
+        return cls.from_json(_header_value(headers, cls.HEADER))
+
+
 @dataclass(frozen=True, slots=True, config=_STRICT)
-class VersionAnnouncement:
+class VersionAnnouncement(_JsonMessage):
     """A published policy version; ``parent is None`` means a full base, not a delta."""
 
     run: Name
@@ -168,18 +197,16 @@ class VersionAnnouncement:
                 del obj[name]
         return obj
 
-    @classmethod
-    def from_json(cls, data: builtins.bytes | str) -> VersionAnnouncement:
-        return _from_json(cls, data)
-
 
 @dataclass(frozen=True, slots=True, config=_STRICT)
-class DeadLetter:
+class DeadLetter(_HeaderMessage):
     """Why a record went to ``rollouts.dlq`` and where it came from.
 
     ``reason`` is a ``schemas.validation.Reason`` or ``schemas.codec.DecodeReason`` code,
     or a processing error code of the stream worker.
     """
+
+    HEADER: ClassVar[str] = DEAD_LETTER_HEADER
 
     reason: Name
     detail: str
@@ -187,24 +214,9 @@ class DeadLetter:
     partition: Count
     offset: Count
 
-    def to_json(self) -> bytes:
-        return orjson.dumps(self)
-
-    @classmethod
-    def from_json(cls, data: bytes | str) -> DeadLetter:
-        return _from_json(cls, data)
-
-    def header(self) -> tuple[str, bytes]:
-        """The Kafka header to add to the original record's value and headers."""
-        return DEAD_LETTER_HEADER, self.to_json()
-
-    @classmethod
-    def from_headers(cls, headers: KafkaHeaders) -> DeadLetter:
-        return cls.from_json(_header_value(headers, DEAD_LETTER_HEADER))
-
 
 @dataclass(frozen=True, slots=True, config=_STRICT)
-class StaleRecord:
+class StaleRecord(_HeaderMessage):
     """Why a record went to ``rollouts.stale``: ``staleness = trainer_version - min_version``.
 
     ``stage`` says who filtered it: ``stream`` (a raw trajectory record, on arrival) or
@@ -212,51 +224,25 @@ class StaleRecord:
     trained; ``trajectory_id`` is then the group id, the samples are in the value).
     """
 
+    HEADER: ClassVar[str] = STALE_HEADER
+
     trajectory_id: Name
     staleness: Int64
     trainer_version: Count
     max_staleness: Count  # the limit in force when the record was filtered
     stage: StaleStage = "stream"
 
-    def to_json(self) -> bytes:
-        return orjson.dumps(self)
-
-    @classmethod
-    def from_json(cls, data: bytes | str) -> StaleRecord:
-        return _from_json(cls, data)
-
-    def header(self) -> tuple[str, bytes]:
-        """The Kafka header to add to the original record's value and headers."""
-        return STALE_HEADER, self.to_json()
-
-    @classmethod
-    def from_headers(cls, headers: KafkaHeaders) -> StaleRecord:
-        return cls.from_json(_header_value(headers, STALE_HEADER))
-
 
 @dataclass(frozen=True, slots=True, config=_STRICT)
-class FilteredGroup:
+class FilteredGroup(_HeaderMessage):
     """Why a complete group went to ``rollouts.filtered``: the stream operator that dropped
     it and its reason (never a silent drop)."""
+
+    HEADER: ClassVar[str] = FILTERED_HEADER
 
     group_id: Name
     operator: Name
     reason: Name
-
-    def to_json(self) -> bytes:
-        return orjson.dumps(self)
-
-    @classmethod
-    def from_json(cls, data: bytes | str) -> FilteredGroup:
-        return _from_json(cls, data)
-
-    def header(self) -> tuple[str, bytes]:
-        """The Kafka header to add to the filtered group's record."""
-        return FILTERED_HEADER, self.to_json()
-
-    @classmethod
-    def from_headers(cls, headers: KafkaHeaders) -> FilteredGroup:
-        return cls.from_json(_header_value(headers, FILTERED_HEADER))
 
 
 def prompt_key(prompt_ids: Any) -> str:
@@ -271,7 +257,7 @@ def prompt_key(prompt_ids: Any) -> str:
 
 
 @dataclass(frozen=True, slots=True, config=_STRICT)
-class PromptStats:
+class PromptStats(_JsonMessage):
     """What one stream partition has seen of one prompt, cumulative: the value on the
     compacted ``prompts.stats`` topic, keyed ``<run_id>:<prompt_key>:<partition>`` (each
     partition's worker is the only writer of its keys; a reader adds the partitions up).
@@ -301,16 +287,9 @@ class PromptStats:
     def key(self) -> bytes:
         return f"{self.run_id}:{self.prompt_key}:{self.partition}".encode()
 
-    def to_json(self) -> bytes:
-        return orjson.dumps(self)
-
-    @classmethod
-    def from_json(cls, data: bytes | str) -> PromptStats:
-        return _from_json(cls, data)
-
 
 @dataclass(frozen=True, slots=True, config=_STRICT)
-class RoleHeartbeat:
+class RoleHeartbeat(_JsonMessage):
     """A role instance's latest word: ``up`` every few seconds while it runs, ``left``
     once when it stops cleanly (``detail`` then says what it did with its work in
     flight). An instance that stops beating without ``left`` was killed.
@@ -331,23 +310,8 @@ class RoleHeartbeat:
     def key(self) -> bytes:
         return f"{self.run}/{self.role}/{self.instance}".encode()
 
-    def to_json(self) -> bytes:
-        return orjson.dumps(self)
 
-    @classmethod
-    def from_json(cls, data: bytes | str) -> RoleHeartbeat:
-        return _from_json(cls, data)
-
-
-_Message = TypeVar(
-    "_Message",
-    VersionAnnouncement,
-    DeadLetter,
-    StaleRecord,
-    FilteredGroup,
-    PromptStats,
-    RoleHeartbeat,
-)
+_Message = TypeVar("_Message", bound=_JsonMessage)
 
 
 @functools.cache

@@ -33,11 +33,11 @@ import orjson
 
 from schemas.codec import (
     MAGIC,
-    SUPPORTED_SCHEMA_VERSIONS,
     DecodeError,
     DecodeReason,
     RecordKind,
     check_frame,
+    check_preamble,
     decode,
     encode,
     record_checksum,
@@ -188,7 +188,11 @@ def decode_group(
     if not isinstance(data, bytes):
         data = bytes(data)
     size = len(data)
-    _check_framing(data, max_bytes)
+    check_preamble(data, max_bytes, RecordKind.SCORED_GROUP, "group")
+    if size < _MIN_SIZE:
+        raise DecodeError(
+            DecodeReason.TRUNCATED, f"expected at least {_MIN_SIZE} bytes, have {size}"
+        )
     _prefix, flags, total, meta_len, count, reserved = _HEADER.unpack_from(data)
     check_frame(data, total, "group")
     if flags or reserved:
@@ -214,32 +218,6 @@ def decode_group(
         return ScoredGroup(samples=tuple(samples), **meta)
     except ValueError as exc:
         raise DecodeError(DecodeReason.BAD_LAYOUT, str(exc)) from exc
-
-
-def _check_framing(data: bytes, max_bytes: int) -> None:
-    size = len(data)
-    if size == 0:
-        raise DecodeError(DecodeReason.EMPTY, "group is empty (0 bytes)")
-    if size > max_bytes:
-        raise DecodeError(DecodeReason.OVERSIZE, f"group is {size} bytes, limit is {max_bytes}")
-    head = data[: len(MAGIC)]
-    if head != MAGIC[: len(head)]:
-        raise DecodeError(DecodeReason.BAD_MAGIC, f"starts with {head.hex()}, expected {MAGIC!r}")
-    if size > 4 and data[4] not in SUPPORTED_SCHEMA_VERSIONS:
-        raise DecodeError(
-            DecodeReason.UNKNOWN_SCHEMA_VERSION,
-            f"schema version {data[4]}; this reader supports {list(SUPPORTED_SCHEMA_VERSIONS)}",
-        )
-    if size > 5 and data[5] != RecordKind.SCORED_GROUP:
-        raise DecodeError(
-            DecodeReason.UNKNOWN_RECORD_KIND,
-            f"record kind {data[5]}; this reader decodes {int(RecordKind.SCORED_GROUP)} "
-            "(scored group)",
-        )
-    if size < _MIN_SIZE:
-        raise DecodeError(
-            DecodeReason.TRUNCATED, f"expected at least {_MIN_SIZE} bytes, have {size}"
-        )
 
 
 _META_TYPES: dict[str, tuple[type, ...]] = {

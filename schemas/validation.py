@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -165,6 +166,16 @@ def _add(defects: list[Defect], reason: Reason, field: str, detail: str) -> None
     defects.append(Defect(reason, field, detail))
 
 
+def _check_choice(
+    defects: list[Defect], reason: Reason, field: str, value: object, allowed: Collection[str]
+) -> bool:
+    """Whether ``value`` is one of the ``allowed`` strings; a defect naming them if not."""
+    if isinstance(value, str) and value in allowed:
+        return True
+    _add(defects, reason, field, f"{field} {value!r} is not one of {sorted(allowed)}")
+    return False
+
+
 def _check_arrays(traj: Trajectory, defects: list[Defect]) -> dict[str, np.ndarray]:
     """The array fields that are 1-D numpy arrays of their wire dtype."""
     good: dict[str, np.ndarray] = {}
@@ -224,22 +235,11 @@ def _check_identity(traj: Trajectory, limits: ValidationLimits, defects: list[De
 
 
 def _check_scalars(traj: Trajectory, limits: ValidationLimits, defects: list[Defect]) -> None:
-    if not isinstance(traj.finish_reason, str) or traj.finish_reason not in _FINISH_REASONS:
-        _add(
-            defects,
-            Reason.BAD_FIELD,
-            "finish_reason",
-            f"finish_reason {traj.finish_reason!r} is not one of {sorted(_FINISH_REASONS)}",
-        )
+    finish = traj.finish_reason
+    _check_choice(defects, Reason.BAD_FIELD, "finish_reason", finish, _FINISH_REASONS)
     status = traj.old_logits_status
-    if not isinstance(status, str) or status not in _STATUSES:
-        _add(
-            defects,
-            Reason.BAD_FIELD,
-            "old_logits_status",
-            f"old_logits_status {status!r} is not one of {sorted(_STATUSES)}",
-        )
-    elif (status in _STATUSES_WITH_LOGITS) != (traj.logp_old is not None):
+    known = _check_choice(defects, Reason.BAD_FIELD, "old_logits_status", status, _STATUSES)
+    if known and (status in _STATUSES_WITH_LOGITS) != (traj.logp_old is not None):
         has = "present" if traj.logp_old is not None else "absent"
         _add(
             defects,
@@ -469,13 +469,7 @@ def _check_tool_calls(traj: Trajectory, defects: list[Defect]) -> None:
 
 def _check_episode_end(traj: Trajectory, defects: list[Defect]) -> None:
     end = traj.episode_end
-    if not isinstance(end, str) or end not in _EPISODE_ENDS:
-        _add(
-            defects,
-            Reason.UNKNOWN_EPISODE_END,
-            "episode_end",
-            f"episode_end {end!r} is not one of {sorted(_EPISODE_ENDS)}",
-        )
+    _check_choice(defects, Reason.UNKNOWN_EPISODE_END, "episode_end", end, _EPISODE_ENDS)
 
 
 def _turn_arrays(

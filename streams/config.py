@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from core.config import Port, RestartConfig, StrictModel, TopicName
+from core.config import MetricsHost, Port, RestartConfig, Seconds, StrictModel, TopicName
 from core.devices import DEVICE_NAMES, check_device_name
 from core.models import MODEL_SPEC_HELP, ModelSpecName, parse_model_spec
 from schemas.codec import MAX_RECORD_BYTES
@@ -145,8 +145,8 @@ class OldLogitsConfig(StrictModel):
         "from the device (LRU beyond: dropped, rebuilt on use). Unused when device is cpu.",
     )
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads.")
-    rebuild_timeout_s: float = Field(
-        default=60.0, gt=0, description="Give up rebuilding a version from S3 after this long."
+    rebuild_timeout_s: Seconds = Field(
+        default=60.0, description="Give up rebuilding a version from S3 after this long."
     )
 
     @field_validator("device")
@@ -165,8 +165,8 @@ class OldLogitsConfig(StrictModel):
 class GroupsConfig(StrictModel):
     """Assembling GRPO groups and normalising their advantages."""
 
-    timeout_s: float = Field(
-        default=120.0, gt=0, description="Emit or drop a group this long after its first sample."
+    timeout_s: Seconds = Field(
+        default=120.0, description="Emit or drop a group this long after its first sample."
     )
     partial_policy: Literal["emit", "drop"] = Field(
         default="emit",
@@ -180,8 +180,8 @@ class GroupsConfig(StrictModel):
         ge=0,
         description="How long an emitted group's id is remembered (late samples are refused).",
     )
-    tick_interval_s: float = Field(
-        default=1.0, gt=0, description="How often the worker checks for timed-out groups."
+    tick_interval_s: Seconds = Field(
+        default=1.0, description="How often the worker checks for timed-out groups."
     )
     normalize_std: bool = Field(default=True, description="A = (r - mean)/(std + eps) if true.")
     eps: float = Field(default=1e-6, ge=0, description="Added to the std before dividing.")
@@ -274,8 +274,8 @@ class StreamsConfig(StrictModel):
         default="exactly_once",
         description="exactly_once: outputs, table and offsets in one Kafka transaction.",
     )
-    commit_interval_s: float = Field(
-        default=1.0, gt=0, description="How often offsets (and transactions) are committed."
+    commit_interval_s: Seconds = Field(
+        default=1.0, description="How often offsets (and transactions) are committed."
     )
     first_start: Literal["earliest", "committed"] = Field(
         default="earliest",
@@ -289,19 +289,14 @@ class StreamsConfig(StrictModel):
             "with would show as lagging for ever in Kafka's consumer-group tooling."
         ),
     )
-    session_timeout_s: float = Field(
+    session_timeout_s: Seconds = Field(
         default=60.0,
-        gt=0,
         description="Consumer group session timeout: how long a dead worker keeps its partitions.",
     )
     metrics_port: Port | None = Field(
         default=None, description="Serve Prometheus metrics on this port (none: off)."
     )
-    metrics_host: str = Field(
-        default="127.0.0.1",
-        description="Address the metrics endpoint binds (loopback: the metrics tell run "
-        "topology, versions and DLQ reasons; open it on purpose).",
-    )
+    metrics_host: MetricsHost = "127.0.0.1"
     restart: RestartConfig = Field(
         default_factory=RestartConfig,
         description="`rollstream stream` starts a crashed worker again (core.process).",

@@ -43,9 +43,9 @@ metric                                             meaning
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-_PREFIX = "rollstream_streams_"
+from core.prometheus import MetricFactory, serve_registry
 
 
 class StreamMetrics:
@@ -53,92 +53,58 @@ class StreamMetrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.records_in = Counter(
-            _PREFIX + "records_in", "Messages consumed.", ["topic"], registry=r
-        )
-        self.records_out = Counter(
-            _PREFIX + "records_out", "Messages produced.", ["topic"], registry=r
-        )
-        self.dlq = Counter(_PREFIX + "dlq", "Records dead-lettered.", ["reason"], registry=r)
-        self.stale = Counter(_PREFIX + "stale", "Records routed as stale.", registry=r)
-        self.filtered = Counter(
-            _PREFIX + "filtered",
+        m = MetricFactory(self.registry, "rollstream_streams_")
+        self.records_in = m.counter("records_in", "Messages consumed.", ["topic"])
+        self.records_out = m.counter("records_out", "Messages produced.", ["topic"])
+        self.dlq = m.counter("dlq", "Records dead-lettered.", ["reason"])
+        self.stale = m.counter("stale", "Records routed as stale.")
+        self.filtered = m.counter(
+            "filtered",
             "Samples a data operator filtered out (rollouts.filtered).",
             ["operator", "reason"],
-            registry=r,
         )
-        self.operator_decisions = Counter(
-            _PREFIX + "operator_decisions",
+        self.operator_decisions = m.counter(
+            "operator_decisions",
             "Groups each data operator kept, changed or filtered (decision = its reason).",
             ["operator", "decision"],
-            registry=r,
         )
-        self.groups = Counter(_PREFIX + "groups", "Groups closed.", ["outcome"], registry=r)
-        self.group_failures = Counter(
-            _PREFIX + "group_failures", "Groups whose closing raised.", registry=r
+        self.groups = m.counter("groups", "Groups closed.", ["outcome"])
+        self.group_failures = m.counter("group_failures", "Groups whose closing raised.")
+        self.processing_errors = m.counter(
+            "processing_errors", "Messages whose processing raised.", ["topic"]
         )
-        self.processing_errors = Counter(
-            _PREFIX + "processing_errors",
-            "Messages whose processing raised.",
-            ["topic"],
-            registry=r,
-        )
-        self.stale_at_close = Counter(
-            _PREFIX + "stale_at_close", "Samples stale when their group closed.", registry=r
-        )
-        self.group_latency = Histogram(
-            _PREFIX + "group_latency_seconds",
+        self.stale_at_close = m.counter("stale_at_close", "Samples stale when their group closed.")
+        self.group_latency = m.histogram(
+            "group_latency_seconds",
             "First sample seen to group emitted.",
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
-            registry=r,
         )
-        self.oldlogit_tokens = Counter(
-            _PREFIX + "oldlogit_tokens", "Tokens given exact logp_old.", registry=r
+        self.oldlogit_tokens = m.counter("oldlogit_tokens", "Tokens given exact logp_old.")
+        self.oldlogit_seconds = m.counter("oldlogit_seconds", "Forward-pass seconds for logp_old.")
+        self.oldlogit_rate = m.gauge("oldlogit_tokens_per_second", "Tokens/s of the last batch.")
+        self.oldlogit_status = m.counter(
+            "oldlogit_status", "Samples by old_logits_status.", ["status"]
         )
-        self.oldlogit_seconds = Counter(
-            _PREFIX + "oldlogit_seconds", "Forward-pass seconds for logp_old.", registry=r
+        self.snapshot_hits = m.counter("snapshot_hits", "Snapshot hits.")
+        self.snapshot_misses = m.counter("snapshot_misses", "Snapshot misses.")
+        self.snapshot_rebuilds = m.counter("snapshot_rebuilds", "Versions rebuilt on a miss.")
+        self.snapshot_unavailable = m.counter("snapshot_unavailable", "Versions the source lacked.")
+        self.snapshot_evictions = m.counter("snapshot_evictions", "Versions evicted.")
+        self.snapshot_bytes = m.gauge("snapshot_bytes", "Bytes held.")
+        self.snapshot_versions = m.gauge("snapshot_versions", "Versions held.")
+        self.snapshot_host_bytes = m.gauge("snapshot_host_bytes", "Bytes held in the host tier.")
+        self.snapshot_host_versions = m.gauge(
+            "snapshot_host_versions", "Versions held in the host tier."
         )
-        self.oldlogit_rate = Gauge(
-            _PREFIX + "oldlogit_tokens_per_second", "Tokens/s of the last batch.", registry=r
+        self.snapshot_demotions = m.counter(
+            "snapshot_demotions", "Versions moved from device to host."
         )
-        self.oldlogit_status = Counter(
-            _PREFIX + "oldlogit_status", "Samples by old_logits_status.", ["status"], registry=r
+        self.snapshot_promotions = m.counter(
+            "snapshot_promotions", "Versions copied back from host to device."
         )
-        self.snapshot_hits = Counter(_PREFIX + "snapshot_hits", "Snapshot hits.", registry=r)
-        self.snapshot_misses = Counter(_PREFIX + "snapshot_misses", "Snapshot misses.", registry=r)
-        self.snapshot_rebuilds = Counter(
-            _PREFIX + "snapshot_rebuilds", "Versions rebuilt on a miss.", registry=r
-        )
-        self.snapshot_unavailable = Counter(
-            _PREFIX + "snapshot_unavailable", "Versions the source lacked.", registry=r
-        )
-        self.snapshot_evictions = Counter(
-            _PREFIX + "snapshot_evictions", "Versions evicted.", registry=r
-        )
-        self.snapshot_bytes = Gauge(_PREFIX + "snapshot_bytes", "Bytes held.", registry=r)
-        self.snapshot_versions = Gauge(_PREFIX + "snapshot_versions", "Versions held.", registry=r)
-        self.snapshot_host_bytes = Gauge(
-            _PREFIX + "snapshot_host_bytes", "Bytes held in the host tier.", registry=r
-        )
-        self.snapshot_host_versions = Gauge(
-            _PREFIX + "snapshot_host_versions", "Versions held in the host tier.", registry=r
-        )
-        self.snapshot_demotions = Counter(
-            _PREFIX + "snapshot_demotions", "Versions moved from device to host.", registry=r
-        )
-        self.snapshot_promotions = Counter(
-            _PREFIX + "snapshot_promotions", "Versions copied back from host to device.", registry=r
-        )
-        self.trainer_version = Gauge(
-            _PREFIX + "trainer_version", "Newest announced trainer version.", registry=r
-        )
-        self.raw_partitions = Gauge(
-            _PREFIX + "raw_partitions", "Raw partitions this worker holds.", registry=r
-        )
-        self.raw_lag = Gauge(
-            _PREFIX + "raw_lag", "Records of its raw partitions not committed yet.", registry=r
-        )
+        self.trainer_version = m.gauge("trainer_version", "Newest announced trainer version.")
+        self.raw_partitions = m.gauge("raw_partitions", "Raw partitions this worker holds.")
+        self.raw_lag = m.gauge("raw_lag", "Records of its raw partitions not committed yet.")
 
     def value(self, name: str, **labels: str) -> float:
         """Current value of a sample by its full name (``..._total`` for counters)."""
@@ -148,7 +114,4 @@ class StreamMetrics:
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Expose the registry over HTTP on ``host`` (loopback unless asked); returns the
         bound port."""
-        from prometheus_client import start_http_server
-
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(server.server_port)
+        return serve_registry(self.registry, port, host)

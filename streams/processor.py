@@ -356,31 +356,9 @@ class Processor:
             # letting it count in the group would let one bad record close a real group.
             self._reject(step, str(defects[0].reason), detail)
             return
-        if traj.run_id != self.run_id:
-            self._reject(
-                step,
-                DeadLetterReason.FOREIGN_RUN,
-                f"run {traj.run_id!r}, stream serves {self.run_id!r}",
-            )
-            return
-        if traj.policy != self.served_policy:
-            self._reject(
-                step,
-                DeadLetterReason.FOREIGN_POLICY,
-                f"policy {traj.policy!r}, stream serves {self.served_policy!r}",
-            )
-            return
-        if msg.key != traj.group_id.encode():
-            self._reject(
-                step,
-                DeadLetterReason.KEY_MISMATCH,
-                f"key {msg.key!r} is not the group id {traj.group_id!r}",
-            )
-            return
-        disagreements = header_disagreements(traj, msg.headers)
-        if disagreements:
-            detail = "routing headers contradict the body: " + "; ".join(disagreements)
-            self._reject(step, DeadLetterReason.HEADER_MISMATCH, detail)
+        misrouted = self._misrouted(traj, msg.key, msg.headers)
+        if misrouted is not None:
+            self._reject(step, *misrouted)
             return
         trainer = self.tracker.version
         verdict = self.policy.judge(
@@ -399,6 +377,30 @@ class Processor:
             self._drop_from_group(step, traj, now_ms)
             return
         self._add_to_group(step, traj, verdict.staleness, now_ms)
+
+    def _misrouted(
+        self, traj: Trajectory, key: bytes | None, headers: Headers
+    ) -> tuple[DeadLetterReason, str] | None:
+        """Why a valid record is not this stream's to score (another run or policy, or a
+        key or routing headers that disagree with its body), or None."""
+        if traj.run_id != self.run_id:
+            return (
+                DeadLetterReason.FOREIGN_RUN,
+                f"run {traj.run_id!r}, stream serves {self.run_id!r}",
+            )
+        if traj.policy != self.served_policy:
+            policy, served = traj.policy, self.served_policy
+            return DeadLetterReason.FOREIGN_POLICY, f"policy {policy!r}, stream serves {served!r}"
+        if key != traj.group_id.encode():
+            return (
+                DeadLetterReason.KEY_MISMATCH,
+                f"key {key!r} is not the group id {traj.group_id!r}",
+            )
+        disagreements = header_disagreements(traj, headers)
+        if disagreements:
+            detail = "routing headers contradict the body: " + "; ".join(disagreements)
+            return DeadLetterReason.HEADER_MISMATCH, detail
+        return None
 
     def _add_to_group(self, step: Step, traj: Trajectory, staleness: int, now_ms: int) -> None:
         msg = step.message

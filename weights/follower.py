@@ -34,9 +34,10 @@ import safetensors.torch
 import torch
 from botocore.exceptions import BotoCoreError, ClientError
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from core.config import RetryConfig, WeightsConfig
+from core.prometheus import MetricFactory
 from core.retry import retrying
 from weights import format as fmt
 from weights.announce import AnnouncementListener
@@ -83,41 +84,28 @@ class FollowerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         labels = ["region", "run"]
-        self.refusals = Counter(
-            "rollstream_weights_refusals",
-            "Versions refused by a follower, by reason.",
-            [*labels, "reason"],
-            registry=self.registry,
+        m = MetricFactory(self.registry, "rollstream_weights_")
+        self.refusals = m.counter(
+            "refusals", "Versions refused by a follower, by reason.", [*labels, "reason"]
         )
-        self.applied = Counter(
-            "rollstream_weights_applied",
+        self.applied = m.counter(
+            "applied",
             "Versions applied by a follower, by how they were reached.",
             [*labels, "path"],
-            registry=self.registry,
         )
-        self.store_errors = Counter(
-            "rollstream_weights_store_errors",
-            "S3 errors (network, throttling) while following.",
-            labels,
-            registry=self.registry,
+        self.store_errors = m.counter(
+            "store_errors", "S3 errors (network, throttling) while following.", labels
         )
-        self.callback_failures = Counter(
-            "rollstream_weights_callback_failures",
+        self.callback_failures = m.counter(
+            "callback_failures",
             "Times the on_version callback raised (the version is not applied, it is retried).",
             labels,
-            registry=self.registry,
         )
-        self.version = Gauge(
-            "rollstream_weights_version",
-            "Version the follower holds.",
-            labels,
-            registry=self.registry,
-        )
-        self.sync_seconds = Gauge(
-            "rollstream_weights_last_sync_seconds",
+        self.version = m.gauge("version", "Version the follower holds.", labels)
+        self.sync_seconds = m.gauge(
+            "last_sync_seconds",
             "Duration of the last successful sync (download, verify, apply).",
             labels,
-            registry=self.registry,
         )
 
 

@@ -232,29 +232,29 @@ def zstd_bound(raw_bytes: int) -> int:
 def check_file_entry(kind: str, entry: FileEntry, specs: Mapping[str, TensorSpec]) -> None:
     """Refuse a manifest's file entry whose sizes no file of these tensors could have,
     before anything is fetched or decompressed (a reader sizes buffers by them)."""
+
+    def corrupt(problem: str) -> FormatError:
+        return FormatError(RefusalReason.CORRUPT, f"{entry.name}: {problem}")
+
     if entry.bytes < 0 or entry.raw_bytes < 0:
-        raise FormatError(RefusalReason.CORRUPT, f"{entry.name}: negative size")
+        raise corrupt("negative size")
     if kind == "delta":
         limit = max_delta_raw_bytes(specs)
         if entry.raw_bytes > limit:
-            raise FormatError(
-                RefusalReason.CORRUPT,
-                f"{entry.name}: raw_bytes {entry.raw_bytes} is more than a delta of the "
-                f"manifest's tensors can decode to (at most {limit})",
+            raise corrupt(
+                f"raw_bytes {entry.raw_bytes} is more than a delta of the manifest's tensors "
+                f"can decode to (at most {limit})"
             )
         if entry.bytes > zstd_bound(entry.raw_bytes):
-            raise FormatError(
-                RefusalReason.CORRUPT,
-                f"{entry.name}: {entry.bytes} bytes compressed cannot decode to "
-                f"raw_bytes {entry.raw_bytes}",
+            raise corrupt(
+                f"{entry.bytes} bytes compressed cannot decode to raw_bytes {entry.raw_bytes}"
             )
     else:
         limit = max_base_bytes(specs)
         if entry.bytes > limit:
-            raise FormatError(
-                RefusalReason.CORRUPT,
-                f"{entry.name}: {entry.bytes} bytes is more than a {kind} of the manifest's "
-                f"tensors can hold (at most {limit})",
+            raise corrupt(
+                f"{entry.bytes} bytes is more than a {kind} of the manifest's tensors can "
+                f"hold (at most {limit})"
             )
 
 

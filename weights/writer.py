@@ -60,6 +60,24 @@ class PublishResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def announcement_of(
+    store: WeightStore, key: str, manifest: Manifest, manifest_bytes: bytes
+) -> VersionAnnouncement:
+    """The announcement of a version whose manifest (``manifest_bytes``, parsed as
+    ``manifest``) ``store`` holds at ``key``: where it is, what it chains to, its hash,
+    stamped now."""
+    return VersionAnnouncement(
+        run=store.run,
+        version=manifest.version,
+        uri=store.uri(key),
+        parent=manifest.parent,
+        base=manifest.base,
+        sha256=sha256_hex(manifest_bytes),
+        bytes=manifest.total_bytes,
+        published_at_ms=int(time.time() * 1000),
+    )
+
+
 class DeltaWriter:
     """Publishes versions of one run to one store, optionally signed and announced."""
 
@@ -228,16 +246,7 @@ class DeltaWriter:
         self._version = version
         timings["remember"] = time.perf_counter() - clock
 
-        announcement = VersionAnnouncement(
-            run=self.store.run,
-            version=version,
-            uri=self.store.uri(manifest_key),
-            parent=manifest.parent,
-            base=manifest.base,
-            sha256=sha256_hex(manifest_bytes),
-            bytes=manifest.total_bytes,
-            published_at_ms=int(time.time() * 1000),
-        )
+        announcement = announcement_of(self.store, manifest_key, manifest, manifest_bytes)
         if self.announcer is not None:
             clock = time.perf_counter()
             self._announce(announcement)

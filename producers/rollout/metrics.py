@@ -41,7 +41,9 @@ import sys
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Summary
+from prometheus_client import CollectorRegistry
+
+from core.prometheus import MetricFactory, serve_registry
 
 logger = logging.getLogger(__name__)
 
@@ -49,110 +51,83 @@ logger = logging.getLogger(__name__)
 class ProducerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        p = "rollstream_producer_"
-        self.tokens = Counter(p + "tokens", "Response tokens generated.", registry=r)
-        self.groups = Counter(p + "groups", "Groups delivered (all G acknowledged).", registry=r)
-        self.trajectories = Counter(p + "trajectories", "Records acknowledged.", registry=r)
-        self.version = Gauge(p + "version", "Policy version the engine serves.", registry=r)
-        self.latest_version = Gauge(p + "latest_version", "Newest version announced.", registry=r)
-        self.version_lag = Gauge(p + "version_lag", "latest_version - version.", registry=r)
-        self.lead = Gauge(
-            p + "lead",
-            "Trainer steps of groups started beyond the trainer's trained version.",
-            registry=r,
+        m = MetricFactory(self.registry, "rollstream_producer_")
+        self.tokens = m.counter("tokens", "Response tokens generated.")
+        self.groups = m.counter("groups", "Groups delivered (all G acknowledged).")
+        self.trajectories = m.counter("trajectories", "Records acknowledged.")
+        self.version = m.gauge("version", "Policy version the engine serves.")
+        self.latest_version = m.gauge("latest_version", "Newest version announced.")
+        self.version_lag = m.gauge("version_lag", "latest_version - version.")
+        self.lead = m.gauge(
+            "lead", "Trainer steps of groups started beyond the trainer's trained version."
         )
-        self.consumed_lag = Gauge(
-            p + "consumed_lag", "version - trainer consumed version.", registry=r
+        self.consumed_lag = m.gauge("consumed_lag", "version - trainer consumed version.")
+        self.admission_paused = m.gauge("admission_paused", "1 while no new group may start.")
+        self.inflight_groups = m.gauge("inflight_groups", "Groups generating.")
+        self.undelivered_groups = m.gauge("undelivered_groups", "Groups produced, awaiting acks.")
+        self.interrupted = m.counter(
+            "interrupted_samples", "Samples cut by a version change.", ["policy"]
         )
-        self.admission_paused = Gauge(
-            p + "admission_paused", "1 while no new group may start.", registry=r
+        self.delivery_failures = m.counter(
+            "delivery_failures", "Records Kafka refused or timed out."
         )
-        self.inflight_groups = Gauge(p + "inflight_groups", "Groups generating.", registry=r)
-        self.undelivered_groups = Gauge(
-            p + "undelivered_groups", "Groups produced, awaiting acks.", registry=r
-        )
-        self.interrupted = Counter(
-            p + "interrupted_samples",
-            "Samples cut by a version change.",
-            ["policy"],
-            registry=r,
-        )
-        self.delivery_failures = Counter(
-            p + "delivery_failures", "Records Kafka refused or timed out.", registry=r
-        )
-        self.curriculum_skipped = Counter(
-            p + "curriculum_skipped",
+        self.curriculum_skipped = m.counter(
+            "curriculum_skipped",
             "Prompts the curriculum skipped (reason: solved | hopeless).",
             ["reason"],
-            registry=r,
         )
-        self.episodes = Counter(
-            p + "episodes",
+        self.episodes = m.counter(
+            "episodes",
             "Multi-turn episodes published, by why they ended (done, max_turns, a tool "
             "failure, ...).",
             ["end"],
-            registry=r,
         )
-        self.tool_calls = Counter(
-            p + "tool_calls", "Tool calls made by the policy in published episodes.", registry=r
+        self.tool_calls = m.counter(
+            "tool_calls", "Tool calls made by the policy in published episodes."
         )
-        self.reward_errors = Counter(
-            p + "reward_errors",
+        self.reward_errors = m.counter(
+            "reward_errors",
             "Completions a reward function gave no value for: it raised, timed out or "
             "returned something that is not a finite number per completion.",
             ["function"],
-            registry=r,
         )
-        self.peer_samples = Counter(
-            p + "peer_samples",
+        self.peer_samples = m.counter(
+            "peer_samples",
             "Turns of peer policies published as their policy's records, by policy.",
             ["policy"],
-            registry=r,
         )
-        self.peer_samples_dropped = Counter(
-            p + "peer_samples_dropped",
+        self.peer_samples_dropped = m.counter(
+            "peer_samples_dropped",
             "Turns of peer policies not published, by policy: their group had fewer than 2 "
             "samples, or the sample named a policy that is not a peer ('unknown').",
             ["policy"],
-            registry=r,
         )
-        self.gateway_calls = Counter(
-            p + "gateway_calls",
+        self.gateway_calls = m.counter(
+            "gateway_calls",
             "Gateway API calls, by endpoint and HTTP status.",
             ["endpoint", "status"],
-            registry=r,
         )
-        self.gateway_mismatches = Counter(
-            p + "gateway_history_mismatches",
+        self.gateway_mismatches = m.counter(
+            "gateway_history_mismatches",
             "Gateway calls whose history did not extend their episode's tokens, by what "
             "was done (split: a new record of the episode; refuse: answered 409).",
             ["action"],
-            registry=r,
         )
-        self.gateway_abandoned = Counter(
-            p + "gateway_abandoned",
+        self.gateway_abandoned = m.counter(
+            "gateway_abandoned",
             "Gateway episodes ended without a reward, never published (reason: idle, "
             "unclaimed, client_left, no_call, stopped).",
             ["reason"],
-            registry=r,
         )
-        self.gateway_retries = Counter(
-            p + "gateway_retries",
+        self.gateway_retries = m.counter(
+            "gateway_retries",
             "Gateway calls that retried their episode's last call, answered with its turn "
             "instead of a second one (outcome: answered_again, delivered_late, failure).",
             ["outcome"],
-            registry=r,
         )
-        self.engine_errors = Counter(
-            p + "engine_errors", "Engine calls failed after retries.", registry=r
-        )
-        self.publish_seconds = Summary(
-            p + "publish_seconds", "Serialise + produce time per group.", registry=r
-        )
-        self.generate_seconds = Summary(
-            p + "generate_seconds", "Generation time per group.", registry=r
-        )
+        self.engine_errors = m.counter("engine_errors", "Engine calls failed after retries.")
+        self.publish_seconds = m.summary("publish_seconds", "Serialise + produce time per group.")
+        self.generate_seconds = m.summary("generate_seconds", "Generation time per group.")
 
     def get(self, sample: str) -> float:
         """Current value of a sample, e.g. ``get("groups_total")`` or ``get("version")``."""
@@ -160,9 +135,7 @@ class ProducerMetrics:
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Expose the registry over HTTP on ``addr`` (loopback unless asked)."""
-        from prometheus_client import start_http_server
-
-        start_http_server(port, addr=addr, registry=self.registry)
+        serve_registry(self.registry, port, addr)
 
 
 class Progress:

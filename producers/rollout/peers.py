@@ -41,7 +41,7 @@ from producers.rollout.credit import AdmissionCredit
 from producers.rollout.group_publisher import GroupPublisher, recovered_publisher
 from producers.rollout.ledger import Ledger, StopRecord, ledger_dir
 from producers.rollout.metrics import ProducerMetrics
-from producers.rollout.versions import WatchedListener, start_follower
+from producers.rollout.versions import OfferedWeights, WatchedListener, start_follower
 from producers.tasks.peers import PeerTurn
 from schemas.control import VersionAnnouncement
 from schemas.trajectory import NO_VERSION
@@ -73,9 +73,8 @@ class PeerEngine:
         self.credit = AdmissionCredit(groups_per_version)
         self.version = NO_VERSION if wait_for_first_version else initial_version
         self.turns = 0
-        self._pending: tuple[int, Mapping[str, Any]] | None = None
+        self._offers = OfferedWeights()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready = asyncio.Event()
         self._gate = asyncio.Event()
         self._gate.set()
         self._idle = asyncio.Event()
@@ -93,22 +92,14 @@ class PeerEngine:
         self._loop.call_soon_threadsafe(self._offer, version, state_dict)
 
     def _offer(self, version: int, state_dict: Mapping[str, Any]) -> None:
-        newest = max(self.version, self._pending[0] if self._pending else NO_VERSION)
-        if version <= newest:
-            return
-        self._pending = (version, state_dict)
-        self._ready.set()
+        if version > self._offers.newest(self.version):
+            self._offers.put(version, state_dict)
 
     async def run_versions(self) -> None:
         """Apply offered versions until cancelled (a task of the worker's loop)."""
         self._loop = asyncio.get_running_loop()
         while True:
-            await self._ready.wait()
-            self._ready.clear()
-            if self._pending is None:
-                continue
-            version, state = self._pending
-            self._pending = None
+            version, state = await self._offers.take()
             self._gate.clear()
             try:
                 await self._idle.wait()

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from producers.rollout.episodes import EpisodeResult
@@ -56,23 +56,37 @@ async def task_scores(task: Task, prompt: Prompt, responses: list[list[int]]) ->
     return list(await score_group(prompt, responses))
 
 
+def _response_fields(
+    policy: str, prompt_ids: Sequence[int], sample: Sample, score: Score, created_ms: int
+) -> dict[str, Any]:
+    """The record fields of one scored single-turn response of ``policy`` to
+    ``prompt_ids`` (``Trajectory.create`` keywords); the caller adds the ids."""
+    details = score.details
+    if sample.interruptions:
+        details = {**details, "interruptions": sample.interruptions}
+    return {
+        "policy": policy,
+        "prompt_ids": prompt_ids,
+        "response_ids": sample.response_ids,
+        "logp_infer": sample.logprobs,
+        "segment_versions": [v for v, _ in sample.segments],
+        "segment_lengths": [n for _, n in sample.segments],
+        "reward": float(score.reward),
+        "reward_details": details,
+        "finish_reason": sample.finish_type,
+        "finished_at_ms": max(created_ms, sample.finished_at_ms),
+    }
+
+
+@dataclass(eq=False)
 class RecordBuilder:
     """Validated records of a task's groups, for this producer's policy and its peers'."""
 
-    def __init__(
-        self,
-        identity: ProducerIdentity,
-        task: Task,
-        metrics: ProducerMetrics,
-        *,
-        peers: Peers | None = None,
-        limits: ValidationLimits | None = None,
-    ) -> None:
-        self.identity = identity
-        self.task = task
-        self.metrics = metrics
-        self.peers = peers or Peers()
-        self.limits = limits or ValidationLimits()
+    identity: ProducerIdentity
+    task: Task
+    metrics: ProducerMetrics
+    peers: Peers = field(default_factory=Peers, kw_only=True)
+    limits: ValidationLimits = field(default_factory=ValidationLimits, kw_only=True)
 
     async def group_trajectories(
         self, prompt: Prompt, group_id: str, samples: Sequence[Sample], created_ms: int
@@ -105,24 +119,8 @@ class RecordBuilder:
         score: Score,
     ) -> Trajectory:
         """The record of a single-turn ``Sample`` with its score."""
-        reward, details = score.reward, score.details
-        if sample.interruptions:
-            details = {**details, "interruptions": sample.interruptions}
-        return self._record(
-            prompt,
-            group_id,
-            index,
-            size,
-            created_ms,
-            response_ids=sample.response_ids,
-            logp_infer=sample.logprobs,
-            segment_versions=[v for v, _ in sample.segments],
-            segment_lengths=[n for _, n in sample.segments],
-            reward=float(reward),
-            reward_details=details,
-            finish_reason=sample.finish_type,
-            finished_at_ms=max(created_ms, sample.finished_at_ms),
-        )
+        fields = _response_fields(self.identity.policy, prompt.ids, sample, score, created_ms)
+        return self._new_record(group_id, index, size, created_ms, **fields)
 
     def episode_trajectory(
         self,
@@ -139,12 +137,13 @@ class RecordBuilder:
             details["interruptions"] = episode.interruptions
         self.metrics.episodes.labels(end=episode.end.value).inc()
         self.metrics.tool_calls.inc(episode.tool_calls)
-        return self._record(
-            prompt,
+        return self._new_record(
             group_id,
             index,
             size,
             created_ms,
+            policy=self.identity.policy,
+            prompt_ids=prompt.ids,
             **episode.trajectory_fields(self.identity.policy),
             reward_details=details,
             finished_at_ms=max(created_ms, now_ms()),
@@ -186,48 +185,24 @@ class RecordBuilder:
     def _peer_record(
         self, sample: PeerSample, group_id: str, index: int, size: int, created_ms: int
     ) -> Trajectory:
+        """The record of a peer policy's turn: a single-turn response of that policy."""
         turn = sample.turn
-        return self._new_record(
-            group_id,
-            index,
-            size,
-            created_ms,
-            policy=turn.policy,
-            prompt_ids=turn.prompt_ids,
+        response = Sample(
             response_ids=turn.response_ids,
-            logp_infer=turn.logprobs,
-            segment_versions=[turn.version],
-            segment_lengths=[len(turn.response_ids)],
-            reward=float(sample.reward),
-            reward_details=sample.details,
-            finish_reason=turn.finish_type,
-            finished_at_ms=max(created_ms, turn.finished_at_ms),
+            logprobs=turn.logprobs,
+            segments=[[turn.version, len(turn.response_ids)]],
+            finish_type=turn.finish_type,
+            finished_at_ms=turn.finished_at_ms,
         )
-
-    def _record(
-        self,
-        prompt: Prompt,
-        group_id: str,
-        index: int,
-        size: int,
-        created_ms: int,
-        **fields: Any,
-    ) -> Trajectory:
-        """A validated record of one sample of a group of this producer's policy."""
-        return self._new_record(
-            group_id,
-            index,
-            size,
-            created_ms,
-            policy=self.identity.policy,
-            prompt_ids=prompt.ids,
-            **fields,
-        )
+        score = Score(sample.reward, sample.details)
+        fields = _response_fields(turn.policy, turn.prompt_ids, response, score, created_ms)
+        return self._new_record(group_id, index, size, created_ms, **fields)
 
     def _new_record(
         self, group_id: str, index: int, size: int, created_ms: int, **fields: Any
     ) -> Trajectory:
-        """A validated record of sample ``index`` of a group (of any policy it feeds)."""
+        """A validated record of sample ``index`` of a group (of any policy it feeds): every
+        record the worker publishes is built here."""
         traj = Trajectory.create(
             run_id=self.identity.run_id,
             trajectory_id=f"{group_id}-{index}",

@@ -49,6 +49,35 @@ class StopSignals:
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # abandon those in flight
 
 
+class OfferedWeights:
+    """Weights offered to an engine and not loaded yet, the newest winning: an offer made
+    while another waits replaces it, and ``take`` waits for the next one."""
+
+    def __init__(self) -> None:
+        self._waiting: tuple[int, Mapping[str, Any]] | None = None
+        self._ready = asyncio.Event()
+
+    @property
+    def empty(self) -> bool:
+        return self._waiting is None
+
+    def newest(self, loaded: int) -> int:
+        """The newest version of ``loaded`` and the one waiting: an offer must beat it."""
+        return max(loaded, self._waiting[0] if self._waiting else NO_VERSION)
+
+    def put(self, version: int, state_dict: Mapping[str, Any]) -> None:
+        self._waiting = (version, state_dict)
+        self._ready.set()
+
+    async def take(self) -> tuple[int, Mapping[str, Any]]:
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            if self._waiting is not None:
+                offer, self._waiting = self._waiting, None
+                return offer
+
+
 class EngineVersions:
     """The engine's weights: the version it serves, offers of newer ones, and the gate
     that keeps engine calls and weight changes apart."""
@@ -81,8 +110,7 @@ class EngineVersions:
         self._gate.set()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._ready = asyncio.Event()
-        self._pending: tuple[int, Mapping[str, Any]] | None = None
+        self._offers = OfferedWeights()
         # The weights the engine was last given: reloaded if it restarts and forgets them.
         self._loaded: tuple[int, Mapping[str, Any]] | None = None
         self._inflight_calls = 0
@@ -102,14 +130,13 @@ class EngineVersions:
 
     def offer(self, version: int, state_dict: Mapping[str, Any]) -> None:
         """Offer new weights from the loop: loaded by ``run`` unless a newer one is."""
-        if version <= max(self.version, self._pending[0] if self._pending else -1):
+        if version <= self._offers.newest(self.version):
             logger.info("version %d ignored: not newer than the current one", version)
             return
-        self._pending = (version, state_dict)
+        self._offers.put(version, state_dict)
         self.latest_version = max(self.latest_version, version)
         self.metrics.latest_version.set(self.latest_version)
         self.metrics.version_lag.set(self.latest_version - self.version)
-        self._ready.set()
 
     def note_announced(self, announced: int) -> None:
         """A version was announced (it may not be loadable yet): the lag counts it."""
@@ -139,13 +166,7 @@ class EngineVersions:
         """Load offered versions until cancelled; a load that fails for good raises (the
         worker cannot go on without knowing its weights)."""
         while True:
-            await self._ready.wait()
-            self._ready.clear()
-            if self._pending is None:
-                continue
-            version, state_dict = self._pending
-            self._pending = None
-            await self._swap(version, state_dict)
+            await self._swap(*await self._offers.take())
 
     async def _swap(self, version: int, state_dict: Mapping[str, Any]) -> None:
         self._gate.clear()
@@ -253,15 +274,14 @@ class EngineVersions:
         loaded = self._loaded
         if loaded is None or loaded[0] != believed or reported >= believed:
             return False
-        if self._pending is None:
+        if self._offers.empty:
             logger.warning(
                 "engine reports weight_version %d but was given %d (restarted?): reloading %d",
                 reported,
                 believed,
                 believed,
             )
-            self._pending = loaded
-            self._ready.set()
+            self._offers.put(*loaded)
         return True
 
 

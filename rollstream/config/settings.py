@@ -27,6 +27,7 @@ from consumers.config import TrainerConfig
 from core.config import (
     ConfigurationError,
     RoleConfig,
+    Seconds,
     SectionT,
     SharedConfig,
     StrictModel,
@@ -68,11 +69,11 @@ class UpConfig(StrictModel):
         ge=1,
         description="Data-parallel trainer ranks, started by torch's launcher (torchrun).",
     )
-    stop_timeout_s: float = Field(
-        default=30.0, gt=0, description="SIGTERM grace per role before SIGKILL."
+    stop_timeout_s: Seconds = Field(
+        default=30.0, description="SIGTERM grace per role before SIGKILL."
     )
-    ready_timeout_s: float = Field(
-        default=300.0, gt=0, description="Longest wait for a role to become ready."
+    ready_timeout_s: Seconds = Field(
+        default=300.0, description="Longest wait for a role to become ready."
     )
     restarts: int = Field(
         default=0, ge=0, description="Restart a role that exits unexpectedly this many times."

@@ -26,7 +26,14 @@ import click
 
 from rollstream.config.settings import RollstreamConfig
 from rollstream.debug.records import ReadBounds, ReplayRecord, read_records
-from rollstream.debug.replay import kafka_client_config, parse_time, topic_names
+from rollstream.debug.replay import (
+    kafka_client_config,
+    loss_options,
+    parse_time,
+    render_options,
+    time_options,
+    topic_names,
+)
 
 
 def find_group(
@@ -46,32 +53,14 @@ def find_group(
 
 @click.command("inspect")
 @click.argument("group_id")
-@click.option("--from-time", help="Scan from this time (ISO 8601 or epoch ms).")
-@click.option("--to-time", help="Scan up to this time (ISO 8601 or epoch ms).")
+@time_options
 @click.option("--raw-topic", help="Default: [streams.topics] raw.")
 @click.option("--scored-topic", help="Default: [streams.topics] scored.")
 @click.option("--stale-topic", help="Default: [streams.topics] stale.")
 @click.option("--dlq-topic", help="Default: [streams.topics] dlq.")
-@click.option("--tokens/--no-tokens", default=True, help="Per-token tables (default on).")
-@click.option("--tokenizer", default="auto", show_default=True, help="auto, tiny, none or a dir.")
+@render_options
 @click.option("--loss/--no-loss", default=True, help="Compute the group's loss terms.")
-@click.option(
-    "--weights-version",
-    type=int,
-    help="Score the loss with this stored version (default: initial [trainer.model] weights).",
-)
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "bfloat16"]),
-    help="Forward-pass dtype (default: bfloat16 if trainer.engine.bf16).",
-)
-@click.option(
-    "--idle-timeout",
-    type=float,
-    default=30.0,
-    show_default=True,
-    help="Give up on partitions that make no progress for this many seconds.",
-)
+@loss_options("The loss: ")
 @click.pass_obj
 def inspect_group(config: RollstreamConfig, group_id: str, **opts: Any) -> None:
     """Show GROUP_ID end to end: raw samples, stream decisions, scored group, loss terms."""

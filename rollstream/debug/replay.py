@@ -8,6 +8,7 @@ and how (bounds, filters, decoding, never committing) is ``rollstream.debug.reco
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -60,38 +61,80 @@ def kafka_client_config(config: RollstreamConfig) -> dict[str, str]:
     return Services(config).running(s3=False).kafka.client_config()
 
 
-def bounds_options(command: Any) -> Any:
-    """The offset and time options shared by ``replay`` and ``inspect``."""
-    options = [
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def stacked(*options: Decorator) -> Decorator:
+    """One decorator applying ``options`` as the same ``@click.option`` lines stacked in
+    this order would (the first listed shows first in ``--help``)."""
+
+    def apply(command: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return apply
+
+
+# The options ``inspect`` shares with ``replay``.
+time_options = stacked(
+    click.option("--from-time", help="Start at this time (ISO 8601, naive = local; or epoch ms)."),
+    click.option("--to-time", help="Stop before this time (ISO 8601 or epoch ms)."),
+    click.option(
+        "--idle-timeout",
+        type=float,
+        default=30.0,
+        show_default=True,
+        help="Give up on partitions that make no progress for this many seconds.",
+    ),
+)
+render_options = stacked(
+    click.option("--tokens/--no-tokens", default=True, help="Per-token tables (default on)."),
+    click.option(
+        "--tokenizer",
+        default="auto",
+        show_default=True,
+        help="auto (from the record's task), tiny, none, or a tokenizer directory.",
+    ),
+)
+
+
+def loss_options(when: str) -> Decorator:
+    """``--weights-version`` and ``--dtype`` of the trainer step that scores records;
+    ``when`` starts their help (when they apply)."""
+    return stacked(
         click.option(
-            "--partition", "partitions", type=int, multiple=True, help="Read only this partition."
+            "--weights-version",
+            type=int,
+            help=f"{when}policy version to load from the run's weight store "
+            "(default: the initial weights of [trainer.model]).",
         ),
         click.option(
-            "--offset",
-            "offsets",
-            multiple=True,
-            metavar="P:N",
-            help="Start partition P at offset N (repeatable; reads only the partitions named "
-            "unless --partition says otherwise).",
+            "--dtype",
+            type=click.Choice(["float32", "bfloat16"]),
+            help=f"{when}forward-pass dtype (default: bfloat16 if trainer.engine.bf16).",
         ),
-        click.option("--from-offset", type=int, help="Start every partition at this offset."),
-        click.option("--last", type=int, help="Read the last N records of each partition."),
-        click.option("--to-offset", type=int, help="Stop after this offset (inclusive)."),
-        click.option(
-            "--from-time", help="Start at this time (ISO 8601, naive = local; or epoch ms)."
-        ),
-        click.option("--to-time", help="Stop before this time (ISO 8601 or epoch ms)."),
-        click.option(
-            "--idle-timeout",
-            type=float,
-            default=30.0,
-            show_default=True,
-            help="Give up on partitions that make no progress for this many seconds.",
-        ),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+    )
+
+
+bounds_options = stacked(
+    click.option(
+        "--partition", "partitions", type=int, multiple=True, help="Read only this partition."
+    ),
+    click.option(
+        "--offset",
+        "offsets",
+        multiple=True,
+        metavar="P:N",
+        help="Start partition P at offset N (repeatable; reads only the partitions named "
+        "unless --partition says otherwise).",
+    ),
+    click.option("--from-offset", type=int, help="Start every partition at this offset."),
+    click.option("--last", type=int, help="Read the last N records of each partition."),
+    click.option("--to-offset", type=int, help="Stop after this offset (inclusive)."),
+    time_options,
+)
+"""Where ``replay`` reads: partitions, offsets and times."""
 
 
 def make_bounds(
@@ -140,13 +183,7 @@ def make_bounds(
     help="Export the selected records to this Parquet file (one row per record).",
 )
 @click.option("--quiet", "-q", is_flag=True, help="Do not print the records.")
-@click.option("--tokens/--no-tokens", default=True, help="Per-token tables (default on).")
-@click.option(
-    "--tokenizer",
-    default="auto",
-    show_default=True,
-    help="auto (from the record's task), tiny, none, or a tokenizer directory.",
-)
+@render_options
 @click.option(
     "--rerun",
     type=click.Choice(["stream", "train"]),
@@ -159,17 +196,7 @@ def make_bounds(
     "(default: the newest announced on the versions topic).",
 )
 @click.option("--flush", is_flag=True, help="--rerun stream: close groups still open at the end.")
-@click.option(
-    "--weights-version",
-    type=int,
-    help="--rerun train: policy version to load from the run's weight store "
-    "(default: the initial weights of [trainer.model]).",
-)
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "bfloat16"]),
-    help="--rerun train: forward-pass dtype (default: bfloat16 if trainer.engine.bf16).",
-)
+@loss_options("--rerun train: ")
 @click.option(
     "--groups-per-micro-batch",
     type=int,
