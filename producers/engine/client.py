@@ -385,15 +385,7 @@ class EngineClient:
         lora_path: str | None = None,
     ) -> GenerateOutput:
         """Generate for one prompt, in SGLang's single form (what a router forwards)."""
-        body: dict[str, Any] = {
-            "input_ids": list(map(int, input_ids)),
-            "sampling_params": sampling_params,
-            "return_logprob": return_logprob,
-        }
-        if rid is not None:
-            body["rid"] = rid
-        if lora_path is not None:
-            body["lora_path"] = lora_path
+        body = _single_body(input_ids, sampling_params, return_logprob, rid, lora_path)
         data = await self._request("POST", "/generate", body, retry_reads=False)
         return parse_generate_response(data, 1, return_logprob)[0]
 
@@ -411,16 +403,7 @@ class EngineClient:
         (``StreamedAnswer``); returns the whole answer. An engine that answers at once
         (JSON) is read as ``generate_one``'s. A stream cut once it began is
         ``EngineUnavailable``, never sent again."""
-        body: dict[str, Any] = {
-            "input_ids": list(map(int, input_ids)),
-            "sampling_params": sampling_params,
-            "return_logprob": True,
-            "stream": True,
-        }
-        if rid is not None:
-            body["rid"] = rid
-        if lora_path is not None:
-            body["lora_path"] = lora_path
+        body = {**_single_body(input_ids, sampling_params, True, rid, lora_path), "stream": True}
         data = await self._request(
             "POST", "/generate", body, retry_reads=False, stream=StreamedAnswer(on_tokens)
         )
@@ -626,3 +609,23 @@ def _error_message(text: str) -> str:
         if "message" in data:
             return str(data["message"])
     return str(data)[:500]
+
+
+def _single_body(
+    input_ids: Sequence[int],
+    sampling_params: dict[str, Any],
+    return_logprob: bool,
+    rid: str | None,
+    lora_path: str | None,
+) -> dict[str, Any]:
+    """A ``/generate`` body for one prompt, in SGLang's single form."""
+    body: dict[str, Any] = {
+        "input_ids": list(map(int, input_ids)),
+        "sampling_params": sampling_params,
+        "return_logprob": return_logprob,
+    }
+    if rid is not None:
+        body["rid"] = rid
+    if lora_path is not None:
+        body["lora_path"] = lora_path
+    return body

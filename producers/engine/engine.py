@@ -37,7 +37,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -304,16 +304,11 @@ class Engine(BatchRunner):
         if any(is_adapter_tensor(name) for name in state_dict):
             self._forget_named_adapters()
 
-        def apply() -> int:
+        def load() -> None:
             copied = load_state_dict_checked(self.model, state_dict, self.applied)
             logger.debug("weights %s: %d tensors copied", weight_version, copied)
-            self._forget_prefixes()
-            if weight_version is not None:
-                self.weight_version = str(weight_version)
-            return aborted
 
-        aborted = self.abort(abort_all=True) if abort_all_requests else 0
-        return self._control(apply)
+        return self._load_between_batches(load, weight_version, abort_all_requests)
 
     def update_weights_from_disk(
         self,
@@ -327,11 +322,22 @@ class Engine(BatchRunner):
         ``/update_weights_from_disk``), only if their bytes have ``sha256`` when given;
         the future resolves to the aborted count."""
 
-        def apply() -> int:
+        def load() -> None:
             self.applied.forget()
             load_state_dict_checked(
                 self.model, self._as_model_state(read_weights(Path(model_path), sha256))
             )
+
+        return self._load_between_batches(load, weight_version, abort_all_requests)
+
+    def _load_between_batches(
+        self, load: Callable[[], None], weight_version: str | None, abort_all_requests: bool
+    ) -> Future:
+        """Run ``load`` between batches, then serve ``weight_version`` with no cached
+        prefix of the old weights; the future resolves to the requests aborted first."""
+
+        def apply() -> int:
+            load()
             self._forget_prefixes()
             if weight_version is not None:
                 self.weight_version = str(weight_version)

@@ -219,6 +219,21 @@ class ServedPolicy:
     vocab_size: int | None = None
 
 
+@dataclass(frozen=True)
+class PlacedCall:
+    """A call the gateway answers: what was asked, in which API, of which episode, and the
+    episode's memo of it (``producers.gateway.retries``)."""
+
+    call: CallRequest
+    api: CallApi
+    episode: GatewayEpisode
+    memo: CallMemo
+
+    @property
+    def anthropic(self) -> bool:
+        return self.api == "messages"
+
+
 class Gateway:
     """The HTTP side of the gateway; the worker's ``EpisodeDesk`` holds the episodes."""
 
@@ -427,7 +442,7 @@ class Gateway:
             episode = self.desk.episode(_episode_id(request))
             memo = episode.last_call
             if retry and memo is not None and memo.key == key:
-                return await self._replay(request, call, api, episode, memo)
+                return await self._replay(request, PlacedCall(call, api, episode, memo))
             if episode.busy:
                 raise EpisodeRefused("a call of this episode is still in flight")
             if memo is not None and memo.undelivered:  # its agent moved on without it
@@ -448,31 +463,27 @@ class Gateway:
         episode.last_call = memo
         max_new = min(call.max_tokens or self.max_call_tokens, room)
         try:
-            return await self._generate(request, call, api, episode, memo, history, max_new)
+            return await self._generate(
+                request, PlacedCall(call, api, episode, memo), history, max_new
+            )
         finally:
             if not memo.done.is_set():  # ended by an error: a retry is told so, not held
                 memo.finish(Failure("the call failed", 500), delivered=False)
 
     async def _generate(
-        self,
-        request: web.Request,
-        call: CallRequest,
-        api: CallApi,
-        episode: GatewayEpisode,
-        memo: CallMemo,
-        history: list[int],
-        max_new: int,
+        self, request: web.Request, placed: PlacedCall, history: list[int], max_new: int
     ) -> web.StreamResponse:
         """The policy's turn of a placed call, relayed as it comes on a stream, then
         answered; a client gone before its answer leaves the turn for a retry."""
-        anthropic, envelope = api == "messages", memo.envelope
-        parse_tools = call.parse_tools and self.tools is not None
+        call, episode, memo, anthropic = placed.call, placed.episode, placed.memo, placed.anthropic
         stream = relay = text = None
         if call.stream:
-            first = [opening(memo.message_id, self.model_name, memo.prompt_tokens), block_start()]
-            stream = await self._open_stream(request, envelope, first if anthropic else None)
-            if not parse_tools:  # calls are parsed out of the whole text: sent once it is
-                text = TextStream(self.tokenizer.decode, logprobs=call.logprobs, envelope=envelope)
+            stream = await self._open_call_stream(request, placed)
+            if not (call.parse_tools and self.tools is not None):  # calls are parsed out of
+                # the whole text: it is sent once whole
+                text = TextStream(
+                    self.tokenizer.decode, logprobs=call.logprobs, envelope=memo.envelope
+                )
                 relay = Relay(stream, _renderer(text, anthropic))
         turn = await self._turn(episode, history, max_new, call.stop, relay)
         if isinstance(turn, Failure):
@@ -494,19 +505,12 @@ class Gateway:
             return web.Response(status=499)
         episode.add_turn(turn)
         memo.finish(turn, delivered=True)
-        return await self._answer(request, call, api, episode, memo, stream, text)
+        return await self._answer(request, placed, stream, text)
 
-    async def _replay(
-        self,
-        request: web.Request,
-        call: CallRequest,
-        api: CallApi,
-        episode: GatewayEpisode,
-        memo: CallMemo,
-    ) -> web.StreamResponse:
+    async def _replay(self, request: web.Request, placed: PlacedCall) -> web.StreamResponse:
         """A retry of the episode's last call: its turn once it is over (delivered into
         the episode now if its first client left), or its failure; never a second turn."""
-        anthropic = api == "messages"
+        episode, memo, anthropic = placed.episode, placed.memo, placed.anthropic
         await memo.done.wait()
         self.metrics.gateway_retries.labels(
             outcome="failure" if isinstance(memo.outcome, Failure) else
@@ -525,24 +529,28 @@ class Gateway:
         if not memo.delivered:
             episode.add_turn(outcome)
             memo.delivered = True
-        stream = None
-        if call.stream:
-            first = [opening(memo.message_id, self.model_name, memo.prompt_tokens), block_start()]
-            stream = await self._open_stream(request, memo.envelope, first if anthropic else None)
-        return await self._answer(request, call, api, episode, memo, stream, None)
+        stream = await self._open_call_stream(request, placed) if placed.call.stream else None
+        return await self._answer(request, placed, stream, None)
+
+    async def _open_call_stream(
+        self, request: web.Request, placed: PlacedCall
+    ) -> web.StreamResponse:
+        """The call's stream, opened (Messages: ``message_start`` and the text block's
+        start, with the memo's id)."""
+        memo = placed.memo
+        first = [opening(memo.message_id, self.model_name, memo.prompt_tokens), block_start()]
+        return await self._open_stream(request, memo.envelope, first if placed.anthropic else None)
 
     async def _answer(
         self,
         request: web.Request,
-        call: CallRequest,
-        api: CallApi,
-        episode: GatewayEpisode,
-        memo: CallMemo,
+        placed: PlacedCall,
         stream: web.StreamResponse | None,
         text: TextStream | None,
     ) -> web.StreamResponse:
         """The call's answer in its API's shape: whole, or the rest of its stream (all of
         it when ``text`` sent nothing yet)."""
+        call, episode, memo = placed.call, placed.episode, placed.memo
         turn = memo.outcome
         assert isinstance(turn, Sample)
         answer = Answer(
@@ -554,7 +562,7 @@ class Gateway:
             logprobs=call.logprobs,
             tools=self.tools if call.parse_tools else None,
         )
-        if api == "messages":
+        if placed.anthropic:
             message = MessageAnswer(answer, self.model_name, call.stop, memo.message_id)
             if stream is None:
                 return _json(message.whole())

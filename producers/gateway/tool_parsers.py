@@ -68,25 +68,33 @@ def _call(name: Any, arguments: Any, new_id: Callable[[], str]) -> dict[str, Any
     return {"id": new_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def _calls(found: list[Any], new_id: Callable[[], str]) -> list[dict[str, Any]] | None:
+    """Each ``{"name", "arguments"}`` object as a tool call; None if any is not one."""
+    calls = []
+    for item in found:
+        call = (
+            _call(item.get("name"), item.get("arguments", {}), new_id)
+            if isinstance(item, dict)
+            else None
+        )
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
 def parse_hermes(text: str) -> ParsedText:
     """``<tool_call>`` JSON blocks of ``text`` as tool calls."""
     blocks = list(TOOL_CALL_BLOCK.finditer(text))
     if not blocks:
         return ParsedText(text, [])
-    calls = []
-    for block in blocks:
-        try:
-            found = json.loads(block.group(1))
-        except ValueError:
-            return ParsedText(text, [])
-        call = (
-            _call(found.get("name"), found.get("arguments", {}), _openai_id)
-            if isinstance(found, dict)
-            else None
-        )
-        if call is None:
-            return ParsedText(text, [])
-        calls.append(call)
+    try:
+        found = [json.loads(block.group(1)) for block in blocks]
+    except ValueError:
+        return ParsedText(text, [])
+    calls = _calls(found, _openai_id)
+    if calls is None:
+        return ParsedText(text, [])
     return ParsedText(text[: blocks[0].start()].strip() or None, calls)
 
 
@@ -141,16 +149,9 @@ def parse_mistral(text: str) -> ParsedText:
     found = [found] if isinstance(found, dict) else found
     if not isinstance(found, list) or not found:
         return ParsedText(text, [])
-    calls = []
-    for item in found:
-        call = (
-            _call(item.get("name"), item.get("arguments", {}), _mistral_id)
-            if isinstance(item, dict)
-            else None
-        )
-        if call is None:
-            return ParsedText(text, [])
-        calls.append(call)
+    calls = _calls(found, _mistral_id)
+    if calls is None:
+        return ParsedText(text, [])
     return ParsedText(content, calls)
 
 
