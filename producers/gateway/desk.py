@@ -305,11 +305,14 @@ class EpisodeDesk:
                 self._forget(episode)
             self._groups.pop(group_id, None)
         closed = [e for e in episodes if e.state == "closed"]
+        abandoned = {e.episode_id: e.reason for e in episodes if e.state == "abandoned"}
         if stopped and not closed:
+            if self.ledger is not None:  # no outcome for the worker to write it from
+                self.ledger.abandoned(group_id, abandoned)
             raise Stopped
         return GroupOutcome(
             [record for e in closed for record in e.records()],
-            {e.episode_id: e.reason for e in episodes if e.state == "abandoned"},
+            abandoned,
             closed,
             stopped,
         )

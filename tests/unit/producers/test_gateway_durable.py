@@ -22,7 +22,7 @@ from producers.rollout.ledger import (
     read_ledger,
 )
 from producers.rollout.metrics import ProducerMetrics
-from producers.rollout.versions import StopSignals
+from producers.rollout.versions import Stopped, StopSignals
 from producers.tasks.base import Prompt
 from producers.tasks.environments import EpisodeLimits
 from rollstream.runs.audit import AuditReport
@@ -172,3 +172,23 @@ def test_the_desk_commits_each_call_before_it_returns_and_refuses_restarted_epis
         with pytest.raises(EpisodeRefused) as unknown:
             desk.episode("never-opened")
         assert unknown.value.status == 404
+
+
+def test_a_stop_with_no_episode_closed_still_says_why_its_episodes_ended(tmp_path: Path):
+    async def play() -> None:
+        with Ledger(tmp_path, fsync=False) as ledger:
+            desk = EpisodeDesk(GatewayConfig(), EpisodeLimits(), ProducerMetrics(), ledger)
+            stop = StopSignals()
+            group = asyncio.ensure_future(desk.play(Prompt([1, 2, 3]), "g1", 2, stop))
+            episode = await desk.claim()
+            assert episode is not None
+            episode.place([1, 2, 3], "", lambda ids, text: None)
+            await desk.commit_call(episode, _turn(), 3)
+            stop.cancelled.set()
+            with pytest.raises(Stopped):
+                await group
+
+    asyncio.run(play())
+    state = read_ledger(tmp_path / "ledger.jsonl")
+    assert set(state.abandoned["g1"].values()) == {"the producer stopped"}
+    assert len(state.abandoned["g1"]) == 2 and state.interrupted() == {}
