@@ -103,6 +103,7 @@ async def run_producer(
 
         ledger = stack.enter_context(Ledger(directory, fsync=rollout.ledger_fsync))
         publisher = await recovered_publisher(client_config, rollout, ledger, metrics)
+        ledger.close_interrupted()  # gateway episodes a kill left open
         stack.push_async_callback(asyncio.to_thread, publisher.close)
 
         curriculum = None
@@ -135,7 +136,7 @@ async def run_producer(
         if resume is not None:  # a task walking its dataset goes on where the ledger says
             resume(ledger.state.delivered_positions)
         watcher: WatchedListener | None = None  # the follower's, once it runs
-        desk = gateway_desk(rollout, metrics)
+        desk = gateway_desk(rollout, metrics, ledger)
         worker = RolloutWorker(
             rollout,
             backend,
@@ -216,12 +217,15 @@ async def run_producer(
         return report
 
 
-def gateway_desk(rollout: RolloutConfig, metrics: ProducerMetrics) -> EpisodeDesk | None:
-    """The desk that hands groups to the gateway's agents, when the gateway is on."""
+def gateway_desk(
+    rollout: RolloutConfig, metrics: ProducerMetrics, ledger: Ledger | None = None
+) -> EpisodeDesk | None:
+    """The desk that hands groups to the gateway's agents, when the gateway is on; it
+    commits their calls to ``ledger``."""
     if not rollout.gateway.enabled:
         return None
     limits = dataclasses.replace(EpisodeLimits(), **rollout.episode.overrides())
-    return EpisodeDesk(rollout.gateway, limits, metrics)
+    return EpisodeDesk(rollout.gateway, limits, metrics, ledger)
 
 
 def settled(ledger: Ledger, group_id: str) -> str | None:

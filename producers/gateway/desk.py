@@ -17,9 +17,12 @@ generated them in. The group is published once every slot is closed or abandoned
 abandoned ones (no call for ``idle_timeout_s``, a slot never opened, a client that left
 before its answer, the producer stopping) are never published, and the ledger says why.
 A closed episode is therefore not durable when its close is answered: it waits for its
-group (``GatewayEpisode.fate``). When the producer stops first, ``play`` returns the
-closed episodes of the unfinished group (``GroupOutcome.stopped``) for the worker to
-publish or dead-letter: none is dropped.
+group (``GatewayEpisode.fate``). What is durable is that it existed: each completed call
+is an ``episode_call`` line of the producer's ledger before its answer is returned, so a
+producer killed mid-episode closes the episodes it held as abandoned when it restarts
+(``Ledger.close_interrupted``), and answers their agents 409 with the reason. When the
+producer stops first, ``play`` returns the closed episodes of the unfinished group
+(``GroupOutcome.stopped``) for the worker to publish or dead-letter: none is dropped.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from producers.config import GatewayConfig
 from producers.gateway.retries import CallMemo
 from producers.rollout.desk import GroupOutcome
 from producers.rollout.episodes import EpisodeResult, PolicyTurn
+from producers.rollout.ledger import CallCounts, Ledger
 from producers.rollout.metrics import ProducerMetrics
 from producers.rollout.versions import Stopped, StopSignals
 from producers.tasks.base import Prompt
@@ -58,6 +62,14 @@ class EpisodeRefused(Exception):
     def __init__(self, message: str, status: int = 409) -> None:
         super().__init__(message)
         self.status = status
+
+
+class EpisodeEnded(EpisodeRefused):
+    """An episode an earlier run of this producer abandoned (the ledger says why)."""
+
+    def __init__(self, episode_id: str, reason: str) -> None:
+        super().__init__(f"episode {episode_id} is abandoned: {reason}", 409)
+        self.reason = reason
 
 
 class HistoryRefused(EpisodeRefused):
@@ -235,11 +247,18 @@ class EpisodeDesk:
     (the worker's ``Desk``)."""
 
     def __init__(
-        self, config: GatewayConfig, limits: EpisodeLimits, metrics: ProducerMetrics
+        self,
+        config: GatewayConfig,
+        limits: EpisodeLimits,
+        metrics: ProducerMetrics,
+        ledger: Ledger | None = None,
     ) -> None:
         self.config = config
         self.limits = limits
         self.metrics = metrics
+        self.ledger = ledger  # where completed calls are committed
+        # episodes earlier runs abandoned (a restart among the reasons), for their agents
+        self._past = ledger.state.abandoned_episodes if ledger is not None else {}
         self._slots: deque[GatewayEpisode] = deque()
         self._slot_added = asyncio.Event()
         self._episodes: dict[str, GatewayEpisode] = {}
@@ -286,11 +305,14 @@ class EpisodeDesk:
                 self._forget(episode)
             self._groups.pop(group_id, None)
         closed = [e for e in episodes if e.state == "closed"]
+        abandoned = {e.episode_id: e.reason for e in episodes if e.state == "abandoned"}
         if stopped and not closed:
+            if self.ledger is not None:  # no outcome for the worker to write it from
+                self.ledger.abandoned(group_id, abandoned)
             raise Stopped
         return GroupOutcome(
             [record for e in closed for record in e.records()],
-            {e.episode_id: e.reason for e in episodes if e.state == "abandoned"},
+            abandoned,
             closed,
             stopped,
         )
@@ -359,9 +381,24 @@ class EpisodeDesk:
         """The episode ``episode_id``, open or over (among the last remembered); 404
         when no agent opened it."""
         episode = self._episodes.get(episode_id) or self._finished.get(episode_id)
+        if episode is None and episode_id in self._past:
+            raise EpisodeEnded(episode_id, self._past[episode_id])
         if episode is None or episode.state == "open":  # a slot's id is known once claimed
             raise EpisodeRefused(f"no episode {episode_id!r} was opened here", 404)
         return episode
+
+    async def commit_call(
+        self, episode: GatewayEpisode, turn: PolicyTurn, prompt_tokens: int
+    ) -> None:
+        """Add a completed call to its (active) episode and commit it to the ledger, on
+        disk (``ledger_fsync``) before the caller answers it."""
+        episode.add_turn(turn)
+        if self.ledger is None:
+            return
+        counts = CallCounts(episode.calls, prompt_tokens, len(turn.response_ids))
+        self.ledger.episode_call(episode.group_id, episode.episode_id, counts, sync=False)
+        if self.ledger.fsync:
+            await asyncio.to_thread(self.ledger.sync)
 
     def close(
         self, episode: GatewayEpisode, reward: float, details: Mapping[str, Any]

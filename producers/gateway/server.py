@@ -77,6 +77,7 @@ from producers.gateway.anthropic import error_body as anthropic_error_body
 from producers.gateway.desk import (
     LEFT_BEFORE_ANSWER,
     EpisodeDesk,
+    EpisodeEnded,
     EpisodeRefused,
     GatewayEpisode,
     HistoryRefused,
@@ -379,6 +380,9 @@ class Gateway:
     async def episode_state(self, request: web.Request) -> web.Response:
         try:
             episode = self.desk.known(request.match_info["episode"])
+        except EpisodeEnded as exc:  # by an earlier run of this producer
+            answer = {"episode_id": request.match_info["episode"], "state": "abandoned"}
+            return _json({**answer, "published": False, "reason": exc.reason})
         except EpisodeRefused as exc:
             return _error(str(exc), exc.status)
         state = episode.state
@@ -503,7 +507,7 @@ class Gateway:
             memo.finish(turn, delivered=False)
             episode.last_activity = time.monotonic()  # a retry has the idle timeout to come
             return web.Response(status=499)
-        episode.add_turn(turn)
+        await self.desk.commit_call(episode, turn, memo.prompt_tokens)  # a retry waits for it
         memo.finish(turn, delivered=True)
         return await self._answer(request, placed, stream, text)
 
@@ -527,8 +531,8 @@ class Gateway:
                 f"episode {episode.episode_id} is {episode.state}", 409, anthropic=anthropic
             )
         if not memo.delivered:
-            episode.add_turn(outcome)
             memo.delivered = True
+            await self.desk.commit_call(episode, outcome, memo.prompt_tokens)
         stream = await self._open_call_stream(request, placed) if placed.call.stream else None
         return await self._answer(request, placed, stream, None)
 

@@ -19,6 +19,12 @@ one event a line, flushed to the OS as it is written (enough to survive kill -9)
 - ``abandoned``: gateway episodes of a group that ended without a reward (the agent went
   away, never opened its slot, or the producer stopped), each with the reason; they are
   never published.
+- ``episode_call``: one completed call of a gateway episode (group and episode ids, the
+  call's number, its prompt and response token counts; not the tokens), written before
+  the call's answer leaves the gateway. A producer killed mid-episode loses the episodes'
+  tokens, but not the fact that they existed: on restart ``close_interrupted`` writes
+  an ``abandoned`` line for each episode with committed calls whose group has no
+  publish or abandon line (``GATEWAY_RESTARTED``).
 - ``dead_lettered``: gateway episodes an agent closed whose group could not be published
   (the producer stopped with too few of it closed), acknowledged in the dead-letter topic
   with the reason: their trajectory ids, so ``rollstream audit`` expects them there.
@@ -30,12 +36,13 @@ G found means delivered (the crash hit between the acks and the ledger line), fe
 means orphaned. Afterwards the ledger's delivered ids are exactly the complete groups
 this producer put in the topic, and its orphaned ids exactly the partial ones.
 
-Only ``pending`` lines are fsynced (``fsync=True``, the default): they must be on disk
-before the records can reach Kafka, or a power cut could leave records the ledger never
-heard of. A lost ``delivered`` line is harmless (recovery finds the group in the topic),
-a lost ``mark`` only makes recovery scan from an older one. A torn last line (a crash
-mid-write) is cut off when the ledger is opened. An advisory
-lock (``flock``) keeps two processes from sharing one ledger.
+Only ``pending`` and ``episode_call`` lines are fsynced (``fsync=True``, the default): a
+group's must be on disk before its records can reach Kafka, or a power cut could leave
+records the ledger never heard of; a call's before its answer leaves. A lost
+``delivered`` line is harmless (recovery finds the group in the topic), a lost ``mark``
+only makes recovery scan from an older one. A torn last line (a crash mid-write) is cut
+off when the ledger is opened; any other malformed line is refused when it is read. An
+advisory lock (``flock``) keeps two processes from sharing one ledger.
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ logger = logging.getLogger(__name__)
 
 LEDGER_NAME = "ledger.jsonl"
 
+GATEWAY_RESTARTED = "the gateway restarted"
+"""Why a gateway episode with committed calls, open when its producer died, ended."""
+
 
 class LedgerLocked(RuntimeError):
     """Another process holds this ledger."""
@@ -68,6 +78,15 @@ class PendingGroup:
     group_id: str
     trajectory_ids: list[str]
     line: int  # index of its pending line among all lines
+
+
+@dataclass(frozen=True)
+class CallCounts:
+    """A completed gateway call: its number in the episode (from 1) and its size."""
+
+    number: int
+    prompt_tokens: int
+    response_tokens: int
 
 
 @dataclass(frozen=True)
@@ -95,10 +114,34 @@ class LedgerState:
     positions: dict[str, int] = field(default_factory=dict)  # group -> prompt position
     abandoned: dict[str, dict[str, str]] = field(default_factory=dict)  # group -> episode -> why
     dead_lettered: dict[str, list[str]] = field(default_factory=dict)  # group -> ids in the DLQ
+    episode_calls: dict[str, dict[str, int]] = field(
+        default_factory=dict
+    )  # group -> episode -> calls
 
     @property
     def delivered_ids(self) -> set[str]:
         return {tid for ids in self.delivered.values() for tid in ids}
+
+    @property
+    def abandoned_episodes(self) -> dict[str, str]:
+        """Every abandoned episode's reason, by episode id."""
+        return {eid: why for reasons in self.abandoned.values() for eid, why in reasons.items()}
+
+    def interrupted(self) -> dict[str, dict[str, int]]:
+        """Gateway episodes with committed calls that nothing settled: their group has no
+        ``pending``, ``delivered``, ``orphaned``, ``lost`` or ``dead_lettered`` line and
+        they no ``abandoned`` one (group -> episode -> calls)."""
+        settled = self.delivered.keys() | self.orphaned.keys() | self.lost | self.pending.keys()
+        settled |= self.dead_lettered.keys()
+        open_ = {}
+        for gid, episodes in self.episode_calls.items():
+            if gid in settled:
+                continue
+            ended = self.abandoned.get(gid, {})
+            left = {eid: n for eid, n in episodes.items() if eid not in ended}
+            if left:
+                open_[gid] = left
+        return open_
 
     @property
     def delivered_positions(self) -> set[int]:
@@ -240,7 +283,38 @@ class Ledger:
     def abandoned(self, group_id: str, reasons: Mapping[str, str]) -> None:
         """Episodes of ``group_id`` (by episode id) that will not be published, and why."""
         self._append({"kind": "abandoned", "group_id": group_id, "episodes": dict(reasons)})
-        self.state.abandoned[group_id] = dict(reasons)
+        self.state.abandoned.setdefault(group_id, {}).update(reasons)
+
+    def episode_call(
+        self, group_id: str, episode_id: str, call: CallCounts, *, sync: bool = True
+    ) -> None:
+        """A completed gateway call of ``episode_id``, before its answer is returned; with
+        ``sync=False`` the caller must call ``sync()`` before answering."""
+        event = {
+            "kind": "episode_call",
+            "group_id": group_id,
+            "episode_id": episode_id,
+            "call": call.number,
+            "prompt_tokens": call.prompt_tokens,
+            "response_tokens": call.response_tokens,
+        }
+        self._append(event, sync=sync)
+        self.state.episode_calls.setdefault(group_id, {})[episode_id] = call.number
+
+    def close_interrupted(self) -> dict[str, str]:
+        """At start-up: abandon the gateway episodes a killed producer left with committed
+        calls (``LedgerState.interrupted``), one ``abandoned`` line per group; a group a
+        ``stopped`` line aborted says the producer stopped. Returns episode id -> why."""
+        aborted = {gid for stop in self.state.stops for gid in stop.aborted}
+        closed: dict[str, str] = {}
+        for gid, episodes in self.state.interrupted().items():
+            why = "the producer stopped" if gid in aborted else GATEWAY_RESTARTED
+            self.abandoned(gid, dict.fromkeys(episodes, why))
+            closed.update(dict.fromkeys(episodes, why))
+        if closed:
+            self.sync()
+            logger.info("ledger: %d open gateway episode(s) closed as abandoned", len(closed))
+        return closed
 
     def dead_lettered(self, group_id: str, trajectory_ids: list[str], reason: str) -> None:
         """Records of ``group_id`` the dead-letter topic acknowledged instead of the raw one."""
@@ -266,7 +340,8 @@ def ledger_dir(state_dir: Path, run_id: str, producer_id: str, policy: str = "")
 
 
 def read_ledger(path: Path) -> LedgerState:
-    """Fold a ledger file into a ``LedgerState`` (a torn last line is ignored)."""
+    """Fold a ledger file into a ``LedgerState`` (a torn last line is ignored); a malformed
+    line is refused (``ValueError`` naming it): the ledger is this producer's own word."""
     state = LedgerState()
     if not Path(path).exists():
         return state
@@ -274,43 +349,52 @@ def read_ledger(path: Path) -> LedgerState:
         for raw in fh:
             if not raw.endswith(b"\n"):
                 break  # torn tail
-            event = orjson.loads(raw)
             line = state.lines
             state.lines += 1
-            kind = event["kind"]
-            gid = event.get("group_id")
-            if kind == "mark":
-                state.marks.append((line, {int(p): o for p, o in event["offsets"].items()}))
-            elif kind == "pending":
-                state.pending[gid] = PendingGroup(gid, event["trajectory_ids"], line)
-                if "prompt_position" in event:
-                    state.positions[gid] = int(event["prompt_position"])
-            elif kind == "delivered":
-                state.pending.pop(gid, None)
-                state.delivered[gid] = event["trajectory_ids"]
-            elif kind == "orphaned":
-                state.pending.pop(gid, None)
-                state.orphaned[gid] = event["trajectory_ids"]
-            elif kind == "lost":
-                state.pending.pop(gid, None)
-                state.lost.add(gid)
-            elif kind == "abandoned":
-                state.abandoned[gid] = event["episodes"]
-            elif kind == "dead_lettered":
-                state.dead_lettered[gid] = event["trajectory_ids"]
-            elif kind == "stopped":
-                state.stops.append(
-                    StopRecord(
-                        event["policy"],
-                        event["finished"],
-                        event["aborted"],
-                        event["unacknowledged"],
-                        event.get("ts_ms", 0),
-                    )
-                )
-            else:
-                raise ValueError(f"{path}:{line + 1}: unknown ledger event {kind!r}")
+            try:
+                _fold(state, orjson.loads(raw), line)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                detail = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+                raise ValueError(f"{path}:{line + 1}: malformed ledger line: {detail}") from exc
     return state
+
+
+def _fold(state: LedgerState, event: dict[str, Any], line: int) -> None:
+    """One ledger line into ``state``."""
+    kind = event["kind"]
+    gid = event.get("group_id")
+    if kind == "mark":
+        state.marks.append((line, {int(p): o for p, o in event["offsets"].items()}))
+    elif kind == "pending":
+        state.pending[gid] = PendingGroup(gid, event["trajectory_ids"], line)
+        if "prompt_position" in event:
+            state.positions[gid] = int(event["prompt_position"])
+    elif kind in ("delivered", "orphaned", "lost"):
+        state.pending.pop(gid, None)
+        if kind == "lost":
+            state.lost.add(gid)
+        else:
+            getattr(state, kind)[gid] = event["trajectory_ids"]
+    elif kind == "abandoned":
+        state.abandoned.setdefault(gid, {}).update(event["episodes"])
+    elif kind == "episode_call":
+        episode, call = event["episode_id"], event["call"]
+        if not (isinstance(gid, str) and isinstance(episode, str) and _count(call)):
+            raise ValueError("an episode_call needs string group_id, episode_id and a call >= 1")
+        if not (_count(event["prompt_tokens"]) and _count(event["response_tokens"], 0)):
+            raise ValueError("an episode_call's token counts must be whole numbers")
+        state.episode_calls.setdefault(gid, {})[episode] = call
+    elif kind == "dead_lettered":
+        state.dead_lettered[gid] = event["trajectory_ids"]
+    elif kind == "stopped":
+        fields = ("policy", "finished", "aborted", "unacknowledged")
+        state.stops.append(StopRecord(*(event[f] for f in fields), event.get("ts_ms", 0)))
+    else:
+        raise ValueError(f"unknown ledger event {kind!r}")
+
+
+def _count(value: Any, least: int = 1) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 # --- Kafka side ---------------------------------------------------------------------------

@@ -10,7 +10,9 @@ trained that no producer produced. Each role keeps its own record of its side:
   Kafka acknowledged (*delivered*), and of groups a crash left partly in the topic
   (*orphaned*; the stream closes them as partial groups or dead-letters them), and gateway
   episodes a stopping producer dead-lettered itself (*dead-lettered by producers*, expected
-  in the DLQ like delivered ids, never in raw). Producers
+  in the DLQ like delivered ids, never in raw), and gateway episodes abandoned without a
+  reward, with their committed calls and reasons (a producer killed mid-episode abandons
+  its open ones when it restarts: never published, so counted apart, never as lost). Producers
   on other machines: the same sets are told by ``rollouts.raw`` itself
   (``produced_from_raw``, ``--delivery topic``);
 - the trainer's ledger (``trainer.ledger_file``): trajectory ids per trainer step whose
@@ -245,6 +247,20 @@ class AuditReport:
             out.append(f"{len(self.produced.pending)} producer group(s) still pending")
         return out + self.rollback_problems
 
+    def _episode_counts(self) -> dict[str, Any]:
+        """Gateway episodes that ended without a reward (never published, so never a loss),
+        those of them with committed calls, and why; ``interrupted``: episodes with calls
+        whose producer was killed and not restarted (its restart abandons them)."""
+        produced = self.produced
+        abandoned = produced.abandoned
+        with_calls = {eid: why for eid, why in abandoned.items() if eid in produced.episode_calls}
+        return {
+            "abandoned_episodes": len(abandoned),
+            "abandoned_with_calls": len(with_calls),
+            "abandoned_reasons": dict(Counter(abandoned.values())),
+            "interrupted_episodes": len(produced.interrupted),
+        }
+
     def counts(self) -> dict[str, Any]:
         """Figures for a log line or ``--json``."""
         trained = set(self.trained)
@@ -258,6 +274,7 @@ class AuditReport:
             "orphaned": len(self.produced.orphaned_ids),
             "lost_groups": len(self.produced.lost),
             "dead_lettered_by_producers": len(self.produced.dead_lettered_ids),
+            **self._episode_counts(),
             "trained": len(trained),
             "trained_total": sum(self.trained.values()),
             "trained_of_delivered": len(trained & self.delivered),

@@ -33,6 +33,9 @@ class Produced:
     lost: set[str] = field(default_factory=set)  # group ids, none of it reached raw
     pending: dict[str, list[str]] = field(default_factory=dict)  # unsettled by the producer
     dead_lettered: dict[str, list[str]] = field(default_factory=dict)  # group id -> ids in DLQ
+    abandoned: dict[str, str] = field(default_factory=dict)  # gateway episode id -> why
+    episode_calls: dict[str, int] = field(default_factory=dict)  # episode id -> committed calls
+    interrupted: set[str] = field(default_factory=set)  # episodes with calls nothing settled
 
     @property
     def delivered_ids(self) -> set[str]:
@@ -100,6 +103,10 @@ def read_producer_ledgers(directory: Path) -> Produced:
         produced.lost |= state.lost
         produced.pending.update({g: p.trajectory_ids for g, p in state.pending.items()})
         produced.dead_lettered.update(state.dead_lettered)
+        produced.abandoned.update(state.abandoned_episodes)
+        for episodes in state.episode_calls.values():
+            produced.episode_calls.update(episodes)
+        produced.interrupted |= {e for eps in state.interrupted().values() for e in eps}
     return produced
 
 

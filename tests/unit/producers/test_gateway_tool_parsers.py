@@ -233,6 +233,9 @@ class _Desk:
     def abandon(self, episode: GatewayEpisode, kind: str, reason: str) -> None:
         raise AssertionError(f"abandoned: {kind} {reason}")
 
+    async def commit_call(self, episode: GatewayEpisode, turn: Sample, prompt_tokens: int) -> None:
+        episode.add_turn(turn)  # no ledger here
+
 
 class _Model:
     """The policy's turns, scripted: each call's answer is the next text, then the
