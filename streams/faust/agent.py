@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from schemas.trajectory import Trajectory
@@ -72,31 +73,23 @@ async def wait_for_versions(
         await asyncio.sleep(poll_s)
 
 
+@dataclass
 class Assembler:
-    """The agent's work per message: admit, decide, compute old logits off-loop, apply."""
+    """The agent's work per message: admit, decide, compute old logits off-loop, apply.
 
-    def __init__(
-        self,
-        processor: Processor,
-        engine: OldLogitEngine,
-        gaps: GapGuard,
-        writer: EffectWriter,
-        executor: Executor,
-        *,
-        clock: Callable[[], int] = now_ms,
-        voucher: VersionVoucher | None = None,
-    ) -> None:
-        """``executor``: where old logits are computed (one thread: the forward passes
-        share the cores ``old_logits.torch_threads`` gives them). ``voucher``: asked about
-        a record's version that no announcement has reached yet (None: such records are
-        ``future_version``)."""
-        self.voucher = voucher
-        self.processor = processor
-        self.engine = engine
-        self.gaps = gaps
-        self.writer = writer
-        self.executor = executor
-        self.clock = clock
+    ``executor``: where old logits are computed (one thread: the forward passes share the
+    cores ``old_logits.torch_threads`` gives them). ``voucher``: asked about a record's
+    version that no announcement has reached yet (None: such records are
+    ``future_version``)."""
+
+    processor: Processor
+    engine: OldLogitEngine
+    gaps: GapGuard
+    writer: EffectWriter
+    executor: Executor
+    _: KW_ONLY
+    clock: Callable[[], int] = now_ms
+    voucher: VersionVoucher | None = None
 
     async def handle(self, msg: Message) -> None:
         """Process ``msg`` unless the gap guard drops it (records before it were skipped
