@@ -14,7 +14,22 @@ sequence of calls.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, TypeVar
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+)
+
+from producers.engine.request_checks import Flag, refused
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MESSAGE_KEYS = frozenset(
@@ -22,6 +37,9 @@ MESSAGE_KEYS = frozenset(
 )
 MAX_MESSAGES = 4096
 MAX_STOP_STRINGS = 4
+
+
+_Body = TypeVar("_Body", bound="CallOptions")
 
 
 class BadRequest(ValueError):
@@ -76,51 +94,139 @@ def checked_stream(body: dict[str, Any]) -> bool:
     return stream
 
 
-def _options(body: dict[str, Any], max_call_tokens: int) -> dict[str, Any]:
-    """What chat and completion requests share."""
-    if body.get("n", 1) != 1:
-        raise BadRequest("'n' must be 1: an episode is one sequence of calls")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        max_tokens = checked_max_tokens(max_tokens, max_call_tokens)
-    stop = body.get("stop")
-    stop = checked_stop([stop] if isinstance(stop, str) else stop or [], "stop", "a string or ")
-    stream = checked_stream(body)
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise BadRequest("'stream_options' must be an object")
-    include_usage = stream_options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise BadRequest("'stream_options.include_usage' must be a boolean")
-    return {
-        "max_tokens": max_tokens,
-        "stop": stop,
-        "stream": stream,
-        "include_usage": include_usage,
-    }
+_PHRASES = {
+    "bool_type": "must be a boolean",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+}
+
+
+def _refusal(exc: ValidationError) -> BadRequest:
+    """The first error of ``exc`` as the gateway words it: ``'field' must be ...``."""
+    error = exc.errors(include_url=False)[0]
+    where = ""
+    for part in error["loc"]:
+        where += f"[{part}]" if isinstance(part, int) else f"{'.' if where else ''}{part}"
+    phrase = _PHRASES.get(error["type"])
+    if error["type"] == "refused":
+        return BadRequest(f"'{where}' {error['msg']}" if where else error["msg"])
+    if phrase is None:
+        phrase = f"is refused: {error['msg'][0].lower()}{error['msg'][1:]}"
+    return BadRequest(f"'{where}' {phrase}, got {error['input']!r:.40}")
+
+
+def _within_limit(value: int | None, info: ValidationInfo) -> int | None:
+    limit = info.context["max_call_tokens"] if info.context else None
+    if value is not None and limit is not None and value > limit:
+        raise refused(
+            "{value} exceeds this gateway's per-call limit {limit}: [producers.rollout.gateway] "
+            "max_call_tokens raises it (unset, it is the task's max_new_tokens)",
+            value=value,
+            limit=limit,
+        )
+    return value
+
+
+def _one(value: Any) -> Any:
+    if value != 1:
+        raise refused("must be 1: an episode is one sequence of calls")
+    return value
+
+
+MaxTokens = Annotated[Annotated[int, Strict(), Field(ge=1)] | None, AfterValidator(_within_limit)]
+StopStrings = Annotated[
+    list[Annotated[str, Strict(), Field(min_length=1)]],
+    BeforeValidator(lambda v: [v] if isinstance(v, str) else v or []),
+    Field(max_length=MAX_STOP_STRINGS),
+]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: Flag = False
+
+
+class CallOptions(BaseModel):
+    """What chat and completion bodies share. Other fields (``temperature``, ``user``, ...)
+    are the run's to choose or the client's own: accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    n: Annotated[Any, AfterValidator(_one)] = 1
+    max_tokens: MaxTokens = None
+    max_completion_tokens: MaxTokens = None
+    stop: StopStrings = []
+    stream: Flag = False
+    stream_options: Annotated[StreamOptions, BeforeValidator(lambda v: v or {})] = StreamOptions()
+
+    def options(self) -> dict[str, Any]:
+        chosen = "max_completion_tokens" in self.model_fields_set
+        return {
+            "max_tokens": self.max_completion_tokens if chosen else self.max_tokens,
+            "stop": self.stop,
+            "stream": self.stream,
+            "include_usage": self.stream_options.include_usage,
+        }
+
+
+class ChatBody(CallOptions):
+    """A Chat Completions body; each message is checked by ``_message``."""
+
+    messages: Annotated[list[Any], Field(min_length=1, max_length=MAX_MESSAGES)]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    logprobs: Annotated[Flag, BeforeValidator(lambda v: v or False)] = False
+    top_logprobs: Annotated[
+        Any,
+        AfterValidator(
+            lambda v: _none_of(v, "is not supported: the sampled token's log-prob only")
+        ),
+    ] = None
+
+
+def _none_of(value: Any, why: str) -> Any:
+    if value:
+        raise refused(why)
+    return value
+
+
+def _prompt(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    try:
+        return handler(value)
+    except ValidationError:
+        raise refused("must be a non-empty string or a list of token ids") from None
+
+
+class CompletionBody(CallOptions):
+    """A (legacy) Completions body: ``prompt`` is text or token ids; ``logprobs`` 0 asks
+    for the sampled tokens' own (no top alternatives)."""
+
+    prompt: Annotated[
+        Annotated[str, Strict(), Field(min_length=1)]
+        | Annotated[list[Annotated[int, Strict(), Field(ge=0)]], Field(min_length=1)],
+        WrapValidator(_prompt),
+    ]
+    logprobs: Annotated[int, Strict(), Field(ge=0, le=0)] | None = None
+
+
+def _parse(model: type[_Body], body: dict[str, Any], max_call_tokens: int) -> _Body:
+    try:
+        return model.model_validate(body, context={"max_call_tokens": max_call_tokens})
+    except ValidationError as exc:
+        raise _refusal(exc) from exc
 
 
 def chat_request(body: dict[str, Any], max_call_tokens: int) -> CallRequest:
     """A Chat Completions body, checked."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
-        raise BadRequest(f"'messages' must be a list of 1 to {MAX_MESSAGES} messages")
-    tools = body.get("tools")
-    if tools is not None and (
-        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
-    ):
-        raise BadRequest("'tools' must be a list of objects")
-    logprobs = body.get("logprobs") or False
-    if not isinstance(logprobs, bool):
-        raise BadRequest("'logprobs' must be a boolean")
-    if body.get("top_logprobs"):
-        raise BadRequest("'top_logprobs' is not supported: the sampled token's log-prob only")
+    chat = _parse(ChatBody, body, max_call_tokens)
     return CallRequest(
-        messages=[_message(m, i) for i, m in enumerate(messages)],
-        tools=tools or None,
-        logprobs=logprobs,
-        parse_tools=bool(tools) and body.get("tool_choice") != "none",
-        **_options(body, max_call_tokens),
+        messages=[_message(m, i) for i, m in enumerate(chat.messages)],
+        tools=chat.tools or None,
+        logprobs=chat.logprobs,
+        parse_tools=bool(chat.tools) and chat.tool_choice != "none",
+        **chat.options(),
     )
 
 
@@ -161,23 +267,11 @@ def _message(message: Any, index: int) -> dict[str, Any]:
 
 def completion_request(body: dict[str, Any], max_call_tokens: int) -> CallRequest:
     """A (legacy) Completions body, checked: ``prompt`` is text or token ids."""
-    prompt = body.get("prompt")
-    options = _options(body, max_call_tokens)
-    logprobs = body.get("logprobs")
-    if logprobs is not None and (
-        not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs != 0
-    ):
-        raise BadRequest(
-            f"'logprobs' must be 0 (the sampled tokens' log-probs; no top alternatives), "
-            f"got {logprobs!r:.40}"
-        )
-    options["logprobs"] = logprobs == 0
-    if isinstance(prompt, str) and prompt:
-        return CallRequest(prompt_text=prompt, **options)
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
-    ):
-        return CallRequest(prompt_ids=list(prompt), **options)
-    raise BadRequest("'prompt' must be a non-empty string or a list of token ids")
+    call = _parse(CompletionBody, body, max_call_tokens)
+    prompt = call.prompt
+    return CallRequest(
+        prompt_text=prompt if isinstance(prompt, str) else None,
+        prompt_ids=None if isinstance(prompt, str) else list(prompt),
+        logprobs=call.logprobs == 0,
+        **call.options(),
+    )
