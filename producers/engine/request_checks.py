@@ -55,12 +55,12 @@ def refused(message: str, **context: Any) -> PydanticCustomError:
     return PydanticCustomError("refused", message, context)
 
 
-def only(*values: Any) -> AfterValidator:
-    """A field accepted only at these values (or null, or ``[]``): anything else asks for
-    something this server does not do."""
+def only(*values: Any, absent: bool = True) -> AfterValidator:
+    """A field accepted only at these values (and, with ``absent``, null or ``[]``):
+    anything else asks for something this server does not do."""
 
     def check(value: Any) -> Any:
-        if value is not None and value not in values and value != []:
+        if value not in values and not (absent and (value is None or value == [])):
             raise PydanticCustomError(
                 "not_supported", "is not supported by this engine (only {only})",
                 {"only": repr(values[0])},
@@ -80,6 +80,8 @@ def refusal(exc: ValidationError, prefix: str = "") -> str:
     kind, message, value = error["type"], error["msg"], error["input"]
     if kind == "not_supported":
         return f"{where}={_short(value)} {message}"
+    if kind == "bool_type":
+        return f"{where} must be true or false, got {_short(value)}"
     if kind == "extra_forbidden":
         return f"{where} is not supported (an unknown field)"
     if kind == "refused":

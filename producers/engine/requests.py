@@ -24,6 +24,9 @@ from pydantic import (
     Field,
     Strict,
     ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
 )
 
 from producers.engine import request_checks as checks
@@ -56,6 +59,12 @@ def _stop_strings(value: Any) -> Any:
     if value is None or value == "":
         return ()
     return (value,) if isinstance(value, str) else value
+
+
+def _no_text(value: Any) -> Any:
+    if value is not None:
+        raise checks.refused("prompts are not supported: send input_ids")
+    return value
 
 
 def _top_k(value: int) -> int:
@@ -104,6 +113,118 @@ class SamplingBody(BaseModel):
     structural_tag: Annotated[Any, checks.only(None)] = None
     logit_bias: Annotated[Any, checks.only(None)] = None
     custom_params: Annotated[Any, checks.only(None)] = None
+
+
+#: Fields SGLang's router adds to every ``/generate`` it forwards, with the values it sends;
+#: accepted at those values only (each asks for something this engine does not do).
+ROUTER_DEFAULTS: dict[str, Any] = {
+    "model": None,
+    "return_hidden_states": False,
+    "background": False,
+    "no_logs": False,
+    "return_bytes": False,
+    "return_entropy": False,
+}
+
+
+def _per_item(kind: type) -> WrapValidator:
+    """SGLang's per-input field: one value for every input, or a list of one per input
+    (their count is checked against the inputs' by ``GenerateBody``)."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise checks.refused("must be a {kind} or a list of them", kind=kind.__name__) from None
+
+    return WrapValidator(check)
+
+
+def _prompts(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    if not isinstance(value, list) or not value:
+        raise checks.refused("must be a non-empty list of token ids or of lists")
+    try:
+        return handler(value)
+    except ValidationError:
+        raise checks.refused("must hold integers (one list per prompt)") from None
+
+
+def _no_input_logprobs(value: Any) -> Any:
+    if value is None or value == -1 or (isinstance(value, list) and all(v == -1 for v in value)):
+        return value
+    raise checks.refused("asks for input-token log-probs (logprob_start_len >= 0): not supported")
+
+
+def _falsy(why: str) -> AfterValidator:
+    def check(value: Any) -> Any:
+        if value:
+            raise checks.refused(why)
+        return value
+
+    return AfterValidator(check)
+
+
+_TokenIds = list[Annotated[int, Strict()]]
+
+
+class GenerateBody(BaseModel):
+    """SGLang's ``/generate`` body as this engine reads it: token prompts only (one, or a
+    batch of lists), per-input fields as one value or a list of one per input; every
+    other field SGLang takes that asks for something this engine does not do is refused
+    by name. ``sampling_params`` are read per input by ``SamplingBody``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: Annotated[Any, AfterValidator(_no_text)] = None
+    input_ids: Annotated[_TokenIds | list[_TokenIds], WrapValidator(_prompts)] = Field(
+        None, validate_default=True
+    )
+    rid: Annotated[str | list[str | None] | None, _per_item(str)] = None
+    sampling_params: Annotated[
+        dict[str, Any] | list[dict[str, Any] | None] | None, _per_item(dict)
+    ] = None
+    return_logprob: Annotated[checks.Flag | list[checks.Flag | None] | None, _per_item(bool)] = None
+    lora_path: Annotated[str | list[str | None] | None, _per_item(str)] = None
+    stream: checks.Flag = False
+    logprob_start_len: Annotated[Any, AfterValidator(_no_input_logprobs)] = None
+    top_logprobs_num: Annotated[Any, _falsy("is not supported")] = None
+    token_ids_logprob: Annotated[Any, _falsy("is not supported")] = None
+    return_text_in_logprobs: Any = None
+    log_metrics: Any = None
+    model: Annotated[Any, checks.only(None, absent=False)] = None
+    return_hidden_states: Annotated[Any, checks.only(False, absent=False)] = False
+    background: Annotated[Any, checks.only(False, absent=False)] = False
+    no_logs: Annotated[Any, checks.only(False, absent=False)] = False
+    return_bytes: Annotated[Any, checks.only(False, absent=False)] = False
+    return_entropy: Annotated[Any, checks.only(False, absent=False)] = False
+
+    @property
+    def batch(self) -> bool:
+        return isinstance(self.input_ids[0], list)
+
+    @model_validator(mode="after")
+    def _one_per_input(self) -> GenerateBody:
+        if self.stream and self.batch:
+            raise checks.refused("stream=true takes one prompt (input_ids a list of token ids)")
+        n = len(self.input_ids) if self.batch else 1
+        for name in ("rid", "sampling_params", "return_logprob", "lora_path"):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) != n:
+                raise checks.refused(
+                    "{name} has {got} entries for {n} inputs", name=name, got=len(value), n=n
+                )
+        return self
+
+    def per_input(self, name: str) -> list[Any]:
+        """Field ``name``'s value for each input (a batch's one ``rid`` is SGLang's prefix:
+        ``rid-0``, ``rid-1``, ...)."""
+        value = getattr(self, name)
+        n = len(self.input_ids) if self.batch else 1
+        if isinstance(value, list):
+            return value
+        if name == "rid" and value is not None and n > 1:
+            return [f"{value}-{i}" for i in range(n)]
+        return [value] * n
 
 
 @dataclass(frozen=True, slots=True)
