@@ -70,13 +70,19 @@ def only(*values: Any, absent: bool = True) -> AfterValidator:
     return AfterValidator(check)
 
 
+def field_name(loc: tuple[int | str, ...], prefix: str = "") -> str:
+    """A pydantic error's location as a client writes it: ``sampling_params.stop[3]``."""
+    where = prefix
+    for part in loc:
+        where += f"[{part}]" if isinstance(part, int) else f"{'.' if where else ''}{part}"
+    return where
+
+
 def refusal(exc: ValidationError, prefix: str = "") -> str:
     """The first error of ``exc`` as one line naming the field (``prefix`` then its
     location, ``stop_token_ids[3]``) and the problem, with the value it got."""
     error = exc.errors(include_url=False)[0]
-    where = prefix
-    for part in error["loc"]:
-        where += f"[{part}]" if isinstance(part, int) else f"{'.' if where else ''}{part}"
+    where = field_name(error["loc"], prefix)
     kind, message, value = error["type"], error["msg"], error["input"]
     if kind == "not_supported":
         return f"{where}={_short(value)} {message}"

@@ -29,7 +29,7 @@ from pydantic import (
     WrapValidator,
 )
 
-from producers.engine.request_checks import Flag, refused
+from producers.engine.request_checks import Flag, field_name, refused
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MESSAGE_KEYS = frozenset(
@@ -39,7 +39,7 @@ MAX_MESSAGES = 4096
 MAX_STOP_STRINGS = 4
 
 
-_Body = TypeVar("_Body", bound="CallOptions")
+_Body = TypeVar("_Body", bound=BaseModel)
 
 
 class BadRequest(ValueError):
@@ -62,38 +62,6 @@ class CallRequest:
     parse_tools: bool = False
 
 
-def checked_max_tokens(max_tokens: Any, max_call_tokens: int) -> int:
-    """A call's ``max_tokens``: a positive integer within the gateway's per-call limit."""
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise BadRequest(f"'max_tokens' must be a positive integer, got {max_tokens!r:.40}")
-    if max_tokens > max_call_tokens:
-        raise BadRequest(
-            f"'max_tokens' {max_tokens} exceeds this gateway's per-call limit "
-            f"{max_call_tokens}: [producers.rollout.gateway] max_call_tokens raises it "
-            "(unset, it is the task's max_new_tokens)"
-        )
-    return max_tokens
-
-
-def checked_stop(stop: Any, name: str, shape: str = "") -> list[str]:
-    """A call's stop strings (field ``name``, which may also take ``shape``): up to
-    ``MAX_STOP_STRINGS`` non-empty ones."""
-    if (
-        not isinstance(stop, list)
-        or len(stop) > MAX_STOP_STRINGS
-        or not all(isinstance(s, str) and s for s in stop)
-    ):
-        raise BadRequest(f"'{name}' must be {shape}up to {MAX_STOP_STRINGS} non-empty strings")
-    return stop
-
-
-def checked_stream(body: dict[str, Any]) -> bool:
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean")
-    return stream
-
-
 _PHRASES = {
     "bool_type": "must be a boolean",
     "dict_type": "must be an object",
@@ -105,10 +73,10 @@ _PHRASES = {
 def _refusal(exc: ValidationError) -> BadRequest:
     """The first error of ``exc`` as the gateway words it: ``'field' must be ...``."""
     error = exc.errors(include_url=False)[0]
-    where = ""
-    for part in error["loc"]:
-        where += f"[{part}]" if isinstance(part, int) else f"{'.' if where else ''}{part}"
+    where = field_name(error["loc"])
     phrase = _PHRASES.get(error["type"])
+    if error["type"] == "missing":
+        return BadRequest(f"'{where}' is required")
     if error["type"] == "refused":
         return BadRequest(f"'{where}' {error['msg']}" if where else error["msg"])
     if phrase is None:
@@ -134,11 +102,49 @@ def _one(value: Any) -> Any:
     return value
 
 
-MaxTokens = Annotated[Annotated[int, Strict(), Field(ge=1)] | None, AfterValidator(_within_limit)]
-StopStrings = Annotated[
-    list[Annotated[str, Strict(), Field(min_length=1)]],
-    BeforeValidator(lambda v: [v] if isinstance(v, str) else v or []),
-    Field(max_length=MAX_STOP_STRINGS),
+def worded(message: str) -> WrapValidator:
+    """The field's declared type and limits, refused in the gateway's own words."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise refused(message, value=repr(value)[:40]) from None
+
+    return WrapValidator(check)
+
+
+PositiveInt = Annotated[int, Strict(), Field(ge=1)]
+MaxTokens = Annotated[
+    PositiveInt,
+    worded("must be a positive integer, got {value}"),
+    AfterValidator(_within_limit),
+]
+"""A call's ``max_tokens``: required by the Messages API, optional (``OptionalMaxTokens``)
+in OpenAI's."""
+OptionalMaxTokens = Annotated[
+    PositiveInt | None,
+    worded("must be a positive integer, got {value}"),
+    AfterValidator(_within_limit),
+]
+
+
+def stop_strings(shape: str = "", one: bool = False) -> Any:
+    """Up to ``MAX_STOP_STRINGS`` non-empty stop strings (``one``: a lone string is one)."""
+    return Annotated[
+        list[Annotated[str, Strict(), Field(min_length=1)]],
+        Field(max_length=MAX_STOP_STRINGS),
+        worded(f"must be {shape}up to {MAX_STOP_STRINGS} non-empty strings"),
+        BeforeValidator(lambda v: [v] if one and isinstance(v, str) else v or []),
+    ]
+
+
+ChatStop = stop_strings("a string or ", one=True)
+StopSequences = stop_strings()
+Messages = Annotated[
+    list[Any],
+    Field(min_length=1, max_length=MAX_MESSAGES),
+    worded(f"must be a list of 1 to {MAX_MESSAGES} messages"),
 ]
 
 
@@ -155,9 +161,9 @@ class CallOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     n: Annotated[Any, AfterValidator(_one)] = 1
-    max_tokens: MaxTokens = None
-    max_completion_tokens: MaxTokens = None
-    stop: StopStrings = []
+    max_tokens: OptionalMaxTokens = None
+    max_completion_tokens: OptionalMaxTokens = None
+    stop: ChatStop = []
     stream: Flag = False
     stream_options: Annotated[StreamOptions, BeforeValidator(lambda v: v or {})] = StreamOptions()
 
@@ -174,8 +180,8 @@ class CallOptions(BaseModel):
 class ChatBody(CallOptions):
     """A Chat Completions body; each message is checked by ``_message``."""
 
-    messages: Annotated[list[Any], Field(min_length=1, max_length=MAX_MESSAGES)]
-    tools: list[dict[str, Any]] | None = None
+    messages: Messages
+    tools: Annotated[list[dict[str, Any]] | None, worded("must be a list of objects")] = None
     tool_choice: Any = None
     logprobs: Annotated[Flag, BeforeValidator(lambda v: v or False)] = False
     top_logprobs: Annotated[
@@ -211,7 +217,9 @@ class CompletionBody(CallOptions):
     logprobs: Annotated[int, Strict(), Field(ge=0, le=0)] | None = None
 
 
-def _parse(model: type[_Body], body: dict[str, Any], max_call_tokens: int) -> _Body:
+def parse(model: type[_Body], body: dict[str, Any], max_call_tokens: int) -> _Body:
+    """``body`` as ``model``, its ``max_tokens`` within ``max_call_tokens``; or
+    ``BadRequest`` naming the field."""
     try:
         return model.model_validate(body, context={"max_call_tokens": max_call_tokens})
     except ValidationError as exc:
@@ -220,7 +228,7 @@ def _parse(model: type[_Body], body: dict[str, Any], max_call_tokens: int) -> _B
 
 def chat_request(body: dict[str, Any], max_call_tokens: int) -> CallRequest:
     """A Chat Completions body, checked."""
-    chat = _parse(ChatBody, body, max_call_tokens)
+    chat = parse(ChatBody, body, max_call_tokens)
     return CallRequest(
         messages=[_message(m, i) for i, m in enumerate(chat.messages)],
         tools=chat.tools or None,
@@ -267,7 +275,7 @@ def _message(message: Any, index: int) -> dict[str, Any]:
 
 def completion_request(body: dict[str, Any], max_call_tokens: int) -> CallRequest:
     """A (legacy) Completions body, checked: ``prompt`` is text or token ids."""
-    call = _parse(CompletionBody, body, max_call_tokens)
+    call = parse(CompletionBody, body, max_call_tokens)
     prompt = call.prompt
     return CallRequest(
         prompt_text=prompt if isinstance(prompt, str) else None,
