@@ -1,11 +1,13 @@
-"""Checks of what an HTTP client sends the engine: typed sampling parameters and a token
-budget per request.
+"""Checks of what an HTTP client sends: the strict JSON field types the engine's and the
+gateway's body models declare their limits with, a pydantic refusal as one line naming
+the field, and the engine's token budget per request.
 
 Why at the boundary: the scheduler batches requests from many clients, so a value that
 only fails inside a batch (a NaN temperature, a ``top_k`` that overflows a tensor) would
 fail every request sharing it. Each value is refused here instead, with HTTP 400 naming
 ``sampling_params.<field>``; a request too large for the engine is refused whole with
-HTTP 413 and its numbers.
+HTTP 413 and its numbers. Types are strict as JSON is: ``"2"`` is not a number, ``true``
+is not 1.
 """
 
 from __future__ import annotations

@@ -213,7 +213,7 @@ class CompletionBody(CallOptions):
         Annotated[str, Strict(), Field(min_length=1)]
         | Annotated[list[Annotated[int, Strict(), Field(ge=0)]], Field(min_length=1)],
         WrapValidator(_prompt),
-    ]
+    ] = Field(None, validate_default=True)
     logprobs: Annotated[int, Strict(), Field(ge=0, le=0)] | None = None
 
 
