@@ -14,7 +14,7 @@ sequence of calls.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -27,14 +27,12 @@ from pydantic import (
     ValidationInfo,
     ValidatorFunctionWrapHandler,
     WrapValidator,
+    model_validator,
 )
 
 from producers.engine.request_checks import Flag, field_name, refused
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-MESSAGE_KEYS = frozenset(
-    {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal"}
-)
 MAX_MESSAGES = 4096
 MAX_STOP_STRINGS = 4
 
@@ -102,13 +100,16 @@ def _one(value: Any) -> Any:
     return value
 
 
-def worded(message: str) -> WrapValidator:
-    """The field's declared type and limits, refused in the gateway's own words."""
+def worded(message: str, items_speak: bool = False) -> WrapValidator:
+    """The field's declared type and limits, refused in the gateway's own words (with
+    ``items_speak``, a list item's own error is left naming the item)."""
 
     def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         try:
             return handler(value)
-        except ValidationError:
+        except ValidationError as exc:
+            if items_speak and any(e["loc"] and isinstance(e["loc"][0], int) for e in exc.errors()):
+                raise  # a list item's own error: it names the item
             raise refused(message, value=repr(value)[:40]) from None
 
     return WrapValidator(check)
@@ -177,10 +178,64 @@ class CallOptions(BaseModel):
         }
 
 
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: Annotated[str, Strict()]
+
+
+def _joined(content: str | list[TextPart] | None) -> str | None:
+    return "".join(p.text for p in content) if isinstance(content, list) else content
+
+
+class ChatMessage(BaseModel):
+    """One chat message as the template gets it: known keys only (others dropped),
+    content as text, ``tool_calls`` only on an assistant's."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Annotated[
+        Literal["system", "developer", "user", "assistant", "tool"],
+        worded(f"must be one of {sorted(ROLES)}, got {{value}}"),
+    ]
+    content: Annotated[
+        Annotated[str, Strict()] | list[TextPart] | None,
+        worded("must be a string, a list of text parts or null"),
+        AfterValidator(_joined),
+    ] = None
+    name: Annotated[str, Strict()] = ""
+    tool_calls: Annotated[
+        list[dict[str, Any]] | None,
+        worded("must be a list of objects, on an assistant message"),
+    ] = None
+    tool_call_id: Annotated[str, Strict()] = ""
+    reasoning_content: Any = None
+    refusal: Any = None
+
+    @model_validator(mode="after")
+    def _calls_are_the_assistants(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise refused("has tool_calls: only an assistant message may call tools")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The fields the client sent; a null content is ``""`` unless the message calls
+        tools."""
+        sent = {k: getattr(self, k) for k in self.model_fields_set}
+        if "content" in sent and sent["content"] is None and not self.tool_calls:
+            sent["content"] = ""
+        return sent
+
+
 class ChatBody(CallOptions):
     """A Chat Completions body; each message is checked by ``_message``."""
 
-    messages: Messages
+    messages: Annotated[
+        list[ChatMessage],
+        Field(min_length=1, max_length=MAX_MESSAGES),
+        worded(f"must be a list of 1 to {MAX_MESSAGES} messages", items_speak=True),
+    ]
     tools: Annotated[list[dict[str, Any]] | None, worded("must be a list of objects")] = None
     tool_choice: Any = None
     logprobs: Annotated[Flag, BeforeValidator(lambda v: v or False)] = False
@@ -230,47 +285,12 @@ def chat_request(body: dict[str, Any], max_call_tokens: int) -> CallRequest:
     """A Chat Completions body, checked."""
     chat = parse(ChatBody, body, max_call_tokens)
     return CallRequest(
-        messages=[_message(m, i) for i, m in enumerate(chat.messages)],
+        messages=[m.for_template() for m in chat.messages],
         tools=chat.tools or None,
         logprobs=chat.logprobs,
         parse_tools=bool(chat.tools) and chat.tool_choice != "none",
         **chat.options(),
     )
-
-
-def _message(message: Any, index: int) -> dict[str, Any]:
-    """One chat message as the template gets it: known keys only, content as text."""
-    where = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise BadRequest(f"{where} must be an object")
-    role = message.get("role")
-    if role not in ROLES:
-        raise BadRequest(f"{where}.role must be one of {sorted(ROLES)}, got {role!r:.40}")
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise BadRequest(f"{where}.content: only text parts are supported")
-            if not isinstance(part.get("text"), str):
-                raise BadRequest(f"{where}.content: a text part without text")
-            texts.append(part["text"])
-        content = "".join(texts)
-    if content is not None and not isinstance(content, str):
-        raise BadRequest(f"{where}.content must be a string, a list of text parts or null")
-    if content is None and not message.get("tool_calls"):
-        content = ""
-    tool_calls = message.get("tool_calls")
-    if tool_calls is not None and (
-        role != "assistant"
-        or not isinstance(tool_calls, list)
-        or not all(isinstance(c, dict) for c in tool_calls)
-    ):
-        raise BadRequest(f"{where}.tool_calls must be a list of objects, on an assistant message")
-    for key in ("name", "tool_call_id"):
-        if key in message and not isinstance(message[key], str):
-            raise BadRequest(f"{where}.{key} must be a string")
-    return {k: (content if k == "content" else v) for k, v in message.items() if k in MESSAGE_KEYS}
 
 
 def completion_request(body: dict[str, Any], max_call_tokens: int) -> CallRequest:

@@ -111,7 +111,16 @@ CHAT = {"messages": [{"role": "user", "content": "2+3?"}]}
 CHAT_GARBAGE: list[tuple[dict[str, Any], str]] = [
     ({"messages": None}, "'messages' must be a list of 1 to"),
     ({"messages": [CHAT["messages"][0]] * 4097}, "'messages' must be a list of 1 to"),
-    ({"messages": [{"role": "robot"}]}, r"messages\[0\].role"),
+    ({"messages": [{"role": "robot"}]}, r"messages\[0\].role' must be one of"),
+    ({"messages": [{"content": "hi"}]}, r"messages\[0\].role' is required"),
+    ({"messages": ["hi"]}, r"messages\[0\]' must be an object"),
+    ({"messages": [{"role": "user", "content": 5}]}, r"messages\[0\].content' must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "list of text parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "list of text parts"),
+    ({"messages": [{"role": "user", "tool_calls": []}]}, "only an assistant message"),
+    ({"messages": [{"role": "assistant", "tool_calls": "f()"}]}, r"tool_calls' must be a list"),
+    ({"messages": [{"role": "user", "content": "a", "name": 3}]}, r"messages\[0\].name"),
+    ({"messages": [{"role": "tool", "tool_call_id": None}]}, r"messages\[0\].tool_call_id"),
     ({"max_tokens": "2"}, "'max_tokens' must be a positive integer"),
     ({"max_tokens": 2.0}, "'max_tokens' must be a positive integer"),
     ({"max_tokens": False}, "'max_tokens' must be a positive integer"),
@@ -179,6 +188,33 @@ def test_openai_bodies_a_client_sends_come_through() -> None:
     assert (call.max_tokens, call.stop, call.stream, call.include_usage) == (5, ["\n"], True, False)
     assert call.tools and not call.parse_tools and not call.logprobs
     assert call.messages == [{"role": "user", "content": "2+3?"}]
+    sent = [
+        {
+            "role": "system",
+            "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}],
+        },
+        {"role": "user", "content": None, "metadata": {"x": 1}},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c"}],
+            "reasoning_content": "r",
+        },
+        {"role": "tool", "content": "4", "tool_call_id": "c", "name": "add"},
+        {"role": "user"},
+    ]
+    assert chat_request({"messages": sent}, LIMIT).messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": ""},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c"}],
+            "reasoning_content": "r",
+        },
+        {"role": "tool", "content": "4", "tool_call_id": "c", "name": "add"},
+        {"role": "user"},
+    ]
     text = completion_request({"prompt": "2+3=", "logprobs": 0, "stop": None}, LIMIT)
     assert (text.prompt_text, text.prompt_ids, text.logprobs, text.stop) == ("2+3=", None, True, [])
     ids = completion_request({"prompt": [1, 2], "max_tokens": LIMIT}, LIMIT)
