@@ -1,20 +1,24 @@
-"""Checks of what an HTTP client sends the engine: typed sampling parameters and a token
-budget per request.
+"""Checks of what an HTTP client sends: the strict JSON field types the engine's and the
+gateway's body models declare their limits with, a pydantic refusal as one line naming
+the field, and the engine's token budget per request.
 
 Why at the boundary: the scheduler batches requests from many clients, so a value that
 only fails inside a batch (a NaN temperature, a ``top_k`` that overflows a tensor) would
 fail every request sharing it. Each value is refused here instead, with HTTP 400 naming
 ``sampling_params.<field>``; a request too large for the engine is refused whole with
-HTTP 413 and its numbers.
+HTTP 413 and its numbers. Types are strict as JSON is: ``"2"`` is not a number, ``true``
+is not 1.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Annotated, Any
 
 import orjson
+from pydantic import AfterValidator, AllowInfNan, BeforeValidator, Field, Strict, ValidationError
+from pydantic_core import PydanticCustomError
 
 MAX_TOP_K = 1 << 30
 """SGLang's "all tokens" top-k; larger values mean the same and would overflow a tensor."""
@@ -32,51 +36,65 @@ class RequestRefused(ValueError):
         self.status = status
 
 
-def _name(key: str) -> str:
-    return f"sampling_params.{key}"
-
-
-def number(values: Mapping[str, Any], key: str, default: float) -> float:
-    """A finite JSON number (not a string, bool or container)."""
-    value = values.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RequestRefused(f"{_name(key)} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise RequestRefused(f"{_name(key)} must be finite, got {value!r}")
-    return float(value)
-
-
-def integer(values: Mapping[str, Any], key: str, default: int, low: int, high: int) -> int:
-    """A JSON integer in ``[low, high]`` (a float only when it is a whole number)."""
-    value = values.get(key, default)
+def _whole(value: Any) -> Any:
+    """JSON has one number type: a whole float (``5.0``) is the integer 5; ``5.5`` is not."""
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestRefused(f"{_name(key)} must be an integer, got {value!r}")
-    if not low <= value <= high:
-        raise RequestRefused(f"{_name(key)} must be in [{low}, {high}], got {value}")
+        return int(value)
     return value
 
 
-def flag(values: Mapping[str, Any], key: str, default: bool) -> bool:
-    """A JSON boolean: ``"false"`` or ``1`` is refused rather than read as true."""
-    value = values.get(key, default)
-    if not isinstance(value, bool):
-        raise RequestRefused(f"{_name(key)} must be true or false, got {value!r}")
-    return value
+Integer = Annotated[int, BeforeValidator(_whole), Strict()]
+"""A JSON integer: not a string, a bool or a fractional number."""
+Number = Annotated[float, Strict(), AllowInfNan(False)]
+"""A finite JSON number: not a string, a bool or a container."""
+Flag = Annotated[bool, Strict()]
+"""A JSON boolean: ``"false"`` or ``1`` is refused rather than read as true."""
+TokenId = Annotated[Integer, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
-def token_ids(values: Mapping[str, Any], key: str) -> tuple[int, ...]:
-    """A list of at most ``MAX_STOP_TOKEN_IDS`` token ids (absent or null: none)."""
-    value = values.get(key)
-    if value is None:
-        return ()
-    if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS:
-        raise RequestRefused(
-            f"{_name(key)} must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, "
-            f"got {_short(value)}"
-        )
-    return tuple(integer({key: t}, key, 0, 0, MAX_TOKEN_ID) for t in value)
+def refused(message: str, **context: Any) -> PydanticCustomError:
+    """A refusal a model's validator raises; ``refusal`` prints it after the field's name."""
+    return PydanticCustomError("refused", message, context)
+
+
+def only(*values: Any, absent: bool = True) -> AfterValidator:
+    """A field accepted only at these values (and, with ``absent``, null or ``[]``):
+    anything else asks for something this server does not do."""
+
+    def check(value: Any) -> Any:
+        if value not in values and not (absent and (value is None or value == [])):
+            raise PydanticCustomError(
+                "not_supported", "is not supported by this engine (only {only})",
+                {"only": repr(values[0])},
+            )  # fmt: skip
+        return value
+
+    return AfterValidator(check)
+
+
+def field_name(loc: tuple[int | str, ...], prefix: str = "") -> str:
+    """A pydantic error's location as a client writes it: ``sampling_params.stop[3]``."""
+    where = prefix
+    for part in loc:
+        where += f"[{part}]" if isinstance(part, int) else f"{'.' if where else ''}{part}"
+    return where
+
+
+def refusal(exc: ValidationError, prefix: str = "") -> str:
+    """The first error of ``exc`` as one line naming the field (``prefix`` then its
+    location, ``stop_token_ids[3]``) and the problem, with the value it got."""
+    error = exc.errors(include_url=False)[0]
+    where = field_name(error["loc"], prefix)
+    kind, message, value = error["type"], error["msg"], error["input"]
+    if kind == "not_supported":
+        return f"{where}={_short(value)} {message}"
+    if kind == "bool_type":
+        return f"{where} must be true or false, got {_short(value)}"
+    if kind == "extra_forbidden":
+        return f"{where} is not supported (an unknown field)"
+    if kind == "refused":
+        return f"{where} {message}" if where else message
+    return f"{where}: {message[0].lower()}{message[1:]}, got {_short(value)}"
 
 
 def _short(value: Any) -> str:

@@ -9,45 +9,29 @@ and that this engine does not implement is refused by name, never silently ignor
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
 
 from producers.engine import request_checks as checks
 
 SAMPLING_EPS = 1e-6
-
-# Sampling parameters this engine honours, with SGLang's defaults.
-_SUPPORTED = {
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "top_k": -1,
-    "min_p": 0.0,
-    "max_new_tokens": 128,
-    "stop_token_ids": None,
-    "stop": None,
-    "ignore_eos": False,
-}
-# Accepted and ignored: they only shape the detokenized text, never the tokens.
-_TEXT_ONLY = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"})
-# Accepted only at their neutral value: anything else would change the sampled tokens.
-_NEUTRAL = {
-    "n": (1,),
-    "frequency_penalty": (0, 0.0),
-    "presence_penalty": (0, 0.0),
-    "repetition_penalty": (1, 1.0),
-    "min_new_tokens": (0,),
-    "json_schema": (None,),
-    "regex": (None,),
-    "ebnf": (None,),
-    "structural_tag": (None,),
-    "logit_bias": (None,),
-    "custom_params": (None,),
-}
 
 
 class RequestError(ValueError):
@@ -67,17 +51,180 @@ class EngineBusy(RuntimeError):
 
 
 MAX_STOP_CHARS = 64
+MAX_STOP_STRINGS = 16
 
 
-def _stop_strings(value: Any) -> tuple[str, ...]:
-    """SGLang's ``stop``: one string or a list of them (empty: none)."""
+def _stop_strings(value: Any) -> Any:
+    """SGLang's ``stop``: one string or a list of them (null or empty: none)."""
     if value is None or value == "":
         return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list | tuple) and all(isinstance(s, str) for s in value):
-        return tuple(value)
-    raise TypeError(f"sampling_params.stop must be a string or a list of strings, got {value!r}")
+    return (value,) if isinstance(value, str) else value
+
+
+def _no_text(value: Any) -> Any:
+    if value is not None:
+        raise checks.refused("prompts are not supported: send input_ids")
+    return value
+
+
+def _top_k(value: int) -> int:
+    if value == 0:
+        raise checks.refused("must be -1 or in [1, {high}], got 0", high=checks.MAX_TOP_K)
+    return value
+
+
+StopString = Annotated[str, Strict(), Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+class SamplingBody(BaseModel):
+    """SGLang's ``sampling_params`` as this engine reads them, with SGLang's defaults and
+    the limits of each. Three kinds of field: those it honours; those that only shape the
+    detokenized text (accepted, ignored); and those it takes only at their neutral value,
+    as anything else would change the sampled tokens. Any other field is refused by name,
+    never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: checks.Number = Field(1.0, ge=0)
+    top_p: checks.Number = Field(1.0, gt=0, le=1)
+    top_k: Annotated[checks.Integer, AfterValidator(_top_k)] = Field(-1, ge=-1, le=checks.MAX_TOP_K)
+    min_p: checks.Number = Field(0.0, ge=0, le=1)
+    max_new_tokens: checks.Integer = Field(128, ge=0, le=checks.MAX_NEW_TOKENS)
+    stop_token_ids: tuple[checks.TokenId, ...] | None = Field(
+        None, max_length=checks.MAX_STOP_TOKEN_IDS
+    )
+    stop: Annotated[
+        tuple[StopString, ...], BeforeValidator(_stop_strings), Field(max_length=MAX_STOP_STRINGS)
+    ] = ()
+    ignore_eos: checks.Flag = False
+    # text only
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    no_stop_trim: Any = None
+    # neutral only
+    n: Annotated[Any, checks.only(1)] = None
+    frequency_penalty: Annotated[Any, checks.only(0, 0.0)] = None
+    presence_penalty: Annotated[Any, checks.only(0, 0.0)] = None
+    repetition_penalty: Annotated[Any, checks.only(1, 1.0)] = None
+    min_new_tokens: Annotated[Any, checks.only(0)] = None
+    json_schema: Annotated[Any, checks.only(None)] = None
+    regex: Annotated[Any, checks.only(None)] = None
+    ebnf: Annotated[Any, checks.only(None)] = None
+    structural_tag: Annotated[Any, checks.only(None)] = None
+    logit_bias: Annotated[Any, checks.only(None)] = None
+    custom_params: Annotated[Any, checks.only(None)] = None
+
+
+#: Fields SGLang's router adds to every ``/generate`` it forwards, with the values it sends;
+#: accepted at those values only (each asks for something this engine does not do).
+ROUTER_DEFAULTS: dict[str, Any] = {
+    "model": None,
+    "return_hidden_states": False,
+    "background": False,
+    "no_logs": False,
+    "return_bytes": False,
+    "return_entropy": False,
+}
+
+
+def _per_item(kind: type) -> WrapValidator:
+    """SGLang's per-input field: one value for every input, or a list of one per input
+    (their count is checked against the inputs' by ``GenerateBody``)."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise checks.refused("must be a {kind} or a list of them", kind=kind.__name__) from None
+
+    return WrapValidator(check)
+
+
+def _prompts(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    if not isinstance(value, list) or not value:
+        raise checks.refused("must be a non-empty list of token ids or of lists")
+    try:
+        return handler(value)
+    except ValidationError:
+        raise checks.refused("must hold integers (one list per prompt)") from None
+
+
+def _no_input_logprobs(value: Any) -> Any:
+    if value is None or value == -1 or (isinstance(value, list) and all(v == -1 for v in value)):
+        return value
+    raise checks.refused("asks for input-token log-probs (logprob_start_len >= 0): not supported")
+
+
+def _falsy(why: str) -> AfterValidator:
+    def check(value: Any) -> Any:
+        if value:
+            raise checks.refused(why)
+        return value
+
+    return AfterValidator(check)
+
+
+_TokenIds = list[Annotated[int, Strict()]]
+
+
+class GenerateBody(BaseModel):
+    """SGLang's ``/generate`` body as this engine reads it: token prompts only (one, or a
+    batch of lists), per-input fields as one value or a list of one per input; every
+    other field SGLang takes that asks for something this engine does not do is refused
+    by name. ``sampling_params`` are read per input by ``SamplingBody``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: Annotated[Any, AfterValidator(_no_text)] = None
+    input_ids: Annotated[_TokenIds | list[_TokenIds], WrapValidator(_prompts)] = Field(
+        None, validate_default=True
+    )
+    rid: Annotated[str | list[str | None] | None, _per_item(str)] = None
+    sampling_params: Annotated[
+        dict[str, Any] | list[dict[str, Any] | None] | None, _per_item(dict)
+    ] = None
+    return_logprob: Annotated[checks.Flag | list[checks.Flag | None] | None, _per_item(bool)] = None
+    lora_path: Annotated[str | list[str | None] | None, _per_item(str)] = None
+    stream: checks.Flag = False
+    logprob_start_len: Annotated[Any, AfterValidator(_no_input_logprobs)] = None
+    top_logprobs_num: Annotated[Any, _falsy("is not supported")] = None
+    token_ids_logprob: Annotated[Any, _falsy("is not supported")] = None
+    return_text_in_logprobs: Any = None
+    log_metrics: Any = None
+    model: Annotated[Any, checks.only(None, absent=False)] = None
+    return_hidden_states: Annotated[Any, checks.only(False, absent=False)] = False
+    background: Annotated[Any, checks.only(False, absent=False)] = False
+    no_logs: Annotated[Any, checks.only(False, absent=False)] = False
+    return_bytes: Annotated[Any, checks.only(False, absent=False)] = False
+    return_entropy: Annotated[Any, checks.only(False, absent=False)] = False
+
+    @property
+    def batch(self) -> bool:
+        return isinstance(self.input_ids[0], list)
+
+    @model_validator(mode="after")
+    def _one_per_input(self) -> GenerateBody:
+        if self.stream and self.batch:
+            raise checks.refused("stream=true takes one prompt (input_ids a list of token ids)")
+        n = len(self.input_ids) if self.batch else 1
+        for name in ("rid", "sampling_params", "return_logprob", "lora_path"):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) != n:
+                raise checks.refused(
+                    "{name} has {got} entries for {n} inputs", name=name, got=len(value), n=n
+                )
+        return self
+
+    def per_input(self, name: str) -> list[Any]:
+        """Field ``name``'s value for each input (a batch's one ``rid`` is SGLang's prefix:
+        ``rid-0``, ``rid-1``, ...)."""
+        value = getattr(self, name)
+        n = len(self.input_ids) if self.batch else 1
+        if isinstance(value, list):
+            return value
+        if name == "rid" and value is not None and n > 1:
+            return [f"{value}-{i}" for i in range(n)]
+        return [value] * n
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,61 +242,27 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> SamplingParams:
-        """Parse an SGLang ``sampling_params`` object; unsupported settings raise
-        ``RequestError`` naming them instead of being silently ignored."""
-        values = dict(values or {})
-        unknown = sorted(set(values) - set(_SUPPORTED) - _TEXT_ONLY - set(_NEUTRAL))
-        if unknown:
-            raise RequestError(f"unsupported sampling_params: {unknown}")
-        for key, neutral in _NEUTRAL.items():
-            value = values.get(key)
-            if value is not None and value not in neutral and value != []:
-                raise RequestError(
-                    f"sampling_params.{key}={value!r} is not supported by this engine "
-                    f"(only {neutral[0]!r})"
-                )
+        """Parse an SGLang ``sampling_params`` object, or ``RequestError`` naming the
+        field and its problem."""
         try:
-            params = cls(
-                temperature=checks.number(values, "temperature", 1.0),
-                top_p=checks.number(values, "top_p", 1.0),
-                top_k=checks.integer(values, "top_k", -1, -1, checks.MAX_TOP_K),
-                min_p=checks.number(values, "min_p", 0.0),
-                max_new_tokens=checks.integer(
-                    values, "max_new_tokens", 128, 0, checks.MAX_NEW_TOKENS
-                ),
-                stop_token_ids=checks.token_ids(values, "stop_token_ids"),
-                stop=_stop_strings(values.get("stop")),
-                ignore_eos=checks.flag(values, "ignore_eos", False),
-            )
-        except TypeError as exc:
-            raise RequestError(f"bad sampling_params: {exc}") from exc
-        except checks.RequestRefused as exc:
-            raise RequestError(str(exc)) from exc
-        params.check()
-        return params
+            body = SamplingBody.model_validate(values or {})
+        except ValidationError as exc:
+            raise RequestError(checks.refusal(exc, "sampling_params")) from exc
+        return cls(
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            max_new_tokens=body.max_new_tokens,
+            stop_token_ids=body.stop_token_ids or (),
+            stop=body.stop,
+            ignore_eos=body.ignore_eos,
+        )
 
     def check(self) -> None:
-        """Ranges, in the form NaN fails too (``not 0 <= nan``): a value that reached a
-        batch would fail every request sharing it."""
-        if not 0 <= self.temperature < math.inf:
-            raise RequestError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or not -1 <= self.top_k <= checks.MAX_TOP_K:
-            raise RequestError(
-                f"sampling_params.top_k must be -1 or in [1, {checks.MAX_TOP_K}], got {self.top_k}"
-            )
-        if not 0 <= self.min_p <= 1:
-            raise RequestError(f"sampling_params.min_p must be in [0, 1], got {self.min_p}")
-        if self.max_new_tokens < 0:
-            raise RequestError(
-                f"sampling_params.max_new_tokens must be >= 0, got {self.max_new_tokens}"
-            )
-        if any(not s or len(s) > MAX_STOP_CHARS for s in self.stop) or len(self.stop) > 16:
-            raise RequestError(
-                f"sampling_params.stop must be at most 16 strings of 1 to {MAX_STOP_CHARS} "
-                "characters"
-            )
+        """The same limits for parameters built in Python: a value that reached a batch
+        would fail every request sharing it."""
+        self.from_dict({f: getattr(self, f) for f in self.__slots__})
 
     @property
     def greedy(self) -> bool:

@@ -79,6 +79,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from pydantic import ValidationError
 
 from producers.engine.adapters import AdapterRefused
 from producers.engine.auth import AccessRefused, check_bind, check_key, weights_path
@@ -88,8 +89,14 @@ from producers.engine.request_checks import (
     RequestRefused,
     check_budget,
     json_object,
+    refusal,
 )
-from producers.engine.requests import EngineBusy, RequestError, SamplingParams
+from producers.engine.requests import (
+    EngineBusy,
+    GenerateBody,
+    RequestError,
+    SamplingParams,
+)
 from producers.engine.streaming import TokenFeed
 
 logger = logging.getLogger(__name__)
@@ -97,32 +104,6 @@ logger = logging.getLogger(__name__)
 SGLANG_RELEASE = "v0.5.23"
 """The SGLang release whose native HTTP API this server follows."""
 
-_GENERATE_FIELDS = frozenset(
-    {
-        "input_ids",
-        "rid",
-        "sampling_params",
-        "return_logprob",
-        "logprob_start_len",
-        "top_logprobs_num",
-        "return_text_in_logprobs",
-        "stream",
-        "log_metrics",
-        "text",
-        "token_ids_logprob",
-        "lora_path",
-    }
-)
-#: Fields SGLang's router adds to every ``/generate`` it forwards, with the values it sends;
-#: accepted at those values only (each asks for something this engine does not do).
-ROUTER_DEFAULTS: dict[str, Any] = {
-    "model": None,
-    "return_hidden_states": False,
-    "background": False,
-    "no_logs": False,
-    "return_bytes": False,
-    "return_entropy": False,
-}
 _ENGINE_KEY = web.AppKey("engine", Engine)
 _BUDGET_KEY = web.AppKey("max_request_tokens", int)
 _API_KEY = web.AppKey("api_key", str)
@@ -190,68 +171,27 @@ class GenerateCall:
 
 def parse_generate(body: dict[str, Any]) -> GenerateCall:
     """The checked form of a ``/generate`` body, or ``RequestError`` naming the field."""
-    unknown = sorted(set(body) - _GENERATE_FIELDS - set(ROUTER_DEFAULTS))
-    if unknown:
-        raise RequestError(f"unsupported /generate fields: {unknown}")
-    for name, default in ROUTER_DEFAULTS.items():
-        if body.get(name, default) != default:
-            raise RequestError(f"{name}={body[name]!r} is not supported (only {default!r})")
-    if body.get("text") is not None:
-        raise RequestError("text prompts are not supported: send input_ids")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError(f"stream must be true or false, got {stream!r:.40}")
-    if body.get("top_logprobs_num") or body.get("token_ids_logprob"):
-        raise RequestError("top_logprobs_num / token_ids_logprob are not supported")
-    start = body.get("logprob_start_len")
-    if start is not None and start != -1 and start != [-1] * _len_or(start):
-        raise RequestError("input-token log-probs (logprob_start_len >= 0) are not supported")
-    ids = body.get("input_ids")
-    if not isinstance(ids, list) or not ids:
-        raise RequestError("input_ids must be a non-empty list of token ids or of lists")
-    batch = isinstance(ids[0], list)
-    if stream and batch:
-        raise RequestError("stream=true takes one prompt (input_ids a list of token ids)")
-    prompts = ids if batch else [ids]
-    for prompt in prompts:
-        if not isinstance(prompt, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            raise RequestError("input_ids must hold integers (one list per prompt)")
-    n = len(prompts)
-    rids = _per_item(body.get("rid"), n, "rid", str)
-    params = _per_item(body.get("sampling_params"), n, "sampling_params", dict)
-    logprob = _per_item(body.get("return_logprob"), n, "return_logprob", bool)
+    try:
+        call = GenerateBody.model_validate(body)
+    except ValidationError as exc:
+        raise RequestError(refusal(exc)) from exc
+    rids = call.per_input("rid")
     if len(set(r for r in rids if r is not None)) < sum(r is not None for r in rids):
         raise RequestError("rid values must be unique")
-    adapters = set(_per_item(body.get("lora_path"), n, "lora_path", str))
+    adapters = set(call.per_input("lora_path"))
     if len(adapters) > 1:
         raise RequestError(
             f"lora_path names {len(adapters)} adapters: this engine serves one at a time"
         )
+    prompts = call.input_ids if call.batch else [call.input_ids]
     items = [
         _Item(prompt, rid, SamplingParams.from_dict(p), bool(lp))
-        for prompt, rid, p, lp in zip(prompts, rids, params, logprob, strict=True)
-    ]
-    return GenerateCall(items, batch, adapters.pop(), stream)
-
-
-def _len_or(value: Any) -> int:
-    return len(value) if isinstance(value, list) else 0
-
-
-def _per_item(value: Any, n: int, name: str, kind: type) -> list[Any]:
-    if isinstance(value, list):
-        if len(value) != n:
-            raise RequestError(f"{name} has {len(value)} entries for {n} inputs")
-        if not all(v is None or isinstance(v, kind) for v in value):
-            raise RequestError(f"{name} entries must be {kind.__name__}")
-        return value
-    if value is not None and not isinstance(value, kind):
-        raise RequestError(f"{name} must be a {kind.__name__} or a list of them")
-    if name == "rid" and value is not None and n > 1:
-        return [f"{value}-{i}" for i in range(n)]  # SGLang expands a batch's rid prefix
-    return [value] * n
+        for prompt, rid, p, lp in zip(
+            prompts, rids, call.per_input("sampling_params"), call.per_input("return_logprob"),
+            strict=True,
+        )
+    ]  # fmt: skip
+    return GenerateCall(items, call.batch, adapters.pop(), call.stream)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:

@@ -20,16 +20,19 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import AfterValidator, BaseModel, ConfigDict
+
+from producers.engine.request_checks import Flag, refused
 from producers.gateway.answers import Answer
 from producers.gateway.requests import (
-    MAX_MESSAGES,
     BadRequest,
     CallRequest,
-    checked_max_tokens,
-    checked_stop,
-    checked_stream,
+    MaxTokens,
+    Messages,
+    StopSequences,
+    parse,
 )
 
 ROLES = frozenset({"user", "assistant"})
@@ -130,33 +133,49 @@ def _tools(tools: Any, choice: Any) -> tuple[list[dict[str, Any]] | None, bool]:
     return functions or None, bool(functions) and kind != "none"
 
 
+def _no_thinking(value: Any) -> Any:
+    if value is not None:
+        raise refused("is not served by this gateway (extended thinking)")
+    return value
+
+
+class MessagesBody(BaseModel):
+    """A Messages API body; its messages, system prompt and tools are read by
+    ``_chat_messages``, ``_text_of`` and ``_tools``. Other fields (``temperature``,
+    ``metadata``, ...) are accepted and ignored: sampling is the run's."""
+
+    model_config = ConfigDict(extra="allow")
+
+    thinking: Annotated[Any, AfterValidator(_no_thinking)] = None
+    tools: Any = None
+    tool_choice: Any = None
+    max_tokens: MaxTokens
+    messages: Messages
+    system: Any = None
+    stop_sequences: StopSequences = []
+    stream: Flag = False
+
+
 def messages_request(body: dict[str, Any], max_call_tokens: int) -> CallRequest:
     """A Messages API body as a chat call, or ``BadRequest`` naming the field."""
-    if body.get("thinking") is not None:
-        raise BadRequest("extended thinking is not served by this gateway")
-    tools, parse_tools = _tools(body.get("tools"), body.get("tool_choice"))
-    max_tokens = checked_max_tokens(body.get("max_tokens"), max_call_tokens)  # required here
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw or len(raw) > MAX_MESSAGES:
-        raise BadRequest(f"'messages' must be a list of 1 to {MAX_MESSAGES} messages")
+    call = parse(MessagesBody, body, max_call_tokens)
+    tools, parse_tools = _tools(call.tools, call.tool_choice)
     messages: list[dict[str, Any]] = []
-    system = body.get("system")
-    if system is not None:
-        messages.append({"role": "system", "content": _text_of(system, "'system'")})
-    for index, message in enumerate(raw):
+    if call.system is not None:
+        messages.append({"role": "system", "content": _text_of(call.system, "'system'")})
+    for index, message in enumerate(call.messages):
         messages += _chat_messages(message, f"messages[{index}]")
     if messages[-1]["role"] not in ("user", "tool"):
         raise BadRequest(
             "the last message must be the user's: a prefilled assistant turn is not served"
         )
-    stop = checked_stop(body.get("stop_sequences") or [], "stop_sequences")
     return CallRequest(
         messages=messages,
         tools=tools,
         parse_tools=parse_tools,
-        max_tokens=max_tokens,
-        stop=stop,
-        stream=checked_stream(body),
+        max_tokens=call.max_tokens,
+        stop=call.stop_sequences,
+        stream=call.stream,
     )
 
 

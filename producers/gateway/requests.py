@@ -14,14 +14,30 @@ sequence of calls.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
+
+from producers.engine.request_checks import Flag, field_name, refused
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-MESSAGE_KEYS = frozenset(
-    {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal"}
-)
 MAX_MESSAGES = 4096
 MAX_STOP_STRINGS = 4
+
+
+_Body = TypeVar("_Body", bound=BaseModel)
 
 
 class BadRequest(ValueError):
@@ -44,140 +60,246 @@ class CallRequest:
     parse_tools: bool = False
 
 
-def checked_max_tokens(max_tokens: Any, max_call_tokens: int) -> int:
-    """A call's ``max_tokens``: a positive integer within the gateway's per-call limit."""
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise BadRequest(f"'max_tokens' must be a positive integer, got {max_tokens!r:.40}")
-    if max_tokens > max_call_tokens:
-        raise BadRequest(
-            f"'max_tokens' {max_tokens} exceeds this gateway's per-call limit "
-            f"{max_call_tokens}: [producers.rollout.gateway] max_call_tokens raises it "
-            "(unset, it is the task's max_new_tokens)"
+_PHRASES = {
+    "bool_type": "must be a boolean",
+    "dict_type": "must be an object",
+    "model_type": "must be an object",
+    "model_attributes_type": "must be an object",
+}
+
+
+def _refusal(exc: ValidationError) -> BadRequest:
+    """The first error of ``exc`` as the gateway words it: ``'field' must be ...``."""
+    error = exc.errors(include_url=False)[0]
+    where = field_name(error["loc"])
+    phrase = _PHRASES.get(error["type"])
+    if error["type"] == "missing":
+        return BadRequest(f"'{where}' is required")
+    if error["type"] == "refused":
+        return BadRequest(f"'{where}' {error['msg']}" if where else error["msg"])
+    if phrase is None:
+        phrase = f"is refused: {error['msg'][0].lower()}{error['msg'][1:]}"
+    return BadRequest(f"'{where}' {phrase}, got {error['input']!r:.40}")
+
+
+def _within_limit(value: int | None, info: ValidationInfo) -> int | None:
+    limit = info.context["max_call_tokens"] if info.context else None
+    if value is not None and limit is not None and value > limit:
+        raise refused(
+            "{value} exceeds this gateway's per-call limit {limit}: [producers.rollout.gateway] "
+            "max_call_tokens raises it (unset, it is the task's max_new_tokens)",
+            value=value,
+            limit=limit,
         )
-    return max_tokens
+    return value
 
 
-def checked_stop(stop: Any, name: str, shape: str = "") -> list[str]:
-    """A call's stop strings (field ``name``, which may also take ``shape``): up to
-    ``MAX_STOP_STRINGS`` non-empty ones."""
-    if (
-        not isinstance(stop, list)
-        or len(stop) > MAX_STOP_STRINGS
-        or not all(isinstance(s, str) and s for s in stop)
-    ):
-        raise BadRequest(f"'{name}' must be {shape}up to {MAX_STOP_STRINGS} non-empty strings")
-    return stop
+def _one(value: Any) -> Any:
+    if value != 1:
+        raise refused("must be 1: an episode is one sequence of calls")
+    return value
 
 
-def checked_stream(body: dict[str, Any]) -> bool:
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean")
-    return stream
+def worded(message: str, items_speak: bool = False) -> WrapValidator:
+    """The field's declared type and limits, refused in the gateway's own words (with
+    ``items_speak``, a list item's own error is left naming the item)."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            if items_speak and any(e["loc"] and isinstance(e["loc"][0], int) for e in exc.errors()):
+                raise  # a list item's own error: it names the item
+            raise refused(message, value=repr(value)[:40]) from None
+
+    return WrapValidator(check)
 
 
-def _options(body: dict[str, Any], max_call_tokens: int) -> dict[str, Any]:
-    """What chat and completion requests share."""
-    if body.get("n", 1) != 1:
-        raise BadRequest("'n' must be 1: an episode is one sequence of calls")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        max_tokens = checked_max_tokens(max_tokens, max_call_tokens)
-    stop = body.get("stop")
-    stop = checked_stop([stop] if isinstance(stop, str) else stop or [], "stop", "a string or ")
-    stream = checked_stream(body)
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise BadRequest("'stream_options' must be an object")
-    include_usage = stream_options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise BadRequest("'stream_options.include_usage' must be a boolean")
-    return {
-        "max_tokens": max_tokens,
-        "stop": stop,
-        "stream": stream,
-        "include_usage": include_usage,
-    }
+PositiveInt = Annotated[int, Strict(), Field(ge=1)]
+MaxTokens = Annotated[
+    PositiveInt,
+    worded("must be a positive integer, got {value}"),
+    AfterValidator(_within_limit),
+]
+"""A call's ``max_tokens``: required by the Messages API, optional (``OptionalMaxTokens``)
+in OpenAI's."""
+OptionalMaxTokens = Annotated[
+    PositiveInt | None,
+    worded("must be a positive integer, got {value}"),
+    AfterValidator(_within_limit),
+]
+
+
+def stop_strings(shape: str = "", one: bool = False) -> Any:
+    """Up to ``MAX_STOP_STRINGS`` non-empty stop strings (``one``: a lone string is one)."""
+    return Annotated[
+        list[Annotated[str, Strict(), Field(min_length=1)]],
+        Field(max_length=MAX_STOP_STRINGS),
+        worded(f"must be {shape}up to {MAX_STOP_STRINGS} non-empty strings"),
+        BeforeValidator(lambda v: [v] if one and isinstance(v, str) else v or []),
+    ]
+
+
+ChatStop = stop_strings("a string or ", one=True)
+StopSequences = stop_strings()
+Messages = Annotated[
+    list[Any],
+    Field(min_length=1, max_length=MAX_MESSAGES),
+    worded(f"must be a list of 1 to {MAX_MESSAGES} messages"),
+]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: Flag = False
+
+
+class CallOptions(BaseModel):
+    """What chat and completion bodies share. Other fields (``temperature``, ``user``, ...)
+    are the run's to choose or the client's own: accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    n: Annotated[Any, AfterValidator(_one)] = 1
+    max_tokens: OptionalMaxTokens = None
+    max_completion_tokens: OptionalMaxTokens = None
+    stop: ChatStop = []
+    stream: Flag = False
+    stream_options: Annotated[StreamOptions, BeforeValidator(lambda v: v or {})] = StreamOptions()
+
+    def options(self) -> dict[str, Any]:
+        chosen = "max_completion_tokens" in self.model_fields_set
+        return {
+            "max_tokens": self.max_completion_tokens if chosen else self.max_tokens,
+            "stop": self.stop,
+            "stream": self.stream,
+            "include_usage": self.stream_options.include_usage,
+        }
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: Annotated[str, Strict()]
+
+
+def _joined(content: str | list[TextPart] | None) -> str | None:
+    return "".join(p.text for p in content) if isinstance(content, list) else content
+
+
+class ChatMessage(BaseModel):
+    """One chat message as the template gets it: known keys only (others dropped),
+    content as text, ``tool_calls`` only on an assistant's."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Annotated[
+        Literal["system", "developer", "user", "assistant", "tool"],
+        worded(f"must be one of {sorted(ROLES)}, got {{value}}"),
+    ]
+    content: Annotated[
+        Annotated[str, Strict()] | list[TextPart] | None,
+        worded("must be a string, a list of text parts or null"),
+        AfterValidator(_joined),
+    ] = None
+    name: Annotated[str, Strict()] = ""
+    tool_calls: Annotated[
+        list[dict[str, Any]] | None,
+        worded("must be a list of objects, on an assistant message"),
+    ] = None
+    tool_call_id: Annotated[str, Strict()] = ""
+    reasoning_content: Any = None
+    refusal: Any = None
+
+    @model_validator(mode="after")
+    def _calls_are_the_assistants(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise refused("has tool_calls: only an assistant message may call tools")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The fields the client sent; a null content is ``""`` unless the message calls
+        tools."""
+        sent = {k: getattr(self, k) for k in self.model_fields_set}
+        if "content" in sent and sent["content"] is None and not self.tool_calls:
+            sent["content"] = ""
+        return sent
+
+
+class ChatBody(CallOptions):
+    """A Chat Completions body; each message is checked by ``_message``."""
+
+    messages: Annotated[
+        list[ChatMessage],
+        Field(min_length=1, max_length=MAX_MESSAGES),
+        worded(f"must be a list of 1 to {MAX_MESSAGES} messages", items_speak=True),
+    ]
+    tools: Annotated[list[dict[str, Any]] | None, worded("must be a list of objects")] = None
+    tool_choice: Any = None
+    logprobs: Annotated[Flag, BeforeValidator(lambda v: v or False)] = False
+    top_logprobs: Annotated[
+        Any,
+        AfterValidator(
+            lambda v: _none_of(v, "is not supported: the sampled token's log-prob only")
+        ),
+    ] = None
+
+
+def _none_of(value: Any, why: str) -> Any:
+    if value:
+        raise refused(why)
+    return value
+
+
+def _prompt(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    try:
+        return handler(value)
+    except ValidationError:
+        raise refused("must be a non-empty string or a list of token ids") from None
+
+
+class CompletionBody(CallOptions):
+    """A (legacy) Completions body: ``prompt`` is text or token ids; ``logprobs`` 0 asks
+    for the sampled tokens' own (no top alternatives)."""
+
+    prompt: Annotated[
+        Annotated[str, Strict(), Field(min_length=1)]
+        | Annotated[list[Annotated[int, Strict(), Field(ge=0)]], Field(min_length=1)],
+        WrapValidator(_prompt),
+    ] = Field(None, validate_default=True)
+    logprobs: Annotated[int, Strict(), Field(ge=0, le=0)] | None = None
+
+
+def parse(model: type[_Body], body: dict[str, Any], max_call_tokens: int) -> _Body:
+    """``body`` as ``model``, its ``max_tokens`` within ``max_call_tokens``; or
+    ``BadRequest`` naming the field."""
+    try:
+        return model.model_validate(body, context={"max_call_tokens": max_call_tokens})
+    except ValidationError as exc:
+        raise _refusal(exc) from exc
 
 
 def chat_request(body: dict[str, Any], max_call_tokens: int) -> CallRequest:
     """A Chat Completions body, checked."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages or len(messages) > MAX_MESSAGES:
-        raise BadRequest(f"'messages' must be a list of 1 to {MAX_MESSAGES} messages")
-    tools = body.get("tools")
-    if tools is not None and (
-        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
-    ):
-        raise BadRequest("'tools' must be a list of objects")
-    logprobs = body.get("logprobs") or False
-    if not isinstance(logprobs, bool):
-        raise BadRequest("'logprobs' must be a boolean")
-    if body.get("top_logprobs"):
-        raise BadRequest("'top_logprobs' is not supported: the sampled token's log-prob only")
+    chat = parse(ChatBody, body, max_call_tokens)
     return CallRequest(
-        messages=[_message(m, i) for i, m in enumerate(messages)],
-        tools=tools or None,
-        logprobs=logprobs,
-        parse_tools=bool(tools) and body.get("tool_choice") != "none",
-        **_options(body, max_call_tokens),
+        messages=[m.for_template() for m in chat.messages],
+        tools=chat.tools or None,
+        logprobs=chat.logprobs,
+        parse_tools=bool(chat.tools) and chat.tool_choice != "none",
+        **chat.options(),
     )
-
-
-def _message(message: Any, index: int) -> dict[str, Any]:
-    """One chat message as the template gets it: known keys only, content as text."""
-    where = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise BadRequest(f"{where} must be an object")
-    role = message.get("role")
-    if role not in ROLES:
-        raise BadRequest(f"{where}.role must be one of {sorted(ROLES)}, got {role!r:.40}")
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise BadRequest(f"{where}.content: only text parts are supported")
-            if not isinstance(part.get("text"), str):
-                raise BadRequest(f"{where}.content: a text part without text")
-            texts.append(part["text"])
-        content = "".join(texts)
-    if content is not None and not isinstance(content, str):
-        raise BadRequest(f"{where}.content must be a string, a list of text parts or null")
-    if content is None and not message.get("tool_calls"):
-        content = ""
-    tool_calls = message.get("tool_calls")
-    if tool_calls is not None and (
-        role != "assistant"
-        or not isinstance(tool_calls, list)
-        or not all(isinstance(c, dict) for c in tool_calls)
-    ):
-        raise BadRequest(f"{where}.tool_calls must be a list of objects, on an assistant message")
-    for key in ("name", "tool_call_id"):
-        if key in message and not isinstance(message[key], str):
-            raise BadRequest(f"{where}.{key} must be a string")
-    return {k: (content if k == "content" else v) for k, v in message.items() if k in MESSAGE_KEYS}
 
 
 def completion_request(body: dict[str, Any], max_call_tokens: int) -> CallRequest:
     """A (legacy) Completions body, checked: ``prompt`` is text or token ids."""
-    prompt = body.get("prompt")
-    options = _options(body, max_call_tokens)
-    logprobs = body.get("logprobs")
-    if logprobs is not None and (
-        not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs != 0
-    ):
-        raise BadRequest(
-            f"'logprobs' must be 0 (the sampled tokens' log-probs; no top alternatives), "
-            f"got {logprobs!r:.40}"
-        )
-    options["logprobs"] = logprobs == 0
-    if isinstance(prompt, str) and prompt:
-        return CallRequest(prompt_text=prompt, **options)
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
-    ):
-        return CallRequest(prompt_ids=list(prompt), **options)
-    raise BadRequest("'prompt' must be a non-empty string or a list of token ids")
+    call = parse(CompletionBody, body, max_call_tokens)
+    prompt = call.prompt
+    return CallRequest(
+        prompt_text=prompt if isinstance(prompt, str) else None,
+        prompt_ids=None if isinstance(prompt, str) else list(prompt),
+        logprobs=call.logprobs == 0,
+        **call.options(),
+    )
