@@ -224,11 +224,12 @@ def decode_positions(data: np.ndarray, numel: int) -> np.ndarray:
     starts[0] = 0
     starts[1:] = ends[:-1] + 1
     extra = ends - starts  # bytes after each gap's first
-    if int(extra.max()) >= _MAX_VARINT_BYTES:
+    longest = int(extra.max())
+    if longest >= _MAX_VARINT_BYTES:
         raise FormatError(RefusalReason.CORRUPT, "varint longer than 9 bytes")
     gaps = (data[starts] & 0x7F).astype(np.uint64)
     longer = np.flatnonzero(extra)
-    for k in range(1, int(extra.max()) + 1):
+    for k in range(1, longest + 1):
         more = (data[starts[longer] + k] & 0x7F).astype(np.uint64)
         gaps[longer] |= more << np.uint64(7 * k)
         longer = longer[extra[longer] > k]

@@ -91,7 +91,7 @@ from producers.gateway.requests import (
     completion_request,
 )
 from producers.gateway.retries import BadRetryHeader, CallMemo, Failure, call_key, is_retry
-from producers.gateway.tool_parsers import template_messages, tool_reader
+from producers.gateway.tool_parsers import ToolReader, template_messages, tool_reader
 from producers.rollout.generation import GroupGenerator, Sample
 from producers.rollout.metrics import ProducerMetrics
 from producers.rollout.versions import Stopped
@@ -483,8 +483,8 @@ class Gateway:
         stream = relay = text = None
         if call.stream:
             stream = await self._open_call_stream(request, placed)
-            if not (call.parse_tools and self.tools is not None):  # calls are parsed out of
-                # the whole text: it is sent once whole
+            if self._tool_reader(call) is None:  # calls are parsed out of the whole text:
+                # with them it is sent once whole
                 text = TextStream(
                     self.tokenizer.decode, logprobs=call.logprobs, envelope=memo.envelope
                 )
@@ -536,6 +536,11 @@ class Gateway:
         stream = await self._open_call_stream(request, placed) if placed.call.stream else None
         return await self._answer(request, placed, stream, None)
 
+    def _tool_reader(self, call: CallRequest) -> ToolReader | None:
+        """What parses the call's answer for tool calls: None when the call offers no tools
+        or the gateway parses none."""
+        return self.tools if call.parse_tools else None
+
     async def _open_call_stream(
         self, request: web.Request, placed: PlacedCall
     ) -> web.StreamResponse:
@@ -564,7 +569,7 @@ class Gateway:
             prompt_tokens=memo.prompt_tokens,
             episode_id=episode.episode_id,
             logprobs=call.logprobs,
-            tools=self.tools if call.parse_tools else None,
+            tools=self._tool_reader(call),
         )
         if placed.anthropic:
             message = MessageAnswer(answer, self.model_name, call.stop, memo.message_id)
