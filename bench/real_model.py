@@ -47,7 +47,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "learning.md"
 PLOTS = ROOT / "docs" / "learning"
 CACHE = Path.home() / ".cache" / "rollstream" / "bench"
-CELLS = CACHE / "real-model-cells.json"
+#: The finished cells are the measurement itself, kept with the docs they make (a cell is
+#: ~12-20 minutes of this machine; a cache under the home directory went with a machine).
+CELLS = PLOTS / "real-model-cells.json"
 RUNS = CACHE / "real-model-runs"
 BEGIN, END = "<!-- bench.real_model: begin -->", "<!-- bench.real_model: end -->"
 MODEL = "smollm2-135m"
