@@ -17,7 +17,15 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import orjson
-from pydantic import AfterValidator, AllowInfNan, BeforeValidator, Field, Strict, ValidationError
+from pydantic import (
+    AfterValidator,
+    AllowInfNan,
+    BeforeValidator,
+    Field,
+    Strict,
+    Tag,
+    ValidationError,
+)
 from pydantic_core import PydanticCustomError
 
 MAX_TOP_K = 1 << 30
@@ -72,11 +80,20 @@ def only(*values: Any, absent: bool = True) -> AfterValidator:
     return AfterValidator(check)
 
 
+def tag(name: str) -> Tag:
+    """A discriminated union's member: pydantic puts its tag in an error's location, where
+    ``field_name`` knows it by its brackets and leaves it out."""
+    return Tag(f"<{name}>")
+
+
 def field_name(loc: tuple[int | str, ...], prefix: str = "") -> str:
     """A pydantic error's location as a client writes it: ``sampling_params.stop[3]``."""
     where = prefix
     for part in loc:
-        where += f"[{part}]" if isinstance(part, int) else f"{'.' if where else ''}{part}"
+        if isinstance(part, int):
+            where += f"[{part}]"
+        elif not part.startswith("<"):
+            where += f"{'.' if where else ''}{part}"
     return where
 
 
@@ -92,6 +109,8 @@ def refusal(exc: ValidationError, prefix: str = "") -> str:
         return f"{where} must be true or false, got {_short(value)}"
     if kind == "extra_forbidden":
         return f"{where} is not supported (an unknown field)"
+    if kind == "missing":
+        return f"{where} is required"
     if kind == "refused":
         return f"{where} {message}" if where else message
     return f"{where}: {message[0].lower()}{message[1:]}, got {_short(value)}"

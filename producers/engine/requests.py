@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -32,6 +32,8 @@ from pydantic import (
 from producers.engine import request_checks as checks
 
 SAMPLING_EPS = 1e-6
+
+_Control = TypeVar("_Control", bound="ControlBody")
 
 
 class RequestError(ValueError):
@@ -225,6 +227,81 @@ class GenerateBody(BaseModel):
         if name == "rid" and value is not None and n > 1:
             return [f"{value}-{i}" for i in range(n)]
         return [value] * n
+
+
+MAX_NAME_CHARS = 256
+"""Of a ``rid`` to abort, an adapter's name, a weight version (every answer repeats it)."""
+MAX_PATH_CHARS = 4096
+"""Linux's ``PATH_MAX``: of a weights or adapter directory."""
+
+Name = Annotated[str, Strict(), Field(min_length=1, max_length=MAX_NAME_CHARS)]
+WeightsPath = Annotated[str, Strict(), Field(min_length=1, max_length=MAX_PATH_CHARS)]
+
+
+def _sha256(of: str) -> Any:
+    """Ours, not SGLang's: the sha256 (64 hex digits) of the safetensors bytes the engine
+    is to load; it loads nothing else."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if value is None:
+            raise checks.refused("is required: the sha256 of {of}", of=of)
+        try:
+            return handler(value)
+        except ValidationError:
+            raise checks.refused("must be 64 hex digits: the sha256 of {of}", of=of) from None
+
+    return Annotated[
+        str, Strict(), Field(pattern=r"^[0-9a-fA-F]{64}$"), WrapValidator(check)
+    ]  # fmt: skip
+
+
+class ControlBody(BaseModel):
+    """A body of SGLang's control endpoints. SGLang's request structs ignore fields they do
+    not know, and its clients send fields that matter only to a GPU server
+    (``flush_cache``, ``is_async``, ``lora_id``, ...): ignored here too."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class AbortBody(ControlBody):
+    """``/abort_request``: one request by ``rid`` (``""``: none), or every one."""
+
+    rid: Annotated[str, Strict(), Field(max_length=MAX_NAME_CHARS)] | None = None
+    abort_all: checks.Flag = False
+
+
+class UpdateWeightsBody(ControlBody):
+    """``/update_weights_from_disk``: a checkpoint directory below the weights directory
+    and the sha256 of its bytes; ``weight_version`` is what answers are tagged with."""
+
+    model_path: WeightsPath
+    load_format: Literal["auto", "safetensors"] | None = None
+    abort_all_requests: checks.Flag = False
+    weight_version: Name | None = None
+    weights_sha256: _sha256("the safetensors file to load") = Field(None, validate_default=True)
+
+
+class LoadLoraBody(ControlBody):
+    """``/load_lora_adapter``: a PEFT adapter directory served as ``lora_name``."""
+
+    lora_name: Name
+    lora_path: WeightsPath
+    pinned: checks.Flag = False
+    weights_sha256: _sha256("the adapter's safetensors file") = Field(None, validate_default=True)
+
+
+class UnloadLoraBody(ControlBody):
+    """``/unload_lora_adapter``: the adapter named ``lora_name`` forgotten."""
+
+    lora_name: Name
+
+
+def control_body(model: type[_Control], body: dict[str, Any]) -> _Control:
+    """``body`` as a control endpoint's ``model``, or ``RequestError`` naming the field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise RequestError(checks.refusal(exc)) from exc
 
 
 @dataclass(frozen=True, slots=True)

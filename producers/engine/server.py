@@ -42,10 +42,13 @@ SGLang's router (``sglang-router``) forwards ``/generate`` with ``model``,
 ``return_hidden_states``, ``background``, ``no_logs``, ``return_bytes`` and
 ``return_entropy`` set to their defaults: accepted at those values, 400 at any other.
 
-Every sampling parameter is checked by type and range before the request is queued (400
-naming ``sampling_params.<field>``), so a bad value never fails the batch other clients
-share; a ``/generate`` whose prompts plus ``max_new_tokens`` exceed ``max_request_tokens``
-tokens is answered **413** with the numbers.
+Every body is read by its pydantic model (``producers.engine.requests``), strict types
+and limits declared: garbage is a 400 naming the field. The control bodies ignore fields
+they do not know, as SGLang's do. Every sampling parameter is checked by type and range
+before the request is queued (400 naming ``sampling_params.<field>``), so a bad value
+never fails the batch other clients share; a ``/generate`` whose prompts plus
+``max_new_tokens`` exceed ``max_request_tokens`` tokens is answered **413** with the
+numbers.
 
 When the engine already holds ``max_pending`` requests (queued or running), ``/generate``
 answers **503** with a ``Retry-After`` header (whole seconds) and queues nothing; the
@@ -92,10 +95,15 @@ from producers.engine.request_checks import (
     refusal,
 )
 from producers.engine.requests import (
+    AbortBody,
     EngineBusy,
     GenerateBody,
+    LoadLoraBody,
     RequestError,
     SamplingParams,
+    UnloadLoraBody,
+    UpdateWeightsBody,
+    control_body,
 )
 from producers.engine.streaming import TokenFeed
 
@@ -282,45 +290,26 @@ async def _stream(
 
 async def abort_request(request: web.Request) -> web.Response:
     try:
-        body = await _body(request)
-        rid = body.get("rid")
-        if rid is not None and not isinstance(rid, str):
-            raise RequestError(f"rid must be a string, got {type(rid).__name__}")
-        abort_all = body.get("abort_all", False)
-        if not isinstance(abort_all, bool):
-            raise RequestError(f"abort_all must be true or false, got {abort_all!r}")
+        body = control_body(AbortBody, await _body(request))
     except RequestError as exc:
         return _error(str(exc))
-    request.app[_ENGINE_KEY].abort(rid or None, abort_all=abort_all)
+    request.app[_ENGINE_KEY].abort(body.rid or None, abort_all=body.abort_all)
     return web.Response(status=200)
 
 
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE_KEY]
     try:
-        body = await _body(request)
-        model_path = body.get("model_path")
-        if not isinstance(model_path, str) or not model_path:
-            raise RequestError("model_path is required")
-        if body.get("load_format") not in (None, "auto", "safetensors"):
-            raise RequestError(f"load_format {body['load_format']!r} is not supported")
-        sha256 = body.get("weights_sha256")
-        if not isinstance(sha256, str) or not sha256:
-            raise RequestError(
-                "weights_sha256 is required: the sha256 of the safetensors file to load"
-            )
-        path = weights_path(model_path, request.app.get(_WEIGHTS_DIR))
+        body = control_body(UpdateWeightsBody, await _body(request))
+        path = weights_path(body.model_path, request.app.get(_WEIGHTS_DIR))
     except RequestError as exc:
         return _error(str(exc))
     except AccessRefused as exc:
         logger.warning("update_weights_from_disk refused: %s", exc)
         return _error(str(exc), exc.status)
-    version = body.get("weight_version")
+    version, model_path = body.weight_version, body.model_path
     future = engine.update_weights_from_disk(
-        path,
-        None if version is None else str(version),
-        abort_all_requests=bool(body.get("abort_all_requests")),
-        sha256=sha256,
+        path, version, abort_all_requests=body.abort_all_requests, sha256=body.weights_sha256
     )
     try:
         paused = await asyncio.wrap_future(future)
@@ -339,17 +328,8 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     directory, its bytes those of ``weights_sha256``); the old one stays on failure."""
     engine = request.app[_ENGINE_KEY]
     try:
-        body = await _body(request)
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            raise RequestError("lora_name and lora_path are required (non-empty strings)")
-        if not isinstance(body.get("pinned", False), bool):
-            raise RequestError("pinned must be true or false")
-        sha256 = body.get("weights_sha256")
-        if not isinstance(sha256, str) or not sha256:
-            raise RequestError(
-                "weights_sha256 is required: the sha256 of the adapter's safetensors file"
-            )
+        body = control_body(LoadLoraBody, await _body(request))
+        name, path, sha256 = body.lora_name, body.lora_path, body.weights_sha256
         directory = weights_path(path, request.app.get(_WEIGHTS_DIR))
         tensors = await asyncio.to_thread(engine.adapter_slot().read, directory, sha256)
         await asyncio.wrap_future(engine.load_adapter(name, directory, tensors))
@@ -366,10 +346,8 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     engine = request.app[_ENGINE_KEY]
     try:
-        name = (await _body(request)).get("lora_name")
-        if not isinstance(name, str) or not name:
-            raise RequestError("lora_name is required (a non-empty string)")
-        await asyncio.wrap_future(engine.unload_adapter(name))
+        body = control_body(UnloadLoraBody, await _body(request))
+        await asyncio.wrap_future(engine.unload_adapter(body.lora_name))
     except RequestError as exc:
         return _error(str(exc))
     except AdapterRefused as exc:

@@ -20,117 +20,230 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Strict,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    model_validator,
+)
 
-from producers.engine.request_checks import Flag, refused
+from producers.engine.request_checks import Flag, refused, tag
 from producers.gateway.answers import Answer
 from producers.gateway.requests import (
+    MAX_MESSAGES,
     BadRequest,
     CallRequest,
     MaxTokens,
-    Messages,
     StopSequences,
     parse,
+    worded,
 )
 
 ROLES = frozenset({"user", "assistant"})
 MAX_BLOCKS = 4096
 MAX_TOOLS = 256
+MAX_NAME_CHARS = 256
+"""Of a tool's name, a tool call's id and the id a result answers."""
+
+Name = Annotated[str, Strict(), Field(max_length=MAX_NAME_CHARS)]
+NAME_LIMIT = f"up to {MAX_NAME_CHARS} characters"
 
 
-def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
-    """A content (a string, or a list of blocks) as blocks, each an object with a type."""
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    if not isinstance(content, list) or len(content) > MAX_BLOCKS:
-        raise BadRequest(f"{where} must be a string or a list of content blocks")
-    for block in content:
+class Part(BaseModel):
+    """A content block or a tool. Fields the gateway does not read (``cache_control``,
+    ``citations``, ``is_error``, ...) are accepted and ignored, as the Messages API does. A
+    field's failure is worded by ``why`` as the part's, naming what the part needs."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    why: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _worded(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            loc = exc.errors()[0]["loc"]
+            why = cls.why.get(str(loc[0])) if loc else None
+            if why is None:
+                raise  # a nested block's own error: it names that block
+            raise refused(why) from None
+
+
+class TextBlock(Part):
+    why: ClassVar[dict[str, str]] = {"text": "is refused: a text block needs a string 'text'"}
+
+    type: Literal["text"]
+    text: Annotated[str, Strict()]
+
+
+def _content(
+    kinds: dict[str, type[Part]], unserved: str, role: str = "", shape: str = "content blocks"
+) -> Any:
+    """A content as a list of blocks of these ``kinds`` (a string: one text block), each
+    told apart by its ``type``; a block of any other type is refused as not served
+    ``unserved`` (with ``role``: in a message of that role)."""
+
+    def kind(block: Any) -> str | None:
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise BadRequest(f"{where}: a content block must be an object with a 'type'")
-    return content
+            return None
+        return f"<{block['type']}>" if block["type"] in kinds else "<other>"
 
-
-def _text(block: dict[str, Any], where: str) -> str:
-    if not isinstance(block.get("text"), str):
-        raise BadRequest(f"{where}: a text block needs a string 'text'")
-    return block["text"]
-
-
-def _text_of(content: Any, where: str) -> str:
-    """Text blocks joined (the system prompt, a tool result); any other block refused."""
-    texts = []
-    for block in _blocks(content, where):
-        if block["type"] != "text":
-            raise BadRequest(f"{where}: {block['type']!r:.40} blocks are not served here")
-        texts.append(_text(block, where))
-    return "".join(texts)
-
-
-def _chat_messages(message: Any, where: str) -> list[dict[str, Any]]:
-    """One Messages API message as the chat messages the template renders: an assistant's
-    text and ``tool_calls``; a user's ``tool`` results, then its text."""
-    if not isinstance(message, dict) or message.get("role") not in ROLES:
-        raise BadRequest(f"{where} must be an object whose 'role' is 'user' or 'assistant'")
-    role, texts, calls, results = message["role"], [], [], []
-    for block in _blocks(message.get("content"), f"{where}.content"):
-        kind = block["type"]
-        if kind == "text":
-            texts.append(_text(block, where))
-        elif kind == "tool_use" and role == "assistant":
-            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
-                raise BadRequest(f"{where}: a tool_use block needs a string 'id' and 'name'")
-            if not isinstance(block.get("input", {}), dict):
-                raise BadRequest(f"{where}: a tool_use block's 'input' must be an object")
-            arguments = json.dumps(block.get("input", {}), ensure_ascii=False)
-            function = {"name": block["name"], "arguments": arguments}
-            calls.append({"id": block["id"], "type": "function", "function": function})
-        elif kind == "tool_result" and role == "user":
-            if not isinstance(block.get("tool_use_id"), str):
-                raise BadRequest(f"{where}: a tool_result block needs a string 'tool_use_id'")
-            content = _text_of(block.get("content", ""), f"{where} tool_result")
-            results.append(
-                {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
-            )
-        else:
-            raise BadRequest(
-                f"{where}: {kind!r:.40} blocks are not served on /v1/messages"
-                + (f" in a {role} message" if kind in ("tool_use", "tool_result") else "")
-            )
-    said = "".join(texts)
-    if role == "assistant":
-        return [{"role": "assistant", "content": said or None, "tool_calls": calls} if calls
-                else {"role": "assistant", "content": said}]  # fmt: skip
-    return [*results, {"role": "user", "content": said}] if said or not results else results
-
-
-def _tools(tools: Any, choice: Any) -> tuple[list[dict[str, Any]] | None, bool]:
-    """The request's tools in the chat template's shape, and whether the answer is parsed
-    for calls (not with ``tool_choice`` ``none``)."""
-    kind = choice.get("type") if isinstance(choice, dict) else None
-    if choice is not None and kind not in ("auto", "none"):
-        raise BadRequest(
-            '\'tool_choice\' must be {"type": "auto"} or {"type": "none"}: a forced call '
-            "('any', 'tool') is not the policy's own choice, which is what is trained"
+    def refuse(block: dict[str, Any]) -> Any:
+        here = (
+            f" in a {role} message" if role and block["type"] in ("tool_use", "tool_result") else ""
         )
-    if tools is None:
-        return None, False
-    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise BadRequest(f"'tools' must be a list of at most {MAX_TOOLS} tools")
-    functions = []
-    for index, tool in enumerate(tools):
-        if (
-            not isinstance(tool, dict)
-            or not isinstance(tool.get("name"), str)
-            or not isinstance(tool.get("input_schema"), dict)
-        ):
-            raise BadRequest(f"tools[{index}] needs a string 'name' and an 'input_schema' object")
-        function = {"name": tool["name"], "parameters": tool["input_schema"]}
-        if isinstance(tool.get("description"), str):
-            function["description"] = tool["description"]
-        functions.append({"type": "function", "function": function})
-    return functions or None, bool(functions) and kind != "none"
+        raise refused(
+            "is refused: {kind} blocks are not served {unserved}{here}",
+            kind=f"{block['type']!r:.40}", unserved=unserved, here=here,
+        )  # fmt: skip
+
+    members = [Annotated[model, tag(name)] for name, model in kinds.items()]
+    other = Annotated[dict[str, Any], AfterValidator(refuse), tag("other")]
+    block = Annotated[
+        Union[tuple([*members, other])],  # noqa: UP007 (built from the kinds)
+        Discriminator(
+            kind,
+            custom_error_type="refused",
+            custom_error_message="must be an object with a 'type'",
+        ),
+    ]
+    return Annotated[
+        list[block],
+        Field(max_length=MAX_BLOCKS),
+        BeforeValidator(lambda v: [{"type": "text", "text": v}] if isinstance(v, str) else v),
+        worded(f"must be a string or a list of {shape} (at most {MAX_BLOCKS})", items_speak=True),
+    ]
+
+
+Text = Annotated[
+    _content({"text": TextBlock}, "here", shape="text blocks"),
+    AfterValidator(lambda blocks: "".join(b.text for b in blocks)),
+]
+"""A content of text blocks only, joined: a system prompt, a tool's result."""
+
+
+class ToolUseBlock(Part):
+    """An assistant's call of a tool: one of its ``tool_calls``."""
+
+    why: ClassVar[dict[str, str]] = {
+        "id": f"is refused: a tool_use block needs a string 'id' and 'name' ({NAME_LIMIT})",
+        "name": f"is refused: a tool_use block needs a string 'id' and 'name' ({NAME_LIMIT})",
+        "input": "is refused: a tool_use block's 'input' must be an object",
+    }
+
+    type: Literal["tool_use"]
+    id: Name
+    name: Name
+    input: dict[str, Any] = Field(default_factory=dict)
+
+    def call(self) -> dict[str, Any]:
+        arguments = json.dumps(self.input, ensure_ascii=False)
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": arguments},
+        }
+
+
+class ToolResultBlock(Part):
+    """A user's answer to a call: a ``tool`` message."""
+
+    why: ClassVar[dict[str, str]] = {
+        "tool_use_id": (
+            f"is refused: a tool_result block needs a string 'tool_use_id' ({NAME_LIMIT})"
+        ),
+    }
+
+    type: Literal["tool_result"]
+    tool_use_id: Name
+    content: Text = ""
+
+    def message(self) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": self.tool_use_id, "content": self.content}
+
+
+class UserMessage(BaseModel):
+    """A user's turn: its ``tool`` results, then its text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["user"]
+    content: _content(
+        {"text": TextBlock, "tool_result": ToolResultBlock}, "on /v1/messages", "user"
+    )
+
+    def chat(self) -> list[dict[str, Any]]:
+        said = "".join(b.text for b in self.content if isinstance(b, TextBlock))
+        results = [b.message() for b in self.content if isinstance(b, ToolResultBlock)]
+        return [*results, {"role": "user", "content": said}] if said or not results else results
+
+
+class AssistantMessage(BaseModel):
+    """An assistant's turn: its text and ``tool_calls``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["assistant"]
+    content: _content({"text": TextBlock, "tool_use": ToolUseBlock}, "on /v1/messages", "assistant")
+
+    def chat(self) -> list[dict[str, Any]]:
+        said = "".join(b.text for b in self.content if isinstance(b, TextBlock))
+        calls = [b.call() for b in self.content if isinstance(b, ToolUseBlock)]
+        if calls:
+            return [{"role": "assistant", "content": said or None, "tool_calls": calls}]
+        return [{"role": "assistant", "content": said}]
+
+
+def _role(message: Any) -> str | None:
+    role = message.get("role") if isinstance(message, dict) else None
+    return f"<{role}>" if role in ROLES else None
+
+
+Message = Annotated[
+    Annotated[UserMessage, tag("user")] | Annotated[AssistantMessage, tag("assistant")],
+    Discriminator(
+        _role,
+        custom_error_type="refused",
+        custom_error_message="must be an object whose 'role' is 'user' or 'assistant'",
+    ),
+]
+
+
+class Tool(Part):
+    """A tool the model may call, as the chat template's ``function``."""
+
+    why: ClassVar[dict[str, str]] = dict.fromkeys(
+        ("name", "input_schema"),
+        f"needs a string 'name' ({NAME_LIMIT}) and an 'input_schema' object",
+    )
+
+    name: Name
+    input_schema: dict[str, Any]
+    description: Annotated[str, Strict()] | None = None
+
+    def function(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name, "parameters": self.input_schema}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+class ToolChoice(BaseModel):
+    """``auto``, or ``none`` (the answer is not parsed for calls)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["auto", "none"]
 
 
 def _no_thinking(value: Any) -> Any:
@@ -140,18 +253,30 @@ def _no_thinking(value: Any) -> Any:
 
 
 class MessagesBody(BaseModel):
-    """A Messages API body; its messages, system prompt and tools are read by
-    ``_chat_messages``, ``_text_of`` and ``_tools``. Other fields (``temperature``,
-    ``metadata``, ...) are accepted and ignored: sampling is the run's."""
+    """A Messages API body. Other fields (``temperature``, ``metadata``, ...) are accepted
+    and ignored: sampling is the run's."""
 
     model_config = ConfigDict(extra="allow")
 
     thinking: Annotated[Any, AfterValidator(_no_thinking)] = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: Annotated[
+        Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None,
+        worded(f"must be a list of at most {MAX_TOOLS} tools", items_speak=True),
+    ] = None
+    tool_choice: Annotated[
+        ToolChoice | None,
+        worded(
+            'must be {"type": "auto"} or {"type": "none"}: a forced call (\'any\', '
+            "'tool') is not the policy's own choice, which is what is trained"
+        ),
+    ] = None
     max_tokens: MaxTokens
-    messages: Messages
-    system: Any = None
+    messages: Annotated[
+        list[Message],
+        Field(min_length=1, max_length=MAX_MESSAGES),
+        worded(f"must be a list of 1 to {MAX_MESSAGES} messages", items_speak=True),
+    ]
+    system: Text | None = None
     stop_sequences: StopSequences = []
     stream: Flag = False
 
@@ -159,12 +284,12 @@ class MessagesBody(BaseModel):
 def messages_request(body: dict[str, Any], max_call_tokens: int) -> CallRequest:
     """A Messages API body as a chat call, or ``BadRequest`` naming the field."""
     call = parse(MessagesBody, body, max_call_tokens)
-    tools, parse_tools = _tools(call.tools, call.tool_choice)
+    tools = [tool.function() for tool in call.tools or []] or None
     messages: list[dict[str, Any]] = []
     if call.system is not None:
-        messages.append({"role": "system", "content": _text_of(call.system, "'system'")})
-    for index, message in enumerate(call.messages):
-        messages += _chat_messages(message, f"messages[{index}]")
+        messages.append({"role": "system", "content": call.system})
+    for message in call.messages:
+        messages += message.chat()
     if messages[-1]["role"] not in ("user", "tool"):
         raise BadRequest(
             "the last message must be the user's: a prefilled assistant turn is not served"
@@ -172,7 +297,7 @@ def messages_request(body: dict[str, Any], max_call_tokens: int) -> CallRequest:
     return CallRequest(
         messages=messages,
         tools=tools,
-        parse_tools=parse_tools,
+        parse_tools=tools is not None and getattr(call.tool_choice, "type", None) != "none",
         max_tokens=call.max_tokens,
         stop=call.stop_sequences,
         stream=call.stream,

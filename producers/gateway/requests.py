@@ -142,11 +142,6 @@ def stop_strings(shape: str = "", one: bool = False) -> Any:
 
 ChatStop = stop_strings("a string or ", one=True)
 StopSequences = stop_strings()
-Messages = Annotated[
-    list[Any],
-    Field(min_length=1, max_length=MAX_MESSAGES),
-    worded(f"must be a list of 1 to {MAX_MESSAGES} messages"),
-]
 
 
 class StreamOptions(BaseModel):

@@ -322,7 +322,8 @@ def _play_anthropic(
         assert message.stop_reason in ("end_turn", "max_tokens")
         assert 1 <= message.usage.output_tokens <= 2 and message.usage.input_tokens > 5
         answers.append(text)
-        messages = [*messages, {"role": "assistant", "content": [{"type": "text", "text": text}]}]
+        said = {"type": "text", "text": text, "cache_control": {"type": "ephemeral"}}
+        messages = [*messages, {"role": "assistant", "content": [said]}]  # cache_control ignored
         if turn == 0:  # the tool's answer, as the user's next message
             messages.append({"role": "user", "content": messages[0]["content"]})
     return answers
@@ -362,6 +363,15 @@ def test_anthropic_agents_play_a_group_recorded_as_openai_agents_are(
             ({"messages": [{"role": "robot", "content": "1"}]}, "'user' or 'assistant'"),
             ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "'image'"),
             ({"messages": [*user, {"role": "assistant", "content": "1"}]}, "last message"),
+            (
+                {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+                "'document' blocks are not served",
+            ),
+            ({"system": [{"type": "text", "text": 5}]}, "a text block needs a string 'text'"),
+            (
+                {"tools": [{"name": "c" * 300, "input_schema": {"type": "object"}}]},
+                r"'tools\[0\]' needs a string 'name'",
+            ),
         ):
             call = {"model": "policy", "max_tokens": 2, "messages": user, **asks}
             with pytest.raises(anthropic.BadRequestError, match=why) as error:
@@ -586,6 +596,8 @@ def test_garbage_is_refused_with_a_reason_and_the_group_still_lands(
         episode = opened["episode_id"]
         chat = f"/episodes/{episode}/v1/chat/completions"
         good = {"model": "policy", "messages": _messages(opened)}
+        messages = f"/episodes/{episode}/v1/messages"
+        anthropic_good = {"model": "policy", "max_tokens": 2, "messages": _messages(opened)[1:]}
         refusals = {
             "no key": (httpx.post(run.url + chat, json=good, timeout=30), 401),
             "wrong key": (run.post(chat, good, headers={"Authorization": "Bearer nope"}), 401),
@@ -673,6 +685,51 @@ def test_garbage_is_refused_with_a_reason_and_the_group_still_lands(
             ),
             "an unknown field": (
                 run.post(f"/v1/episodes/{episode}/close", {"reward": 1, "bonus": 2}),
+                400,
+            ),
+            "a messages body a list": (run.post(messages, [good]), 400),
+            "a content block a bool": (
+                run.post(
+                    messages, {**anthropic_good, "messages": [{"role": "user", "content": [True]}]}
+                ),
+                400,
+            ),
+            "a tool_use id a number": (
+                run.post(
+                    messages,
+                    {
+                        **anthropic_good,
+                        "messages": [
+                            {"role": "user", "content": "1"},
+                            {
+                                "role": "assistant",
+                                "content": [{"type": "tool_use", "id": 1, "name": "f"}],
+                            },
+                            {"role": "user", "content": "2"},
+                        ],
+                    },
+                ),
+                400,
+            ),
+            "a tool_result past the blocks limit": (
+                run.post(
+                    messages,
+                    {
+                        **anthropic_good,
+                        "messages": [
+                            {
+                                "role": "user",
+                                "content": [
+                                    {
+                                        "type": "tool_result",
+                                        "tool_use_id": "t",
+                                        "content": [{"type": "text", "text": "1"}] * 5000,
+                                    }
+                                ],
+                            }
+                        ],
+                    },
+                ),
                 400,
             ),
         }

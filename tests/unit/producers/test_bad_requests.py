@@ -136,6 +136,49 @@ def test_abort_with_a_bad_rid_is_a_400(server):
         assert reply.status_code == 400 and "rid" in reply.json()["message"]
 
 
+SHA = "0" * 64
+CONTROL_GARBAGE = [
+    ("/abort_request", {"abort_all": "yes"}, "abort_all"),
+    ("/abort_request", {"rid": "r" * 300}, "rid"),
+    ("/update_weights_from_disk", {}, "model_path is required"),
+    ("/update_weights_from_disk", {"model_path": True, "weights_sha256": SHA}, "model_path"),
+    ("/update_weights_from_disk", {"model_path": "/w", "weights_sha256": "x"}, "weights_sha256"),
+    ("/update_weights_from_disk", {"model_path": "/w" * 3000, "weights_sha256": SHA}, "model_path"),
+    (
+        "/update_weights_from_disk",
+        {"model_path": "/w", "weights_sha256": SHA, "weight_version": 1.5},
+        "weight_version",
+    ),
+    ("/load_lora_adapter", {"lora_name": "a"}, "lora_path is required"),
+    ("/load_lora_adapter", {"lora_name": 1, "lora_path": "/w", "weights_sha256": SHA}, "lora_name"),
+    ("/unload_lora_adapter", {"lora_name": ""}, "lora_name"),
+    ("/unload_lora_adapter", {"lora_name": ["a"] * 10_000}, "lora_name"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "why"), CONTROL_GARBAGE, ids=[f"{p}-{w}" for p, _, w in CONTROL_GARBAGE]
+)
+def test_control_garbage_is_a_400_naming_the_field(server, path, body, why):
+    reply = httpx.post(server.url + path, json=body)
+    assert reply.status_code == 400, reply.text
+    assert why in reply.json()["message"]
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/abort_request", "/update_weights_from_disk", "/load_lora_adapter", "/unload_lora_adapter"],
+)
+def test_a_control_body_not_a_json_object_is_a_400(server, path):
+    for raw in (b"{not json", b"[1, 2]", b'"rid"', b"null", b"7", b"\xff\xfe"):
+        reply = httpx.post(
+            server.url + path, content=raw, headers={"Content-Type": "application/json"}
+        )
+        assert reply.status_code == 400, (raw, reply.text)
+        assert reply.json()["object"] == "error"
+    assert server.engine.weight_version == "0" and server.engine.alive
+
+
 @pytest.mark.parametrize("value", [0, -5, "lots", 1.5])
 def test_engine_token_budget_setting_is_validated(value):
     with pytest.raises(ValueError, match="max_request_tokens"):

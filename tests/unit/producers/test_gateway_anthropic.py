@@ -11,8 +11,14 @@ from typing import Any
 import pytest
 
 from producers.gateway.answers import Answer, Envelope
-from producers.gateway.anthropic import MessageAnswer, messages_request
-from producers.gateway.requests import BadRequest
+from producers.gateway.anthropic import (
+    MAX_BLOCKS,
+    MAX_NAME_CHARS,
+    MAX_TOOLS,
+    MessageAnswer,
+    messages_request,
+)
+from producers.gateway.requests import MAX_MESSAGES, BadRequest
 from producers.gateway.tool_parsers import HERMES, ToolReader
 from producers.rollout.generation import Sample
 
@@ -188,6 +194,124 @@ USER = [{"role": "user", "content": "hi"}]
 def test_garbage_is_refused_naming_the_field(body: dict[str, Any], why: str) -> None:
     with pytest.raises(BadRequest, match=why.replace("(", r"\(").replace(")", r"\)")):
         messages_request({"max_tokens": 8, "messages": USER, **body}, LIMIT)
+
+
+def _turn(*blocks: Any, role: str = "user") -> dict[str, Any]:
+    """A body whose one turn (after a user's, for an assistant's) holds ``blocks``."""
+    turns = [{"role": role, "content": list(blocks)}]
+    return {"messages": turns if role == "user" else [*USER, *turns, *USER]}
+
+
+LONG = "x" * (MAX_NAME_CHARS + 1)
+CALL = {"type": "tool_use", "id": "toolu_1", "name": "f"}
+BLOCK_GARBAGE: list[tuple[dict[str, Any], str]] = [
+    (_turn(True), r"'messages\[0\].content\[0\]' must be an object with a 'type'"),
+    (_turn({"text": "hi"}), r"content\[0\]' must be an object with a 'type'"),
+    (_turn({"type": 3, "text": "hi"}), r"content\[0\]' must be an object with a 'type'"),
+    (_turn({"type": "text", "text": 5}), r"content\[0\]' is refused: a text block needs"),
+    (_turn({"type": "text", "text": None}), "a text block needs a string 'text'"),
+    (_turn({"type": "text", "text": ["a"]}), "a text block needs a string 'text'"),
+    (_turn({"type": "document", "source": {}}), "'document' blocks are not served"),
+    (_turn({"type": "thinking", "thinking": "hm"}, role="assistant"), "'thinking' blocks"),
+    (_turn({"type": "x" * 100}), "'" + "x" * 39 + " blocks"),  # its repr cut at 40
+    (_turn({"type": "server_tool_use"}, role="assistant"), "'server_tool_use' blocks"),
+    (_turn({**CALL, "id": True}, role="assistant"), "needs a string 'id' and 'name'"),
+    (_turn({**CALL, "name": 7}, role="assistant"), "needs a string 'id' and 'name'"),
+    (_turn({**CALL, "id": LONG}, role="assistant"), f"up to {MAX_NAME_CHARS} characters"),
+    (_turn({**CALL, "input": '{"a": 1}'}, role="assistant"), "'input' must be an object"),
+    (_turn({**CALL, "input": None}, role="assistant"), "'input' must be an object"),
+    (_turn({"type": "tool_result"}), "a string 'tool_use_id'"),
+    (_turn({"type": "tool_result", "tool_use_id": LONG}), "a string 'tool_use_id'"),
+    (
+        _turn({"type": "tool_result", "tool_use_id": "t", "content": {"text": "4"}}),
+        r"content\[0\].content' must be a string or a list of text blocks",
+    ),
+    (
+        _turn({"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text"}]}),
+        r"content\[0\].content\[0\]' is refused: a text block needs",
+    ),
+    (
+        _turn({"type": "tool_result", "tool_use_id": "t", "content": [CALL]}),
+        "'tool_use' blocks are not served here",
+    ),
+    (_turn(*[{"type": "text", "text": "a"}] * (MAX_BLOCKS + 1)), "list of content blocks"),
+    ({"messages": [{"role": "user"}]}, r"'messages\[0\].content' is required"),
+    ({"messages": [{"role": "user", "content": None}]}, "a string or a list of content blocks"),
+    ({"messages": [{"role": True, "content": "hi"}]}, "'user' or 'assistant'"),
+    ({"messages": [{"role": "system", "content": "hi"}]}, "'user' or 'assistant'"),
+    ({"messages": [USER[0]] * (MAX_MESSAGES + 1)}, "'messages' must be a list of 1 to"),
+    ({"system": [{"type": "image", "source": {}}]}, r"'system\[0\]' is refused: 'image' blocks"),
+    ({"system": [{"type": "text", "text": 1}]}, r"'system\[0\]' is refused: a text block"),
+    ({"system": {"type": "text", "text": "hi"}}, "'system' must be a string or a list"),
+    ({"system": [{"type": "text", "text": "a"}] * (MAX_BLOCKS + 1)}, "'system' must be"),
+    ({"tools": [WEATHER] * (MAX_TOOLS + 1)}, f"at most {MAX_TOOLS} tools"),
+    ({"tools": [7]}, r"'tools\[0\]' must be an object, got 7"),
+    ({"tools": [{**WEATHER, "name": LONG}]}, r"'tools\[0\]' needs a string 'name'"),
+    ({"tools": [{**WEATHER, "name": False}]}, r"'tools\[0\]' needs a string 'name'"),
+    ({"tools": [{**WEATHER, "input_schema": "{}"}]}, "an 'input_schema' object"),
+    ({"tools": [{**WEATHER, "description": 3}]}, r"'tools\[0\].description'"),
+    ({"tools": {"name": "weather"}}, "'tools' must be a list"),
+    ({"tool_choice": {"type": "tool", "name": "weather"}}, "a forced call"),
+    ({"tool_choice": {}}, "'tool_choice' must be"),
+    ({"tool_choice": ["auto"]}, "'tool_choice' must be"),
+]
+
+
+@pytest.mark.parametrize(("body", "why"), BLOCK_GARBAGE, ids=[w[:48] for _, w in BLOCK_GARBAGE])
+def test_block_garbage_is_refused_naming_the_block(body: dict[str, Any], why: str) -> None:
+    """Every content block, system prompt and tool is a model with its limits: a wrong
+    type, a bool, a missing field, a list or a name past its limit, an unknown block type
+    is a ``BadRequest`` (a 400) naming where, never another exception (a 500)."""
+    with pytest.raises(BadRequest, match=why):
+        messages_request({"max_tokens": 8, "messages": USER, **body}, LIMIT)
+
+
+def test_the_anthropic_clients_extra_fields_are_accepted_and_ignored() -> None:
+    """What the Messages API takes beside what the gateway reads (``cache_control``,
+    ``citations``, ``is_error``, a tool's ``type``, ``disable_parallel_tool_use``) is
+    ignored, as the API ignores what it does not need."""
+    cached = {"cache_control": {"type": "ephemeral"}}
+    call = _request(
+        system=[{"type": "text", "text": "be brief", **cached}],
+        tools=[{**WEATHER, "type": "custom", **cached}],
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+        metadata={"user_id": "u"},
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "hi", "citations": None}]},
+            {"role": "assistant", "content": [{**CALL, "input": {}, **cached}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "is_error": True, **cached},
+                    {"type": "text", "text": "go on", **cached},
+                ],
+            },
+        ],
+    )
+    assert call.messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "toolu_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "toolu_1", "content": ""},
+        {"role": "user", "content": "go on"},
+    ]
+    assert call.tools == [
+        {
+            "type": "function",
+            "function": {
+                "name": "weather",
+                "parameters": {"type": "object"},
+                "description": "today's weather",
+            },
+        }
+    ]
+    assert call.parse_tools
 
 
 WORDS = [

@@ -8,7 +8,17 @@ from typing import Any
 
 import pytest
 
-from producers.engine.requests import RequestError, SamplingParams
+from producers.engine.requests import (
+    MAX_NAME_CHARS,
+    AbortBody,
+    ControlBody,
+    LoadLoraBody,
+    RequestError,
+    SamplingParams,
+    UnloadLoraBody,
+    UpdateWeightsBody,
+    control_body,
+)
 from producers.engine.server import parse_generate
 from producers.gateway.requests import BadRequest, chat_request, completion_request
 
@@ -105,6 +115,81 @@ def test_sampling_params_built_in_python_meet_the_same_limits() -> None:
     whole = SamplingParams.from_dict({"top_k": 5.0, "max_new_tokens": 7.0, "temperature": 1})
     assert (whole.top_k, whole.max_new_tokens, whole.temperature) == (5, 7, 1.0)
     assert isinstance(whole.top_k, int) and isinstance(whole.temperature, float)
+
+
+SHA = "ab" * 32
+WEIGHTS = {"model_path": "/weights/v1", "weights_sha256": SHA}
+ADAPTER = {"lora_name": "v1", "lora_path": "/weights/v1", "weights_sha256": SHA}
+CONTROL_GARBAGE: list[tuple[type[ControlBody], dict[str, Any], str]] = [
+    (AbortBody, {"rid": 7}, "rid: input should be a valid string"),
+    (AbortBody, {"rid": ["a"]}, "rid: input should be a valid string"),
+    (AbortBody, {"rid": "r" * (MAX_NAME_CHARS + 1)}, "rid: string should have at most"),
+    (AbortBody, {"abort_all": 1}, "abort_all must be true or false, got 1"),
+    (AbortBody, {"abort_all": "true"}, "abort_all must be true or false"),
+    (AbortBody, {"abort_all": None}, "abort_all must be true or false"),
+    (UpdateWeightsBody, {}, "model_path is required"),
+    (UpdateWeightsBody, {**WEIGHTS, "model_path": ""}, "model_path: string should have at least"),
+    (UpdateWeightsBody, {**WEIGHTS, "model_path": 5}, "model_path: input should be a valid string"),
+    (UpdateWeightsBody, {**WEIGHTS, "model_path": "/" * 5000}, "model_path: string should have"),
+    (UpdateWeightsBody, {**WEIGHTS, "load_format": "pt"}, "load_format: input should be 'auto'"),
+    (UpdateWeightsBody, {**WEIGHTS, "load_format": 1}, "load_format"),
+    (UpdateWeightsBody, {**WEIGHTS, "abort_all_requests": 1}, "abort_all_requests must be true"),
+    (UpdateWeightsBody, {**WEIGHTS, "weight_version": 3}, "weight_version: input should be"),
+    (UpdateWeightsBody, {**WEIGHTS, "weight_version": True}, "weight_version: input should be"),
+    (UpdateWeightsBody, {**WEIGHTS, "weight_version": "9" * 300}, "weight_version: string"),
+    (UpdateWeightsBody, {"model_path": "/w"}, "weights_sha256 is required: the sha256 of"),
+    (UpdateWeightsBody, {**WEIGHTS, "weights_sha256": None}, "weights_sha256 is required"),
+    (UpdateWeightsBody, {**WEIGHTS, "weights_sha256": ""}, "weights_sha256 must be 64 hex"),
+    (UpdateWeightsBody, {**WEIGHTS, "weights_sha256": "g" * 64}, "weights_sha256 must be 64 hex"),
+    (UpdateWeightsBody, {**WEIGHTS, "weights_sha256": SHA + "0"}, "weights_sha256 must be 64"),
+    (UpdateWeightsBody, {**WEIGHTS, "weights_sha256": 0}, "weights_sha256 must be 64 hex"),
+    (LoadLoraBody, {k: v for k, v in ADAPTER.items() if k != "lora_name"}, "lora_name is required"),
+    (LoadLoraBody, {k: v for k, v in ADAPTER.items() if k != "lora_path"}, "lora_path is required"),
+    (LoadLoraBody, {**ADAPTER, "lora_name": 5}, "lora_name: input should be a valid string"),
+    (LoadLoraBody, {**ADAPTER, "lora_name": ""}, "lora_name: string should have at least"),
+    (LoadLoraBody, {**ADAPTER, "lora_name": "n" * 257}, "lora_name: string should have at most"),
+    (LoadLoraBody, {**ADAPTER, "lora_path": ["x"]}, "lora_path: input should be a valid string"),
+    (LoadLoraBody, {**ADAPTER, "pinned": "yes"}, "pinned must be true or false"),
+    (LoadLoraBody, {**ADAPTER, "weights_sha256": False}, "weights_sha256 must be 64 hex"),
+    (LoadLoraBody, {"lora_name": "a", "lora_path": "/w"}, "the adapter's safetensors file"),
+    (UnloadLoraBody, {}, "lora_name is required"),
+    (UnloadLoraBody, {"lora_name": None}, "lora_name: input should be a valid string"),
+    (UnloadLoraBody, {"lora_name": {"a": 1}}, "lora_name: input should be a valid string"),
+]
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "why"),
+    CONTROL_GARBAGE,
+    ids=[f"{m.__name__}-{w}"[:60] for m, _, w in CONTROL_GARBAGE],
+)
+def test_control_garbage_is_refused_naming_the_field(
+    model: type[ControlBody], body: dict[str, Any], why: str
+) -> None:
+    with pytest.raises(RequestError, match=why):
+        control_body(model, body)
+
+
+def test_control_bodies_sglangs_clients_send_come_through() -> None:
+    """SGLang's fields this engine has no use for (``flush_cache``, ``lora_id``, ...) are
+    ignored, as SGLang ignores fields it does not know."""
+    abort = control_body(AbortBody, {"rid": "", "abort_all": True, "abort_message": "x"})
+    assert (abort.rid, abort.abort_all) == ("", True)
+    assert control_body(AbortBody, {}) == AbortBody(rid=None, abort_all=False)
+    update = control_body(
+        UpdateWeightsBody,
+        {**WEIGHTS, "weight_version": "3", "abort_all_requests": True, "flush_cache": True,
+         "is_async": False, "load_format": "auto", "weights_sha256": SHA.upper()},
+    )  # fmt: skip
+    assert (update.model_path, update.weight_version, update.abort_all_requests) == (
+        "/weights/v1",
+        "3",
+        True,
+    )
+    assert update.weights_sha256 == SHA.upper()  # compared case-blind with the file's
+    load = control_body(LoadLoraBody, {**ADAPTER, "pinned": True, "lora_id": None})
+    assert (load.lora_name, load.lora_path, load.pinned) == ("v1", "/weights/v1", True)
+    assert control_body(UnloadLoraBody, {"lora_name": "v1", "lora_id": "x"}).lora_name == "v1"
 
 
 CHAT = {"messages": [{"role": "user", "content": "2+3?"}]}

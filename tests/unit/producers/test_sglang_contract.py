@@ -22,7 +22,14 @@ from core.models import BOS_ID, SEP_ID, TinyTokenizer, build_tiny_llama
 from infra.sglang import SGLANG_VERSION, SGLangServer
 from producers.engine import requests as engine_requests
 from producers.engine.engine import Engine
-from producers.engine.requests import ROUTER_DEFAULTS, GenerateBody
+from producers.engine.requests import (
+    ROUTER_DEFAULTS,
+    AbortBody,
+    GenerateBody,
+    LoadLoraBody,
+    UnloadLoraBody,
+    UpdateWeightsBody,
+)
 from producers.engine.server import make_app
 
 pytestmark = pytest.mark.unit
@@ -99,6 +106,8 @@ def test_weight_and_abort_requests_are_sglangs(sglang: zipfile.ZipFile) -> None:
     answer = _fields(io, "UpdateWeightFromDiskReqOutput")
     assert {"success", "message", "num_paused_requests"} <= answer
     assert {"rid", "abort_all"} <= _fields(io, "AbortReq") | _fields(io, "BaseReq")
+    assert set(UpdateWeightsBody.model_fields) - OUR_EXTENSIONS <= update
+    assert set(AbortBody.model_fields) <= _fields(io, "AbortReq") | _fields(io, "BaseReq")
     # SGLang's request structs ignore fields they do not know, so sending ours is safe
     schema = sglang.read("sglang/srt/utils/msgspec_utils.py").decode()
     assert 'extra_behavior="ignore"' in schema
@@ -109,6 +118,9 @@ def test_lora_requests_and_answers_are_sglangs(sglang: zipfile.ZipFile) -> None:
     assert {"lora_name", "lora_path", "pinned"} <= _fields(io, "LoadLoRAAdapterReqInput")
     assert "lora_name" in _fields(io, "UnloadLoRAAdapterReqInput")
     assert OUR_EXTENSIONS.isdisjoint(_fields(io, "LoadLoRAAdapterReqInput"))
+    ours = set(LoadLoraBody.model_fields) - OUR_EXTENSIONS
+    assert ours <= _fields(io, "LoadLoRAAdapterReqInput")
+    assert set(UnloadLoraBody.model_fields) <= _fields(io, "UnloadLoRAAdapterReqInput")
     # both answers are LoRAUpdateOutput: the keys our server answers and our client reads
     assert {"success", "error_message", "loaded_adapters"} <= _fields(io, "LoRAUpdateOutput")
     assert "LoadLoRAAdapterReqOutput = UnloadLoRAAdapterReqOutput" in ast.unparse(io)
