@@ -77,7 +77,7 @@ def refusal() -> str | None:
     """Why namespaces cannot be made here (no ``ip``/``tc``, or not allowed), else None."""
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return "the ip and tc commands (iproute2) are not installed"
-    probe = "rs-probe"
+    probe = f"rs-probe-{os.getpid()}"  # two test workers probing at once must not collide
     made = _run("ip", "netns", "add", probe)
     if made.returncode != 0:
         return f"ip netns add is refused: {made.stderr.strip()} (it needs root)"

@@ -38,6 +38,8 @@ from infra.kafka import EmbeddedKafka
 from infra.s3 import SeaweedServer, ensure_bucket
 from weights.store import make_s3_client
 
+pytest_plugins = ("support.cpu_time",)  # CPU seconds per test, printed with the durations
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test with its tier, refuse a test filed in a faster folder than its tier,

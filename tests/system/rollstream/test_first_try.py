@@ -27,6 +27,7 @@ pytestmark = pytest.mark.system
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 TAG = "```bash first-try"
+TIMED = "PS4='+ [${SECONDS}s] '\n"  # bash -x then says when each command started
 
 
 def first_try_blocks() -> list[tuple[str, str]]:
@@ -64,7 +65,7 @@ def test_a_first_try_block_runs_as_written(where: str, script: str, tmp_path: Pa
     # `rollstream` and `python` as this interpreter's environment has them
     env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
     block = subprocess.Popen(
-        ["bash", "-x", "-euo", "pipefail", "-c", script], cwd=work, env=env,
+        ["bash", "-x", "-euo", "pipefail", "-c", TIMED + script], cwd=work, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         stdin=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
