@@ -26,6 +26,15 @@ pytestmark = pytest.mark.unit
 
 LIMIT = 64
 WEATHER = {"name": "weather", "description": "today's weather", "input_schema": {"type": "object"}}
+WEATHER_AS_OPENAI = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {"type": "object"},
+        "description": "today's weather",
+    },
+}
+"""The Messages API's weather tool as the chat template receives it."""
 
 
 def _request(**body: Any) -> Any:
@@ -78,16 +87,7 @@ def test_a_tool_conversation_becomes_the_chat_templates_messages() -> None:
         {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
         {"role": "user", "content": "and tomorrow?"},
     ]
-    assert call.tools == [
-        {
-            "type": "function",
-            "function": {
-                "name": "weather",
-                "parameters": {"type": "object"},
-                "description": "today's weather",
-            },
-        }
-    ]
+    assert call.tools == [WEATHER_AS_OPENAI]
     assert call.parse_tools and call.stop == ["\n\n"] and call.max_tokens == 8
     only_results = _request(
         tools=[WEATHER],
@@ -301,16 +301,7 @@ def test_the_anthropic_clients_extra_fields_are_accepted_and_ignored() -> None:
         {"role": "tool", "tool_call_id": "toolu_1", "content": ""},
         {"role": "user", "content": "go on"},
     ]
-    assert call.tools == [
-        {
-            "type": "function",
-            "function": {
-                "name": "weather",
-                "parameters": {"type": "object"},
-                "description": "today's weather",
-            },
-        }
-    ]
+    assert call.tools == [WEATHER_AS_OPENAI]
     assert call.parse_tools
 
 
