@@ -397,8 +397,7 @@ class EpisodeDesk:
             return
         counts = CallCounts(episode.calls, prompt_tokens, len(turn.response_ids))
         self.ledger.episode_call(episode.group_id, episode.episode_id, counts, sync=False)
-        if self.ledger.fsync:
-            await asyncio.to_thread(self.ledger.sync)
+        await self.ledger.synced()  # shared with the calls committed beside it
 
     def close(
         self, episode: GatewayEpisode, reward: float, details: Mapping[str, Any]

@@ -128,11 +128,11 @@ class GroupPublisher:
         self.send(prepared)
 
     async def publish_async(self, group_id: str, trajectories: Sequence[Trajectory]) -> None:
-        """``publish`` with the ledger's fsync in a thread: the event loop keeps serving
-        other groups while the disk confirms the ``pending`` line."""
+        """``publish`` with the ledger's fsync in a thread (``Ledger.synced``, shared with
+        the lines written beside it): the event loop keeps serving other groups while the
+        disk confirms the ``pending`` line."""
         prepared = self.prepare(group_id, trajectories)
-        if self.ledger.fsync:
-            await asyncio.to_thread(self.ledger.sync)
+        await self.ledger.synced()
         self.send(prepared)
 
     def prepare(self, group_id: str, trajectories: Sequence[Trajectory]) -> _Prepared:

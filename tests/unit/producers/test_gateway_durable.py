@@ -6,6 +6,8 @@ with the reason, and malformed ``episode_call`` lines are refused like any other
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -192,3 +194,59 @@ def test_a_stop_with_no_episode_closed_still_says_why_its_episodes_ended(tmp_pat
     state = read_ledger(tmp_path / "ledger.jsonl")
     assert set(state.abandoned["g1"].values()) == {"the producer stopped"}
     assert len(state.abandoned["g1"]) == 2 and state.interrupted() == {}
+
+
+def test_calls_committed_together_share_an_fsync_begun_after_their_lines(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    async def play() -> None:
+        with Ledger(tmp_path, fsync=True) as ledger:
+            began: list[int] = []  # the lines written when each fsync began
+            done: list[int] = []
+            running = threading.Event()
+            real = ledger.sync
+
+            def slow_sync() -> None:
+                began.append(ledger.state.lines)
+                running.set()
+                time.sleep(0.05)
+                real()
+                done.append(began[-1])
+
+            monkeypatch.setattr(ledger, "sync", slow_sync)
+
+            async def commit(n: int) -> None:
+                ledger.episode_call("g", f"e{n}", CallCounts(1, 3, 2), sync=False)
+                written = ledger.state.lines
+                await ledger.synced()
+                assert done and max(done) >= written  # its own line is on disk
+
+            first = asyncio.ensure_future(commit(0))
+            await asyncio.to_thread(running.wait, 10)  # its fsync runs: the next ones wait
+
+            late = [asyncio.ensure_future(commit(n)) for n in range(1, 8)]
+            leaving = asyncio.ensure_future(commit(8))
+            await asyncio.sleep(0)
+            leaving.cancel()  # a caller that leaves does not cancel the others' fsync
+            await asyncio.gather(first, *late)
+            assert began == [1, 9]  # the first call's fsync, then one for the eight after it
+
+            def broken() -> None:
+                raise OSError("the disk is gone")
+
+            monkeypatch.setattr(ledger, "sync", broken)
+            ledger.episode_call("g", "e9", CallCounts(1, 3, 2), sync=False)
+            failed = await asyncio.gather(ledger.synced(), ledger.synced(), return_exceptions=True)
+            assert [type(f) for f in failed] == [OSError, OSError]  # no call answered unsynced
+            monkeypatch.setattr(ledger, "sync", slow_sync)
+            await ledger.synced()
+            assert len(began) == 3 and began[2] == ledger.state.lines
+            await ledger.synced()  # nothing new written: no fsync
+            assert len(began) == 3
+
+        with Ledger(tmp_path / "nosync", fsync=False) as unsynced:
+            monkeypatch.setattr(unsynced, "sync", broken)
+            unsynced.episode_call("g", "e", CallCounts(1, 3, 2), sync=False)
+            await unsynced.synced()  # fsync off: flushed to the OS only
+
+    asyncio.run(play())
