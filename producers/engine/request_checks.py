@@ -80,10 +80,16 @@ def only(*values: Any, absent: bool = True) -> AfterValidator:
     return AfterValidator(check)
 
 
+def tag_of(name: str) -> str:
+    """A discriminated union member's tag, as its discriminator returns it: pydantic puts
+    it in an error's location, where ``field_name`` knows it by its brackets and leaves it
+    out."""
+    return f"<{name}>"
+
+
 def tag(name: str) -> Tag:
-    """A discriminated union's member: pydantic puts its tag in an error's location, where
-    ``field_name`` knows it by its brackets and leaves it out."""
-    return Tag(f"<{name}>")
+    """The member's ``Tag`` (``tag_of``)."""
+    return Tag(tag_of(name))
 
 
 def field_name(loc: tuple[int | str, ...], prefix: str = "") -> str:

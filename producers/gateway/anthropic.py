@@ -35,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 
-from producers.engine.request_checks import Flag, refused, tag
+from producers.engine.request_checks import Flag, refused, tag, tag_of
 from producers.gateway.answers import Answer
 from producers.gateway.requests import (
     MAX_MESSAGES,
@@ -96,7 +96,7 @@ def _content(
     def kind(block: Any) -> str | None:
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
             return None
-        return f"<{block['type']}>" if block["type"] in kinds else "<other>"
+        return tag_of(block["type"] if block["type"] in kinds else "other")
 
     def refuse(block: dict[str, Any]) -> Any:
         here = (
@@ -125,9 +125,14 @@ def _content(
     ]
 
 
+def _said(blocks: list[Part]) -> str:
+    """A content's text blocks, joined."""
+    return "".join(b.text for b in blocks if isinstance(b, TextBlock))
+
+
 Text = Annotated[
     _content({"text": TextBlock}, "here", shape="text blocks"),
-    AfterValidator(lambda blocks: "".join(b.text for b in blocks)),
+    AfterValidator(_said),
 ]
 """A content of text blocks only, joined: a system prompt, a tool's result."""
 
@@ -183,7 +188,7 @@ class UserMessage(BaseModel):
     )
 
     def chat(self) -> list[dict[str, Any]]:
-        said = "".join(b.text for b in self.content if isinstance(b, TextBlock))
+        said = _said(self.content)
         results = [b.message() for b in self.content if isinstance(b, ToolResultBlock)]
         return [*results, {"role": "user", "content": said}] if said or not results else results
 
@@ -197,7 +202,7 @@ class AssistantMessage(BaseModel):
     content: _content({"text": TextBlock, "tool_use": ToolUseBlock}, "on /v1/messages", "assistant")
 
     def chat(self) -> list[dict[str, Any]]:
-        said = "".join(b.text for b in self.content if isinstance(b, TextBlock))
+        said = _said(self.content)
         calls = [b.call() for b in self.content if isinstance(b, ToolUseBlock)]
         if calls:
             return [{"role": "assistant", "content": said or None, "tool_calls": calls}]
@@ -206,7 +211,7 @@ class AssistantMessage(BaseModel):
 
 def _role(message: Any) -> str | None:
     role = message.get("role") if isinstance(message, dict) else None
-    return f"<{role}>" if role in ROLES else None
+    return tag_of(role) if role in ROLES else None
 
 
 Message = Annotated[
