@@ -168,10 +168,12 @@ class AnnouncementListener:
         # to confirm again next read, by (version, manifest hash)
         self._pending: dict[tuple[int, str], VersionAnnouncement] = {}
         self._confirmed: int | None = None  # the newest version confirmed so far
-        config = reader_config(client_config, f"versions-{run}")
-        self._consumer = Consumer(
-            {**config, "enable.partition.eof": False, "error_cb": self._client_error}
-        )
+        self._config = {
+            **reader_config(client_config, f"versions-{run}"),
+            "enable.partition.eof": False,
+            "error_cb": self._client_error,
+        }
+        self._consumer = Consumer(self._config)
         self._ends: dict[int, int] | None = None  # partition -> end offset seen at start
         self._caught_up = False
         self._down: str | None = None  # why no broker answers, until one does again
@@ -231,6 +233,9 @@ class AnnouncementListener:
     @property
     def caught_up(self) -> bool:
         """True once every announcement made before the first read has been read."""
+        return self._check_caught_up()
+
+    def _check_caught_up(self) -> bool:
         if not self._caught_up and self._ends is not None:
             # position() skips compacted gaps and transaction markers
             tps = [TopicPartition(self.topic, p) for p in self._ends]
@@ -281,9 +286,25 @@ class AnnouncementListener:
         except KafkaException as err:
             self._error("broker", f"{self._down}; still unreachable ({err})")
             return False
-        log.info("%s: a broker answers again", self.topic)
+        log.info("%s: a broker answers again; reading on with a fresh consumer", self.topic)
         self._down = None
+        self._reopen()
         return True
+
+    def _reopen(self) -> None:
+        """A new consumer at the old one's positions: after a broker restart, librdkafka can
+        leave a partition waiting on its leader-epoch validation for minutes, reading
+        nothing; a consumer made after the outage starts with the broker's metadata."""
+        self._check_caught_up()  # while the positions are still the old consumer's
+        old, self._consumer = self._consumer, Consumer(self._config)
+        assigned = old.assignment()
+        if assigned:
+            positions = old.position(assigned)
+            for tp in positions:
+                if tp.offset < 0:  # nothing read yet: from the start, as first assigned
+                    tp.offset = OFFSET_BEGINNING
+            self._consumer.assign(positions)
+        old.close()
 
     def _announcement(self, msg: Message) -> VersionAnnouncement | None:
         if msg.error():

@@ -292,7 +292,7 @@ def read_topic(
             "isolation.level": "read_committed",
         }
     )
-    short = _end_offsets(consumer, topics)  # partitions not read to their end yet
+    short = _end_offsets(client_config, topics)  # partitions not read to their end yet
     consumer.subscribe(list(topics))
     found: list[Any] = []
     deadline = time.monotonic() + timeout
@@ -317,17 +317,17 @@ def read_topic(
     )
 
 
-def _end_offsets(consumer: Any, topics: Sequence[str]) -> dict[tuple[str, int], int]:
-    """The high watermark of every partition of ``topics`` that holds records now."""
-    from confluent_kafka import TopicPartition
-
-    ends: dict[tuple[str, int], int] = {}
-    for topic in topics:
-        for p in consumer.list_topics(topic, timeout=30).topics[topic].partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)
-            if high > low:
-                ends[(topic, p)] = high
-    return ends
+def _end_offsets(
+    client_config: Mapping[str, str], topics: Sequence[str]
+) -> dict[tuple[str, int], int]:
+    """The high watermark of every partition of ``topics`` that holds records now (a leader
+    still being elected on a loaded broker is waited for)."""
+    return {
+        (topic, p): high
+        for topic in topics
+        for p, high in end_offsets(client_config, topic, timeout=60).items()
+        if high > 0
+    }
 
 
 def _take(messages: list[Any], found: list[Any], short: dict[tuple[str, int], int]) -> None:

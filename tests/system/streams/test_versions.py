@@ -167,7 +167,8 @@ def test_a_broker_outage_clears_caught_up_and_the_reader_recovers(
 
         broker.start()
         announce(kafka, "policy.versions", 2)
-        assert tracker.wait_for(2, 120)
+        kinds = ("unavailable", "broker", "consumer", "exception")
+        assert tracker.wait_for(2, 120), {k: errors(reader, k) for k in kinds}
         wait_until(reader.caught_up.is_set, 120, "caught up again")
     finally:
         if reader is not None:
