@@ -91,17 +91,26 @@ backends = ["tensorboard"]
 """
 
 
-def save_chat_model(directory: Path, seed: int = 0) -> Path:
+def save_chat_model(
+    directory: Path,
+    seed: int = 0,
+    *,
+    vocab: tuple[str, ...] = CHAT_VOCAB,
+    template: str = CHAT_TEMPLATE,
+) -> Path:
     """``directory`` holding config, generation config, safetensors weights and a chat
     tokenizer (a ``tokenizers`` word-level vocabulary wrapped as a
     ``PreTrainedTokenizerFast``, ChatML-style template) whose end-of-turn marker is the
-    end-of-sequence token: every role loads it as it would a user's model directory."""
+    end-of-sequence token: every role loads it as it would a user's model directory.
+    ``vocab`` must hold ``CHAT_VOCAB``'s first four tokens in its first four places."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
     from core.models import build_tiny_llama
 
-    words = Tokenizer(models.WordLevel({t: i for i, t in enumerate(CHAT_VOCAB)}, unk_token="<unk>"))
+    if vocab[:4] != CHAT_VOCAB[:4]:
+        raise ValueError(f"a chat vocabulary starts with {CHAT_VOCAB[:4]}, not {vocab[:4]}")
+    words = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True)]
     )
@@ -112,10 +121,10 @@ def save_chat_model(directory: Path, seed: int = 0) -> Path:
         unk_token="<unk>",
         eos_token=IM_END,
         additional_special_tokens=[IM_START],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=template,
     )
-    model = build_tiny_llama(seed=seed, vocab_size=len(CHAT_VOCAB))
-    eos = CHAT_VOCAB.index(IM_END)
+    model = build_tiny_llama(seed=seed, vocab_size=len(vocab))
+    eos = vocab.index(IM_END)
     model.config.bos_token_id = None
     model.config.eos_token_id = eos
     model.config.pad_token_id = 0

@@ -3,11 +3,16 @@ byte-level vocabulary (any text encodes) with each family's marker tokens, and a
 chat template modeled on the family's real one (Qwen2.5 for Hermes, Llama 3.1's JSON
 tool calling, Mistral 7B v0.3): the same tool sections, call rendering and tool-result
 roles, without the date lines, system-prompt variants and builtin tools.
+
+And a tool-calling model small enough to train in a test (``save_tool_agent_model``): the
+tiny chat Llama, word-level, warm-started on how to call one tool and read its result.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
+from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -170,3 +175,96 @@ def family_tokenizer(name: str, template: str | None = None) -> PreTrainedTokeni
     )
     tokenizer.add_tokens(list(family.plain))
     return tokenizer
+
+
+# A tool-calling chat model small enough to train in a test: the starter's word-level chat
+# vocabulary with a Hermes-style call written in four words. ``<tool_call>`` in the template
+# is what the gateway's ``tool_call_parser = "auto"`` recognises; the word-level decoder joins
+# the words without spaces, so the call decodes to ``{"name":"lookup","arguments":{}}``.
+LOOKUP_CALL_WORDS = ('{"name":', '"lookup",', '"arguments":', "{}}")
+TOOL_AGENT_VOCAB = (
+    "<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "tool",
+    "<tool_call>", *LOOKUP_CALL_WORDS, "</tool_call>", *"0123456789",
+)  # fmt: skip
+TOOL_AGENT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "<|im_start|>assistant"
+    "{% for call in message['tool_calls'] %}"
+    ' <tool_call> {"name": "{{ call.function.name }}", "arguments": '
+    "{{ call.function.arguments | tojson }}} </tool_call>"
+    "{% endfor %}<|im_end|>"
+    "{% else %}<|im_start|>{{ message['role'] }} {{ message['content'] }}<|im_end|>{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+LOOKUP_CALL = {
+    "id": "call_0",
+    "type": "function",
+    "function": {"name": "lookup", "arguments": {}},
+}
+
+
+def save_tool_agent_model(
+    directory: Path, seed: int = 0, warm_steps: int = 300, call_rate: float = 0.3
+) -> Path:
+    """The tiny chat model of ``TOOL_AGENT_VOCAB`` saved in ``directory``, warm-started on
+    how to use ``lookup``, not on when: asked about three digits, it calls it about
+    ``call_rate`` of the time and otherwise answers a digit at random; given its result, it
+    answers that digit. That calling pays is left for reinforcement learning to find."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollstream.cli.starter import save_chat_model
+
+    save_chat_model(directory, seed, vocab=TOOL_AGENT_VOCAB, template=TOOL_AGENT_TEMPLATE)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    rng = random.Random(seed)
+    examples = [_warm_example(tokenizer, rng, call_rate) for _ in range(2000)]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for _ in range(warm_steps):
+            batch = rng.sample(examples, 64)
+            width = max(len(ids) for ids, _ in batch)
+            ids = torch.tensor([x + [0] * (width - len(x)) for x, _ in batch])
+            trained = torch.tensor([[i >= start for i in range(1, width)] for _, start in batch])
+            trained &= ids[:, 1:] != 0
+            logits = model(ids).logits[:, :-1]
+            losses = torch.nn.functional.cross_entropy(
+                logits.transpose(1, 2), ids[:, 1:], reduction="none"
+            )
+            loss = (losses * trained).sum() / trained.sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    model.save_pretrained(directory)
+    return directory
+
+
+def _warm_example(
+    tokenizer: PreTrainedTokenizerFast, rng: random.Random, call_rate: float
+) -> tuple[list[int], int]:
+    """One answer to learn, as ``(ids, where the answer starts)``: a first answer (the call
+    or a random digit) or an answer after ``lookup``'s result (that result)."""
+    question = [{"role": "user", "content": "".join(rng.choices("0123456789", k=3))}]
+    if rng.random() < 0.7:  # the harder part to learn: reading the result
+        found = rng.choice("0123456789")
+        asked = [*question, {"role": "assistant", "tool_calls": [LOOKUP_CALL]}]
+        history = [*asked, {"role": "tool", "content": found}]
+        answer = {"role": "assistant", "content": found}
+    else:
+        history = question
+        if rng.random() < call_rate:
+            answer = {"role": "assistant", "tool_calls": [LOOKUP_CALL]}
+        else:
+            answer = {"role": "assistant", "content": rng.choice("0123456789")}
+    prompt = _ids(tokenizer, history, add_generation_prompt=True)
+    return _ids(tokenizer, [*history, answer]), len(prompt)
+
+
+def _ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict], **options: bool) -> list[int]:
+    """``messages`` rendered by the chat template and tokenized, as the gateway does."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
