@@ -131,3 +131,17 @@ def test_garbage_arguments_are_refused(monkeypatch, argv) -> None:
     with pytest.raises(SystemExit) as exit_info:
         rm.main()
     assert exit_info.value.code == 2
+
+
+def test_without_native_bf16_the_grid_is_refused_before_any_cell_runs(monkeypatch) -> None:
+    def run_cell(cell: rm.Cell, steps: int) -> dict:
+        raise AssertionError(f"{cell.name} ran")
+
+    monkeypatch.setattr(sys, "argv", ["bench.real_model", "--cells", "exact-w4-seed0"])
+    monkeypatch.setattr(rm, "load_store", lambda: {"cells": {}, "task": None})
+    monkeypatch.setattr(rm, "run_cell", run_cell)
+    monkeypatch.setattr(rm, "bf16_is_native", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        rm.main()
+    assert exit_info.value.code == rm.NO_NATIVE_BF16
+    assert "AVX-512 machine or a GPU" in rm.NO_NATIVE_BF16
