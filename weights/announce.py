@@ -292,9 +292,10 @@ class AnnouncementListener:
         return True
 
     def _reopen(self) -> None:
-        """A new consumer at the old one's positions: after a broker restart, librdkafka can
-        leave a partition waiting on its leader-epoch validation for minutes, reading
-        nothing; a consumer made after the outage starts with the broker's metadata."""
+        """A new consumer at the old one's positions. After a broker restart a consumer that
+        lived through the outage read nothing new for 120 s on a loaded machine (librdkafka
+        revalidates each partition's position against the new leader epoch); one made
+        after the outage starts from the broker's current metadata."""
         self._check_caught_up()  # while the positions are still the old consumer's
         old, self._consumer = self._consumer, Consumer(self._config)
         assigned = old.assignment()
