@@ -150,6 +150,7 @@ class AnnouncementListener:
     """
 
     MAX_PENDING = 16
+    REOPEN_AFTER_S = 10.0  # librdkafka's longest reconnect back-off
 
     def __init__(
         self,
@@ -177,6 +178,7 @@ class AnnouncementListener:
         self._ends: dict[int, int] | None = None  # partition -> end offset seen at start
         self._caught_up = False
         self._down: str | None = None  # why no broker answers, until one does again
+        self._consumer_since = time.monotonic()  # when the consumer in use was made
 
     def next(self, timeout_s: float) -> VersionAnnouncement | None:
         """The newest announcement for the run among those that arrive within
@@ -285,19 +287,23 @@ class AnnouncementListener:
             self._consumer.list_topics(self.topic, timeout=timeout_s)
         except KafkaException as err:
             self._error("broker", f"{self._down}; still unreachable ({err})")
+            if time.monotonic() - self._consumer_since > self.REOPEN_AFTER_S:
+                self._reopen("no broker answers it")
             return False
-        log.info("%s: a broker answers again; reading on with a fresh consumer", self.topic)
         self._down = None
-        self._reopen()
+        self._reopen("a broker answers again")
         return True
 
-    def _reopen(self) -> None:
-        """A new consumer at the old one's positions. After a broker restart a consumer that
-        lived through the outage read nothing new for 120 s on a loaded machine (librdkafka
-        revalidates each partition's position against the new leader epoch); one made
-        after the outage starts from the broker's current metadata."""
+    def _reopen(self, why: str) -> None:
+        """A new consumer at the old one's positions, bootstrapping afresh. On a loaded
+        machine a consumer that lived through a broker restart kept failing its metadata
+        requests (``_TRANSPORT``) for over two minutes after the broker was back and
+        answering new clients; so during an outage the consumer is replaced every
+        ``REOPEN_AFTER_S``, and once more when a broker answers."""
+        log.info("%s: %s; reading on with a fresh consumer", self.topic, why)
         self._check_caught_up()  # while the positions are still the old consumer's
         old, self._consumer = self._consumer, Consumer(self._config)
+        self._consumer_since = time.monotonic()
         assigned = old.assignment()
         if assigned:
             positions = old.position(assigned)

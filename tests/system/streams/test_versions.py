@@ -7,6 +7,7 @@ skipped; the thread only ends when it is stopped.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from schemas.control import VersionAnnouncement
 from schemas.topics import TopicSpec
 from streams.staleness import VersionTracker
 from streams.versions import VersionReader
-from weights.announce import Announcer
+from weights.announce import AnnouncementListener, Announcer
 
 RUN = "run-versions"
 QUICK = RetryConfig(initial_s=0.05, max_s=0.5)
@@ -47,6 +48,11 @@ def errors(reader: VersionReader, kind: str) -> float:
         "rollstream_streams_version_read_errors_total", {"kind": kind}
     )
     return value or 0.0
+
+
+def reopened(caplog: pytest.LogCaptureFixture, why: str) -> int:
+    """How many times the listener replaced its consumer because ``why``."""
+    return sum(f"{why}; reading on with a fresh consumer" in r.getMessage() for r in caplog.records)
 
 
 def test_an_unavailable_topic_is_retried_counted_and_never_caught_up(
@@ -144,9 +150,16 @@ def test_a_malformed_announcement_is_counted_and_skipped(
 
 @pytest.mark.system
 def test_a_broker_outage_clears_caught_up_and_the_reader_recovers(
-    tmp_path: Path, cache_dir: Path
+    tmp_path: Path,
+    cache_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A broker of its own, stopped while the reader follows it and started again."""
+    """A broker of its own, stopped while the reader follows it and started again; the
+    reader's consumer is replaced while no broker answers (every second here) and once
+    more when one does."""
+    monkeypatch.setattr(AnnouncementListener, "REOPEN_AFTER_S", 1.0)
+    caplog.set_level(logging.INFO, logger="weights.announce")
     broker = EmbeddedKafka(KafkaConfig(heap="256m"), tmp_path / "kafka", cache_dir)
     kafka = KafkaConfig(bootstrap_servers=broker.start())
     reader: VersionReader | None = None
@@ -163,6 +176,7 @@ def test_a_broker_outage_clears_caught_up_and_the_reader_recovers(
         broker.stop()
         wait_until(lambda: errors(reader, "broker") >= 3, 120, "failed reads")
         wait_until(lambda: not reader.caught_up.is_set(), 60, "caught_up cleared")
+        wait_until(lambda: reopened(caplog, "no broker answers it") >= 2, 60, "reopened")
         assert reader.alive()
 
         broker.start()
@@ -170,6 +184,7 @@ def test_a_broker_outage_clears_caught_up_and_the_reader_recovers(
         kinds = ("unavailable", "broker", "consumer", "exception")
         assert tracker.wait_for(2, 120), {k: errors(reader, k) for k in kinds}
         wait_until(reader.caught_up.is_set, 120, "caught up again")
+        assert reopened(caplog, "a broker answers again") >= 1
     finally:
         if reader is not None:
             reader.stop()
