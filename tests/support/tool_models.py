@@ -260,11 +260,13 @@ def _warm_example(
             answer = {"role": "assistant", "tool_calls": [LOOKUP_CALL]}
         else:
             answer = {"role": "assistant", "content": rng.choice("0123456789")}
-    prompt = _ids(tokenizer, history, add_generation_prompt=True)
-    return _ids(tokenizer, [*history, answer]), len(prompt)
+    prompt = template_ids(tokenizer, history, add_generation_prompt=True)
+    return template_ids(tokenizer, [*history, answer]), len(prompt)
 
 
-def _ids(tokenizer: PreTrainedTokenizerFast, messages: list[dict], **options: bool) -> list[int]:
+def template_ids(
+    tokenizer: PreTrainedTokenizerFast, messages: list[dict], **options: bool
+) -> list[int]:
     """``messages`` rendered by the chat template and tokenized, as the gateway does."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, **options)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -20,6 +20,7 @@ from support.tool_models import (
     LOOKUP_CALL_WORDS,
     TOOL_AGENT_TEMPLATE,
     TOOL_AGENT_VOCAB,
+    template_ids,
 )
 from transformers import AutoTokenizer
 
@@ -93,10 +94,6 @@ def test_the_models_call_parses_and_renders_back_as_the_tokens_it_wrote(tmp_path
     reader = tool_reader("auto", tokenizer)
     assert reader is not None and reader.family.name == "hermes"
 
-    def ids(messages: list[dict[str, Any]]) -> list[int]:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
     question = [{"role": "user", "content": "341"}]
     written = tokenizer.convert_tokens_to_ids(
         ["<tool_call>", *LOOKUP_CALL_WORDS, "</tool_call>", "<|im_end|>"]
@@ -110,8 +107,10 @@ def test_the_models_call_parses_and_renders_back_as_the_tokens_it_wrote(tmp_path
         {"role": "assistant", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": call["id"], "content": "7"},
     ]
-    context = ids(question) + written
-    next_prompt = ids(template_messages(sent_back, reader.family))
+    context = template_ids(tokenizer, question, add_generation_prompt=True) + written
+    next_prompt = template_ids(
+        tokenizer, template_messages(sent_back, reader.family), add_generation_prompt=True
+    )
     assert next_prompt[: len(context)] == context
     assert tokenizer.convert_ids_to_tokens(next_prompt[len(context) :]) == [
         "<|im_start|>", "tool", "7", "<|im_end|>", "<|im_start|>", "assistant",
