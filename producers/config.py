@@ -86,6 +86,10 @@ class EpisodeConfig(StrictModel):
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
+#: Where the gateway's key is set, as its messages name it.
+GATEWAY_KEY_SETTING = "[producers.rollout.gateway] api_key"
+
+
 class GatewayConfig(StrictModel):
     """The OpenAI-compatible gateway (``rollstream gateway``): agents make the episodes
     (``producers.gateway``) instead of a task's environment."""

@@ -60,7 +60,7 @@ from typing import Any, Literal
 import orjson
 from aiohttp import web
 
-from producers.config import GatewayConfig
+from producers.config import GATEWAY_KEY_SETTING, GatewayConfig
 from producers.engine.auth import AccessRefused, check_bind, check_key
 from producers.engine.client import EngineError, EngineUnavailable
 from producers.engine.request_checks import json_object
@@ -108,10 +108,9 @@ EPISODE_STATES = (
     "dead_lettering",  # closed; the producer stopped too early for its group to train
     "dead_lettered",  # acknowledged in the dead-letter topic
 )
-KEY_SETTING = "[producers.rollout.gateway] api_key"
 EXPOSURE = (
     "the gateway",
-    f"could write episodes and rewards into the run; set {KEY_SETTING} "
+    f"could write episodes and rewards into the run; set {GATEWAY_KEY_SETTING} "
     "(or `rollstream gateway --api-key`)",
 )
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -311,7 +310,7 @@ class Gateway:
         if authorization is None and "x-api-key" in request.headers:  # the anthropic client's
             authorization = "Bearer " + request.headers["x-api-key"]
         try:
-            check_key(request.path, authorization, key, KEY_SETTING)
+            check_key(request.path, authorization, key, GATEWAY_KEY_SETTING)
         except AccessRefused as exc:
             return _error(str(exc), exc.status, anthropic=_messages_path(request))
         return await handler(request)

@@ -317,7 +317,7 @@ def plan_policies(config: RollstreamConfig, ports: Ports | None = None) -> list[
 def gateway_notes(plan: Sequence[PolicyPlan], config_path: Path) -> list[str]:
     """Where each gateway of the run serves its agents, and where its key is: the one
     thing an agent needs that is not in the terminal otherwise."""
-    from producers.gateway.server import KEY_SETTING
+    from producers.config import GATEWAY_KEY_SETTING
 
     notes = []
     for policy in plan:
@@ -325,7 +325,7 @@ def gateway_notes(plan: Sequence[PolicyPlan], config_path: Path) -> list[str]:
         if not (policy.drives and gateway.enabled):
             continue
         port = gateway.port or "<a free port: the producer's log names it>"
-        key = f"key: {KEY_SETTING} in {config_path}" if gateway.api_key else "no key"
+        key = f"key: {GATEWAY_KEY_SETTING} in {config_path}" if gateway.api_key else "no key"
         name = f" {policy.name}" if policy.name else ""
         notes.append(f"gateway{name} http://{gateway.host}:{port} ({key})")
     return notes

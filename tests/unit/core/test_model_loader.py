@@ -335,3 +335,44 @@ def test_a_hub_id_loads_from_the_local_cache(
     missing = load_config(None, profile={"model": "acme/elsewhere"})
     with pytest.raises(ConfigurationError, match="acme/elsewhere at revision main"):
         check_models(missing)
+
+
+def test_a_directory_is_built_once_and_a_failed_build_leaves_nothing(tmp_path: Path) -> None:
+    from core.models import built_once
+
+    builds: list[Path] = []
+
+    def build(staging: Path) -> None:
+        builds.append(staging)
+        (staging / "config.json").write_text("{}")
+
+    target = tmp_path / "cache" / "thing"
+    assert built_once(target, build) == target
+    assert built_once(target, build) == target
+    assert len(builds) == 1 and (target / "config.json").read_text() == "{}"
+
+    def crash(staging: Path) -> None:
+        (staging / "half.json").write_text("{")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        built_once(tmp_path / "cache" / "other", crash)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["thing"]  # no staging
+
+
+def test_the_tiny_models_files_are_written_once_per_spec_into_the_cache(tmp_path: Path) -> None:
+    from transformers import AutoConfig
+
+    from core.model_files import tiny_model_files, write_model_files
+
+    cache = tmp_path / "cache"
+    small = parse_model_spec("tiny:hidden_size=32,num_heads=2")
+    cached = tiny_model_files(small, cache)
+    assert tiny_model_files(parse_model_spec("tiny:num_heads=2,hidden_size=32"), cache) == cached
+    assert tiny_model_files(parse_model_spec("tiny"), cache) != cached
+    stamp = (cached / "config.json").stat().st_mtime_ns
+    names = write_model_files(small, tmp_path / "run" / "model-files", cache)
+    assert (cached / "config.json").stat().st_mtime_ns == stamp  # copied, not rewritten
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= set(names)
+    config = AutoConfig.from_pretrained(tmp_path / "run" / "model-files")
+    assert (config.hidden_size, config.num_attention_heads) == (32, 2)
