@@ -24,6 +24,7 @@ from core.config import SharedConfig
 from core.process import ServiceError
 from infra.kafka import KafkaService, embedded_kafka
 from infra.s3 import SeaweedServer, ensure_bucket
+from infra.service_users import ServiceUsers
 from infra.topics import TopicReport, ensure_topics
 from schemas.topics import ALL_TOPICS, TopicSpec
 from weights.manifest import generate_keypair
@@ -72,6 +73,15 @@ class Services(Generic[ConfigT]):
             if config.s3.starts_embedded
             else None
         )
+        embedded = self.kafka is not None or self.s3 is not None
+        self.users = ServiceUsers(config.state_dir) if embedded else None
+
+    def _embedded(self) -> dict[str, KafkaService | SeaweedServer]:
+        return {
+            name: service
+            for name, service in (("kafka", self.kafka), ("s3", self.s3))
+            if service is not None
+        }
 
     @property
     def key_dir(self) -> Path:
@@ -166,6 +176,39 @@ class Services(Generic[ConfigT]):
             topics=declared,
             seconds=time.monotonic() - started,
         )
+
+    def up_for_run(self, run_id: str, topics: Sequence[TopicSpec] = ALL_TOPICS) -> UpReport:
+        """``up`` for a ``rollstream up`` run, registered as a user of the embedded
+        services (``infra.service_users``); ``release_run`` when the run ends."""
+        if self.users is None:
+            return self.up(topics)
+        with self.users.locked():
+            starting = [name for name, s in self._embedded().items() if not s.running()]
+            self.users.join(run_id, starting=starting)
+            return self.up(topics)
+
+    def release_run(self) -> list[str]:
+        """The run ends: the embedded services an ``up`` started are stopped unless other
+        runs still use them; the run ids of those runs (empty: nothing left running for
+        another run)."""
+        if self.users is None:
+            return []
+        with self.users.locked():
+            others = self.users.leave()
+            if not others:
+                embedded = self._embedded()
+                for name in self.users.started_by_up():
+                    if name in embedded:
+                        embedded[name].stop()
+                self.users.forget_starter()
+        return others
+
+    def keep_running(self) -> None:
+        """The services are the user's now (``rollstream infra up``): no run's end stops
+        them; ``infra down`` does."""
+        if self.users is not None:
+            with self.users.locked():
+                self.users.forget_starter()
 
     def _require_external_reachable(self, config: SharedConfig) -> None:
         """An external broker that does not answer is a clear error within seconds, not

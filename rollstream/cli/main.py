@@ -174,7 +174,9 @@ def infra_up(config: RollstreamConfig, s3_only: bool) -> None:
     """Start the embedded broker and S3 store (if not configured externally), declare topics."""
     from infra.services import Services
 
-    report = Services(config, s3_only=s3_only).up(config.run_topic_specs())
+    services = Services(config, s3_only=s3_only)
+    report = services.up(config.run_topic_specs())
+    services.keep_running()  # until `infra down`, whichever run started them
     if not s3_only:
         click.echo(f"kafka  {report.bootstrap_servers}")
     click.echo(f"s3     {report.s3_endpoint}  bucket={report.bucket}")

@@ -13,8 +13,8 @@
    ``rollstream produce --engine-url ...`` once the others are ready.
 5. Show live progress (trainer metrics JSONL, Prometheus endpoints of the other roles)
    until the trainer reaches ``max_steps``; Ctrl-C or SIGTERM stops early. Either way
-   every role is stopped (SIGTERM, SIGKILL after a timeout) and embedded services that
-   this command started are stopped too.
+   every role is stopped (SIGTERM, SIGKILL after a timeout), and so are the embedded
+   services an ``up`` started, once no other ``up`` uses them (``infra.service_users``).
 
 This module composes the run; its parts are ``rollstream.up.plan`` (what to start:
 config, ports, role commands, start offsets), ``rollstream.up.supervise`` (the processes:
@@ -88,11 +88,6 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
         config = build_config(base, up, run_id, run_dir, ports)
         ports = Ports.of(config).with_more(up.producers, up.stream_workers)
         services = Services(config)
-        ours = [
-            s
-            for s in (services.kafka, services.s3)
-            if s is not None and not s.running()  # started here, so stopped here
-        ]
         launcher = Launcher(run_dir / "logs")
         logs = trainer_logs(config)
         evals = eval_logs(config)
@@ -105,7 +100,7 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
                 f"precision {config.profile.precision})",
                 err=True,
             )
-            report = services.up(config.run_topic_specs())
+            report = services.up_for_run(run_id, config.run_topic_specs())
             click.echo(
                 f"kafka {report.bootstrap_servers}  s3 {report.s3_endpoint}  "
                 f"({report.seconds:.1f}s)",
@@ -146,8 +141,12 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
         finally:
             click.echo("stopping roles ...", err=True)
             launcher.stop_all(stop_order(list(launcher.roles)), timeout_s=up.stop_timeout_s)
-            for service in ours:
-                service.stop()
+            if others := services.release_run():
+                click.echo(
+                    f"embedded services left running: run(s) {', '.join(others)} use them "
+                    "(the last run to end stops them)",
+                    err=True,
+                )
     for log in [*logs.values(), *evals.values()]:
         log.poll()
     furthest = max(logs.values(), key=lambda log: len(log.rows))  # the run's figures

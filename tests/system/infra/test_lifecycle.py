@@ -196,3 +196,45 @@ def test_a_regions_store_alone(tmp_path: Path) -> None:
         down = _cli(state, "down")
     assert down.stdout.strip() == "stopped: s3"
     assert not [pid for pid in _pids(state) if pid_alive(pid)]
+
+
+@pytest.mark.integration
+def test_the_last_run_to_end_stops_the_services_a_run_started(
+    tmp_path: Path, kafka_config: KafkaConfig
+) -> None:
+    """Two ``up`` runs on one state dir: the first starts the embedded store, the second
+    finds it running; the first to end leaves it to the second, which stops it. A user
+    file of a process gone, or unreadable, keeps nothing running; after ``infra up`` the
+    services are the user's, and no run's end stops them. (The broker here is the
+    session's, external: the store alone is embedded, the same rule for both.)"""
+    from infra.service_users import ServiceUsers
+
+    state = tmp_path / "state"
+    config = RollstreamConfig(state_dir=state, kafka=kafka_config, s3=S3Config(port=free_port()))
+    first = Services(config)
+    second = Services(config)
+    other_run = subprocess.Popen(["sleep", "120"])  # the second run's process
+    try:
+        second.users = ServiceUsers(state, pid=other_run.pid)
+        assert first.s3 is not None and not first.s3.running()
+        first.up_for_run("first", topics=[])
+        second.up_for_run("second", topics=[])
+        assert first.release_run() == ["second"]
+        assert first.s3.running()  # still the second run's
+        assert second.release_run() == []
+        assert not first.s3.running()
+
+        first.up_for_run("first", topics=[])
+        (state / "users" / "up-999999999.json").write_text('{"run_id": "gone", "pid": 999999999}')
+        (state / "users" / "up-7.json").write_text("not json")
+        assert first.release_run() == []
+        assert not first.s3.running()
+        assert sorted(p.name for p in (state / "users").iterdir()) == [".lock"]
+
+        first.up_for_run("first", topics=[])
+        Services(config).keep_running()  # `rollstream infra up` meanwhile
+        assert first.release_run() == []
+        assert first.s3.running()
+    finally:
+        other_run.kill()
+        Services(config).down()

@@ -93,8 +93,11 @@ def test_up_validates_the_users_config_and_the_runs_once_each(
         def __init__(self, config: RollstreamConfig, **_: Any) -> None:
             self.config = config
 
-        def up(self, _specs: Any) -> Any:
+        def up_for_run(self, _run_id: str, _specs: Any) -> Any:
             return type("Report", (), {"bootstrap_servers": "", "s3_endpoint": "", "seconds": 0})
+
+        def release_run(self) -> list[str]:
+            return []
 
         def resolved(self) -> RollstreamConfig:
             return self.config
