@@ -9,6 +9,7 @@ are what the tests then read.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -151,6 +152,18 @@ TINY_MIN_GAIN = 0.3
 TINY_MIN_ACCURACY = 0.35
 """The tiny run's bar on content: answer digits right (``digit_accuracy``), where a policy
 that learned only the format is right 1 time in 10 (tests/unit/rollstream/test_learning_bars.py)."""
+
+
+SEED_BLIND_FRAC = 0.1
+"""How often a propose-solve proposer blind to its seed digit starts a problem with it."""
+
+
+def seed_blind_bar(samples: float) -> float:
+    """The proposer's content bar (test_multi_policy_e2e): over ``samples`` problems, a
+    seed-blind proposer's fraction of seeded ones stays under 0.1 + 4 sd (sd =
+    sqrt(0.09 / samples)) in all but one run in ~30,000
+    (tests/unit/rollstream/test_learning_bars.py)."""
+    return SEED_BLIND_FRAC + 4 * math.sqrt(SEED_BLIND_FRAC * (1 - SEED_BLIND_FRAC) / samples)
 
 
 def assert_learned(run: UpRun, steps: int, min_gain: float, min_accuracy: float) -> None:

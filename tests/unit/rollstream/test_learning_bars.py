@@ -4,7 +4,9 @@ The tiny run (test_e2e_pipeline) passes when its reward rises and its late answe
 are right ``TINY_MIN_ACCURACY`` of the time. A policy that answers in the right format
 (two digits, then EOS) without reading its prompt, scored by the task's own reward on the
 task's own prompts, must fail that bar, however well it learned the format; one that reads
-its prompt must pass it.
+its prompt must pass it. The propose-solve run's proposer (test_multi_policy_e2e) passes
+when problems of its seed digit become more frequent and clear ``seed_blind_bar``, which a
+proposer blind to its seed does not.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
-from support.up_runs import TINY_MIN_ACCURACY, digit_accuracy
+from support.up_runs import TINY_MIN_ACCURACY, digit_accuracy, seed_blind_bar
 
 from core.models import DIGIT0_ID, EOS_ID
 from producers.tasks.base import score_digits
@@ -52,3 +54,20 @@ def test_a_policy_that_reads_its_prompt_passes_it_even_when_half_right() -> None
         return [digits[0]] * 2 if rng.random() < 0.5 else [rng.randrange(10)] * 2
 
     assert digit_accuracy(_samples(half_right)) > TINY_MIN_ACCURACY
+
+
+def test_a_seed_blind_proposer_fails_the_proposers_content_bar() -> None:
+    """500 runs of a proposer that starts its problems with a random digit (128 problems a
+    step, 60 steps, as the run's proposer): none clears both bars of the run's proposer;
+    the slowest run seen under the suite's load (0.063 -> 0.198) clears them."""
+    rng = random.Random(0)
+    per_step, steps = 128, 60
+    passed = 0
+    for _ in range(500):
+        fracs = [sum(rng.random() < 0.1 for _ in range(per_step)) / per_step for _ in range(steps)]
+        first, last = sum(fracs[:10]) / 10, sum(fracs[-10:]) / 10
+        passed += last >= first + 0.1 and last >= seed_blind_bar(10 * per_step)
+    assert passed == 0
+    slowest_first, slowest_last = 0.063, 0.198
+    assert slowest_last >= slowest_first + 0.1
+    assert slowest_last >= seed_blind_bar(10 * per_step)
