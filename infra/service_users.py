@@ -20,19 +20,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.process import pid_alive
+
 STARTED_BY_UP = "started-by-up.json"
 """The names of the services running now that an ``up`` started (the last ``up`` stops
 them)."""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
 
 
 @dataclass(frozen=True)
@@ -80,7 +72,7 @@ class ServiceUsers:
             except (OSError, ValueError, KeyError, TypeError):
                 path.unlink(missing_ok=True)  # unreadable: no run can be waiting on it
                 continue
-            if pid != self.pid and _alive(pid):
+            if pid != self.pid and pid_alive(pid):
                 others.append(run_id)
             else:
                 path.unlink(missing_ok=True)

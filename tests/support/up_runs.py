@@ -156,6 +156,8 @@ that learned only the format is right 1 time in 10 (tests/unit/rollstream/test_l
 
 SEED_BLIND_FRAC = 0.1
 """How often a propose-solve proposer blind to its seed digit starts a problem with it."""
+SEED_MIN_GAIN = 0.1
+"""The proposer's other bar: its seeded fraction, last 10 steps over the first 10."""
 
 
 def seed_blind_bar(samples: float) -> float:

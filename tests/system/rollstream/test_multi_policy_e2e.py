@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from support.streams import read_topic
-from support.up_runs import seed_blind_bar
+from support.up_runs import SEED_MIN_GAIN, seed_blind_bar
 
 from core.config import KafkaConfig, S3Config, to_toml
 from core.models import DIGIT0_ID
@@ -40,7 +40,7 @@ POLICIES = ("proposer", "solver")
 # The solver's exact answers are not asserted: they went 0.005 -> 0.19 in one run and
 # 0.004 -> 0.001 in the next (a solver stuck on a partial answer, as in the benchmark's
 # stuck runs).
-OWN_SKILL = {"proposer": ("reward/seeded_frac", 0.1)}
+OWN_SKILL = {"proposer": ("reward/seeded_frac", SEED_MIN_GAIN)}
 
 
 def _config(path: Path, kafka: KafkaConfig, s3: S3Config, run_id: str) -> Path:

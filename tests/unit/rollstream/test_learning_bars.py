@@ -15,7 +15,13 @@ import random
 from types import SimpleNamespace
 
 import pytest
-from support.up_runs import TINY_MIN_ACCURACY, digit_accuracy, seed_blind_bar
+from support.up_runs import (
+    SEED_BLIND_FRAC,
+    SEED_MIN_GAIN,
+    TINY_MIN_ACCURACY,
+    digit_accuracy,
+    seed_blind_bar,
+)
 
 from core.models import DIGIT0_ID, EOS_ID
 from producers.tasks.base import score_digits
@@ -64,10 +70,11 @@ def test_a_seed_blind_proposer_fails_the_proposers_content_bar() -> None:
     per_step, steps = 128, 60
     passed = 0
     for _ in range(500):
-        fracs = [sum(rng.random() < 0.1 for _ in range(per_step)) / per_step for _ in range(steps)]
+        hits = [sum(rng.random() < SEED_BLIND_FRAC for _ in range(per_step)) for _ in range(steps)]
+        fracs = [h / per_step for h in hits]
         first, last = sum(fracs[:10]) / 10, sum(fracs[-10:]) / 10
-        passed += last >= first + 0.1 and last >= seed_blind_bar(10 * per_step)
+        passed += last >= first + SEED_MIN_GAIN and last >= seed_blind_bar(10 * per_step)
     assert passed == 0
     slowest_first, slowest_last = 0.063, 0.198
-    assert slowest_last >= slowest_first + 0.1
+    assert slowest_last >= slowest_first + SEED_MIN_GAIN
     assert slowest_last >= seed_blind_bar(10 * per_step)
