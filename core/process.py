@@ -29,6 +29,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -63,11 +64,56 @@ class ServiceError(RuntimeError):
     """A service failed to start, answer or stop; the message points at its log."""
 
 
+LOWEST_CHOSEN_PORT = 10_000
+"""Ports below this are left to services a user configures by number."""
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1 that nothing is bound to right now.
+
+    Whoever asks binds the port seconds later, in another process (a role ``up`` starts).
+    A port from the kernel's ephemeral range may meanwhile become the source port of any
+    outgoing connection on the machine (a Kafka client's, an S3 call's), and the role then
+    fails with "address already in use"; so the ports are drawn at random from below that
+    range, where only another chooser's draw can land."""
+    first_ephemeral = _first_ephemeral_port()
+    if first_ephemeral - LOWEST_CHOSEN_PORT < 1_000:  # an unusual range: the kernel picks
+        return _kernel_picked_ports(count)
+    draw = random.SystemRandom()
+    chosen: list[int] = []
+    with contextlib.ExitStack() as held:  # held until all are chosen: distinct
+        while len(chosen) < count:
+            port = draw.randrange(LOWEST_CHOSEN_PORT, first_ephemeral)
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # in use (or held by this call already)
+                continue
+            chosen.append(port)
+    return chosen
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """One port as ``free_ports`` chooses them."""
+    return free_ports(1)[0]
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        low = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]
+        return int(low)
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _kernel_picked_ports(count: int) -> list[int]:
+    ports: list[int] = []
+    with contextlib.ExitStack() as held:  # held until all are chosen: distinct
+        for _ in range(count):
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(int(sock.getsockname()[1]))
+    return ports
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:

@@ -37,7 +37,7 @@ import orjson
 from confluent_kafka.admin import AdminClient
 
 from core.config import KafkaConfig, Replication
-from core.process import ServiceError, ServiceProcess, free_port, port_open, service_env, tail
+from core.process import ServiceError, ServiceProcess, free_ports, port_open, service_env, tail
 
 INFRA_DIR = Path(__file__).resolve().parent
 POM = INFRA_DIR / "pom.xml"
@@ -175,7 +175,8 @@ def node_ports(data_dir: Path, broker: int = 0, controller: int = 0) -> KafkaPor
     ports_file = data_dir / "ports.json"
     if ports_file.exists():
         return KafkaPorts(**orjson.loads(ports_file.read_bytes()))
-    ports = KafkaPorts(broker=broker or free_port(), controller=controller or free_port())
+    spare = free_ports(2)
+    ports = KafkaPorts(broker=broker or spare[0], controller=controller or spare[1])
     data_dir.mkdir(parents=True, exist_ok=True)
     ports_file.write_bytes(orjson.dumps(ports.__dict__))
     return ports

@@ -32,7 +32,7 @@ import orjson
 from botocore.exceptions import ClientError
 
 from core.config import S3Config
-from core.process import ServiceError, ServiceProcess, free_port, service_env
+from core.process import ServiceError, ServiceProcess, free_ports, service_env
 from infra.tls import TlsFiles, replace_private, write_tls_files
 from weights.store import make_s3_client
 
@@ -131,7 +131,7 @@ class SeaweedServer:
         ports_file = self.data_dir / "ports.json"
         if ports_file.exists():
             return dict(orjson.loads(ports_file.read_bytes()))
-        ports = {flag: free_port() for flag in _PORT_FLAGS}
+        ports = dict(zip(_PORT_FLAGS, free_ports(len(_PORT_FLAGS)), strict=True))
         if self.requested_port:
             ports["s3.port"] = self.requested_port
         self.data_dir.mkdir(parents=True, exist_ok=True)

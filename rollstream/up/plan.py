@@ -48,20 +48,21 @@ class Ports:
 
     @classmethod
     def free(cls) -> Ports:
-        from core.process import free_port
+        from core.process import free_ports
 
-        return cls(free_port(), free_port(), free_port(), free_port())
+        return cls(*free_ports(4))
 
     def with_more(self, producers: int, stream_workers: int) -> Ports:
         """These ports plus free ones for the producers and stream workers past the first."""
-        from core.process import free_port
+        from core.process import free_ports
 
         extra = producers - 1
+        ports = free_ports(2 * extra + stream_workers - 1)
         return dataclasses.replace(
             self,
-            more_engines=tuple(free_port() for _ in range(extra)),
-            more_producer_metrics=tuple(free_port() for _ in range(extra)),
-            more_streams_metrics=tuple(free_port() for _ in range(stream_workers - 1)),
+            more_engines=tuple(ports[:extra]),
+            more_producer_metrics=tuple(ports[extra : 2 * extra]),
+            more_streams_metrics=tuple(ports[2 * extra :]),
         )
 
     @property
@@ -193,15 +194,13 @@ def with_own_profile(base: RollstreamConfig, table: dict[str, Any]) -> dict[str,
 
 def policy_ports() -> dict[str, Any]:
     """Free ports for one policy's roles under ``up`` (each policy has its own)."""
-    from core.process import free_port
+    from core.process import free_ports
 
+    engine, producer, streams, trainer = free_ports(4)
     return {
-        "producers": {
-            "engine": {"port": free_port()},
-            "rollout": {"metrics_port": free_port()},
-        },
-        "streams": {"metrics_port": free_port()},
-        "trainer": {"prometheus_port": free_port()},
+        "producers": {"engine": {"port": engine}, "rollout": {"metrics_port": producer}},
+        "streams": {"metrics_port": streams},
+        "trainer": {"prometheus_port": trainer},
     }
 
 
