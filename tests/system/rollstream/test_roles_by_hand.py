@@ -6,19 +6,22 @@ laid over it, as a user would: an engine and a producer in the home region, a st
 worker, a trainer, a mirror copying versions to a second region, and a second engine and
 producer there (``produce --region``). No ``up``. The run must train nothing staler than
 the window, the second region must generate with versions the mirror copied there, and
-the audit must reconcile after the roles stop. The same run with ``[lora]`` laid over it
-moves adapters instead of models: the engines get each version through the dynamic LoRA
-endpoints, the mirror carries the one base and the adapters to the second region.
+the audit must reconcile after the roles stop. The run trains a LoRA adapter (``[lora]``
+laid over the example), so it moves adapters: the engines get each version through the
+dynamic LoRA endpoints, the mirror carries the one base and the adapters to the second
+region.
 
-The ``[full]`` run spans hosts: each role runs in a network namespace of its own
-(``infra.hosts``: the broker behind SCRAM, the trainer with region A's store and the mirror,
-region B behind a rate-limited link with its store, engine and producer, the stream worker,
-region A's engine and producer), every listener off loopback asking for its credentials;
-the mirror must have sent region B its versions through that link. Where namespaces cannot
-be made (not root) it is skipped, saying so; ``[lora]`` runs on loopback.
+The run spans hosts: each role runs in a network namespace of its own (``infra.hosts``:
+the broker behind SCRAM, the trainer with region A's store and the mirror, region B behind
+a rate-limited link with its store, engine and producer, the stream worker, region A's
+engine and producer), every listener off loopback asking for its credentials; the mirror
+must have sent region B its versions through that link. Where namespaces cannot be made
+(not root) it runs on loopback on the session's services, saying so.
 Learning through the pipeline is asserted by the end-to-end run of ``up``
-(``tests/system/rollstream/test_e2e_pipeline.py``): this run is the same pipeline, started
-differently, so it runs only as long as its own assertions need.
+(``tests/system/rollstream/test_e2e_pipeline.py``), and full-model versions through a
+mirror by ``tests/integration/weights/test_mirror.py``: this run is the same pipeline,
+started differently, so it runs only as long as its own assertions need (one run, not one
+per weight kind: each costs about a minute and a half of CPU).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import secrets
 import subprocess
 import sys
 import tomllib
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -58,9 +62,7 @@ EXAMPLE = REPO / "infra" / "rollstream.example.toml"
 STEPS = 10  # enough versions for the mirror to carry some to the second region
 
 
-def _config(
-    tmp_path: Path, tables: dict[str, object], unique, lora: dict[str, object] | None
-) -> Path:
+def _config(tmp_path: Path, tables: dict[str, object], unique, lora: dict[str, object]) -> Path:
     """The example file with the services' addresses and keys (``tables``) and this test's
     topic names and files."""
     topics = {name: unique(f"rollouts.{name}") for name in ("raw", "scored", "stale", "dlq")}
@@ -87,8 +89,7 @@ def _config(
             },
         },
     }
-    if lora is not None:
-        ours["lora"] = lora
+    ours["lora"] = lora
     with EXAMPLE.open("rb") as fh:
         example = tomllib.load(fh)
     path = tmp_path / "rl.toml"
@@ -97,7 +98,7 @@ def _config(
 
 
 def _loopback(
-    request: pytest.FixtureRequest, tmp_path: Path, unique, lora
+    request: pytest.FixtureRequest, tmp_path: Path, unique, lora: dict[str, object]
 ) -> tuple[Path, list[RoleSpec]]:
     """The config and roles of a run on this host's loopback: the session's services."""
     kafka = request.getfixturevalue("kafka_config")
@@ -137,28 +138,26 @@ def _rows(path: Path) -> list[dict[str, float]]:
 
 
 REFUSED = refusal()
+LORA = {"rank": 8, "alpha": 16.0}
 
 
-@pytest.mark.parametrize("lora", [None, {"rank": 8, "alpha": 16.0}], ids=["full", "lora"])
 def test_roles_started_by_hand_from_the_example_config_span_two_regions_and_reconcile(
-    lora: dict[str, object] | None,
-    request: pytest.FixtureRequest,
-    unique_name,
-    tmp_path: Path,
+    request: pytest.FixtureRequest, unique_name, tmp_path: Path
 ) -> None:
-    across_hosts = lora is None
-    if across_hosts and REFUSED is not None:
-        pytest.skip(f"NETWORK NAMESPACES UNAVAILABLE HERE, HOSTS NOT TESTED: {REFUSED}")
+    across_hosts = REFUSED is None
+    if not across_hosts:
+        warnings.warn(f"NETWORK NAMESPACES UNAVAILABLE, HOSTS NOT TESTED (loopback): {REFUSED}",
+                      stacklevel=1)  # fmt: skip
     with ExitStack() as stack:
         if across_hosts:
             net = stack.enter_context(lan(HOSTS, {"region-b": REGION_B_MBIT}))
             found = stack.enter_context(services(net, tmp_path / "services"))
             tables = hosts_tables(found, secrets.token_urlsafe(24))
-            config = _config(tmp_path, tables, unique_name, lora)
+            config = _config(tmp_path, tables, unique_name, LORA)
             specs = role_specs(net, config)
             services_ready = found.wait_ready  # the engines load their model meanwhile
         else:
-            config, specs = _loopback(request, tmp_path, unique_name, lora)
+            config, specs = _loopback(request, tmp_path, unique_name, LORA)
             services_ready = _nothing
 
         def infra_up() -> None:  # external services: declares topics, bucket
@@ -174,7 +173,7 @@ def test_roles_started_by_hand_from_the_example_config_span_two_regions_and_reco
         assert not launcher.leftovers()
         if across_hosts:  # the mirror sent region B its versions through the limited link
             assert net.bytes_sent_to("region-b") > 100_000
-        _check(config, tmp_path, lora)
+        _check(config, tmp_path)
     if across_hosts:
         assert not set(lan_namespaces(HOSTS)) & set(_netns()), _netns()
 
@@ -188,9 +187,9 @@ def _netns() -> list[str]:
     return [line.split()[0] for line in listed.splitlines() if line.strip()]
 
 
-def _check(config: Path, tmp_path: Path, lora: dict[str, object] | None) -> None:
+def _check(config: Path, tmp_path: Path) -> None:
     """The run's assertions: its steps, both regions' delivery, the audit, the regions'
-    versions and (with LoRA) the adapters."""
+    versions and the adapters."""
     metrics = tmp_path / "trainer.jsonl"
     rows = _rows(metrics)
     assert len(rows) == STEPS
@@ -218,19 +217,16 @@ def _check(config: Path, tmp_path: Path, lora: dict[str, object] | None) -> None
     # the second region generated under versions it read from its own store (the mirror's)
     newest = _newest_versions(config)
     assert set(newest) == {"home", "eu"} and newest["eu"] >= 1, newest
-    if lora is not None:  # each region's engine got the versions as named adapters
-        for producer in ("home-0", "eu-0"):
-            kept = list(ledgers.glob(f"*/{producer}/weights/v*"))
-            assert kept and all(d.name.endswith("-adapter") for d in kept), (producer, kept)
-        # the first version is the run's one base, kept while the adapters name it
-        with ThreadPoolExecutor(2) as pool:
-            shown = list(
-                pool.map(lambda v: rollstream(config, "weights", "show", str(v)), (0, STEPS))
-            )
-        assert all(s.returncode == 0 for s in shown), [s.stderr[-3000:] for s in shown]
-        manifests = [json.loads(s.stdout) for s in shown]
-        assert [m["kind"] for m in manifests] == ["base", "adapter"]
-        assert manifests[1]["base"] == 0
+    for producer in ("home-0", "eu-0"):  # each region's engine got named adapters
+        kept = list(ledgers.glob(f"*/{producer}/weights/v*"))
+        assert kept and all(d.name.endswith("-adapter") for d in kept), (producer, kept)
+    # the first version is the run's one base, kept while the adapters name it
+    with ThreadPoolExecutor(2) as pool:
+        shown = list(pool.map(lambda v: rollstream(config, "weights", "show", str(v)), (0, STEPS)))
+    assert all(s.returncode == 0 for s in shown), [s.stderr[-3000:] for s in shown]
+    manifests = [json.loads(s.stdout) for s in shown]
+    assert [m["kind"] for m in manifests] == ["base", "adapter"]
+    assert manifests[1]["base"] == 0
 
 
 def _newest_versions(config: Path) -> dict[str, int]:
