@@ -36,6 +36,7 @@ import torch
 
 from core.logprobs import response_logprobs
 from core.models import load_model, parse_model_spec
+from core.process import free_port
 from schemas.group import decode_group
 from schemas.trajectory import Trajectory
 from streams.oldlogits import plan_batches, segment_units
@@ -201,14 +202,6 @@ def run_oldlogits(args: argparse.Namespace, bootstrap: str, workdir: Path) -> tu
         worker.stop()
     print(f"  (forward passes inside the worker: {statistics.median(inside):,.0f} tok/s)")
     return statistics.median(stream_rates), statistics.median(bare_rates)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def forward_counters(port: int) -> tuple[float, float]:

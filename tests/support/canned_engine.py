@@ -4,18 +4,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
 import httpx
 from aiohttp import web
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from core.process import free_port
 
 
 class FakeEngine:

@@ -20,7 +20,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import click
 import pytest
 from support.paths import REPO
 
+from core.process import free_port
 from producers.config import RolloutConfig
 from rollstream.cli.main import main
 
@@ -148,14 +148,8 @@ def test_the_producer_drives_its_own_engine() -> None:
         assert "rollstream-engine@%i.service" in unit[key].split()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_the_engine_unit_command_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     words = _exec_words("rollstream-engine@.service")
     args = words[1:]
     args[1], args[3] = str(REPO / "infra" / "rollstream.example.toml"), str(tmp_path)
