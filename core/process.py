@@ -75,21 +75,21 @@ def free_ports(count: int) -> list[int]:
     A port from the kernel's ephemeral range may meanwhile become the source port of any
     outgoing connection on the machine (a Kafka client's, an S3 call's), and the role then
     fails with "address already in use"; so the ports are drawn at random from below that
-    range, where only another chooser's draw can land."""
+    range, where only another chooser's draw can land. Under an unusual range (under 1,000
+    ports below it) the kernel picks them."""
     first_ephemeral = _first_ephemeral_port()
-    if first_ephemeral - LOWEST_CHOSEN_PORT < 1_000:  # an unusual range: the kernel picks
-        return _kernel_picked_ports(count)
+    below_ephemeral = first_ephemeral - LOWEST_CHOSEN_PORT >= 1_000
     draw = random.SystemRandom()
     chosen: list[int] = []
     with contextlib.ExitStack() as held:  # held until all are chosen: distinct
         while len(chosen) < count:
-            port = draw.randrange(LOWEST_CHOSEN_PORT, first_ephemeral)
+            port = draw.randrange(LOWEST_CHOSEN_PORT, first_ephemeral) if below_ephemeral else 0
             sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:  # in use (or held by this call already)
                 continue
-            chosen.append(port)
+            chosen.append(int(sock.getsockname()[1]))
     return chosen
 
 
@@ -104,16 +104,6 @@ def _first_ephemeral_port() -> int:
         return int(low)
     except (OSError, ValueError, IndexError):
         return 32768  # Linux's default
-
-
-def _kernel_picked_ports(count: int) -> list[int]:
-    ports: list[int] = []
-    with contextlib.ExitStack() as held:  # held until all are chosen: distinct
-        for _ in range(count):
-            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind(("127.0.0.1", 0))
-            ports.append(int(sock.getsockname()[1]))
-    return ports
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:

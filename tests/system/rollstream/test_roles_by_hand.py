@@ -60,9 +60,10 @@ pytestmark = pytest.mark.system
 
 EXAMPLE = REPO / "infra" / "rollstream.example.toml"
 STEPS = 10  # enough versions for the mirror to carry some to the second region
+LORA = {"rank": 8, "alpha": 16.0}  # laid over the example: the run moves adapters
 
 
-def _config(tmp_path: Path, tables: dict[str, object], unique, lora: dict[str, object]) -> Path:
+def _config(tmp_path: Path, tables: dict[str, object], unique) -> Path:
     """The example file with the services' addresses and keys (``tables``) and this test's
     topic names and files."""
     topics = {name: unique(f"rollouts.{name}") for name in ("raw", "scored", "stale", "dlq")}
@@ -89,7 +90,7 @@ def _config(tmp_path: Path, tables: dict[str, object], unique, lora: dict[str, o
             },
         },
     }
-    ours["lora"] = lora
+    ours["lora"] = LORA
     with EXAMPLE.open("rb") as fh:
         example = tomllib.load(fh)
     path = tmp_path / "rl.toml"
@@ -98,7 +99,7 @@ def _config(tmp_path: Path, tables: dict[str, object], unique, lora: dict[str, o
 
 
 def _loopback(
-    request: pytest.FixtureRequest, tmp_path: Path, unique, lora: dict[str, object]
+    request: pytest.FixtureRequest, tmp_path: Path, unique
 ) -> tuple[Path, list[RoleSpec]]:
     """The config and roles of a run on this host's loopback: the session's services."""
     kafka = request.getfixturevalue("kafka_config")
@@ -110,7 +111,7 @@ def _loopback(
         "weights": {"regions": {"eu": other.model_copy(update={"name": "eu"}).file_table()}},
         "producers": {"engine": {"port": ports["engine"]}},
     }
-    config = _config(tmp_path, tables, unique, lora)
+    config = _config(tmp_path, tables, unique)
     rs = [sys.executable, "-m", "rollstream", "--config", str(config)]
     env = role_env()
     home_url = f"http://127.0.0.1:{ports['engine']}"
@@ -138,7 +139,6 @@ def _rows(path: Path) -> list[dict[str, float]]:
 
 
 REFUSED = refusal()
-LORA = {"rank": 8, "alpha": 16.0}
 
 
 def test_roles_started_by_hand_from_the_example_config_span_two_regions_and_reconcile(
@@ -153,11 +153,11 @@ def test_roles_started_by_hand_from_the_example_config_span_two_regions_and_reco
             net = stack.enter_context(lan(HOSTS, {"region-b": REGION_B_MBIT}))
             found = stack.enter_context(services(net, tmp_path / "services"))
             tables = hosts_tables(found, secrets.token_urlsafe(24))
-            config = _config(tmp_path, tables, unique_name, LORA)
+            config = _config(tmp_path, tables, unique_name)
             specs = role_specs(net, config)
             services_ready = found.wait_ready  # the engines load their model meanwhile
         else:
-            config, specs = _loopback(request, tmp_path, unique_name, LORA)
+            config, specs = _loopback(request, tmp_path, unique_name)
             services_ready = _nothing
 
         def infra_up() -> None:  # external services: declares topics, bucket

@@ -27,7 +27,7 @@ def test_a_port_in_use_or_already_drawn_is_drawn_again(monkeypatch: pytest.Monke
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         busy = taken.getsockname()[1]
-        spare = process._kernel_picked_ports(2)
+        spare = free_ports(2)
         draws = iter([busy, spare[0], busy, spare[0], spare[1]])
 
         class Scripted:

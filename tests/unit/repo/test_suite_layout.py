@@ -115,19 +115,20 @@ def test_each_file_of_a_slow_folder_holds_a_test_of_that_tier(
     an integration file moved there would hide among the slow ones. The tiers are read off
     this session's own items where it collected the whole folder (the suite), else off a
     collection of the folder (a run of the unit tier alone)."""
-    files = {str(p.relative_to(REPO)) for p in _test_files() if p.is_relative_to(TESTS / tier)}
+    paths = {p for p in _test_files() if p.is_relative_to(TESTS / tier)}
     selected = not (request.config.option.markexpr or request.config.option.keyword)
-    holding = _files_holding(tier, request.session.items) if selected else set()
+    holding = _files_holding(tier, paths, request.session.items) if selected else set()
     holding = holding or _collected_files_holding(tier)
+    files = {str(p.relative_to(REPO)) for p in paths}
     assert files and files == holding, sorted(files - holding)
 
 
-def _files_holding(tier: str, items: list[pytest.Item]) -> set[str]:
-    """Files of ``tests/<tier>`` with a test of that tier among ``items``; empty unless
-    every file of the folder was collected."""
+def _files_holding(tier: str, paths: set[Path], items: list[pytest.Item]) -> set[str]:
+    """Files of ``tests/<tier>`` (``paths``) with a test of that tier among ``items``;
+    empty unless every one of them was collected."""
     folder = TESTS / tier
     collected = {item.path for item in items if item.path.is_relative_to(folder)}
-    if collected != {p for p in _test_files() if p.is_relative_to(folder)}:
+    if collected != paths:
         return set()
     return {
         str(item.path.relative_to(REPO))
