@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Protocol
 
 import orjson
 
@@ -306,6 +307,33 @@ class RoleSpec:
     cpus: frozenset[int] | None = None  # os.sched_setaffinity of the role
 
 
+class RunningRole(Protocol):
+    """A started role's process: a ``subprocess.Popen`` or a forked role."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class RoleForker(Protocol):
+    """Forks ``python -m`` roles instead of exec'ing them (``core.prefork.PreforkServer``)."""
+
+    def can_fork(self, argv: Sequence[str]) -> bool: ...
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log_file: Path,
+        cpus: frozenset[int] | None = None,
+    ) -> RunningRole: ...
+
+    def close(self) -> None: ...
+
+
 def _child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
     """Runs in the child between fork and exec: die with the launcher, pin to cores."""
 
@@ -318,12 +346,14 @@ def _child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
 
 
 class RoleProcess:
-    """One supervised role. Not thread-safe: one supervisor drives it."""
+    """One supervised role. Not thread-safe: one supervisor drives it. With a prefork
+    server, a ``python -m`` role is forked from it (``core.prefork``) instead of exec'd."""
 
-    def __init__(self, spec: RoleSpec, log_dir: Path) -> None:
+    def __init__(self, spec: RoleSpec, log_dir: Path, prefork: RoleForker | None = None) -> None:
         self.spec = spec
         self.log_file = log_dir / f"{spec.name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.prefork = prefork
+        self.proc: RunningRole | None = None
         self.starts = 0
         self.started_at = 0.0
 
@@ -344,7 +374,17 @@ class RoleProcess:
         with self.log_file.open("ab") as log:
             log.write(f"{START_MARK} {self.starts + 1}: {' '.join(self.spec.argv)}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(
+        if self.prefork is not None and self.prefork.can_fork(self.spec.argv):
+            self.proc = self.prefork.spawn(self.spec.argv, env, self.log_file, self.spec.cpus)
+        else:
+            self.proc = self._exec(env)
+        self.starts += 1
+        self.started_at = time.monotonic()
+        return self.proc.pid
+
+    def _exec(self, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+        with self.log_file.open("ab") as log:
+            return subprocess.Popen(
                 list(self.spec.argv),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -353,9 +393,6 @@ class RoleProcess:
                 start_new_session=True,
                 preexec_fn=_child_setup(self.spec.cpus),  # before any thread starts
             )
-        self.starts += 1
-        self.started_at = time.monotonic()
-        return self.proc.pid
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -428,14 +465,15 @@ class RoleProcess:
 class Launcher:
     """Roles started in order and stopped in reverse order (or a given order)."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, prefork: RoleForker | None = None) -> None:
         self.log_dir = log_dir
+        self.prefork = prefork
         self.roles: dict[str, RoleProcess] = {}
 
     def add(self, spec: RoleSpec) -> RoleProcess:
         if spec.name in self.roles:
             raise ValueError(f"role {spec.name!r} added twice")
-        role = RoleProcess(spec, self.log_dir)
+        role = RoleProcess(spec, self.log_dir, self.prefork)
         self.roles[spec.name] = role
         return role
 
@@ -458,6 +496,8 @@ class Launcher:
         names += [n for n in reversed(self.roles) if n not in names]
         for name in names:
             self.roles[name].stop(timeout_s)
+        if self.prefork is not None:
+            self.prefork.close()
 
     def leftovers(self) -> list[int]:
         """Pids of started roles that still exist (should be empty after ``stop_all``)."""
@@ -470,29 +510,67 @@ class Launcher:
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+class ForkedWorker:
+    """A forked child, as much of ``subprocess.Popen`` as the supervisor uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self._reap(os.WNOHANG)
+
+    def wait(self) -> int:
+        code = self._reap(0)
+        if code is None:
+            raise ChildProcessError(f"pid {self.pid} is not a child of this process")
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def _reap(self, flags: int) -> int | None:
+        # a stop signal's handler may poll (and reap) while wait() blocks: the retried
+        # waitpid then finds no child, and the code is already here
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, flags)
+                if pid != 0:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
 class ChildSupervisor:
-    """Starts ``argv``, restarts it after a crash within ``policy``, forwards stop signals."""
+    """Starts the worker, restarts it after a crash within ``policy``, forwards stop signals.
+
+    The worker is the command ``argv`` or, with ``argv`` None, a fork of this process:
+    ``run`` then returns None in the forked child (as ``os.fork`` returns 0 there), which
+    goes on to be the worker. A fork hands the worker what this process has imported (a
+    role forked from a prefork server has torch and transformers) and costs nothing more
+    than an exec when it has not."""
 
     def __init__(
         self,
-        argv: Sequence[str],
+        argv: Sequence[str] | None,
         policy: RestartConfig,
         *,
         env: Mapping[str, str] | None = None,
         name: str = "worker",
     ) -> None:
-        self.argv = list(argv)
+        self.argv = None if argv is None else list(argv)
         self.policy = policy
         self.env = dict(os.environ if env is None else env)
         self.name = name
         self.restarts = 0  # in total, for the log and the tests
         self._stopping = threading.Event()  # set by a stop signal; cuts a backoff short
-        self._child: subprocess.Popen[bytes] | None = None
+        self._child: subprocess.Popen[bytes] | ForkedWorker | None = None
         self._stop_signal: int | None = None
 
-    def run(self) -> int:
+    def run(self) -> int | None:
         """Run until the child exits cleanly, is told to stop, or crashes too often;
-        returns the exit code to leave with."""
+        returns the exit code to leave with (None in a forked child: be the worker)."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in FORWARDED_SIGNALS}
         try:
             return self._loop()
@@ -500,11 +578,13 @@ class ChildSupervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _loop(self) -> int:
+    def _loop(self) -> int | None:
         recent = 0  # crashes inside the current window
         while True:
             started = time.monotonic()
-            self._child = subprocess.Popen(self.argv, env=self.env, preexec_fn=die_with_parent)
+            self._child = self._start_child()
+            if self._child is None:
+                return None  # the forked child
             code = self._wait_child()
             ran_s = time.monotonic() - started
             if self._stop_signal is not None or code == 0:
@@ -534,6 +614,20 @@ class ChildSupervisor:
             if self._stopping.wait(delay):  # told to stop while waiting
                 return code
             self.restarts += 1
+
+    def _start_child(self) -> subprocess.Popen[bytes] | ForkedWorker | None:
+        if self.argv is not None:
+            return subprocess.Popen(self.argv, env=self.env, preexec_fn=die_with_parent)
+        parent = os.getpid()
+        sys.stdout.flush()  # or the child writes what is buffered a second time
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid != 0:
+            return ForkedWorker(pid)
+        die_with_parent()
+        if os.getppid() != parent:  # the parent died before the line above
+            os._exit(1)
+        return None
 
     def _wait_child(self) -> int:
         assert self._child is not None

@@ -2,15 +2,16 @@
 it crashes (``[streams.restart]``).
 
 The supervising process validates the ``[streams]`` section (a bad config fails in a
-second with pydantic's message) and imports neither Faust nor torch; its child is
-``rollstream stream --no-supervisor`` with the same config, which builds the Faust app
-(``streams.faust.app.build_app``) and runs it in-process.
+second with pydantic's message) and imports neither Faust nor torch; its child is a fork of
+it that builds the Faust app (``streams.faust.app.build_app``) and runs it, as
+``rollstream stream --no-supervisor`` does in its own process. Forked, the worker starts
+with whatever the supervisor has imported: under ``rollstream up`` that is torch and
+transformers (``core.prefork``).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import click
@@ -68,16 +69,13 @@ def stream(
 
         run_worker(build_app(resolved, streams), datadir, loglevel)
         return
-    root = ctx.find_root()
-    worker = [sys.executable, "-m", "rollstream"]
-    if root.params.get("config_path") is not None:
-        worker += ["--config", str(root.params["config_path"])]
-    worker += ["--state-dir", str(config.state_dir)]
-    if config.policy:
-        worker += ["--policy", config.policy]
-    for assignment in root.params.get("assignments") or ():  # --set reaches the worker too
-        worker += ["--set", assignment]
-    worker += ["stream", "--no-supervisor", f"--datadir={datadir}", "-l", loglevel]
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(process)d] %(message)s")
-    supervisor = ChildSupervisor(worker, streams.restart, name="stream worker")
-    ctx.exit(supervisor.run())
+    supervisor = ChildSupervisor(None, streams.restart, name="stream worker")
+    code = supervisor.run()
+    if code is None:  # the forked worker: Faust configures its logging, as in a new process
+        for handler in logging.root.handlers[:]:
+            logging.root.removeHandler(handler)
+        from streams.faust.app import build_app, run_worker
+
+        run_worker(build_app(resolved, streams), datadir, loglevel)
+    ctx.exit(code)

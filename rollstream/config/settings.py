@@ -87,6 +87,11 @@ class UpConfig(StrictModel):
     on_reward_failure: Literal["stop", "warn"] = Field(
         default="stop", description="What a reward function failing on every sample does."
     )
+    prefork: bool = Field(
+        default=True,
+        description="Fork the `python -m` roles from one process that has imported torch and "
+        "transformers (core.prefork) instead of starting each from scratch; false: exec each.",
+    )
     pin_cores: bool = Field(
         default=False,
         description="Pin roles to CPU cores (os.sched_setaffinity): trainer and streams on "

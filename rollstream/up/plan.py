@@ -330,6 +330,21 @@ def gateway_notes(plan: Sequence[PolicyPlan], config_path: Path) -> list[str]:
     return notes
 
 
+PRELOADED = (
+    "torch",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.auto.tokenization_auto",
+)
+"""What the prefork server imports before it forks a role (``[up] prefork``): the
+libraries whose import is most of a model role's start-up; nothing that touches CUDA."""
+
+
+def role_env() -> dict[str, str]:
+    """What every role's environment adds to ``up``'s."""
+    return {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
 def role_name(role: str, index: int) -> str:
     """``producer``, ``producer-1``, ...: the first of a kind keeps the plain name."""
     return role if index == 0 else f"{role}-{index}"
@@ -344,7 +359,7 @@ def role_specs(
     own ports, ids and data dirs on their command line (``--set``), as a user who starts
     one more by hand with the run's config would."""
     rs = [sys.executable, "-m", "rollstream", "--config", str(config_path)]
-    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = role_env()
     cpus = _core_plan(config.up.pin_cores)
     specs: list[RoleSpec] = []
     for policy in plan_policies(config) if plan is None else plan:

@@ -31,6 +31,7 @@ announced pace in both.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -45,12 +46,14 @@ from rollstream.config.run_files import RUN_CONFIG, default_run_dir
 from rollstream.config.settings import RollstreamConfig, UpConfig
 from rollstream.up.display import Dashboard, RewardWatch, eval_logs, fmt, trainer_logs
 from rollstream.up.plan import (
+    PRELOADED,
     Ports,
     build_config,
     check_models,
     check_tasks,
     gateway_notes,
     plan_policies,
+    role_env,
     role_specs,
     start_groups_at_end,
     write_config,
@@ -78,6 +81,7 @@ class UpResult:
 
 def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> UpResult:
     """Bring everything up, supervise until done or signalled, tear everything down."""
+    from core.prefork import PreforkServer
     from core.process import Launcher, LaunchError
     from infra.services import Services
     from rollstream.debug.roles import roles_poller
@@ -88,11 +92,23 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
         config = build_config(base, up, run_id, run_dir, ports)
         ports = Ports.of(config).with_more(up.producers, up.stream_workers)
         services = Services(config)
-        launcher = Launcher(run_dir / "logs")
+        prefork = (
+            PreforkServer(
+                PRELOADED,
+                {**os.environ, **role_env()},
+                run_dir / "logs" / "prefork.log",
+                up.ready_timeout_s,
+            )
+            if up.prefork
+            else None
+        )
+        launcher = Launcher(run_dir / "logs", prefork)
         logs = trainer_logs(config)
         evals = eval_logs(config)
         reason, finished = "interrupted", False
         try:
+            if prefork is not None:
+                prefork.start()  # its imports overlap the services' start
             click.echo(f"run {run_id}: {run_dir}", err=True)
             click.echo(
                 f"model {config.trainer.model.spec}, {config.streams.old_logits.dtype} "

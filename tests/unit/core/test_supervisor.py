@@ -156,3 +156,76 @@ def test_a_child_does_not_outlive_a_killed_supervisor(tmp_path: Path) -> None:
         _wait_for(lambda: _gone(pid))
     finally:
         supervisor.kill()
+
+
+def _forking_supervisor(tmp_path: Path, body: str) -> subprocess.Popen[bytes]:
+    """A supervisor whose worker is a fork of itself (``argv`` None) running ``body``, in
+    its own process; the worker counts its starts as ``child`` does."""
+    program = textwrap.dedent(
+        f"""
+        import os, pathlib, signal, sys, time
+        from core.process import ChildSupervisor
+        from core.config import RestartConfig
+        policy = RestartConfig(max_restarts=3, window_s=60.0, backoff_s=0.01, max_backoff_s=0.05)
+        supervisor = ChildSupervisor(None, policy)
+        code = supervisor.run()
+        if code is not None:
+            print("restarts", supervisor.restarts, flush=True)
+            sys.exit(code)
+        starts = pathlib.Path({str(tmp_path / "starts")!r})
+        with starts.open("a") as f:
+            f.write(f"{{os.getpid()}}\\n")
+        n = len(starts.read_text().split())
+        """
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", program + textwrap.dedent(body)],
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def test_a_forked_worker_is_restarted_after_a_crash_and_its_code_is_the_supervisors(
+    tmp_path: Path,
+) -> None:
+    supervisor = _forking_supervisor(tmp_path, "sys.exit(3 if n <= 2 else 0)")
+    out, _ = supervisor.communicate(timeout=60)
+    assert supervisor.returncode == 0
+    assert out.decode().split() == ["restarts", "2"]  # printed by the supervisor only
+    pids = starts(tmp_path)
+    assert len(set(pids)) == 3 and supervisor.pid not in pids
+
+
+def test_a_forked_worker_gets_the_stop_signal_and_dies_with_a_killed_supervisor(
+    tmp_path: Path,
+) -> None:
+    stopped, ready = tmp_path / "stopped", tmp_path / "ready"
+    body = f"""
+        def on_stop(signum, frame):
+            with open({str(stopped)!r}, "a") as f:
+                f.write(f"{{signum}}\\n")
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, on_stop)
+        open({str(ready)!r}, "w").close()
+        time.sleep(60)
+        """
+    supervisor = _forking_supervisor(tmp_path, body)
+    try:
+        _wait_for(ready.exists)
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(20) == 0
+        assert [int(s) for s in stopped.read_text().split()] == [signal.SIGTERM]
+        assert len(starts(tmp_path)) == 1
+    finally:
+        supervisor.kill()
+    ready.unlink()
+    supervisor = _forking_supervisor(
+        tmp_path, "open(" + repr(str(ready)) + ", 'w').close(); time.sleep(60)"
+    )
+    try:
+        _wait_for(ready.exists)
+        supervisor.kill()
+        supervisor.wait(20)
+        _wait_for(lambda: _gone(starts(tmp_path)[-1]))
+    finally:
+        supervisor.kill()

@@ -29,6 +29,8 @@ ENV_ALLOWED = {
     # (RANK, WORLD_SIZE, MASTER_ADDR, ...) from the environment only
     ("consumers/train_engine.py", "resolve_accelerator"),
     ("consumers/train_engine.py", "init_distributed"),
+    # a process forked to become a role takes the role's environment, as exec would give it
+    ("core/prefork.py", "become_role"),
 }
 
 
