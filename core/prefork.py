@@ -15,7 +15,9 @@ roles started by ``exec`` die with theirs.
 
 Protocol: the launcher writes one JSON ``ForkRequest`` a line to the server's stdin; the
 server answers on a pipe, one JSON line when it is ready, one per started role (its pid)
-and one per exited role (its code, negative for a signal, as ``subprocess.Popen`` says).
+and one per exited role (its code, negative for a signal, as ``subprocess.Popen`` says,
+and the CPU seconds it used, which a launcher cannot read from ``getrusage``: the server
+reaped it).
 """
 
 from __future__ import annotations
@@ -89,6 +91,18 @@ class ForkedRole:
             raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
         return code
 
+    def send_signal(self, signum: int) -> None:
+        """To the role's process only, as ``Popen.send_signal``."""
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
 
 class PreforkServer:
     """Starts the server on first use and forks roles through it. Thread-safe."""
@@ -101,11 +115,11 @@ class PreforkServer:
         self.log_file = log_file
         self.ready_timeout_s = ready_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
-        self._replies: IO[bytes] | None = None
         self._changed = threading.Condition()
         self._ready = False
         self._started: dict[int, int | str] = {}  # request id: pid, or the server's error
         self._exits: dict[int, int] = {}  # pid: exit code
+        self.reaped_cpu_s = 0.0  # CPU of the roles that have exited, as getrusage counts
         self._next_id = 0
 
     @staticmethod
@@ -118,9 +132,10 @@ class PreforkServer:
         env: Mapping[str, str],
         log_file: Path,
         cpus: frozenset[int] | None = None,
+        cwd: Path | None = None,
     ) -> ForkedRole:
-        """Fork ``argv`` (``python -m module ...``, see ``module_command``) and return it
-        once it runs."""
+        """Fork ``argv`` (``python -m module ...``, see ``module_command``) in ``cwd``
+        (default: this process's) and return it once it runs."""
         command = module_command(argv)
         if command is None:
             raise ValueError(f"not a `{sys.executable} -m module` command: {list(argv)}")
@@ -133,7 +148,7 @@ class PreforkServer:
                 module=command[0],
                 args=command[1],
                 env=dict(env),
-                cwd=os.getcwd(),
+                cwd=str(cwd or os.getcwd()),
                 log_file=str(log_file),
                 cpus=sorted(cpus) if cpus else None,
             )
@@ -239,6 +254,7 @@ class PreforkServer:
                         self._started[reply["id"]] = reply["refused"]
                     elif "exited" in reply:
                         self._exits[reply["exited"]] = reply["code"]
+                        self.reaped_cpu_s += reply["cpu_s"]
                         forked.discard(reply["exited"])
                     self._changed.notify_all()
         proc.wait()
@@ -263,8 +279,8 @@ def serve(requests: int, replies: IO[bytes]) -> ForkRequest | None:
     pending = b""
     while True:
         readable, _, _ = select.select([requests], [], [], 0.1)
-        for pid, code in _reap():
-            say({"exited": pid, "code": code})
+        for pid, code, cpu_s in _reap():
+            say({"exited": pid, "code": code, "cpu_s": round(cpu_s, 3)})
         if not readable:
             continue
         chunk = os.read(requests, 1 << 16)
@@ -293,16 +309,18 @@ def _request_id(line: bytes) -> int | None:
     return None
 
 
-def _reap() -> list[tuple[int, int]]:
+def _reap() -> list[tuple[int, int, float]]:
+    """Exited roles: pid, exit code, CPU seconds (theirs and their reaped children's)."""
     exited = []
     while True:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return exited
         if pid == 0:
             return exited
-        exited.append((pid, os.waitstatus_to_exitcode(status)))
+        cpu_s = usage.ru_utime + usage.ru_stime
+        exited.append((pid, os.waitstatus_to_exitcode(status), cpu_s))
 
 
 def become_role(request: ForkRequest) -> None:
@@ -321,11 +339,23 @@ def become_role(request: ForkRequest) -> None:
     os.close(log)
     # what ps shows; before the environment changes, which moves what setproctitle uses
     setproctitle.setproctitle(shlex.join([sys.executable, "-m", request.module, *request.args]))
+    search_path = _module_search_path(request)
     os.environ.clear()
     os.environ.update(request.env)
     os.chdir(request.cwd)
+    sys.path[:] = search_path
     sys.argv = [request.module, *request.args]
     runpy.run_module(request.module, run_name="__main__", alter_sys=True)
+
+
+def _module_search_path(request: ForkRequest) -> list[str]:
+    """``sys.path`` as ``python -m`` in the role's directory with its ``PYTHONPATH`` would
+    start it: that directory, then those entries, then the server's own library paths
+    (read while the environment is still the server's)."""
+    python_path = [p for p in request.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    server_python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    libraries = [p for p in sys.path[1:] if p not in server_python_path]
+    return [request.cwd, *python_path, *libraries]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -334,7 +364,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("preload", nargs="*", help="Modules to import before forking.")
     options = parser.parse_args(argv)
     replies = os.fdopen(options.reply_fd, "wb")
-    os.dup2(2, 1)  # stray prints of the imports go to the log, not to a role's pipe
     for name in options.preload:
         importlib.import_module(name)
     torch = sys.modules.get("torch")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import logging
 import os
 import random
@@ -36,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -44,7 +45,7 @@ from typing import Protocol
 
 import orjson
 
-from core.config import RestartConfig
+from core.config import RestartConfig, default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,11 @@ LOWEST_CHOSEN_PORT = 10_000
 """Ports below this are left to services a user configures by number."""
 
 
+PORT_LEASE_S = 600.0
+"""How long a drawn port stays kept from every other chooser on the machine: long enough
+for whoever drew it to start and bind it (a role under load takes minutes)."""
+
+
 def free_ports(count: int) -> list[int]:
     """``count`` distinct TCP ports on 127.0.0.1 that nothing is bound to right now.
 
@@ -76,22 +82,61 @@ def free_ports(count: int) -> list[int]:
     A port from the kernel's ephemeral range may meanwhile become the source port of any
     outgoing connection on the machine (a Kafka client's, an S3 call's), and the role then
     fails with "address already in use"; so the ports are drawn at random from below that
-    range, where only another chooser's draw can land. Under an unusual range (under 1,000
-    ports below it) the kernel picks them."""
+    range, where only another chooser's draw can land. Each draw is leased for
+    ``PORT_LEASE_S`` in a file every chooser of this user reads and writes under a lock
+    (``port_leases``), so two concurrent choosers never hand out the same port. Under an
+    unusual range (under 1,000 ports below it) the kernel picks them."""
     first_ephemeral = _first_ephemeral_port()
     below_ephemeral = first_ephemeral - LOWEST_CHOSEN_PORT >= 1_000
     draw = random.SystemRandom()
     chosen: list[int] = []
-    with contextlib.ExitStack() as held:  # held until all are chosen: distinct
+    with port_leases() as leased, contextlib.ExitStack() as held:  # held: distinct
         while len(chosen) < count:
             port = draw.randrange(LOWEST_CHOSEN_PORT, first_ephemeral) if below_ephemeral else 0
+            if port in leased:
+                continue
             sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:  # in use (or held by this call already)
                 continue
             chosen.append(int(sock.getsockname()[1]))
+        until = time.time() + PORT_LEASE_S
+        leased.update({port: until for port in chosen})
     return chosen
+
+
+def port_lease_file() -> Path:
+    """Where this user's choosers keep their leases: in the cache, outside any run."""
+    return default_cache_dir() / "port-leases"
+
+
+@contextlib.contextmanager
+def port_leases() -> Iterator[dict[int, float]]:
+    """The ports drawn in the last ``PORT_LEASE_S`` (port: lease end), locked against
+    other choosers while the block runs; what the block adds is written back. Lines that
+    do not parse are dropped. Without a usable file, no leases (the draw is still random)."""
+    path = port_lease_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = path.open("a+", errors="replace")
+    except OSError:
+        yield {}
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        now = time.time()
+        leased: dict[int, float] = {}
+        for line in handle.read().splitlines():
+            with contextlib.suppress(ValueError):
+                port, until = line.split()
+                if float(until) > now:
+                    leased[int(port)] = float(until)
+        yield leased
+        handle.seek(0)
+        handle.truncate()
+        handle.write("".join(f"{port} {until:.0f}\n" for port, until in leased.items()))
 
 
 def free_port() -> int:

@@ -2,12 +2,14 @@
 
 On two shared cores the suite's length is set by how much CPU its tests burn, not by how
 long each waits, and a test's wall time under three workers mostly says how busy the
-others were. Each test is charged the CPU of its worker process and of every child
-process reaped meanwhile (``RUSAGE_CHILDREN``: a role that ``up`` started and stopped, a
-CLI command, a spawned trainer), setup and teardown included, so a module fixture's run
-lands on the module's first test. Not charged: the session's shared broker and stores
-(reaped after the last test, so that test stops counting at the end of its call) and a
-child killed but never waited for.
+others were. Each test is charged the CPU of its worker process, of every child process
+reaped meanwhile (``RUSAGE_CHILDREN``: a role that ``up`` started and stopped, a CLI
+command) and of every role it forked that exited meanwhile (a trainer life, a stream
+worker: ``support.forked_roles``, whose server reports them), setup and teardown included,
+so a module fixture's run lands on the module's first test. Not charged: the session's
+shared broker and stores (reaped after the last test, so that test stops counting at the
+end of its call), the forked roles' server (its imports, once per worker) and a child
+killed but never waited for.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from .forked_roles import reaped_cpu_s
+
 START = pytest.StashKey[float]()
 LAST = pytest.StashKey[bool]()
 TOP = 25
@@ -27,7 +31,8 @@ def cpu_seconds() -> float:
     """User + system CPU of this process and of its reaped children, so far."""
     own = resource.getrusage(resource.RUSAGE_SELF)
     reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+    forked = reaped_cpu_s()
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime + forked
 
 
 @pytest.hookimpl(hookwrapper=True)

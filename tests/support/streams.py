@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from core.config import to_toml
+from core.prefork import ForkedRole
 from core.topic_reader import end_offsets
 from schemas.codec import encode
 from schemas.control import DeadLetter
@@ -35,6 +36,7 @@ from streams.oldlogits import OldLogitEngine
 from streams.processor import Message, Processor, Step
 from streams.staleness import VersionTracker
 
+from .forked_roles import start_role
 from .paths import REPO, TESTS  # relative: bench imports this module as tests.support.streams
 
 
@@ -197,9 +199,9 @@ def synthetic_group(run_id: str, group_id: str, rewards: Sequence[float]) -> lis
 
 
 class WorkerProcess:
-    """A stream worker in a subprocess: ``rollstream stream --no-supervisor`` (or,
-    supervised, ``rollstream stream``) with a TOML config written to ``workdir``; its output goes to
-    ``workdir/<name>.log``."""
+    """A stream worker in a process of its own: ``rollstream stream --no-supervisor`` (or,
+    supervised, ``rollstream stream``) with a TOML config written to ``workdir``, forked
+    (``forked_roles``); its output goes to ``workdir/<name>.log``."""
 
     def __init__(
         self,
@@ -216,7 +218,7 @@ class WorkerProcess:
         self.env = dict(env or {})
         self.workdir = Path(workdir)
         self.name = name
-        self.process: subprocess.Popen | None = None
+        self.process: ForkedRole | None = None
         self.log_path = self.workdir / f"{name}.log"
 
     def start(self, loglevel: str = "info") -> WorkerProcess:
@@ -228,20 +230,13 @@ class WorkerProcess:
         # user code the tests name by dotted path (``support.user_operators``) is importable
         tests_dir = str(TESTS)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, env.get("PYTHONPATH")) if p)
-        with self.log_path.open("ab") as out:
-            if self.supervised:  # the user's command: a supervisor restarts crashed workers
-                argv = [sys.executable, "-m", "rollstream", "stream", "-l", loglevel]
-                argv.append(f"--datadir={self.workdir / 'data'}")
-            else:
-                argv = [sys.executable, "-m", "rollstream", "stream", "--no-supervisor"]
-                argv += [f"--datadir={self.workdir / 'data'}", "-l", loglevel]
-            self.process = subprocess.Popen(
-                argv,
-                cwd=REPO,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+        if self.supervised:  # the user's command: a supervisor restarts crashed workers
+            argv = [sys.executable, "-m", "rollstream", "stream", "-l", loglevel]
+            argv.append(f"--datadir={self.workdir / 'data'}")
+        else:
+            argv = [sys.executable, "-m", "rollstream", "stream", "--no-supervisor"]
+            argv += [f"--datadir={self.workdir / 'data'}", "-l", loglevel]
+        self.process = start_role(argv, env, self.log_path, cwd=REPO)  # forked, see forked_roles
         return self
 
     def alive(self) -> bool:

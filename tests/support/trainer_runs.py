@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -22,12 +21,14 @@ from consumers.train_engine import TrainEngine
 from consumers.trainer import FAILPOINT_ENV, Trainer
 from core.config import KafkaConfig, LoraConfig, S3Config, SharedConfig
 from core.models import load_model
+from core.prefork import ForkedRole
 from infra.topics import ensure_topics
 from schemas.group import encode_group
 from schemas.topics import POLICY_VERSIONS, ROLLOUTS_DLQ, ROLLOUTS_SCORED
 from schemas.trajectory import (
     Trajectory,
 )
+from support.forked_roles import start_role
 from support.paths import REPO
 from support.streams import read_topic
 from support.synthetic import scored_group
@@ -231,7 +232,8 @@ def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     assert not differ, f"weights differ from the uninterrupted reference: {differ[:5]}"
 
 
-def spawn(config_path: Path, log_path: Path, failpoint: str | None = None) -> subprocess.Popen:
+def spawn(config_path: Path, log_path: Path, failpoint: str | None = None) -> ForkedRole:
+    """A trainer life: ``rollstream --config <file> train``, forked (``forked_roles``)."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -240,13 +242,8 @@ def spawn(config_path: Path, log_path: Path, failpoint: str | None = None) -> su
     env["PYTHONPATH"] = str(REPO)
     if failpoint is not None:
         env[FAILPOINT_ENV] = failpoint
-    return subprocess.Popen(
-        [sys.executable, "-m", "consumers", "--config", str(config_path)],
-        cwd=REPO,
-        env=env,
-        stdout=log_path.open("ab"),
-        stderr=subprocess.STDOUT,
-    )
+    argv = [sys.executable, "-m", "rollstream", "--config", str(config_path), "train"]
+    return start_role(argv, env, log_path, cwd=REPO)
 
 
 def write_trainer_file(
@@ -276,7 +273,7 @@ def run_to_the_end(config_path: Path, log_path: Path, timeout_s: float) -> None:
             life.kill()
 
 
-def wait_for_step(path: Path, step: int, proc: subprocess.Popen, timeout_s: float = 240) -> None:
+def wait_for_step(path: Path, step: int, proc: ForkedRole, timeout_s: float = 240) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if path.exists():

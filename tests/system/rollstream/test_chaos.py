@@ -3,23 +3,23 @@
 One run of the whole pipeline (tiny model, ``copy-first-digit-twice``), with its own
 embedded Kafka cluster of three brokers (replication factor 3, ``min.insync.replicas`` 2,
 the internal topics too) and SeaweedFS store in the test's temporary directory (brokers
-must be killed, so the session's shared one cannot be used). The roles are the
-commands ``rollstream up`` starts (``rollstream.up.plan.role_specs``), supervised with
-``core.process``, under ``up``'s own supervision loop with ``--restarts 2``
-(``rollstream.up.supervise.supervise``). While data flows, an attacker who can write the
-bucket and produce to ``policy.versions`` (but holds no signing key) forges 16 manifests
-above the trainer's newest version (the next slots the trainer will claim among them), a
-replay of the newest announcement with a larger pace and an announcement of a far
-version; retention runs every 2 versions with a window of 4. Then SIGKILL the producer,
-the engine, the stream worker and the trainer (between two of its checkpoints), each
-started again by the supervision loop; then, one at a time, SIGKILL the broker that leads
-most of the scored topic's partitions and the one that coordinates the stream's
-transactions (found from the cluster's metadata and ``__transaction_state``), wait for a
-trainer step on the two left, and start it again on its data directory until every
-replica is back in sync. Then drain: stop the producer (SIGTERM),
-start it once more to deliver ``GROUPS`` groups and stop by itself (``--groups``), wait
-until the stream has an outcome for every raw record and the trainer has trained
-everything scored, and stop the trainer (it checkpoints).
+must be killed, so the session's shared one cannot be used). The roles are the commands
+``rollstream up`` starts (``rollstream.up.plan.role_specs``), forked from a prefork server
+and supervised with ``core.process`` as ``up`` does, under ``up``'s own supervision loop
+with ``--restarts 2`` (``rollstream.up.supervise.supervise``). While data flows, an
+attacker who can write the bucket and produce to ``policy.versions`` (but holds no signing
+key) forges 16 manifests above the trainer's newest version (the next slots the trainer
+will claim among them), a replay of the newest announcement with a larger pace and an
+announcement of a far version; retention runs every 2 versions with a window of 4. Then
+SIGKILL the producer, the engine, the stream worker and the trainer (between two of its
+checkpoints), each started again by the supervision loop; then, one at a time, SIGKILL the
+broker that leads most of the scored topic's partitions and the one that coordinates the
+stream's transactions (found from the cluster's metadata and ``__transaction_state``),
+wait for a trainer step on the two left, and start it again on its data directory until
+every replica is back in sync. Then drain: stop the producer (SIGTERM), start it once more
+to deliver ``GROUPS`` groups and stop by itself (``--groups``), wait until the stream has
+an outcome for every raw record and the trainer has trained everything scored, and stop
+the trainer (it checkpoints).
 
 The reconciliation (``rollstream.runs.audit``) must hold on the real sets: every trajectory id
 the producer ledger says was delivered is trained (trainer ledger), stale
@@ -48,6 +48,7 @@ from confluent_kafka.admin import AdminClient
 from support.streams import read_topic
 from support.weight_states import forge, forged_announcement
 
+from core.prefork import PreforkServer
 from core.process import Launcher, RoleProcess
 from infra.kafka import EmbeddedKafkaCluster
 from infra.services import Services
@@ -55,7 +56,15 @@ from rollstream.config.settings import RollstreamConfig, UpConfig, load_config
 from rollstream.runs.audit import AuditReport, audit
 from rollstream.runs.reads import AuditSources
 from rollstream.up.display import Dashboard, TrainerLog
-from rollstream.up.plan import Ports, build_config, plan_policies, role_specs, write_config
+from rollstream.up.plan import (
+    PRELOADED,
+    Ports,
+    build_config,
+    plan_policies,
+    role_env,
+    role_specs,
+    write_config,
+)
 from rollstream.up.supervise import STOP_ORDER, StopFlag, supervise
 from schemas.codec import decode
 from schemas.control import PromptStats, prompt_key
@@ -145,7 +154,10 @@ class Run:
         path = run_dir / "rollstream.toml"
         write_config(config, path)
         self.config = config
-        self.launcher = Launcher(run_dir / "logs")
+        prefork = PreforkServer(  # as up forks its roles: a killed role is forked again
+            PRELOADED, {**os.environ, **role_env()}, run_dir / "logs" / "prefork.log", 300
+        )
+        self.launcher = Launcher(run_dir / "logs", prefork)
         for spec in role_specs(path, config, plan_policies(config, ports)):
             self.launcher.add(spec)
         self.log = TrainerLog(Path(str(config.trainer.metrics_file)))

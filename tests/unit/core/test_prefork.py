@@ -42,6 +42,7 @@ def modules(tmp_path: Path) -> dict[str, str]:
                 "argv": sys.argv[1:],
                 "colour": os.environ.get("COLOUR"),
                 "cwd": os.getcwd(),
+                "path": sys.path[:2],
                 "preloaded": {PRELOADED!r} in sys.modules,
                 "title": open("/proc/self/cmdline", "rb").read().replace(b"\\0", b" ").decode(),
             }}))
@@ -101,15 +102,19 @@ def test_a_forked_role_runs_its_module_as_python_m_would_with_its_imports_done(
 ) -> None:
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
-    env = {**server.env, "COLOUR": "teal"}
+    extra = tmp_path / "extra"
+    path = os.pathsep.join([str(extra), server.env["PYTHONPATH"]])
+    env = {**server.env, "COLOUR": "teal", "PYTHONPATH": path}
     logs = [tmp_path / f"role-{i}.log" for i in range(2)]
     monkeypatch.chdir(workdir)  # the role runs where its launcher is
     roles = [server.spawn(role_argv("3", f"extra-{i}"), env, log) for i, log in enumerate(logs)]
     assert [role.wait(30) for role in roles] == [3, 3]
+    assert server.reaped_cpu_s > 0  # what the two roles used, reported by the server
     for i, log in enumerate(logs):
         seen = report(log)
         assert seen["argv"] == ["3", f"extra-{i}"]
         assert seen["colour"] == "teal" and seen["cwd"] == str(workdir)
+        assert seen["path"] == [str(workdir), str(extra)]  # as python -m there would have
         assert seen["preloaded"] is True
         assert str(seen["title"]).split() == role_argv("3", f"extra-{i}")  # what ps shows
     assert len(imports(tmp_path)) == 1  # imported by the server, by neither role
@@ -203,7 +208,8 @@ def test_garbage_requests_are_refused_and_the_server_keeps_serving(tmp_path: Pat
     assert [answer["id"] for answer in refused] == [None, 2, None, 5, 6, 7]
     (started,) = [answer for answer in answers if "started" in answer]
     assert started["id"] == 3
-    assert {"exited": started["started"], "code": 4} in answers
+    (exited,) = [answer for answer in answers if answer.get("exited") == started["started"]]
+    assert exited["code"] == 4 and exited["cpu_s"] > 0
 
 
 def test_a_launcher_forks_restarts_and_stops_its_roles_through_the_server(
