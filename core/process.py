@@ -7,17 +7,18 @@ Three uses, each a section below:
   later ``rollstream infra down`` (another process) stops it by pid. The pid file also
   records the command line, so a recycled pid is never mistaken for ours.
 * ``Launcher`` / ``RoleProcess``: ``rollstream up`` starts each role as the command a user
-  would run on its own machine, each in its own session with its output in
+  would run on its own machine (exec'd, or forked from a prefork server that has done the
+  command's imports: ``core.prefork``), each in its own session with its output in
   ``<log_dir>/<name>.log``; ``stop`` sends SIGTERM to the role's process group and
   SIGKILL after a timeout.
-* ``ChildSupervisor``: runs a role's worker as a child and starts it again when it
-  crashes, within a crash-loop limit (``RestartConfig``) in the spirit of systemd's
-  ``StartLimitBurst``. A Faust worker that hits an error it cannot recover from in place
-  (the broker aborted its transaction while restarting, a fenced producer) crashes with
-  its event loop; a restart rebuilds the table from its changelog and resumes at the
-  committed offsets, so an aborted transaction's effects are redone exactly once. SIGTERM
-  and SIGINT are forwarded to the child (SIGHUP as SIGTERM), which stops cleanly and is
-  not restarted.
+* ``ChildSupervisor``: runs a role's worker as a child (a command, or a fork of the
+  supervisor) and starts it again when it crashes, within a crash-loop limit
+  (``RestartConfig``) in the spirit of systemd's ``StartLimitBurst``. A Faust worker that
+  hits an error it cannot recover from in place (the broker aborted its transaction while
+  restarting, a fenced producer) crashes with its event loop; a restart rebuilds the table
+  from its changelog and resumes at the committed offsets, so an aborted transaction's
+  effects are redone exactly once. SIGTERM and SIGINT are forwarded to the child (SIGHUP
+  as SIGTERM), which stops cleanly and is not restarted.
 
 Every child gets ``PR_SET_PDEATHSIG`` (``die_with_parent``), so none outlives a parent
 killed by SIGKILL.
