@@ -35,7 +35,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -224,7 +224,7 @@ class PreforkServer:
             daemon=True,
         ).start()
 
-    def _wait_for(self, done: Any, timeout_s: float, what: str) -> None:
+    def _wait_for(self, done: Callable[[], bool], timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
         while not done():
             proc = self._proc

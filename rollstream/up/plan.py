@@ -23,6 +23,7 @@ import click
 from pydantic import BaseModel
 
 from core.config import ConfigurationError, merge_tables, to_toml
+from core.prefork import PreforkServer
 from core.process import RoleSpec
 from rollstream.config.profiles import ProfileConfig
 from rollstream.config.settings import RollstreamConfig, UpConfig
@@ -343,6 +344,14 @@ libraries whose import is most of a model role's start-up; nothing that touches 
 def role_env() -> dict[str, str]:
     """What every role's environment adds to ``up``'s."""
     return {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def role_forker(log_dir: Path, ready_timeout_s: float) -> PreforkServer:
+    """The prefork server ``up``'s roles are forked from: ``PRELOADED`` imported in ``up``'s
+    environment plus ``role_env``, its log beside the roles' (started on first use)."""
+    return PreforkServer(
+        PRELOADED, {**os.environ, **role_env()}, log_dir / "prefork.log", ready_timeout_s
+    )
 
 
 def role_name(role: str, index: int) -> str:

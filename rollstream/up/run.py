@@ -31,7 +31,6 @@ announced pace in both.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,14 +45,13 @@ from rollstream.config.run_files import RUN_CONFIG, default_run_dir
 from rollstream.config.settings import RollstreamConfig, UpConfig
 from rollstream.up.display import Dashboard, RewardWatch, eval_logs, fmt, trainer_logs
 from rollstream.up.plan import (
-    PRELOADED,
     Ports,
     build_config,
     check_models,
     check_tasks,
     gateway_notes,
     plan_policies,
-    role_env,
+    role_forker,
     role_specs,
     start_groups_at_end,
     write_config,
@@ -81,7 +79,6 @@ class UpResult:
 
 def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> UpResult:
     """Bring everything up, supervise until done or signalled, tear everything down."""
-    from core.prefork import PreforkServer
     from core.process import Launcher, LaunchError
     from infra.services import Services
     from rollstream.debug.roles import roles_poller
@@ -92,16 +89,7 @@ def run_up(base: RollstreamConfig, up: UpConfig, run_id: str, run_dir: Path) -> 
         config = build_config(base, up, run_id, run_dir, ports)
         ports = Ports.of(config).with_more(up.producers, up.stream_workers)
         services = Services(config)
-        prefork = (
-            PreforkServer(
-                PRELOADED,
-                {**os.environ, **role_env()},
-                run_dir / "logs" / "prefork.log",
-                up.ready_timeout_s,
-            )
-            if up.prefork
-            else None
-        )
+        prefork = role_forker(run_dir / "logs", up.ready_timeout_s) if up.prefork else None
         launcher = Launcher(run_dir / "logs", prefork)
         logs = trainer_logs(config)
         evals = eval_logs(config)

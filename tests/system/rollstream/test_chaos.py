@@ -48,7 +48,6 @@ from confluent_kafka.admin import AdminClient
 from support.streams import read_topic
 from support.weight_states import forge, forged_announcement
 
-from core.prefork import PreforkServer
 from core.process import Launcher, RoleProcess
 from infra.kafka import EmbeddedKafkaCluster
 from infra.services import Services
@@ -57,11 +56,10 @@ from rollstream.runs.audit import AuditReport, audit
 from rollstream.runs.reads import AuditSources
 from rollstream.up.display import Dashboard, TrainerLog
 from rollstream.up.plan import (
-    PRELOADED,
     Ports,
     build_config,
     plan_policies,
-    role_env,
+    role_forker,
     role_specs,
     write_config,
 )
@@ -154,10 +152,8 @@ class Run:
         path = run_dir / "rollstream.toml"
         write_config(config, path)
         self.config = config
-        prefork = PreforkServer(  # as up forks its roles: a killed role is forked again
-            PRELOADED, {**os.environ, **role_env()}, run_dir / "logs" / "prefork.log", 300
-        )
-        self.launcher = Launcher(run_dir / "logs", prefork)
+        # forked as up forks its roles: a killed role is forked again
+        self.launcher = Launcher(run_dir / "logs", role_forker(run_dir / "logs", 300))
         for spec in role_specs(path, config, plan_policies(config, ports)):
             self.launcher.add(spec)
         self.log = TrainerLog(Path(str(config.trainer.metrics_file)))
