@@ -16,6 +16,7 @@ existing topic's replication is left as it is.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -28,6 +29,8 @@ from schemas.topics import ALL_TOPICS, TopicSpec
 
 #: Configs where the topic's value may exceed the declared one.
 AT_LEAST = frozenset({"max.message.bytes"})
+#: How often to ask again for a topic the broker does not list yet (``_listed``).
+LISTED_POLL_S = 0.2
 
 
 class TopicConflictError(RuntimeError):
@@ -75,7 +78,8 @@ def ensure_topics(
     timeout: float = 30.0,
 ) -> TopicReport:
     """Create missing topics with the replication ``kafka`` resolves to (none: the
-    defaults), verify existing ones; raises ``TopicConflictError``."""
+    defaults), verify existing ones; raises ``TopicConflictError``. Returns once the
+    broker lists every topic of ``specs`` (``_listed``)."""
     specs = list(specs)
     admin = AdminClient(dict(client_config))
     metadata = admin.list_topics(timeout=timeout)
@@ -107,8 +111,9 @@ def ensure_topics(
                     spec = next(spec for spec in missing if spec.name == name)
                     raise TopicRefusedError(spec, err) from err
                 raise
+    listed = _listed(admin, [spec.name for spec in specs], timeout) if missing else present
     existing = [spec for spec in specs if spec.name not in created]
-    conflicts = _conflicts(admin, existing, timeout) if existing else []
+    conflicts = _conflicts(admin, listed, existing, timeout) if existing else []
     if conflicts:
         raise TopicConflictError(conflicts)
     return TopicReport(tuple(created), tuple(spec.name for spec in existing))
@@ -147,8 +152,24 @@ def _describe(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> dic
     return described
 
 
-def _conflicts(admin: AdminClient, specs: list[TopicSpec], timeout: float) -> list[str]:
-    topics = admin.list_topics(timeout=timeout).topics
+def _listed(admin: AdminClient, names: list[str], timeout: float) -> dict:
+    """The cluster's topics, once the broker lists every one of ``names`` (or after
+    ``timeout``), so that a topic is usable when ``ensure_topics`` returns. A topic just
+    created reaches the broker's metadata a moment after the controller answered: under
+    load (three test processes on one broker) it was not listed yet, and creating it again
+    said TOPIC_ALREADY_EXISTS while describing it said UNKNOWN_TOPIC_OR_PART."""
+    deadline = time.monotonic() + timeout
+    while True:
+        topics = admin.list_topics(timeout=timeout).topics
+        listed = all(name in topics and topics[name].error is None for name in names)
+        if listed or time.monotonic() > deadline:
+            return topics
+        time.sleep(LISTED_POLL_S)
+
+
+def _conflicts(
+    admin: AdminClient, topics: dict, specs: list[TopicSpec], timeout: float
+) -> list[str]:
     described = _describe(admin, specs, timeout)
     conflicts: list[str] = []
     for spec in specs:

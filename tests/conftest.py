@@ -1,10 +1,11 @@
 """Session-wide real services for the tests: one Kafka broker, two SeaweedFS "regions".
 
 Each is started once per test session in a temporary directory (Kafka's jars come from
-the cache under the user's home) and stopped at the end. To reuse services that already
-run, set ``ROLLSTREAM_TEST_BOOTSTRAP`` (host:port) and/or ``ROLLSTREAM_TEST_S3_ENDPOINT``
-(with ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` for it). Tests get fresh buckets
-and uniquely named topics, so they never see each other's data.
+the cache under the user's home) and stopped at the end; under xdist, once for all the
+workers. To reuse services that already run, set ``ROLLSTREAM_TEST_BOOTSTRAP``
+(host:port) and/or ``ROLLSTREAM_TEST_S3_ENDPOINT`` (with ``AWS_ACCESS_KEY_ID``/
+``AWS_SECRET_ACCESS_KEY`` for it). Tests get fresh buckets and uniquely named topics, so
+they never see each other's data.
 
 Tiers are folders, ``tests/{unit,integration,system}/<package>/test_<subject>.py``, and
 markers (``support.tiers``): each test is marked at collection ``system`` (it or its module
@@ -15,11 +16,13 @@ runs the quick tier; ``pytest -m unit`` also picks the quick tests of slower fil
 
 The suite runs in three worker processes (pytest-xdist, ``-n 3 --dist loadfile
 --no-loadscope-reorder`` in ``pyproject.toml``), each taking a whole test file at a time,
-so a module's shared pipeline run stays in one worker; each worker starts its own broker
-and servers. Most tests spend their time waiting (on the broker, a rebalance, a process
-starting), so three workers keep two cores busy. Files are handed out in the order sorted
-here, slowest tier first (xdist's own reordering, by number of tests, is off): the long
-system files start at once and the quick tiers fill the workers' last minutes.
+so a module's shared pipeline run stays in one worker; the broker and the stores are
+started once, by the process that starts the workers, and shared by them
+(``support.shared_services``). Most tests spend their time waiting (on the broker, a
+rebalance, a process starting), so three workers keep two cores busy. Files are handed
+out in the order sorted here, slowest tier first (xdist's own reordering, by number of
+tests, is off): the long system files start at once and the quick tiers fill the
+workers' last minutes.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from support.paths import TESTS
@@ -38,7 +42,11 @@ from infra.kafka import EmbeddedKafka
 from infra.s3 import SeaweedServer, ensure_bucket
 from weights.store import make_s3_client
 
-pytest_plugins = ("support.cpu_time",)  # CPU seconds per test, printed with the durations
+if TYPE_CHECKING:
+    from support.shared_services import SharedServices
+
+# CPU seconds per test, printed with the durations; one broker and store for all workers
+pytest_plugins = ("support.cpu_time", "support.shared_services")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -53,6 +61,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: TIERS.index(folder_tier(item.path, TESTS) or "unit"))
 
 
+def _shared_services(request: pytest.FixtureRequest) -> SharedServices | None:
+    """The services xdist's controller started for every worker, if it did."""
+    # imported once pytest_plugins loaded it (with its assertions rewritten), not before
+    from support.shared_services import shared_services
+
+    return shared_services(request.config)
+
+
 @pytest.fixture(scope="session")
 def cache_dir() -> Path:
     """The real cache under the user's home: Kafka jars are resolved once, not per run."""
@@ -61,11 +77,14 @@ def cache_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def kafka_config(
-    tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, cache_dir: Path
 ) -> Iterator[KafkaConfig]:
     """A ``KafkaConfig`` for a real Kafka 4.x broker (KRaft, single node)."""
     if servers := os.environ.get("ROLLSTREAM_TEST_BOOTSTRAP"):
         yield KafkaConfig(bootstrap_servers=servers)
+        return
+    if shared := _shared_services(request):
+        yield shared.kafka()
         return
     broker = EmbeddedKafka(KafkaConfig(), tmp_path_factory.mktemp("kafka"), cache_dir)
     try:
@@ -74,9 +93,14 @@ def kafka_config(
         broker.stop()
 
 
-def _seaweed(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[S3Config]:
+def _seaweed(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, name: str
+) -> Iterator[S3Config]:
     if endpoint := os.environ.get("ROLLSTREAM_TEST_S3_ENDPOINT"):
         yield S3Config(name=name, endpoint_url=endpoint, embedded=False)
+        return
+    if shared := _shared_services(request):
+        yield shared.s3(name)
         return
     server = SeaweedServer(tmp_path_factory.mktemp(name))
     try:
@@ -87,13 +111,17 @@ def _seaweed(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[S3
 
 
 @pytest.fixture(scope="session")
-def seaweed_region_a(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Config]:
-    yield from _seaweed(tmp_path_factory, "region-a")
+def seaweed_region_a(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[S3Config]:
+    yield from _seaweed(request, tmp_path_factory, "region-a")
 
 
 @pytest.fixture(scope="session")
-def seaweed_region_b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Config]:
-    yield from _seaweed(tmp_path_factory, "region-b")
+def seaweed_region_b(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[S3Config]:
+    yield from _seaweed(request, tmp_path_factory, "region-b")
 
 
 def _fresh_bucket(base: S3Config) -> S3Config:

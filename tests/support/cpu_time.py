@@ -7,9 +7,9 @@ reaped meanwhile (``RUSAGE_CHILDREN``: a role that ``up`` started and stopped, a
 command) and of every role it forked that exited meanwhile (a trainer life, a stream
 worker: ``support.forked_roles``, whose server reports them), setup and teardown included,
 so a module fixture's run lands on the module's first test. Not charged: the session's
-shared broker and stores (reaped after the last test, so that test stops counting at the
-end of its call), the forked roles' server (its imports, once per worker) and a child
-killed but never waited for.
+shared broker and stores (started by xdist's controller, or reaped after the last test,
+so that test stops counting at the end of its call), the forked roles' server (its
+imports, once per worker) and a child killed but never waited for.
 """
 
 from __future__ import annotations
