@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
@@ -36,7 +37,7 @@ class SharedServices(BaseModel):
     test process to another through xdist's channel, never to a log)."""
 
     bootstrap_servers: str
-    regions: dict[str, dict[str, str | None]]
+    regions: dict[str, dict[str, Any]]  # each an ``S3Config``'s fields
 
     def kafka(self) -> KafkaConfig:
         return KafkaConfig(bootstrap_servers=self.bootstrap_servers)
@@ -70,14 +71,9 @@ class _Services:
                 future.result()
         regions = {}
         for name, store in self.stores.items():
-            s3 = store.config(name=name)
+            s3 = store.config(name=name)  # what a worker's own store fixture gave
             secret = s3.secret_access_key.get_secret_value() if s3.secret_access_key else None
-            regions[name] = {
-                "name": name,
-                "endpoint_url": s3.endpoint_url,
-                "access_key_id": s3.access_key_id,
-                "secret_access_key": secret,
-            }
+            regions[name] = {**s3.model_dump(mode="json"), "secret_access_key": secret}
         return SharedServices(bootstrap_servers=bootstrap, regions=regions)
 
     def stop(self) -> None:
