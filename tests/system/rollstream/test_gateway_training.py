@@ -29,8 +29,12 @@ from core.process import free_port
 pytestmark = pytest.mark.system
 
 EXAMPLE = REPO / "examples" / "gateway_agent.py"
-STEPS = 30
+STEPS = 40
 AGENTS = 6
+RISE_BAR = 0.1
+"""The least rise of the trainer's reward/mean, first 10 steps to last 10."""
+CALLS_RISE_BAR = 0.2
+"""The least rise of the share of episodes that call ``lookup``, first third to last."""
 KEY = "agent-key"
 
 
@@ -134,6 +138,6 @@ def test_a_tool_using_agent_learns_to_use_its_tools_result_through_the_gateway(
         f"blind to the tool {BLIND_REWARD}); lookup called in {calls[0]:.2f} of the first "
         f"{third} episodes, {calls[1]:.2f} of the last"
     )
-    assert last >= CONTENT_BAR and last >= first + 0.15, (first, last)
-    assert calls[1] > calls[0], calls
+    assert last >= CONTENT_BAR and last >= first + RISE_BAR, (first, last)
+    assert calls[1] >= calls[0] + CALLS_RISE_BAR, calls
     assert_reconciles(tmp_path / "run", steps)
