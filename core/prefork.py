@@ -9,9 +9,9 @@ working directory and log file, in its own session and dying with the server, as
 command would; it only finds its imports done.
 
 The server is single-threaded, never runs role code itself (every fork starts from the
-same state) and refuses to serve if importing initialised CUDA, which a forked child could
-not use. It dies with its launcher, and its roles die with it (``PR_SET_PDEATHSIG``), as
-roles started by ``exec`` die with theirs.
+same state) and refuses to serve if importing initialised CUDA or started a thread, which
+a forked child could not use. It dies with its launcher, and its roles die with it
+(``PR_SET_PDEATHSIG``), as roles started by ``exec`` die with theirs.
 
 Protocol: the launcher writes one JSON ``ForkRequest`` a line to the server's stdin; the
 server answers on a pipe, one JSON line when it is ready, one per started role (its pid)
@@ -358,6 +358,16 @@ def _module_search_path(request: ForkRequest) -> list[str]:
     return [request.cwd, *python_path, *libraries]
 
 
+def _fork_hazard() -> str | None:
+    """What the imports left that a forked role could not use: CUDA, which cannot be used
+    again after a fork, or threads, which a fork does not copy."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "initialised CUDA"
+    threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    return f"started threads {threads}" if threads else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m core.prefork", description=__doc__)
     parser.add_argument("--reply-fd", type=int, required=True, help="Pipe for the answers.")
@@ -366,9 +376,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     replies = os.fdopen(options.reply_fd, "wb")
     for name in options.preload:
         importlib.import_module(name)
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        print(f"importing {options.preload} initialised CUDA: roles cannot be forked")
+    hazard = _fork_hazard()
+    if hazard is not None:
+        print(f"importing {options.preload} {hazard}: roles cannot be forked")
         return 2
     gc.freeze()  # a role's collections skip what is here: its pages stay shared
     request = serve(sys.stdin.fileno(), replies)

@@ -336,9 +336,21 @@ PRELOADED = (
     "transformers",
     "transformers.models.llama.modeling_llama",
     "transformers.models.auto.tokenization_auto",
+    "rollstream.cli.main",
+    "infra.services",
+    "producers.engine.server",
+    "producers.engine.engine",
+    "producers.app",
+    "producers.evaluation",
+    "producers.gateway.server",
+    "streams.faust.app",
+    "consumers.trainer",
 )
 """What the prefork server imports before it forks a role (``[up] prefork``): the
-libraries whose import is most of a model role's start-up; nothing that touches CUDA."""
+libraries whose import is most of a model role's start-up, then each role command's own
+modules (and so Faust, aiokafka, aiohttp, pyarrow), which every role would otherwise
+compile and import again; nothing that touches CUDA (DeepSpeed probes it on import, so
+the trainer imports it itself)."""
 
 
 def role_env() -> dict[str, str]:

@@ -161,6 +161,20 @@ def test_a_server_that_cannot_import_says_so_with_its_log(tmp_path: Path) -> Non
         server.close()
 
 
+def test_a_server_whose_imports_started_a_thread_refuses_to_fork(tmp_path: Path) -> None:
+    env = modules(tmp_path)
+    (tmp_path / "threaded_library.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(60,), name='poller', daemon=True).start()\n"
+    )
+    server = PreforkServer([PRELOADED, "threaded_library"], env, tmp_path / "p.log", 60)
+    try:
+        with pytest.raises(LaunchError, match=r"started threads \['poller'\]"):
+            server.spawn(role_argv("0"), server.env, tmp_path / "role.log")
+    finally:
+        server.close()
+
+
 def test_only_python_m_commands_are_forked(tmp_path: Path, server: PreforkServer) -> None:
     assert server.can_fork(role_argv("0"))
     assert not server.can_fork(["/bin/true"])
