@@ -339,7 +339,6 @@ PRELOADED = (
     "rollstream.cli.main",
     "infra.services",
     "producers.engine.server",
-    "producers.engine.engine",
     "producers.app",
     "producers.evaluation",
     "producers.gateway.server",
