@@ -16,12 +16,14 @@ project's own pieces in one process:
   with ``[trainer.ppo]`` minibatches so the clip is a trust region at every staleness.
 
 Routes (``ROUTES``): the total ratio (``grpo``); decoupled with exact old logits, TIS and
-MIS (the literature's weighted MIS); old logits *lost*, anchored on the current policy
-(what a pipeline that recomputes them at training time does) or on ``logp_infer``;
+MIS (the literature's weighted MIS), the latter also without the dual clip (the PPO
+surrogate unbounded for negative advantages); old logits *lost*, anchored on the current
+policy (what a pipeline that recomputes them at training time does) or on ``logp_infer``;
 PPO-EWMA (old logits lost, EWMA proximal anchor); Mu-GRPO (relaxed clip + NAV on the total
 ratio). Per cell: steps and CPU seconds to a reward target, final reward, collapse
-(ends below the target with a near-deterministic policy), clip and mask fractions and the
-overlap of the two token sets. Seeds change the initial weights, the prompts and the
+(ends below the target with a near-deterministic policy), falls (reached it and ended
+below it), clip and mask fractions and the overlap of the two token sets, the largest ratio
+the surrogate saw. Seeds change the initial weights, the prompts and the
 sampling. CPU seconds (``time.process_time``) rather than wall-clock: the machine is
 shared and noisy, CPU time is what a cell costs.
 
@@ -42,6 +44,7 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -76,6 +79,10 @@ ROUTES: tuple[Route, ...] = (
     Route("grpo", {"type": "grpo"}),
     Route("decoupled-tis", {"type": "decoupled", "correction": "tis"}),
     Route("decoupled-mis", {"type": "decoupled", "correction": "mis", "mis_weight": "discrepancy"}),
+    Route(
+        "decoupled-mis-no-dual",
+        {"type": "decoupled", "correction": "mis", "mis_weight": "discrepancy", "dual_clip": None},
+    ),
     Route("lost-current", {"type": "decoupled", "correction": "mis"}, old_logits="current"),
     Route("lost-infer", {"type": "decoupled"}, {"route": "infer"}, old_logits="off"),
     Route("ppo-ewma", {"type": "ppo_ewma"}, {"route": "ewma"}, old_logits="off"),
@@ -124,6 +131,7 @@ class CellResult:
     zero_adv: list[float] = field(default_factory=list)  # share of trained groups, A = 0
     generated: list[int] = field(default_factory=list)  # groups generated for the step
     generated_flat: list[int] = field(default_factory=list)  # of which rewards all equal
+    ratio_max: list[float] = field(default_factory=list)  # largest ratio the surrogate saw
 
     def smoothed(self, window: int = 10) -> list[float]:
         return moving_mean(self.rewards, window)
@@ -139,6 +147,10 @@ class CellResult:
 
     def collapsed(self, target: float) -> bool:
         return self.final() < target and statistics.fmean(self.entropy[-20:]) < 0.1
+
+    def fell(self, target: float) -> bool:
+        """Reached the target, then ended below it (a collapse whatever the entropy does)."""
+        return self.step_to(target) is not None and self.final() < target
 
 
 @dataclass
@@ -312,6 +324,7 @@ def run_cell(route: Route, staleness: int, seed: int, settings: Settings) -> Cel
             masked = 1.0 - metrics["train_infer/kept_frac"]
         result.mask_frac.append(masked)
         result.overlap_frac.append(metrics.get("clip/masked_overlap_frac", 0.0))
+        result.ratio_max.append(metrics.get("ratio/max", 1.0))
         result.cpu_s.append(time.process_time() - started)
         result.versions.append(version)
     return result
@@ -423,9 +436,9 @@ def table(cells: list[CellResult], settings: Settings) -> str:
     """The markdown table: one row per (staleness, route)."""
     lines = [
         f"| k | route | steps to {settings.target:g} (median, reached) | CPU s to target "
-        "(median) | final reward (mean ± sd) | collapses | clip frac | mask frac | "
-        "clip∩mask |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "(median) | final reward (mean ± sd) | collapses | fell after reaching | clip frac | "
+        "mask frac | clip∩mask | largest ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     keys = sorted({(c.staleness, c.route) for c in cells}, key=lambda k: (k[0], _order(k[1])))
     for k, route in keys:
@@ -439,11 +452,19 @@ def table(cells: list[CellResult], settings: Settings) -> str:
             f"{f'{statistics.median(cpu):.0f}' if cpu else '-'} | "
             f"{spread([c.final() for c in group])} | "
             f"{sum(c.collapsed(settings.target) for c in group)}/{len(group)} | "
+            f"{sum(c.fell(settings.target) for c in group)}/{len(group)} | "
             f"{statistics.fmean(x for c in group for x in c.clip_frac):.3f} | "
             f"{statistics.fmean(x for c in group for x in c.mask_frac):.3f} | "
-            f"{statistics.fmean(x for c in group for x in c.overlap_frac):.4f} |"
+            f"{statistics.fmean(x for c in group for x in c.overlap_frac):.4f} | "
+            f"{_median_of_largest(c.ratio_max for c in group)} |"
         )
     return "\n".join(lines)
+
+
+def _median_of_largest(series: Iterable[list[float]]) -> str:
+    """The median over cells of each cell's largest value (the table's spike columns)."""
+    largest = [max(values) for values in series if values]
+    return f"{statistics.median(largest):.3g}" if largest else "-"
 
 
 def _order(route: str) -> int:

@@ -70,6 +70,16 @@ class _LossBase(StrictModel):
             "by MIS, the veto or NAV add zero but are not taken out of the denominator."
         ),
     )
+    dual_clip: float | None = Field(
+        default=3.0,
+        gt=1.0,
+        description=(
+            "Dual clip: a token with A < 0 adds at most dual_clip·|A| to the loss, and no "
+            "gradient once its ratio exceeds dual_clip. The PPO surrogate alone is "
+            "ratio·|A| there, unbounded: one token whose probability jumped a hundredfold "
+            "since it was sampled can dominate a batch. None (inf in TOML): the plain surrogate."
+        ),
+    )
     kl_coef: float = Field(
         default=0.0,
         ge=0.0,
@@ -289,6 +299,14 @@ class MuGrpoLossConfig(_LossBase):
     nav: NavConfig | None = Field(
         default_factory=NavConfig,
         description="Negative-advantage veto settings; None disables NAV.",
+    )
+    dual_clip: float | None = Field(
+        default=None,
+        gt=1.0,
+        description=(
+            "As for the other losses, but off by default: Mu-GRPO bounds negative-advantage "
+            "tokens with NAV and its relaxed interval instead."
+        ),
     )
 
     @field_validator("clip_bounds")

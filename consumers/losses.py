@@ -15,7 +15,9 @@ Log-probabilities, per response token ``y_t`` (shapes ``[B, T]``):
 
 Ratios: total ``r = exp(logp_new - logp_infer)`` = discrepancy ``d = exp(logp_old -
 logp_infer)`` × staleness ``s = exp(logp_new - logp_old)``. The PPO surrogate of a ratio
-``ρ`` with clip interval ``[lo, hi]`` is ``-min(ρ·A, clip(ρ, lo, hi)·A)`` per token.
+``ρ`` with clip interval ``[lo, hi]`` is ``-min(ρ·A, clip(ρ, lo, hi)·A)`` per token; with a
+dual clip ``c`` (Ye et al., 2020) it is further capped at ``c·|A|`` where A < 0, where the
+surrogate alone grows with ρ without bound.
 
 Conventions:
 
@@ -45,10 +47,13 @@ metric                     variants             meaning
                                                 mu_grpo total), s (decoupled, mu_grpo
                                                 staleness), exp(logp_new - logp_prox) (ppo_ewma)
 ``ratio/max``              all                  max of that ratio
-``clip/frac``              all                  fraction of tokens whose gradient is cut by the
+``clip/frac``              all                  fraction of tokens whose gradient is cut by a
                                                 clip: (A > 0 and ρ > hi) or (A < 0 and ρ < lo)
+                                                or (A < 0 and ρ > dual_clip)
 ``clip/frac_low``          all                  the A < 0, ρ < lo part of clip/frac
 ``clip/frac_high``         all                  the A > 0, ρ > hi part of clip/frac
+``clip/frac_dual``         all                  the A < 0, ρ > dual_clip part of clip/frac (0
+                                                when dual_clip is None)
 ``clip/masked_overlap_``   decoupled, ppo_ewma, fraction of tokens both clipped and dropped by
 ``frac``                   mu_grpo with NAV     the mask (MIS, veto or NAV): how much the two
                                                 token sets overlap
@@ -87,6 +92,7 @@ metric                     variants             meaning
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -234,22 +240,34 @@ def _clipped_surrogate(
     batch: _Batch,
     low: float | Tensor,
     high: float | Tensor,
+    dual_clip: float | None,
     metrics: dict[str, Tensor | float],
 ) -> tuple[Tensor, Tensor]:
-    """Per-token ``-min(ratio·A, clip(ratio, low, high)·A)`` and where the clip cuts the
-    gradient (below ``low`` with A < 0; above ``high`` with A > 0), with the ``clip/frac*``
-    metrics of those cuts."""
+    """Per-token ``-min(ratio·A, clip(ratio, low, high)·A)``, capped at ``dual_clip·|A|``
+    where A < 0, and where a clip cuts the gradient (below ``low`` with A < 0; above
+    ``high`` with A > 0; above ``dual_clip`` with A < 0), with the ``clip/frac*`` metrics
+    of those cuts."""
     adv = batch.adv
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, low, high) * adv  # bounds: numbers, or [B, 1] per row
     per_token = -torch.minimum(unclipped, clipped)
+    if dual_clip == math.inf:
+        dual_clip = None
+    if dual_clip is not None:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
     with torch.no_grad():
         clipped_low = (adv < 0) & (ratio < low)
         clipped_high = (adv > 0) & (ratio > high)
+        if dual_clip is None:
+            clipped_dual = torch.zeros_like(batch.mask)
+        else:
+            clipped_dual = (adv < 0) & (ratio > dual_clip)
     metrics["clip/frac_low"] = batch.frac(clipped_low)
     metrics["clip/frac_high"] = batch.frac(clipped_high)
-    metrics["clip/frac"] = batch.frac(clipped_low | clipped_high)
-    return per_token, clipped_low | clipped_high
+    metrics["clip/frac_dual"] = batch.frac(clipped_dual)
+    cut = clipped_low | clipped_high | clipped_dual
+    metrics["clip/frac"] = batch.frac(cut)
+    return per_token, cut
 
 
 def _aggregate(per_token: Tensor, keep: Tensor, batch: _Batch, mode: str) -> Tensor:
@@ -339,7 +357,7 @@ def grpo_loss(inputs: LossInputs, config: GrpoLossConfig) -> LossOutput:
 
     # 4. clipped surrogate
     low, high = _clip_interval(inputs, 1.0 - config.eps_low, 1.0 + config.eps_high, metrics, batch)
-    per_token, _clipped = _clipped_surrogate(ratio, batch, low, high, metrics)
+    per_token, _clipped = _clipped_surrogate(ratio, batch, low, high, config.dual_clip, metrics)
 
     # 5. aggregation (+ KL to the reference)
     policy = _aggregate(per_token, batch.mask, batch, config.aggregation)
@@ -409,7 +427,7 @@ def _decoupled(
     low, high = _clip_interval(
         inputs, 1.0 - config.staleness_eps_low, 1.0 + config.staleness_eps_high, metrics, batch
     )
-    per_token, clipped = _clipped_surrogate(s, batch, low, high, metrics)
+    per_token, clipped = _clipped_surrogate(s, batch, low, high, config.dual_clip, metrics)
     per_token = weight * per_token
     metrics["clip/masked_overlap_frac"] = batch.frac(clipped & ~keep)
 
@@ -493,7 +511,7 @@ def mu_grpo_loss(inputs: LossInputs, config: MuGrpoLossConfig) -> LossOutput:
 
     # 4. relaxed clipped surrogate
     low, high = config.clip_bounds
-    per_token, clipped = _clipped_surrogate(ratio, batch, low, high, metrics)
+    per_token, clipped = _clipped_surrogate(ratio, batch, low, high, config.dual_clip, metrics)
     if config.nav is not None:
         metrics["clip/masked_overlap_frac"] = batch.frac(clipped & ~keep)
 

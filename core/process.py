@@ -21,7 +21,8 @@ Three uses, each a section below:
   as SIGTERM), which stops cleanly and is not restarted.
 
 Every child gets ``PR_SET_PDEATHSIG`` (``die_with_parent``), so none outlives a parent
-killed by SIGKILL.
+killed by SIGKILL; trainer ranks that torchrun started set it themselves
+(``die_with_rank_launcher``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,19 @@ def die_with_parent(signum: int = signal.SIGTERM) -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)
+
+
+def die_with_rank_launcher() -> None:
+    """In a rank that torch's launcher started (torchrun sets ``TORCHELASTIC_RUN_ID``): die
+    when the launcher does. torchrun starts each rank in a session of its own and stops
+    them when it is told to stop, but killed outright (SIGKILL, as a role is when the
+    ``up`` above it dies) it leaves them waiting on a world that is gone. The rank's state
+    is its last checkpoint, so a kill loses nothing a restart would not resume."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() == 1:  # the launcher died before the line above: orphaned to init
+        os._exit(1)
 
 
 # --- services: detached, found again by pid file -------------------------------------------

@@ -67,7 +67,7 @@ def stream(
     if in_process:
         from streams.faust.app import build_app, run_worker
 
-        run_worker(build_app(resolved, streams), datadir, loglevel)
+        run_worker(build_app(resolved, streams, datadir), loglevel)
         return
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(process)d] %(message)s")
     supervisor = ChildSupervisor(None, streams.restart, name="stream worker")
@@ -77,5 +77,5 @@ def stream(
             logging.root.removeHandler(handler)
         from streams.faust.app import build_app, run_worker
 
-        run_worker(build_app(resolved, streams), datadir, loglevel)
+        run_worker(build_app(resolved, streams, datadir), loglevel)
     ctx.exit(code)

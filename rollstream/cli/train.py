@@ -23,8 +23,10 @@ def run_trainer(shared: SharedConfig, trainer: TrainerConfig) -> int:
     """Resolve embedded services, build the trainer, run it to the end."""
     from consumers.guards import GUARD_EXIT, GuardStop
     from consumers.trainer import Trainer
+    from core.process import die_with_rank_launcher
     from infra.services import Services
 
+    die_with_rank_launcher()
     runner = Trainer(Services(shared).running(s3=False), trainer)
     runner.install_signal_handlers()
     try:

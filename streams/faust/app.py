@@ -43,16 +43,17 @@ from streams.faust.worker import StreamWorker
 log = logging.getLogger("streams")
 
 
-def build_app(shared: SharedConfig, config: StreamsConfig) -> faust.App:
-    """The Faust app of one stream worker, with its agent, timers and services wired.
+def build_app(shared: SharedConfig, config: StreamsConfig, datadir: Path) -> faust.App:
+    """The Faust app of one stream worker, with its agent, timers and services wired, its
+    local state under ``datadir``.
 
     Creating it declares missing topics and opens Kafka clients; nothing happens at
     import. ``run_worker`` starts it.
     """
-    return StreamWorker(shared, config).app
+    return StreamWorker(shared, config, datadir).app
 
 
-def run_worker(app: faust.App, datadir: Path, loglevel: str = "info") -> NoReturn:
+def run_worker(app: faust.App, loglevel: str = "info") -> NoReturn:
     """Run ``app`` as a Faust worker in this process until it is stopped, then end the
     process with the worker's exit code.
 
@@ -64,7 +65,14 @@ def run_worker(app: faust.App, datadir: Path, loglevel: str = "info") -> NoRetur
     """
     if app.conf.processing_guarantee.value == "exactly_once":
         quiet_commit_alarms(log)
-    sys.argv = [sys.argv[0], f"--datadir={datadir}", "worker", "--without-web", "-l", loglevel]
+    sys.argv = [
+        sys.argv[0],
+        f"--datadir={app.conf.datadir}",
+        "worker",
+        "--without-web",
+        "-l",
+        loglevel,
+    ]
     code = 0
     try:
         app.main()

@@ -17,6 +17,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import faust
 import torch
@@ -154,9 +155,10 @@ class StreamWorker:
 
     Nothing happens at import; ``streams.faust.app.run_worker`` runs the app."""
 
-    def __init__(self, shared: SharedConfig, config: StreamsConfig) -> None:
+    def __init__(self, shared: SharedConfig, config: StreamsConfig, datadir: Path) -> None:
         self.shared = shared
         self.config = config
+        self.datadir = datadir
         self.run_id = shared.run_id
         self.kafka = shared.kafka.client_config()
         self.topics = config.topics
@@ -219,6 +221,9 @@ class StreamWorker:
         config = self.config
         return faust.App(
             config.app_id,
+            # Faust makes its table directory when the app is built, in ./<app_id>-data
+            # unless told: a worker writes nothing in the directory it was started from
+            datadir=str(self.datadir),
             broker=broker_urls(self.shared.kafka),
             broker_credentials=broker_credentials(self.shared.kafka),
             broker_client_id=self.client_id,

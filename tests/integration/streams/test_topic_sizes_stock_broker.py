@@ -91,10 +91,10 @@ def max_bytes(kafka: dict, names: list[str], timeout_s: float = 30) -> dict[str,
 
 
 def test_the_stream_worker_sizes_every_topic_it_uses_changelog_included(
-    stock_kafka: dict, unique_name: Callable[[str], str]
+    stock_kafka: dict, unique_name: Callable[[str], str], tmp_path: Path
 ) -> None:
     config = streams_config(unique_name)
-    build_app(shared(stock_kafka), config)  # declares every topic the worker uses
+    build_app(shared(stock_kafka), config, tmp_path)  # declares every topic the worker uses
 
     specs = {spec.name: spec for spec in topic_specs(config, raw_partitions=8)}
     changelog = changelog_name(config)
@@ -114,7 +114,7 @@ def test_the_stream_worker_sizes_every_topic_it_uses_changelog_included(
 
 
 def test_an_existing_changelog_too_small_is_refused_at_start_by_name(
-    stock_kafka: dict, unique_name: Callable[[str], str]
+    stock_kafka: dict, unique_name: Callable[[str], str], tmp_path: Path
 ) -> None:
     config = streams_config(unique_name)
     changelog = changelog_name(config)
@@ -123,4 +123,4 @@ def test_an_existing_changelog_too_small_is_refused_at_start_by_name(
     ensure_topics(stock_kafka, [spec])
     assert max_bytes(stock_kafka, [changelog]) == {changelog: 1_048_588}
     with pytest.raises(TopicConflictError, match=rf"{changelog}: max.message.bytes=1048588"):
-        build_app(shared(stock_kafka), config)
+        build_app(shared(stock_kafka), config, tmp_path)

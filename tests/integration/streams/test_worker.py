@@ -17,6 +17,7 @@ import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import faust
@@ -51,7 +52,9 @@ def _timer_interval(task: Callable[..., object]) -> float:
 
 
 def test_build_app_registers_the_table_agent_timers_and_task(
-    kafka_config: KafkaConfig, unique_name: Callable[[str], str]
+    kafka_config: KafkaConfig,
+    unique_name: Callable[[str], str],
+    tmp_path: Path,
 ) -> None:
     topics = StreamTopics(
         raw=unique_name("raw"),
@@ -72,8 +75,11 @@ def test_build_app_registers_the_table_agent_timers_and_task(
         presence=PresenceConfig(),
         weights=WeightsConfig(allow_unsigned=True),  # no weight store in this test
     )
-    app = build_app(shared, config)
+    app = build_app(shared, config, tmp_path / "state")
     assert isinstance(app, faust.App)
+    # its local state where it is told from the start, not in ./<app_id>-data
+    assert app.conf.datadir == tmp_path / "state"
+    assert app.conf.tabledir.is_relative_to(tmp_path / "state")
 
     conf = app.conf
     assert conf.id == app_id

@@ -253,3 +253,6 @@ def test_up_stops_at_max_steps_and_leaves_no_role_behind(tiny_run: UpRun) -> Non
     assert summary["finished"] and summary["steps"] == STEPS
     assert not [pid for pid in summary["pids"].values() if pid_alive(pid)]
     assert not strays(tiny_run.run_dir)
+    # nor Faust's directory where it was started from (./<app_id>-data)
+    started = (tiny_run.run_dir / "rollstream.toml").stat().st_mtime
+    assert not [p for p in Path.cwd().glob("*-data") if p.stat().st_mtime >= started]

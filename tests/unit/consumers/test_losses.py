@@ -362,7 +362,7 @@ def test_total_ratio_factors_as_d_times_s(seed: int) -> None:
         return out.loss.item(), new.grad
 
     inf = float("inf")
-    loss_r, grad_r = run(grpo_loss, GrpoLossConfig(eps_low=1.0, eps_high=inf))
+    loss_r, grad_r = run(grpo_loss, GrpoLossConfig(eps_low=1.0, eps_high=inf, dual_clip=None))
     loss_ds, grad_ds = run(
         decoupled_loss,
         DecoupledLossConfig(
@@ -371,6 +371,7 @@ def test_total_ratio_factors_as_d_times_s(seed: int) -> None:
             catastrophic_threshold=None,
             staleness_eps_low=1.0,
             staleness_eps_high=inf,
+            dual_clip=None,
         ),
     )
     # direct: -mean over response tokens of exp(new - infer) * A
@@ -395,7 +396,54 @@ def test_mu_grpo_relaxed_clip() -> None:
     assert close(out.metrics["clip/frac"], 1 / 6)
     assert close(out.metrics["clip/frac_high"], 1 / 6)
     # the same ratios under grpo [0.8, 1.2]: -1.2 -1.2 -0.5 +1.5 +6.0 +0.8 -> 5.4 / 6
-    assert close(grpo_loss(make(s, A_STD), GrpoLossConfig()).loss, 5.4 / 6)
+    assert close(grpo_loss(make(s, A_STD), GrpoLossConfig(dual_clip=None)).loss, 5.4 / 6)
+    # and with grpo's default dual clip, 6.0 with A < 0 is capped at 3.0 -> 2.4 / 6
+    assert close(grpo_loss(make(s, A_STD), GrpoLossConfig()).loss, 2.4 / 6)
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "config"),
+    [(grpo_loss, GrpoLossConfig()), (decoupled_loss, DecoupledLossConfig())],
+    ids=["grpo", "decoupled"],
+)
+def test_dual_clip_caps_a_negative_advantage_token_whose_ratio_spiked(
+    loss_fn: Any, config: Any
+) -> None:
+    # A = -1: the ratio 1000 (a token 1000x likelier than when sampled) would add +1000;
+    # the dual clip c = 3 caps it at +3 with no gradient. Ratios 2.5 (< c) and 1.0 keep
+    # the plain surrogate and its gradient; the A = +1 row is untouched (ratio 1000 is
+    # clipped high there as before).
+    s = [[1000.0, 2.5, 1.0], [1000.0, 1.0, 1.0]]
+    capped = make(s, [-1.0, 1.0])
+    out = loss_fn(capped, config)
+    assert close(out.loss, (3.0 + 2.5 + 1.0 - 1.2 - 1.0 - 1.0) / 6)
+    assert close(out.metrics["clip/frac_dual"], 1 / 6)
+    assert close(out.metrics["clip/frac"], 2 / 6)  # the dual cut and row 1's high clip
+    assert grads_close(grad_of(capped, out.loss), [[0.0, 2.5 / 6, 1.0 / 6], [0.0, -1 / 6, -1 / 6]])
+    plain = make(s, [-1.0, 1.0])
+    out = loss_fn(plain, config.model_copy(update={"dual_clip": None}))
+    assert close(out.loss, (1000.0 + 2.5 + 1.0 - 1.2 - 1.0 - 1.0) / 6)
+    assert close(out.metrics["clip/frac_dual"], 0.0)
+    assert grad_of(plain, out.loss)[0, 0] == pytest.approx(1000.0 / 6)
+
+
+def test_dual_clip_is_on_by_default_except_for_mu_grpo() -> None:
+    assert GrpoLossConfig().dual_clip == 3.0
+    assert DecoupledLossConfig().dual_clip == 3.0
+    assert PpoEwmaLossConfig().dual_clip == 3.0
+    assert MuGrpoLossConfig().dual_clip is None  # NAV bounds negative advantages there
+    out = mu_grpo_loss(make([[6.0]], [-1.0]), MuGrpoLossConfig(nav=None, dual_clip=4.0))
+    assert close(out.loss, 4.0)
+
+
+@pytest.mark.parametrize("bad", [1.0, 0.5, -3.0, float("nan"), "three", [3.0]])
+def test_dual_clip_garbage_is_refused(bad: Any) -> None:
+    with pytest.raises(ValidationError, match="dual_clip"):
+        parse_loss_config({"type": "decoupled", "dual_clip": bad})
+    unbounded = parse_loss_config({"type": "grpo", "dual_clip": float("inf")})  # TOML's "off"
+    s = [[1000.0, 1.0], [1.0, 1.0]]
+    out = grpo_loss(make(s, [-1.0, 0.0]), unbounded)
+    assert close(out.loss, 1001.0 / 4) and close(out.metrics["clip/frac_dual"], 0.0)
 
 
 NAV_R = [[1.0, 3.0, 1.5, 0.5], [1.0, 3.0, 1.5, 0.5]]  # first ratio > 2 at token 1

@@ -54,7 +54,7 @@ def _stand_in_producer(monkeypatch: pytest.MonkeyPatch) -> None:
 def _stand_in_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     import streams.faust.app
 
-    def build_app(shared: SharedConfig, config: Any) -> Any:
+    def build_app(shared: SharedConfig, config: Any, datadir: Path) -> Any:
         raise Received(shared, config)
 
     monkeypatch.setattr(streams.faust.app, "build_app", build_app)
