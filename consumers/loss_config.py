@@ -51,6 +51,12 @@ class _LossBase(StrictModel):
 
     model_config = ConfigDict(allow_inf_nan=True)
 
+    @field_validator("dual_clip")
+    @classmethod
+    def _infinite_dual_clip_is_none(cls, value: float | None) -> float | None:
+        """TOML has no null: ``dual_clip = inf`` is how a file turns the clip off."""
+        return None if value == math.inf else value
+
     @model_validator(mode="after")
     def _no_nan(self) -> _LossBase:
         for name, value in self:

@@ -92,7 +92,6 @@ metric                     variants             meaning
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -251,8 +250,6 @@ def _clipped_surrogate(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, low, high) * adv  # bounds: numbers, or [B, 1] per row
     per_token = -torch.minimum(unclipped, clipped)
-    if dual_clip == math.inf:
-        dual_clip = None
     if dual_clip is not None:
         per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
     with torch.no_grad():

@@ -441,6 +441,8 @@ def test_dual_clip_garbage_is_refused(bad: Any) -> None:
     with pytest.raises(ValidationError, match="dual_clip"):
         parse_loss_config({"type": "decoupled", "dual_clip": bad})
     unbounded = parse_loss_config({"type": "grpo", "dual_clip": float("inf")})  # TOML's "off"
+    assert unbounded.dual_clip is None
+    assert parse_loss_config({"type": "mu_grpo", "dual_clip": float("inf")}).dual_clip is None
     s = [[1000.0, 1.0], [1.0, 1.0]]
     out = grpo_loss(make(s, [-1.0, 0.0]), unbounded)
     assert close(out.loss, 1001.0 / 4) and close(out.metrics["clip/frac_dual"], 0.0)

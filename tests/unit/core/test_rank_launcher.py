@@ -13,8 +13,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
+
+from support.weight_states import wait_for
 
 from core.process import pid_alive
 
@@ -32,15 +33,6 @@ time.sleep(300)
 """
 
 
-def _wait_for(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_a_rank_dies_with_its_killed_launcher_and_one_without_the_call_is_orphaned(
     tmp_path: Path,
 ) -> None:
@@ -55,11 +47,11 @@ def test_a_rank_dies_with_its_killed_launcher_and_one_without_the_call_is_orphan
     )  # fmt: skip
     pid_files = [tmp_path / "rank0.pid", tmp_path / "rank1.pid"]
     try:
-        assert _wait_for(lambda: all(p.exists() and p.read_text() for p in pid_files), 120)
+        wait_for(lambda: all(p.exists() and p.read_text() for p in pid_files), 120, "both ranks")
         rank0, rank1 = (int(p.read_text()) for p in pid_files)
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
-        assert _wait_for(lambda: not pid_alive(rank0), 10), "rank 0 outlived its launcher"
+        wait_for(lambda: not pid_alive(rank0), 10, "rank 0 to die with its launcher")
         time.sleep(0.5)
         assert pid_alive(rank1)  # the control: torchrun alone leaves it behind
     finally:
